@@ -77,7 +77,9 @@ def test_postgresql_answers_a_query(database_url: str) -> None:
     try:
         with engine.connect() as conn:
             version = conn.execute(sa.text("SHOW server_version_num")).scalar_one()
-            total = conn.execute(sa.text("SELECT sum(x) FROM generate_series(1, 100) AS x")).scalar()
+            total = conn.execute(
+                sa.text("SELECT sum(x) FROM generate_series(1, 100) AS x")
+            ).scalar()
     finally:
         engine.dispose()
     assert int(version) >= 140000

@@ -1,0 +1,522 @@
+"""Self-describing KV cache events for offloaded chunks, with vLLM 0.33.0's semantics.
+
+An offloading manager knows a chunk only by its offload key (the chunk's last raw block hash
+followed by the KV-cache group index as 4 big-endian bytes), so its raw ``OffloadingEvent``s
+carry no tokens, parent or block size. The scheduler still holds the request when it stores or
+looks up a chunk; :class:`OffloadingEventsTracker` snapshots the chunk's full ``BlockStored``
+payload at that moment and keeps it until the last residency of the chunk is removed, so that
+both the store and the eviction can be published with every constituent block hash.
+
+Method names and argument order are vLLM's, so an engine integration is a drop-in. Inputs are
+duck-typed: a request has ``block_hashes`` (bytes at ``tokens_per_hash`` granularity),
+``all_token_ids`` and ``lora_request`` (None, or with ``adapter_id`` and ``name``); a group
+config is a :class:`GroupOffloadConfig` or anything with the same attributes.
+
+Pure: no Kafka, no I/O. Hashes stay bytes exactly as given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple, Protocol
+
+from schemas.events import BlockRemoved, BlockStored
+
+logger = logging.getLogger(__name__)
+
+OffloadKey = bytes
+
+
+class Medium(Enum):
+    """Tier of an offloaded chunk. The tracker's tiers are CPU and STORAGE; events know GPU."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+class Locality(Enum):
+    """Where a tier's storage sits relative to the publishing instance."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+class OffloadingEventGroupSpec(NamedTuple):
+    """Static classification of a KV-cache group, copied onto its events."""
+
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+
+
+class GroupOffloadConfig(NamedTuple):
+    """Offload geometry of one KV-cache group (vLLM's scheduler-side config)."""
+
+    group_idx: int
+    tokens_per_block: int
+    tokens_per_chunk: int
+    hashes_per_chunk: int
+    kv_event_group_spec: OffloadingEventGroupSpec
+    # None means full attention; set for sliding-window, chunked-local and Mamba groups.
+    sliding_window_size_in_chunks: int | None = None
+
+    @property
+    def tokens_per_hash(self) -> int:
+        return self.tokens_per_chunk // self.hashes_per_chunk
+
+
+class LoraRequestLike(Protocol):
+    @property
+    def adapter_id(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+
+
+class RequestLike(Protocol):
+    @property
+    def block_hashes(self) -> Sequence[bytes | None]: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def lora_request(self) -> LoraRequestLike | None: ...
+
+
+class GroupConfigLike(Protocol):
+    @property
+    def group_idx(self) -> int: ...
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def tokens_per_chunk(self) -> int: ...
+    @property
+    def hashes_per_chunk(self) -> int: ...
+    @property
+    def kv_event_group_spec(self) -> OffloadingEventGroupSpec: ...
+    @property
+    def sliding_window_size_in_chunks(self) -> int | None: ...
+
+
+@dataclass(slots=True)
+class OffloadingEvent:
+    """A raw event of the offloading manager: keys stored on, or removed from, a tier."""
+
+    keys: list[OffloadKey]
+    medium: Medium
+    # True if the keys were removed, False if stored.
+    removed: bool
+    locality: Locality | None = None
+    # Secondary tier that generated the event, or None for the primary tier.
+    ownership: str | None = None
+    # A stored event whose tier will report the removal: it adds a residency.
+    removal_expected: bool = False
+    # A failed allocation: release metadata without announcing a public eviction.
+    metadata_only: bool = False
+
+
+class TrackerInputError(ValueError):
+    """A record_* call whose arguments do not describe a chunk of the request."""
+
+
+def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
+    """The offload key of a chunk: its last raw hash, then the group as 4 big-endian bytes."""
+    return bytes(block_hash) + group_idx.to_bytes(4, "big", signed=False)
+
+
+def offload_key_hash(key: OffloadKey) -> bytes:
+    """The block hash inside an offload key."""
+    return key[:-4]
+
+
+def offload_key_group(key: OffloadKey) -> int:
+    """The KV-cache group index inside an offload key."""
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
+def resolve_block_hashes(
+    raw_hashes: Sequence[bytes | None], tokens_per_hash: int, tokens_per_block: int
+) -> list[bytes | None]:
+    """View hashes computed every ``tokens_per_hash`` tokens at ``tokens_per_block`` granularity.
+
+    Each raw hash chains over its whole prefix, so the last raw hash inside a block
+    fingerprints that block: with 4-token hashes and 256-token blocks the block hashes are the
+    raw hashes at indices 63, 127, ...
+    """
+    if tokens_per_hash <= 0 or tokens_per_block <= 0:
+        raise TrackerInputError(
+            f"token granularities must be positive (hash {tokens_per_hash}, "
+            f"block {tokens_per_block})"
+        )
+    if tokens_per_block == tokens_per_hash:
+        return list(raw_hashes)
+    if tokens_per_block % tokens_per_hash:
+        raise TrackerInputError(
+            f"block size {tokens_per_block} is not a multiple of the hash size {tokens_per_hash}"
+        )
+    scale = tokens_per_block // tokens_per_hash
+    return [raw_hashes[i] for i in range(scale - 1, len(raw_hashes), scale)]
+
+
+# The tracker is primary-CPU by construction: the primary tier's residency.
+Residency = tuple[Medium, str | None]
+_PRIMARY_RESIDENCY: Residency = (Medium.CPU, None)
+_NO_SPEC = OffloadingEventGroupSpec(None, None)
+
+
+@dataclass(slots=True)
+class _ChunkPayload:
+    """The BlockStored payload of one offload key, kept until its last residency goes."""
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    token_start: int
+    block_size: int
+    partial: bool
+    lora_id: int | None
+    lora_name: str | None
+    group_idx: int
+    spec: OffloadingEventGroupSpec
+    residencies: set[Residency]
+
+
+class OffloadingEventsTracker:
+    """Tracks offloaded chunks' event payloads from store to eviction (vLLM 0.33.0 semantics).
+
+    The scheduler calls :meth:`record_store` when it schedules a chunk's store and
+    :meth:`record_lookup` for primary-tier hits, while it still has the request; the
+    partial-tail variants do the same for recurrent tails that end before their block is full.
+    :meth:`take_events` then turns each batch of the manager's raw events into ``BlockStored``
+    / ``BlockRemoved``. Payloads live until the final residency removal or :meth:`reset`.
+
+    ``enabled`` stands for vLLM's ``enable_kv_cache_events`` and ``self_describing_kv_events``
+    both on; disabled, every event is a legacy placeholder. ``group_specs`` classify groups
+    for placeholders and survive :meth:`reset`.
+
+    Not thread-safe: one scheduler thread drives it.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        group_specs: dict[int, OffloadingEventGroupSpec] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self._group_specs: dict[int, OffloadingEventGroupSpec] = dict(group_specs or {})
+        self._payloads: dict[OffloadKey, _ChunkPayload] = {}
+        self._warned_store = False
+        self._warned_remove = False
+
+    # ------------------------------------------------------------------ recording
+    def record_store(
+        self,
+        req: RequestLike,
+        group_config: GroupConfigLike,
+        chunk_idx: int,
+        offload_key: OffloadKey,
+    ) -> None:
+        """Snapshot the payload of a full chunk being stored; merges residencies on re-store."""
+        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+            return
+        payload = self._full_chunk_payload(req, group_config, chunk_idx)
+        self._put_merging(offload_key, payload)
+
+    def record_lookup(
+        self,
+        req: RequestLike,
+        group_config: GroupConfigLike,
+        chunk_idx: int,
+        offload_key: OffloadKey,
+    ) -> None:
+        """Backfill a primary-tier hit's payload (never overwriting); register (CPU, None)."""
+        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+            return
+        payload = self._payloads.get(offload_key)
+        if payload is None:
+            payload = self._full_chunk_payload(req, group_config, chunk_idx)
+            self._payloads[offload_key] = payload
+        payload.residencies.add(_PRIMARY_RESIDENCY)
+
+    def record_partial_store(
+        self,
+        req: RequestLike,
+        group_config: GroupConfigLike,
+        boundary_tokens: int,
+        offload_key: OffloadKey,
+    ) -> None:
+        """Snapshot a partial recurrent tail ending at ``boundary_tokens`` (a hash edge)."""
+        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+            return
+        payload = self._partial_tail_payload(req, group_config, boundary_tokens)
+        self._put_merging(offload_key, payload)
+
+    def record_partial_lookup(
+        self,
+        req: RequestLike,
+        group_config: GroupConfigLike,
+        boundary_tokens: int,
+        offload_key: OffloadKey,
+    ) -> None:
+        """Backfill a partial tail's payload on a lookup hit, only when none is recorded."""
+        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+            return
+        if offload_key not in self._payloads:
+            self._payloads[offload_key] = self._partial_tail_payload(
+                req, group_config, boundary_tokens
+            )
+
+    def reset(self) -> None:
+        """Drop every payload (stale after a manager cache reset); group specs stay."""
+        self._payloads.clear()
+
+    def tracked_keys(self) -> int:
+        """How many offload keys have a payload (for tests and metrics)."""
+        return len(self._payloads)
+
+    def residencies(self, offload_key: OffloadKey) -> frozenset[Residency]:
+        """The (medium, ownership) pairs recorded for a key; empty when untracked."""
+        payload = self._payloads.get(offload_key)
+        return frozenset(payload.residencies) if payload else frozenset()
+
+    # ------------------------------------------------------------------ translation
+    def take_events(self, events: Iterable[OffloadingEvent]) -> list[BlockStored | BlockRemoved]:
+        """Translate one batch of the manager's raw events into self-describing events.
+
+        Payloads whose residencies all went are dropped after the whole batch: a primary
+        removal may precede a secondary store of the same key in one batch.
+        """
+        out: list[BlockStored | BlockRemoved] = []
+        removed_keys: set[OffloadKey] = set()
+        for event in events:
+            if event.removed:
+                if self.enabled:
+                    removed_keys.update(event.keys)
+                out.extend(self._removed(event))
+            else:
+                out.extend(self._stored(event))
+        for key in removed_keys:
+            payload = self._payloads.get(key)
+            if payload is not None and not payload.residencies:
+                del self._payloads[key]
+        return out
+
+    def _stored(self, event: OffloadingEvent) -> Iterable[BlockStored]:
+        locality = event.locality.value if event.locality is not None else None
+        medium = event.medium.value
+        for key in event.keys:
+            payload = self._payloads.get(key)
+            if payload is None:
+                if self.enabled and not self._warned_store:
+                    self._warned_store = True
+                    logger.warning(
+                        "no payload for an offload key being stored: emitting a placeholder "
+                        "(expected for non-full-attention groups and unobserved promotions)"
+                    )
+                yield self._placeholder(key, medium, locality, event.ownership)
+                continue
+            if event.removal_expected:
+                payload.residencies.add((event.medium, event.ownership))
+            yield BlockStored(
+                block_hashes=payload.block_hashes,
+                parent_block_hash=payload.parent_block_hash,
+                token_ids=payload.token_ids,
+                block_size=payload.block_size,
+                lora_id=payload.lora_id,
+                medium=medium,
+                lora_name=payload.lora_name,
+                extra_keys=None,
+                group_idx=payload.group_idx,
+                kv_cache_spec_kind=payload.spec.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=payload.spec.kv_cache_spec_sliding_window,
+                locality=locality,
+                ownership=event.ownership,
+                token_start=payload.token_start,
+                partial=payload.partial,
+            )
+
+    def _removed(self, event: OffloadingEvent) -> Iterable[BlockRemoved]:
+        locality = event.locality.value if event.locality is not None else None
+        residency: Residency = (event.medium, event.ownership)
+        by_group: dict[int, list[bytes]] = {}
+        for key in event.keys:
+            payload = self._payloads.get(key)
+            if event.metadata_only:
+                if payload is not None:
+                    payload.residencies.discard(residency)
+                continue
+            if payload is not None:
+                by_group.setdefault(payload.group_idx, []).extend(payload.block_hashes)
+                payload.residencies.discard(residency)
+            else:
+                if self.enabled and not self._warned_remove:
+                    self._warned_remove = True
+                    logger.warning(
+                        "no payload for an offload key being removed: emitting a placeholder "
+                        "removal (expected when its store was a placeholder)"
+                    )
+                by_group.setdefault(offload_key_group(key), []).append(offload_key_hash(key))
+        for group_idx, hashes in by_group.items():
+            yield BlockRemoved(
+                block_hashes=tuple(hashes),
+                medium=event.medium.value,
+                group_idx=group_idx,
+                locality=locality,
+                ownership=event.ownership,
+            )
+
+    def _placeholder(
+        self, key: OffloadKey, medium: str, locality: str | None, ownership: str | None
+    ) -> BlockStored:
+        group_idx = offload_key_group(key)
+        spec = self._group_specs.get(group_idx, _NO_SPEC) if self.enabled else _NO_SPEC
+        return BlockStored(
+            block_hashes=(offload_key_hash(key),),
+            parent_block_hash=None,
+            token_ids=(),
+            block_size=0,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            group_idx=group_idx,
+            kv_cache_spec_kind=spec.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=spec.kv_cache_spec_sliding_window,
+            locality=locality,
+            ownership=ownership,
+        )
+
+    # ------------------------------------------------------------------ payloads
+    def _put_merging(self, key: OffloadKey, payload: _ChunkPayload) -> None:
+        existing = self._payloads.get(key)
+        if existing is not None:
+            payload.residencies.update(existing.residencies)
+        self._payloads[key] = payload
+
+    def _full_chunk_payload(
+        self, req: RequestLike, cfg: GroupConfigLike, chunk_idx: int
+    ) -> _ChunkPayload:
+        hashes_per_chunk = cfg.hashes_per_chunk
+        if hashes_per_chunk <= 0 or cfg.tokens_per_chunk % hashes_per_chunk:
+            raise TrackerInputError(
+                f"group {cfg.group_idx}: {cfg.tokens_per_chunk} tokens per chunk do not split "
+                f"into {hashes_per_chunk} hashes"
+            )
+        if chunk_idx < 0:
+            raise TrackerInputError(f"chunk index {chunk_idx} is negative")
+        tokens_per_hash = cfg.tokens_per_chunk // hashes_per_chunk
+        first = chunk_idx * hashes_per_chunk
+        last = first + hashes_per_chunk
+        raw_hashes = req.block_hashes
+        if last > len(raw_hashes):
+            raise TrackerInputError(
+                f"chunk {chunk_idx} needs hashes [{first}, {last}) but the request has "
+                f"{len(raw_hashes)}"
+            )
+        resolved = resolve_block_hashes(
+            raw_hashes[first:last], tokens_per_hash, cfg.tokens_per_block
+        )
+        if cfg.tokens_per_block <= 0 or cfg.tokens_per_chunk % cfg.tokens_per_block:
+            raise TrackerInputError(
+                f"group {cfg.group_idx}: chunk of {cfg.tokens_per_chunk} tokens is not a whole "
+                f"number of {cfg.tokens_per_block}-token blocks"
+            )
+        block_hashes = _present(resolved, f"chunk {chunk_idx}")
+        parent = self._parent(raw_hashes, first)
+        tok_start = chunk_idx * cfg.tokens_per_chunk
+        tok_end = tok_start + cfg.tokens_per_chunk
+        tokens = req.all_token_ids
+        if tok_end > len(tokens):
+            raise TrackerInputError(
+                f"chunk {chunk_idx} covers tokens [{tok_start}, {tok_end}) but the request has "
+                f"{len(tokens)}"
+            )
+        lora_id, lora_name = _lora(req)
+        return _ChunkPayload(
+            block_hashes=block_hashes,
+            parent_block_hash=parent,
+            token_ids=tuple(tokens[tok_start:tok_end]),
+            token_start=tok_start,
+            block_size=cfg.tokens_per_block,
+            partial=False,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            group_idx=cfg.group_idx,
+            spec=cfg.kv_event_group_spec,
+            residencies={_PRIMARY_RESIDENCY},
+        )
+
+    def _partial_tail_payload(
+        self, req: RequestLike, cfg: GroupConfigLike, boundary_tokens: int
+    ) -> _ChunkPayload:
+        if cfg.hashes_per_chunk <= 0 or cfg.tokens_per_chunk % cfg.hashes_per_chunk:
+            raise TrackerInputError(
+                f"group {cfg.group_idx}: {cfg.tokens_per_chunk} tokens per chunk do not split "
+                f"into {cfg.hashes_per_chunk} hashes"
+            )
+        tokens_per_hash = cfg.tokens_per_chunk // cfg.hashes_per_chunk
+        if boundary_tokens <= 0:
+            raise TrackerInputError(f"partial tail boundary {boundary_tokens} must be positive")
+        if boundary_tokens % tokens_per_hash:
+            raise TrackerInputError(
+                f"partial tail boundary {boundary_tokens} is not on a {tokens_per_hash}-token "
+                "hash edge"
+            )
+        # Minus one: a boundary exactly on a block edge belongs to the block before it.
+        chunk_start = ((boundary_tokens - 1) // cfg.tokens_per_chunk) * cfg.tokens_per_chunk
+        first = chunk_start // tokens_per_hash
+        last = boundary_tokens // tokens_per_hash
+        raw_hashes = req.block_hashes
+        if last > len(raw_hashes):
+            raise TrackerInputError(
+                f"partial tail up to token {boundary_tokens} needs {last} hashes but the "
+                f"request has {len(raw_hashes)}"
+            )
+        tokens = req.all_token_ids
+        if boundary_tokens > len(tokens):
+            raise TrackerInputError(
+                f"partial tail boundary {boundary_tokens} is past the request's {len(tokens)} "
+                "tokens"
+            )
+        block_hashes = _present(raw_hashes[first:last], f"tail at {boundary_tokens}")
+        lora_id, lora_name = _lora(req)
+        return _ChunkPayload(
+            block_hashes=block_hashes,
+            parent_block_hash=self._parent(raw_hashes, first),
+            token_ids=tuple(tokens[chunk_start:boundary_tokens]),
+            token_start=chunk_start,
+            block_size=tokens_per_hash,
+            partial=True,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            group_idx=cfg.group_idx,
+            spec=cfg.kv_event_group_spec,
+            residencies={_PRIMARY_RESIDENCY},
+        )
+
+    @staticmethod
+    def _parent(raw_hashes: Sequence[bytes | None], first: int) -> bytes | None:
+        if first == 0:
+            return None
+        parent = raw_hashes[first - 1]
+        if parent is None:
+            raise TrackerInputError(f"the hash before index {first} (the parent) is missing")
+        return bytes(parent)
+
+
+def _present(hashes: Sequence[bytes | None], what: str) -> tuple[bytes, ...]:
+    if not hashes:
+        raise TrackerInputError(f"{what}: no hashes")
+    out = []
+    for i, h in enumerate(hashes):
+        if h is None:
+            raise TrackerInputError(f"{what}: hash {i} is missing")
+        out.append(bytes(h))
+    return tuple(out)
+
+
+def _lora(req: Any) -> tuple[int | None, str | None]:
+    lora = req.lora_request
+    if lora is None:
+        return None, None
+    return int(lora.adapter_id), str(lora.name)

@@ -1,0 +1,292 @@
+"""Avro encoding of envelopes: schemas parsed once, framing that names the writer schema.
+
+Framing (default): Avro single-object encoding, ``C3 01`` + the writer schema's 8-byte
+little-endian CRC-64-AVRO fingerprint + the Avro binary body. A reader resolves the writer
+schema by fingerprint among the schemas it knows (the current one and any registered older
+versions) and decodes into its own reader schema following Avro's resolution rules.
+
+Optional Confluent Schema Registry framing: ``00`` + 4-byte big-endian schema id + body, with
+the writer schema fetched from the registry by id.
+
+Every decoding failure raises :class:`~schemas.errors.DecodeError`; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from collections.abc import Iterable
+from functools import cache
+from importlib import resources
+from typing import Any, Protocol
+
+import fastavro
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+from schemas.errors import DecodeError
+from schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    GroupSpec,
+    KVEvent,
+)
+
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+CONFLUENT_MAGIC = b"\x00"
+EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "GroupSpec")
+NAMESPACE = "kvledger"
+_FP = struct.Struct("<Q")
+_CONFLUENT_ID = struct.Struct(">I")
+
+
+def _load(name: str) -> dict[str, Any]:
+    text = resources.files("schemas").joinpath("avro", f"{name}.avsc").read_text("utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+@cache
+def envelope_schema_json() -> str:
+    """The full envelope schema with every event record inlined (the .avsc files composed)."""
+    envelope = _load("Envelope")
+    events = {f"{NAMESPACE}.{name}": _load(name) for name in EVENT_TYPES}
+    for field in envelope["fields"]:
+        if field["name"] == "event":
+            field["type"] = [events[ref] for ref in field["type"]]
+    return json.dumps(envelope)
+
+
+def schema_fingerprint(schema_json: str) -> int:
+    """CRC-64-AVRO fingerprint of a schema's Parsing Canonical Form, as an unsigned int."""
+    canonical = to_parsing_canonical_form(fastavro.parse_schema(json.loads(schema_json)))
+    # fastavro gives the fingerprint's bytes in little-endian order, as they go on the wire.
+    return int.from_bytes(bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO")), "little")
+
+
+class SchemaRegistry(Protocol):
+    """The part of confluent_kafka's SchemaRegistryClient the codec uses."""
+
+    def register_schema(self, subject_name: str, schema: Any) -> int: ...
+    def get_schema(self, schema_id: int) -> Any: ...
+
+
+class Codec:
+    """Encodes and decodes envelopes. Schemas are parsed once; instances are thread-safe.
+
+    ``schema_json`` is the writer (and reader) schema, the current one by default.
+    ``known_writers`` adds older or newer writer schemas a reader must accept.
+    ``registry``/``subject`` switch to Confluent Schema Registry framing.
+    """
+
+    def __init__(
+        self,
+        schema_json: str | None = None,
+        known_writers: Iterable[str] = (),
+        registry: SchemaRegistry | None = None,
+        subject: str = "kv-events-value",
+    ) -> None:
+        self.schema_json = schema_json or envelope_schema_json()
+        self._schema = fastavro.parse_schema(json.loads(self.schema_json))
+        self.fingerprint = schema_fingerprint(self.schema_json)
+        self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
+        self._writers: dict[int, Any] = {self.fingerprint: self._schema}
+        for writer in known_writers:
+            self._writers[schema_fingerprint(writer)] = fastavro.parse_schema(json.loads(writer))
+        self._registry = registry
+        self._registry_writers: dict[int, Any] = {}
+        if registry is not None:
+            from confluent_kafka.schema_registry import Schema
+
+            schema_id = registry.register_schema(subject, Schema(self.schema_json, "AVRO"))
+            self._header = CONFLUENT_MAGIC + _CONFLUENT_ID.pack(schema_id)
+            self._registry_writers[schema_id] = self._schema
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, envelope: Envelope) -> bytes:
+        out = io.BytesIO()
+        out.write(self._header)
+        fastavro.schemaless_writer(out, self._schema, envelope_to_record(envelope))
+        return out.getvalue()
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, data: bytes) -> Envelope:
+        """Decode one message; raises :class:`DecodeError` and nothing else."""
+        record = self.decode_record(data)
+        try:
+            return record_to_envelope(record)
+        except DecodeError:
+            raise
+        except Exception as exc:  # a resolved record that does not map onto the types
+            raise DecodeError("undecodable", f"record does not form an envelope: {exc!r}") from exc
+
+    def decode_record(self, data: bytes) -> dict[str, Any]:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise DecodeError("undecodable", f"expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        writer = self._writer_for(data)
+        header_len = 10 if data[:2] == SINGLE_OBJECT_MAGIC else 5
+        stream = io.BytesIO(data)
+        stream.seek(header_len)
+        try:
+            record = fastavro.schemaless_reader(
+                stream, writer, self._schema, return_record_name=True
+            )
+        except Exception as exc:
+            raise DecodeError("undecodable", f"Avro body does not decode: {exc!r}") from exc
+        if stream.tell() != len(data):
+            raise DecodeError(
+                "undecodable", f"{len(data) - stream.tell()} trailing bytes after the record"
+            )
+        if not isinstance(record, dict):
+            raise DecodeError("undecodable", "the body is not a record")
+        return record
+
+    def _writer_for(self, data: bytes) -> Any:
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            if len(data) < 10:
+                raise DecodeError("undecodable", f"truncated header ({len(data)} bytes)")
+            (fp,) = _FP.unpack_from(data, 2)
+            writer = self._writers.get(fp)
+            if writer is None:
+                raise DecodeError("unknown_schema", f"unknown writer fingerprint {fp:016x}")
+            return writer
+        if data[:1] == CONFLUENT_MAGIC and self._registry is not None:
+            if len(data) < 5:
+                raise DecodeError("undecodable", f"truncated header ({len(data)} bytes)")
+            (schema_id,) = _CONFLUENT_ID.unpack_from(data, 1)
+            writer = self._registry_writers.get(schema_id)
+            if writer is None:
+                try:
+                    schema = self._registry.get_schema(schema_id)
+                    writer = fastavro.parse_schema(json.loads(schema.schema_str))
+                except Exception as exc:
+                    raise DecodeError(
+                        "unknown_schema", f"registry has no schema id {schema_id}: {exc!r}"
+                    ) from exc
+                self._registry_writers[schema_id] = writer
+            return writer
+        raise DecodeError(
+            "undecodable", f"unknown framing, first bytes {data[:4].hex() or '(empty)'}"
+        )
+
+
+# ---------------------------------------------------------------------- mapping
+def envelope_to_record(env: Envelope) -> dict[str, Any]:
+    """The Avro record of an envelope, the union branch named explicitly (tuple notation)."""
+    return {
+        "source": env.source,
+        "model": env.model,
+        "dp_rank": env.dp_rank,
+        "epoch": env.epoch,
+        "seq": env.seq,
+        "event_time_ms": env.event_time_ms,
+        "event": _event_to_branch(env.event),
+    }
+
+
+def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
+    if isinstance(event, BlockStored):
+        return (
+            "kvledger.BlockStored",
+            {
+                "block_hashes": event.block_hashes,
+                "parent_block_hash": event.parent_block_hash,
+                "token_ids": event.token_ids,
+                "block_size": event.block_size,
+                "lora_id": event.lora_id,
+                "medium": event.medium,
+                "lora_name": event.lora_name,
+                # A list, not a tuple: fastavro reads tuples as explicit union branches.
+                "extra_keys": list(event.extra_keys) if event.extra_keys is not None else None,
+                "group_idx": event.group_idx,
+                "kv_cache_spec_kind": event.kv_cache_spec_kind,
+                "kv_cache_spec_sliding_window": event.kv_cache_spec_sliding_window,
+                "locality": event.locality,
+                "ownership": event.ownership,
+                "token_start": event.token_start,
+                "partial": event.partial,
+            },
+        )
+    if isinstance(event, BlockRemoved):
+        return (
+            "kvledger.BlockRemoved",
+            {
+                "block_hashes": event.block_hashes,
+                "medium": event.medium,
+                "group_idx": event.group_idx,
+                "locality": event.locality,
+                "ownership": event.ownership,
+            },
+        )
+    if isinstance(event, AllBlocksCleared):
+        return ("kvledger.AllBlocksCleared", {"group_idx": event.group_idx, "medium": event.medium})
+    if isinstance(event, GroupSpec):
+        return (
+            "kvledger.GroupSpec",
+            {
+                "model": event.model,
+                "group_idx": event.group_idx,
+                "kind": event.kind,
+                "block_size": event.block_size,
+                "hash_block_size": event.hash_block_size,
+                "sliding_window": event.sliding_window,
+            },
+        )
+    raise TypeError(f"not a kvledger event: {type(event).__name__}")
+
+
+def record_to_envelope(record: dict[str, Any]) -> Envelope:
+    name, body = record["event"]
+    event: KVEvent
+    if name == "kvledger.BlockStored":
+        extra = body.get("extra_keys")
+        event = BlockStored(
+            block_hashes=tuple(body["block_hashes"]),
+            parent_block_hash=body.get("parent_block_hash"),
+            token_ids=tuple(body["token_ids"]),
+            block_size=body["block_size"],
+            lora_id=body.get("lora_id"),
+            medium=body.get("medium"),
+            lora_name=body.get("lora_name"),
+            extra_keys=tuple(extra) if extra is not None else None,
+            group_idx=body.get("group_idx"),
+            kv_cache_spec_kind=body.get("kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=body.get("kv_cache_spec_sliding_window"),
+            locality=body.get("locality"),
+            ownership=body.get("ownership"),
+            token_start=body.get("token_start"),
+            partial=bool(body.get("partial", False)),
+        )
+    elif name == "kvledger.BlockRemoved":
+        event = BlockRemoved(
+            block_hashes=tuple(body["block_hashes"]),
+            medium=body.get("medium"),
+            group_idx=body.get("group_idx"),
+            locality=body.get("locality"),
+            ownership=body.get("ownership"),
+        )
+    elif name == "kvledger.AllBlocksCleared":
+        event = AllBlocksCleared(group_idx=body.get("group_idx"), medium=body.get("medium"))
+    elif name == "kvledger.GroupSpec":
+        event = GroupSpec(
+            model=body["model"],
+            group_idx=body["group_idx"],
+            kind=body["kind"],
+            block_size=body["block_size"],
+            hash_block_size=body["hash_block_size"],
+            sliding_window=body.get("sliding_window"),
+        )
+    else:
+        raise DecodeError("unknown_schema", f"unknown event type {name}")
+    return Envelope(
+        source=record["source"],
+        model=record["model"],
+        dp_rank=record["dp_rank"],
+        epoch=record["epoch"],
+        seq=record["seq"],
+        event_time_ms=record["event_time_ms"],
+        event=event,
+    )

@@ -1,0 +1,119 @@
+"""The events kvledger carries, as Python values.
+
+``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared`` mirror vLLM's KV cache events (same
+field names, same order) with two kvledger extensions on ``BlockStored``: ``token_start`` (the
+position of the first token, ``None`` when unknown, as for placeholders) and ``partial`` (a
+partial recurrent tail, whose ``block_size`` is the hash granularity). ``GroupSpec`` is the
+announcement a producer makes for each KV-cache group before any event of that group.
+
+Hashes are ``bytes`` everywhere: the digest, or its last 8 bytes in vLLM's int64 wire form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+
+LOCALITIES = ("LOCAL", "REMOTE")
+
+# vLLM's KV cache spec kinds. Placeholders (block_size 0) are legitimate only for the kinds
+# whose offloaded chunks carry no self-describing payload.
+FULL_ATTENTION_KINDS = frozenset(
+    {
+        "full_attention",
+        "mla_attention",
+        "sink_full_attention",
+        "encoder_only_attention",
+        "cross_attention",
+    }
+)
+PLACEHOLDER_KINDS = frozenset(
+    {"sliding_window", "sliding_window_mla", "mamba", "chunked_local_attention"}
+)
+SPEC_KINDS = FULL_ATTENTION_KINDS | PLACEHOLDER_KINDS | {"unknown"}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks of one KV-cache group became resident on ``medium``.
+
+    ``block_hashes[i]`` covers tokens ``[token_start + i*block_size, +block_size)``; its parent
+    is ``block_hashes[i-1]`` (``parent_block_hash`` for ``i == 0``).
+    """
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    # One entry per block: that block's extra keys as canonical JSON text, or None.
+    extra_keys: tuple[str | None, ...] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    token_start: int | None = None
+    partial: bool = False
+
+    @property
+    def is_placeholder(self) -> bool:
+        """A legacy payload: one tail hash, no tokens, block_size 0."""
+        return self.block_size == 0 and not self.token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks of one KV-cache group left ``medium``."""
+
+    block_hashes: tuple[bytes, ...]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every block of the source on ``medium`` is gone (vLLM sends it on a GPU pool reset)."""
+
+    group_idx: int | None = None
+    medium: str | None = MEDIUM_GPU
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """A producer's announcement of one KV-cache group's shape."""
+
+    model: str
+    group_idx: int
+    kind: str
+    block_size: int
+    hash_block_size: int
+    sliding_window: int | None = None
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | GroupSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One Kafka message: who sent the event, where it stands in the sender's stream, and it.
+
+    ``seq`` counts per (source, group) within one ``epoch``; a producer restart starts a new
+    epoch (milliseconds since the Unix epoch at start-up) with ``seq`` from 0.
+    """
+
+    source: str
+    model: str
+    dp_rank: int
+    epoch: int
+    seq: int
+    event_time_ms: int
+    event: KVEvent

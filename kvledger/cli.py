@@ -7,14 +7,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvledger import __version__
+from kvledger import __version__, simulate_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvledger", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    simulate_cmd.add_parser(subparsers)
     return parser
 
 

@@ -26,6 +26,15 @@ from typing import Any, NamedTuple, Protocol
 from schemas.events import BlockRemoved, BlockStored
 
 logger = logging.getLogger(__name__)
+# Placeholder warnings are expected for some groups: say each once per process, as vLLM does.
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        logger.warning(message)
+
 
 OffloadKey = bytes
 
@@ -206,8 +215,6 @@ class OffloadingEventsTracker:
         self.enabled = enabled
         self._group_specs: dict[int, OffloadingEventGroupSpec] = dict(group_specs or {})
         self._payloads: dict[OffloadKey, _ChunkPayload] = {}
-        self._warned_store = False
-        self._warned_remove = False
 
     # ------------------------------------------------------------------ recording
     def record_store(
@@ -267,6 +274,10 @@ class OffloadingEventsTracker:
                 req, group_config, boundary_tokens
             )
 
+    def set_group_spec(self, group_idx: int, spec: OffloadingEventGroupSpec) -> None:
+        """Classify a group for placeholders (kept across :meth:`reset`)."""
+        self._group_specs[group_idx] = spec
+
     def reset(self) -> None:
         """Drop every payload (stale after a manager cache reset); group specs stay."""
         self._payloads.clear()
@@ -308,11 +319,11 @@ class OffloadingEventsTracker:
         for key in event.keys:
             payload = self._payloads.get(key)
             if payload is None:
-                if self.enabled and not self._warned_store:
-                    self._warned_store = True
-                    logger.warning(
+                if self.enabled:
+                    _warn_once(
+                        "store",
                         "no payload for an offload key being stored: emitting a placeholder "
-                        "(expected for non-full-attention groups and unobserved promotions)"
+                        "(expected for non-full-attention groups and unobserved promotions)",
                     )
                 yield self._placeholder(key, medium, locality, event.ownership)
                 continue
@@ -350,11 +361,11 @@ class OffloadingEventsTracker:
                 by_group.setdefault(payload.group_idx, []).extend(payload.block_hashes)
                 payload.residencies.discard(residency)
             else:
-                if self.enabled and not self._warned_remove:
-                    self._warned_remove = True
-                    logger.warning(
+                if self.enabled:
+                    _warn_once(
+                        "remove",
                         "no payload for an offload key being removed: emitting a placeholder "
-                        "removal (expected when its store was a placeholder)"
+                        "removal (expected when its store was a placeholder)",
                     )
                 by_group.setdefault(offload_key_group(key), []).append(offload_key_hash(key))
         for group_idx, hashes in by_group.items():

@@ -1,0 +1,49 @@
+"""Publisher configuration, read once at the edge and passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+HashFormat = Literal["int64", "digest"]
+
+DEFAULT_TOPIC = "kv-events"
+
+# No-loss settings; extra settings given by the user override these.
+PRODUCER_DEFAULTS: Mapping[str, object] = MappingProxyType(
+    {
+        "enable.idempotence": True,
+        "acks": "all",
+        "compression.type": "lz4",
+        "linger.ms": 20,
+        "batch.num.messages": 10000,
+        "queue.buffering.max.messages": 200000,
+        "message.timeout.ms": 120000,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """Where and as whom a publisher writes.
+
+    ``hash_format``: ``"int64"`` publishes the digest's last 8 bytes (vLLM's default wire
+    form), ``"digest"`` the whole digest. ``kafka`` holds extra librdkafka settings.
+    """
+
+    bootstrap_servers: str
+    source_id: str
+    model: str
+    topic: str = DEFAULT_TOPIC
+    dp_rank: int = 0
+    hash_format: HashFormat = "int64"
+    kafka: Mapping[str, object] = field(default_factory=dict)
+
+    def producer_settings(self) -> dict[str, object]:
+        settings = dict(PRODUCER_DEFAULTS)
+        settings.update(self.kafka)
+        settings["bootstrap.servers"] = self.bootstrap_servers
+        settings.setdefault("client.id", f"kvledger-{self.source_id}")
+        return settings

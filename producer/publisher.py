@@ -1,0 +1,359 @@
+"""Tracker events to Kafka: envelope, Avro, key ``<source>/<group>``, no silent loss.
+
+An engine integration needs three calls::
+
+    publisher = KVEventPublisher(config)                    # owns a tracker and a producer
+    publisher.announce_groups(group_configs)                # once, at start-up
+    publisher.tracker.record_store(...)                     # as the scheduler works
+    publisher.publish(manager.take_events())                # every scheduler step
+    publisher.close(timeout=30)                             # on shutdown: flush or raise
+
+Ordering: every message of one (source, group) has the same key, hence one partition, and is
+produced in publish order by an idempotent producer, so consumers see it in order with
+contiguous sequence numbers. Each publisher instance is a new epoch (ms at start-up).
+
+Thread-safety: ``publish``/``announce_groups``/``clear_all`` take one lock, so calls from
+several threads are serialized; the tracker itself belongs to the scheduler thread that calls
+``record_*``. ``stats`` may be read from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from producer.config import PublisherConfig
+from producer.errors import DeliveryError, FatalProducerError, PublishError
+from producer.tracker import (
+    GroupConfigLike,
+    OffloadingEvent,
+    OffloadingEventGroupSpec,
+    OffloadingEventsTracker,
+)
+from schemas.codec import Codec
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec, KVEvent
+from schemas.hashing import int_to_hash_bytes
+
+logger = logging.getLogger(__name__)
+
+_MAX_ERRORS_KEPT = 20
+
+
+@dataclass
+class PublisherStats:
+    """Counters of one publisher (messages, not blocks)."""
+
+    produced: int = 0
+    acked: int = 0
+    failed: int = 0
+    retries_on_full_queue: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+
+class KVEventPublisher:
+    """Publishes a source's KV cache events to Kafka (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        tracker: OffloadingEventsTracker | None = None,
+        codec: Codec | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.tracker = tracker if tracker is not None else OffloadingEventsTracker()
+        self.codec = codec if codec is not None else Codec()
+        self.epoch = int(clock() * 1000)
+        self.stats = PublisherStats()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seq: dict[int, int] = {}
+        self._announced: dict[int, GroupSpec] = {}
+        self._errors: list[str] = []
+        self._fatal: KafkaError | None = None
+        self._closed = False
+        self._warned_unannounced: set[int] = set()
+        settings = config.producer_settings()
+        settings["error_cb"] = self._on_error
+        self._producer = Producer(settings)
+
+    # ------------------------------------------------------------------ public API
+    def announce_groups(self, group_configs: Iterable[GroupConfigLike]) -> None:
+        """Announce each group's shape the first time it is seen, before any of its events."""
+        with self._lock:
+            for cfg in group_configs:
+                if cfg.group_idx in self._announced:
+                    continue
+                spec = cfg.kv_event_group_spec
+                self.tracker.set_group_spec(cfg.group_idx, spec)
+                announcement = GroupSpec(
+                    model=self.config.model,
+                    group_idx=cfg.group_idx,
+                    kind=spec.kv_cache_spec_kind or "unknown",
+                    block_size=cfg.tokens_per_block,
+                    hash_block_size=cfg.tokens_per_chunk // cfg.hashes_per_chunk,
+                    sliding_window=spec.kv_cache_spec_sliding_window,
+                )
+                self._announced[cfg.group_idx] = announcement
+                self._produce(cfg.group_idx, announcement)
+
+    def announce_group_spec(self, spec: GroupSpec) -> None:
+        """Announce a group from an explicit spec (for engines without group configs)."""
+        with self._lock:
+            if spec.group_idx not in self._announced:
+                self._announced[spec.group_idx] = spec
+                self.tracker.set_group_spec(
+                    spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
+                )
+                self._produce(spec.group_idx, spec)
+
+    def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int:
+        """Translate one batch of the manager's events and produce them; returns messages."""
+        with self._lock:
+            self._check_healthy()
+            events = self.tracker.take_events(offloading_events)
+            for event in events:
+                self._produce(_group_of(event), self._wire_form(event))
+            self._producer.poll(0)
+            return len(events)
+
+    def publish_events(self, events: Iterable[KVEvent]) -> int:
+        """Produce events that are already self-describing (kvledger types)."""
+        with self._lock:
+            self._check_healthy()
+            count = 0
+            for event in events:
+                if isinstance(event, GroupSpec):
+                    self._announced.setdefault(event.group_idx, event)
+                    self._produce(event.group_idx, event)
+                elif isinstance(event, AllBlocksCleared):
+                    self._clear_all_locked(event.medium)
+                else:
+                    self._produce(_group_of(event), self._wire_form(event))
+                count += 1
+            self._producer.poll(0)
+            return count
+
+    def publish_vllm_batch(self, batch: Any) -> int:
+        """vLLM-style entry point: a KVEventBatch-like object (``events``, ``ts`` optional).
+
+        Events carry vLLM's field names; hashes may be ints (vLLM's default wire form) or
+        bytes. Extra keys are carried per block as canonical JSON text.
+        """
+        return self.publish_events(from_vllm_event(ev) for ev in batch.events)
+
+    def clear_all(self, medium: str = "GPU") -> int:
+        """Write AllBlocksCleared once for every group this source has used."""
+        with self._lock:
+            self._check_healthy()
+            return self._clear_all_locked(medium)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for every produced message to be acknowledged; raise if any is not."""
+        remaining = self._producer.flush(timeout)
+        self._raise_failures()
+        if remaining:
+            raise PublishError(
+                f"{remaining} message(s) still unacknowledged after {timeout:.1f} s "
+                f"(bootstrap {self.config.bootstrap_servers})"
+            )
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush within ``timeout`` and stop; raises if anything is still unacked or failed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout)
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original exception behind a flush failure
+            try:
+                self.close()
+            except PublishError as close_error:
+                logger.error("while closing after an error: %s", close_error)
+
+    # ------------------------------------------------------------------ internals
+    def _clear_all_locked(self, medium: str | None) -> int:
+        groups = sorted(set(self._seq) | set(self._announced))
+        for group in groups:
+            self._produce(group, AllBlocksCleared(group_idx=group, medium=medium))
+        return len(groups)
+
+    def _wire_form(self, event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
+        if self.config.hash_format == "digest":
+            return event
+        hashes = tuple(h[-8:] for h in event.block_hashes)
+        if isinstance(event, BlockRemoved):
+            return BlockRemoved(
+                hashes, event.medium, event.group_idx, event.locality, event.ownership
+            )
+        parent = event.parent_block_hash
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent[-8:] if parent is not None else None,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=event.extra_keys,
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            locality=event.locality,
+            ownership=event.ownership,
+            token_start=event.token_start,
+            partial=event.partial,
+        )
+
+    def _produce(self, group: int, event: KVEvent) -> None:
+        if (
+            group not in self._announced
+            and not isinstance(event, GroupSpec)
+            and group not in self._warned_unannounced
+        ):
+            self._warned_unannounced.add(group)
+            logger.warning(
+                "source %s publishes group %d without announcing it: consumers reject its "
+                "events unless an operator declares the group",
+                self.config.source_id,
+                group,
+            )
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        envelope = Envelope(
+            source=self.config.source_id,
+            model=self.config.model,
+            dp_rank=self.config.dp_rank,
+            epoch=self.epoch,
+            seq=seq,
+            event_time_ms=int(self._clock() * 1000),
+            event=event,
+        )
+        value = self.codec.encode(envelope)
+        key = f"{self.config.source_id}/{group}".encode()
+        while True:
+            try:
+                self._producer.produce(
+                    self.config.topic, value=value, key=key, on_delivery=self._on_delivery
+                )
+                break
+            except BufferError:
+                # The local queue is full: wait for the broker (backpressure), never drop.
+                self.stats.retries_on_full_queue += 1
+                self._producer.poll(0.05)
+                self._check_healthy()
+            except KafkaException as exc:
+                raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
+        self.stats.produced += 1
+        name = type(event).__name__
+        self.stats.by_type[name] = self.stats.by_type.get(name, 0) + 1
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            self.stats.acked += 1
+            return
+        self.stats.failed += 1
+        if len(self._errors) < _MAX_ERRORS_KEPT:
+            self._errors.append(f"{err.name()}: {err.str()} (key {msg.key()!r})")
+        logger.error("delivery failed: %s", err)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err
+            logger.error("fatal Kafka producer error: %s", err)
+        else:
+            logger.warning("Kafka producer: %s", err)
+
+    def _check_healthy(self) -> None:
+        if self._closed:
+            raise PublishError("the publisher is closed")
+        if self._fatal is not None:
+            raise FatalProducerError(f"fatal producer error: {self._fatal}")
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        if self.stats.failed:
+            raise DeliveryError(
+                f"{self.stats.failed} message(s) were not delivered to "
+                f"{self.config.topic}: {'; '.join(self._errors[:3])}",
+                list(self._errors),
+            )
+
+
+def _group_of(event: BlockStored | BlockRemoved) -> int:
+    return event.group_idx if event.group_idx is not None else 0
+
+
+# ---------------------------------------------------------------------- vLLM events
+def _hash_bytes(value: object) -> bytes:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    if isinstance(value, int):
+        return int_to_hash_bytes(value)
+    raise TypeError(f"a block hash must be int or bytes, got {type(value).__name__}")
+
+
+def _extra_keys_json(extra: object) -> tuple[str | None, ...] | None:
+    if extra is None:
+        return None
+    if not isinstance(extra, list | tuple):
+        raise TypeError("extra_keys must be a list with one entry per block")
+    return tuple(
+        None if e is None else json.dumps(e, sort_keys=True, default=_json_default) for e in extra
+    )
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value)
+
+
+def from_vllm_event(event: Any) -> KVEvent:
+    """Map one vLLM KV cache event (BlockStored/BlockRemoved/AllBlocksCleared) to ours."""
+    kind = type(event).__name__
+    if kind == "BlockStored":
+        parent = event.parent_block_hash
+        return BlockStored(
+            block_hashes=tuple(_hash_bytes(h) for h in event.block_hashes),
+            parent_block_hash=_hash_bytes(parent) if parent is not None else None,
+            token_ids=tuple(int(t) for t in event.token_ids),
+            block_size=int(event.block_size),
+            lora_id=getattr(event, "lora_id", None),
+            medium=getattr(event, "medium", None),
+            lora_name=getattr(event, "lora_name", None),
+            extra_keys=_extra_keys_json(getattr(event, "extra_keys", None)),
+            group_idx=getattr(event, "group_idx", None),
+            kv_cache_spec_kind=getattr(event, "kv_cache_spec_kind", None),
+            kv_cache_spec_sliding_window=getattr(event, "kv_cache_spec_sliding_window", None),
+            locality=getattr(event, "locality", None),
+            ownership=getattr(event, "ownership", None),
+            token_start=getattr(event, "token_start", None),
+            partial=bool(getattr(event, "partial", False)),
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=tuple(_hash_bytes(h) for h in event.block_hashes),
+            medium=getattr(event, "medium", None),
+            group_idx=getattr(event, "group_idx", None),
+            locality=getattr(event, "locality", None),
+            ownership=getattr(event, "ownership", None),
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared(medium=getattr(event, "medium", None) or "GPU")
+    raise TypeError(f"not a vLLM KV cache event: {kind}")

@@ -1,0 +1,323 @@
+"""A deterministic simulated fleet of engines that offload KV-cache chunks (for the demo,
+tests and benchmarks).
+
+Each instance serves requests that start with one of a few fleet-wide system prompts, then a
+user suffix. Per request (one scheduler step) it:
+
+- looks up the prompt's full chunks on its CPU tier from the start (hits register the primary
+  residency; chunks found only on the STORAGE tier are promoted back to CPU);
+- stores the missed full chunks on CPU, and the partial recurrent tail when the prompt ends
+  inside a chunk (re-announcing hashes shared with other tails);
+- stores the last chunks of a sliding-window group (placeholder payloads, as vLLM does);
+- evicts least-recently-used chunks past the CPU capacity, first demoting some of them to a
+  secondary STORAGE tier (ownership ``disk``, ``removal_expected``), which has its own bound.
+
+Group 0 is full attention with 16-token hashes, 32-token blocks and 64-token chunks; group 1 is
+a sliding-window group. The optional misconfigured source announces 32-token blocks for
+group 0 but tracks 16-token blocks, so its stores disagree with its announced spec.
+
+Block hashes are real vLLM sha256 hashes of the tokens (schemas.hashing), so the same prefix
+has the same hashes on every instance.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from producer.tracker import (
+    GroupOffloadConfig,
+    Locality,
+    Medium,
+    OffloadingEvent,
+    OffloadingEventGroupSpec,
+    OffloadingEventsTracker,
+    OffloadKey,
+    make_offload_key,
+)
+from schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
+from schemas.hashing import prompt_block_hashes
+
+TOKENS_PER_HASH = 16
+FULL_GROUP = GroupOffloadConfig(
+    group_idx=0,
+    tokens_per_block=32,
+    tokens_per_chunk=64,
+    hashes_per_chunk=4,
+    kv_event_group_spec=OffloadingEventGroupSpec("full_attention", None),
+)
+SLIDING_GROUP = GroupOffloadConfig(
+    group_idx=1,
+    tokens_per_block=32,
+    tokens_per_chunk=64,
+    hashes_per_chunk=4,
+    kv_event_group_spec=OffloadingEventGroupSpec("sliding_window", 1024),
+    sliding_window_size_in_chunks=16,
+)
+MISCONFIGURED_FULL_GROUP = FULL_GROUP._replace(tokens_per_block=16)
+SLIDING_CHUNKS_STORED = 2
+STORAGE_OWNER = "disk"
+VOCAB = 32000
+DEFAULT_MODEL = "sim-llama-8b"
+
+
+class EventSink(Protocol):
+    """Where an engine's events go: a publisher, or a local collector."""
+
+    @property
+    def tracker(self) -> OffloadingEventsTracker: ...
+    def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None: ...
+    def announce_group_spec(self, spec: GroupSpec) -> None: ...
+    def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    instances: int = 4
+    requests: int = 100  # per instance
+    seed: int = 0
+    model: str = DEFAULT_MODEL
+    system_prompts: int = 6
+    system_prompt_tokens: tuple[int, int] = (200, 1200)
+    suffix_tokens: tuple[int, int] = (16, 900)
+    cpu_capacity_chunks: int = 128
+    storage_capacity_chunks: int = 192
+    demote_fraction: float = 0.5
+    misconfigured_source: bool = False
+    hash_algorithm: str = "sha256"
+
+
+@dataclass
+class FleetSummary:
+    requests: int = 0
+    messages: int = 0
+    lookup_hits: int = 0
+    promotions: int = 0
+    partial_tails: int = 0
+    instances: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    block_hashes: list[bytes]
+    all_token_ids: list[int]
+    lora_request: None = None
+
+
+class SimulatedEngine:
+    """One engine instance: a CPU tier and a STORAGE tier with LRU bounds."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        sink: EventSink,
+        config: FleetConfig,
+        prompts: Sequence[list[int]],
+        rng: random.Random,
+        misconfigured: bool = False,
+    ) -> None:
+        self.instance_id = instance_id
+        self.sink = sink
+        self.config = config
+        self.prompts = prompts
+        self.rng = rng
+        self.full = MISCONFIGURED_FULL_GROUP if misconfigured else FULL_GROUP
+        self.cpu: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.storage: OrderedDict[OffloadKey, None] = OrderedDict()
+        if misconfigured:
+            sink.announce_group_spec(_announcement(config.model, FULL_GROUP))
+            sink.announce_groups([SLIDING_GROUP])
+        else:
+            sink.announce_groups([FULL_GROUP, SLIDING_GROUP])
+
+    def step(self, summary: FleetSummary) -> None:
+        """Serve one request: lookups, stores, partial tail, sliding window, evictions."""
+        cfg = self.config
+        prompt = self.prompts[self.rng.randrange(len(self.prompts))]
+        suffix_len = self.rng.randint(*cfg.suffix_tokens)
+        tokens = prompt + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
+        raw = prompt_block_hashes(tokens, TOKENS_PER_HASH, cfg.hash_algorithm)
+        req = _Request(block_hashes=raw, all_token_ids=tokens)
+        tracker = self.sink.tracker
+        full = self.full
+        hashes_per_chunk = full.hashes_per_chunk
+        num_chunks = len(raw) // hashes_per_chunk
+        events: list[OffloadingEvent] = []
+
+        def chunk_key(chunk: int, group: int) -> OffloadKey:
+            return make_offload_key(raw[(chunk + 1) * hashes_per_chunk - 1], group)
+
+        # 1. Lookups from the start until the first miss.
+        hits = 0
+        for chunk in range(num_chunks):
+            key = chunk_key(chunk, full.group_idx)
+            if key in self.cpu:
+                tracker.record_lookup(req, full, chunk, key)
+                self.cpu.move_to_end(key)
+            elif key in self.storage:
+                tracker.record_lookup(req, full, chunk, key)
+                events.append(OffloadingEvent([key], Medium.CPU, removed=False))
+                self.cpu[key] = None
+                self.storage.move_to_end(key)
+                summary.promotions += 1
+            else:
+                break
+            hits += 1
+        summary.lookup_hits += hits
+
+        # 2. Stores of the missed full chunks.
+        stored: list[OffloadKey] = []
+        for chunk in range(hits, num_chunks):
+            key = chunk_key(chunk, full.group_idx)
+            tracker.record_store(req, full, chunk, key)
+            self.cpu[key] = None
+            stored.append(key)
+        if stored:
+            events.append(OffloadingEvent(stored, Medium.CPU, removed=False))
+
+        # 3. The partial recurrent tail, when the prompt ends inside a chunk.
+        boundary = len(raw) * TOKENS_PER_HASH
+        if boundary % full.tokens_per_chunk:
+            key = make_offload_key(raw[boundary // TOKENS_PER_HASH - 1], full.group_idx)
+            if key in self.cpu:
+                tracker.record_partial_lookup(req, full, boundary, key)
+                self.cpu.move_to_end(key)
+            else:
+                tracker.record_partial_store(req, full, boundary, key)
+                self.cpu[key] = None
+                events.append(OffloadingEvent([key], Medium.CPU, removed=False))
+                summary.partial_tails += 1
+
+        # 4. The sliding-window group keeps only its last chunks.
+        window_keys = [
+            chunk_key(chunk, SLIDING_GROUP.group_idx)
+            for chunk in range(max(0, num_chunks - SLIDING_CHUNKS_STORED), num_chunks)
+        ]
+        new_window = [k for k in window_keys if k not in self.cpu]
+        for key in window_keys:
+            tracker.record_store(req, SLIDING_GROUP, 0, key)  # records nothing: placeholder
+            self.cpu[key] = None
+        if new_window:
+            events.append(OffloadingEvent(new_window, Medium.CPU, removed=False))
+
+        # 5. Evictions past the CPU bound, demoting some chunks to STORAGE first.
+        evicted: list[OffloadKey] = []
+        while len(self.cpu) > cfg.cpu_capacity_chunks:
+            key, _ = self.cpu.popitem(last=False)
+            if key not in self.storage and self.rng.random() < cfg.demote_fraction:
+                events.append(
+                    OffloadingEvent(
+                        [key],
+                        Medium.STORAGE,
+                        removed=False,
+                        locality=Locality.LOCAL,
+                        ownership=STORAGE_OWNER,
+                        removal_expected=True,
+                    )
+                )
+                self.storage[key] = None
+            evicted.append(key)
+        if evicted:
+            events.append(OffloadingEvent(evicted, Medium.CPU, removed=True))
+        dropped: list[OffloadKey] = []
+        while len(self.storage) > cfg.storage_capacity_chunks:
+            key, _ = self.storage.popitem(last=False)
+            dropped.append(key)
+        if dropped:
+            events.append(
+                OffloadingEvent(
+                    dropped,
+                    Medium.STORAGE,
+                    removed=True,
+                    locality=Locality.LOCAL,
+                    ownership=STORAGE_OWNER,
+                )
+            )
+        summary.messages += self.sink.publish(events)
+        summary.requests += 1
+
+
+def _announcement(model: str, cfg: GroupOffloadConfig) -> GroupSpec:
+    spec = cfg.kv_event_group_spec
+    return GroupSpec(
+        model=model,
+        group_idx=cfg.group_idx,
+        kind=spec.kv_cache_spec_kind or "unknown",
+        block_size=cfg.tokens_per_block,
+        hash_block_size=cfg.tokens_per_chunk // cfg.hashes_per_chunk,
+        sliding_window=spec.kv_cache_spec_sliding_window,
+    )
+
+
+def instance_ids(config: FleetConfig) -> list[str]:
+    ids = [f"engine-{i}" for i in range(config.instances)]
+    if config.misconfigured_source:
+        ids.append("engine-misconfigured")
+    return ids
+
+
+class Fleet:
+    """Builds the engines (one sink each) and runs their requests round-robin."""
+
+    def __init__(self, config: FleetConfig, sink_factory: Callable[[str], EventSink]) -> None:
+        self.config = config
+        rng = random.Random(config.seed)
+        low, high = config.system_prompt_tokens
+        prompts = [
+            [rng.randrange(VOCAB) for _ in range(rng.randint(low, high))]
+            for _ in range(config.system_prompts)
+        ]
+        self.engines = [
+            SimulatedEngine(
+                iid,
+                sink_factory(iid),
+                config,
+                prompts,
+                random.Random(f"{config.seed}/{iid}"),
+                misconfigured=iid == "engine-misconfigured",
+            )
+            for iid in instance_ids(config)
+        ]
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> FleetSummary:
+        summary = FleetSummary(instances=[e.instance_id for e in self.engines])
+        total = self.config.requests * len(self.engines)
+        done = 0
+        for _ in range(self.config.requests):
+            for engine in self.engines:
+                engine.step(summary)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+        return summary
+
+
+class CollectingSink:
+    """An EventSink that keeps translated events in memory (tests, benchmarks)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL) -> None:
+        self._tracker = OffloadingEventsTracker()
+        self.model = model
+        self.events: list[KVEvent] = []
+
+    @property
+    def tracker(self) -> OffloadingEventsTracker:
+        return self._tracker
+
+    def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None:
+        for cfg in group_configs:
+            self.announce_group_spec(_announcement(self.model, cfg))
+
+    def announce_group_spec(self, spec: GroupSpec) -> None:
+        self._tracker.set_group_spec(
+            spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
+        )
+        self.events.append(spec)
+
+    def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int:
+        out: list[BlockStored | BlockRemoved] = self._tracker.take_events(offloading_events)
+        self.events.extend(out)
+        return len(out)

@@ -1,0 +1,105 @@
+"""vLLM-compatible prefix block hashing (matches vLLM 0.33.0, vllm/v1/core/kv_cache_utils.py).
+
+A block's hash is ``H((parent or NONE_HASH, tuple(block_token_ids), extra_keys))`` for every
+full window of ``hash_block_size`` tokens, where ``H`` is
+
+- ``sha256``: SHA-256 of ``pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)`` (vLLM's default);
+- ``sha256_cbor``: SHA-256 of ``cbor2.dumps(x, canonical=True)`` (language-independent);
+
+and ``NONE_HASH = H(seed)``, the seed being ``PYTHONHASHSEED`` when the engine had it set, else
+``"vllm-none-hash"``. Extra keys are LoRA keys ``("lora", name, path)`` on every block, then
+``("cache_salt", salt)`` on the block that starts at token 0; ``None`` when there are none.
+
+On the wire vLLM publishes, by default, the digest's last 8 bytes (read big-endian as an
+unsigned int64): :func:`to_int64_bytes` gives that form as bytes, the form kvledger stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+ALGORITHMS = ("sha256", "sha256_cbor")
+
+
+def sha256(value: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(value: Any) -> bytes:
+    import cbor2
+
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def hash_function(algorithm: str) -> Callable[[Any], bytes]:
+    if algorithm == "sha256":
+        return sha256
+    if algorithm == "sha256_cbor":
+        return sha256_cbor
+    raise ValueError(f"unsupported hash algorithm {algorithm!r} (supported: {ALGORITHMS})")
+
+
+def none_hash(algorithm: str = "sha256", seed: str | None = None) -> bytes:
+    """The chain's root. ``seed``: the engine's PYTHONHASHSEED, or None when it had none."""
+    return hash_function(algorithm)(seed if seed is not None else DEFAULT_NONE_HASH_SEED)
+
+
+def block_extra_keys(
+    start_token: int, lora: tuple[str, str] | None = None, cache_salt: str | None = None
+) -> tuple[Any, ...] | None:
+    """Extra keys of the block starting at ``start_token``; ``lora`` is (name, path)."""
+    keys: list[Any] = []
+    if lora is not None:
+        keys.append(("lora", lora[0], lora[1]))
+    if cache_salt and start_token == 0:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def hash_block_tokens(
+    algorithm: str,
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+    root: bytes | None = None,
+) -> bytes:
+    """One block's digest. A falsy parent means the chain's root (``root`` or NONE_HASH)."""
+    if not parent:
+        parent = root if root is not None else none_hash(algorithm)
+    return hash_function(algorithm)((parent, tuple(token_ids), extra_keys))
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    algorithm: str = "sha256",
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+    seed: str | None = None,
+) -> list[bytes]:
+    """Digests of every full ``block_size`` window of a prompt, chained from NONE_HASH."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    root = none_hash(algorithm, seed)
+    fn = hash_function(algorithm)
+    hashes: list[bytes] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = block_extra_keys(start, lora, cache_salt)
+        parent = fn((parent, tuple(token_ids[start : start + block_size]), extra))
+        hashes.append(parent)
+    return hashes
+
+
+def to_int64_bytes(digest: bytes) -> bytes:
+    """vLLM's int64 wire form of a digest, as 8 big-endian bytes (its last 8 bytes)."""
+    return bytes(digest[-8:])
+
+
+def int_to_hash_bytes(value: int) -> bytes:
+    """A hash published as an int (vLLM's default) as 8 big-endian bytes."""
+    return (value & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")

@@ -1,0 +1,273 @@
+"""The producer library against a real broker: order, no loss, epochs, failures made loud."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from producer.config import PublisherConfig
+from producer.errors import DeliveryError, PublishError
+from producer.publisher import KVEventPublisher
+from producer.simulate import FULL_GROUP, SLIDING_GROUP
+from producer.tracker import Medium, OffloadingEvent, make_offload_key
+from schemas import events
+from schemas.codec import Codec
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+from tests.kafka_helpers import consume_all
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stored(rng: random.Random, group: int, n_blocks: int = 2, block_size: int = 16) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(rng.randbytes(32) for _ in range(n_blocks)),
+        parent_block_hash=rng.randbytes(32) if rng.random() < 0.8 else None,
+        token_ids=tuple(rng.randrange(32000) for _ in range(n_blocks * block_size)),
+        block_size=block_size,
+        lora_id=None,
+        medium=rng.choice(["CPU", "STORAGE"]),
+        lora_name=rng.choice([None, "adapter-a"]),
+        group_idx=group,
+        kv_cache_spec_kind="full_attention",
+        locality=rng.choice([None, "LOCAL"]),
+        ownership=rng.choice([None, "disk"]),
+        token_start=rng.randrange(0, 4096, 16),
+        partial=False,
+    )
+
+
+def test_order_and_contiguous_sequence_per_key(
+    kafka_bootstrap: str, make_topic, group_id: str
+) -> None:
+    topic = make_topic("order", partitions=6)
+    rng = random.Random(1)
+    sent: dict[str, list[BlockStored]] = defaultdict(list)
+    publishers = [
+        KVEventPublisher(
+            PublisherConfig(kafka_bootstrap, f"src-{i}", "m", topic=topic, hash_format="digest")
+        )
+        for i in range(4)
+    ]
+    for pub in publishers:
+        pub.announce_groups([FULL_GROUP, SLIDING_GROUP])
+    for _ in range(400):
+        pub = rng.choice(publishers)
+        event = stored(rng, rng.choice([0, 1]))
+        pub.publish_events([event])
+        sent[f"{pub.config.source_id}/{event.group_idx}"].append(event)
+    for pub in publishers:
+        pub.close(30)
+    messages = consume_all(kafka_bootstrap, topic, group_id, 400 + 8)
+    codec = Codec()
+    got: dict[str, list[BlockStored]] = defaultdict(list)
+    seqs: dict[str, list[int]] = defaultdict(list)
+    partitions: dict[str, set[int]] = defaultdict(set)
+    for msg in messages:
+        key = msg.key().decode()
+        env = codec.decode(msg.value())
+        assert key == f"{env.source}/{_group(env.event)}"
+        seqs[key].append(env.seq)
+        partitions[key].add(msg.partition())
+        if isinstance(env.event, BlockStored):
+            got[key].append(env.event)
+        else:
+            assert isinstance(env.event, GroupSpec) and env.seq == 0
+    assert got == sent
+    for key, numbers in seqs.items():
+        assert numbers == list(range(len(numbers))), key
+    assert all(len(p) == 1 for p in partitions.values())
+    assert len(set().union(*partitions.values())) > 1
+
+
+def _group(event: object) -> int:
+    group = getattr(event, "group_idx", None)
+    return group if group is not None else 0
+
+
+def test_no_loss_50000_events_every_field(kafka_bootstrap: str, make_topic, group_id: str) -> None:
+    topic = make_topic("noloss", partitions=12)
+    rng = random.Random(7)
+    total = 50_000
+    pubs = {
+        s: KVEventPublisher(
+            PublisherConfig(kafka_bootstrap, s, "m", topic=topic, hash_format="digest")
+        )
+        for s in ("a", "b", "c", "d")
+    }
+    expected: dict[tuple[str, int], list[object]] = defaultdict(list)
+    for i in range(total):
+        source = "abcd"[i % 4]
+        group = (i // 4) % 2
+        if rng.random() < 0.7:
+            event: object = stored(rng, group, n_blocks=rng.randint(1, 4))
+        else:
+            event = BlockRemoved(
+                tuple(rng.randbytes(32) for _ in range(rng.randint(1, 4))), "CPU", group, None, None
+            )
+        pubs[source].publish_events([event])  # type: ignore[list-item]
+        expected[(source, group)].append(event)
+    for pub in pubs.values():
+        pub.close(60)
+        assert pub.stats.acked == pub.stats.produced
+    messages = consume_all(kafka_bootstrap, topic, group_id, total, timeout=120)
+    assert len(messages) == total
+    codec = Codec()
+    got: dict[tuple[str, int], list[object]] = defaultdict(list)
+    for msg in messages:
+        env = codec.decode(msg.value())
+        assert env.model == "m" and env.epoch == pubs[env.source].epoch
+        got[(env.source, _group(env.event))].append(env.event)
+    assert got == expected
+
+
+def test_restart_starts_new_epoch(kafka_bootstrap: str, make_topic, group_id: str) -> None:
+    topic = make_topic("epoch", partitions=3)
+    rng = random.Random(3)
+    config = PublisherConfig(kafka_bootstrap, "engine-x", "m", topic=topic)
+    first = KVEventPublisher(config)
+    first.publish_events([stored(rng, 0) for _ in range(5)])
+    first.close()
+    time.sleep(0.01)
+    second = KVEventPublisher(config)
+    second.publish_events([stored(rng, 0) for _ in range(3)])
+    second.close()
+    assert second.epoch > first.epoch
+    codec = Codec()
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 8)]
+    assert [(e.epoch, e.seq) for e in envs] == [(first.epoch, i) for i in range(5)] + [
+        (second.epoch, i) for i in range(3)
+    ]
+
+
+def test_tracker_events_and_int64_hashes(kafka_bootstrap: str, make_topic, group_id: str) -> None:
+    """publish() runs the tracker; hashes go out in vLLM's int64 form (last 8 bytes)."""
+    topic = make_topic("tracker", partitions=3)
+    pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-t", "m", topic=topic))
+    pub.announce_groups([FULL_GROUP])
+
+    class Req:
+        block_hashes = [bytes([i]) * 32 for i in range(8)]
+        all_token_ids = list(range(128))
+        lora_request = None
+
+    key = make_offload_key(Req.block_hashes[3], 0)
+    pub.tracker.record_store(Req(), FULL_GROUP, 0, key)
+    assert pub.publish([OffloadingEvent([key], Medium.CPU, removed=False)]) == 1
+    pub.publish([OffloadingEvent([key], Medium.CPU, removed=True)])
+    assert pub.clear_all() == 1
+    pub.close()
+    codec = Codec()
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 4)]
+    kinds = [type(e.event).__name__ for e in envs]
+    assert kinds == ["GroupSpec", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert [e.seq for e in envs] == [0, 1, 2, 3]
+    spec = envs[0].event
+    assert spec == GroupSpec("m", 0, "full_attention", 32, 16, None)
+    block = envs[1].event
+    assert isinstance(block, BlockStored)
+    assert block.block_hashes == (bytes([1]) * 8, bytes([3]) * 8)
+    assert block.parent_block_hash is None and block.token_ids == tuple(range(64))
+    assert envs[2].event == BlockRemoved((bytes([1]) * 8, bytes([3]) * 8), "CPU", 0, None, None)
+    assert envs[3].event == AllBlocksCleared(group_idx=0, medium="GPU")
+
+
+def test_vllm_style_batch(kafka_bootstrap: str, make_topic, group_id: str) -> None:
+    topic = make_topic("vllm", partitions=3)
+
+    class BlockStored:  # vLLM's class and field names, int hashes
+        def __init__(self) -> None:
+            self.block_hashes = [2**64 - 1, 5]
+            self.parent_block_hash = 7
+            self.token_ids = [1, 2, 3, 4]
+            self.block_size = 2
+            self.lora_id = None
+            self.medium = "GPU"
+            self.lora_name = None
+            self.extra_keys = [("x", b"\x01"), None]
+            self.group_idx = 0
+
+    class AllBlocksCleared:
+        pass
+
+    class Batch:
+        ts = 1.0
+        events = [BlockStored(), AllBlocksCleared()]
+
+    pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-v", "m", topic=topic))
+    assert pub.publish_vllm_batch(Batch()) == 2
+    pub.close()
+    codec = Codec()
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 2)]
+    ev = envs[0].event
+    assert ev == type(ev)(
+        block_hashes=(b"\xff" * 8, (5).to_bytes(8, "big")),
+        parent_block_hash=(7).to_bytes(8, "big"),
+        token_ids=(1, 2, 3, 4),
+        block_size=2,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=('["x", "01"]', None),
+        group_idx=0,
+    )
+    assert envs[1].event == events.AllBlocksCleared(group_idx=0, medium="GPU")
+
+
+def test_message_too_large_is_reported(kafka_bootstrap: str, make_topic) -> None:
+    topic = make_topic("small", partitions=1, **{"max.message.bytes": "2000"})
+    rng = random.Random(5)
+    pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-big", "m", topic=topic))
+    pub.publish_events([stored(rng, 0, n_blocks=1, block_size=16)])
+    pub.flush(30)  # its own batch: the broker rejects a whole batch over the limit
+    pub.publish_events([stored(rng, 0, n_blocks=64, block_size=16)])  # ~5 KB of tokens
+    with pytest.raises(DeliveryError, match="MSG_SIZE_TOO_LARGE") as info:
+        pub.close(30)
+    assert pub.stats.failed == 1 and pub.stats.acked == 1
+    assert info.value.errors
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_broker_stopped_mid_run_makes_close_raise(tmp_path: Path) -> None:
+    """A throwaway broker of our own is stopped while messages are in flight."""
+    env = dict(
+        os.environ,
+        KVLEDGER_KAFKA_PORT=str(_free_port()),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(_free_port()),
+        KVLEDGER_STATE_DIR=str(tmp_path / "state"),
+    )
+    services = str(ROOT / "scripts" / "services")
+    subprocess.run([services, "up", "kafka"], env=env, check=True)
+    try:
+        bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
+        from confluent_kafka.admin import AdminClient
+
+        from producer.topics import ensure_topic
+
+        ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), "kv-events", 3)
+        rng = random.Random(9)
+        pub = KVEventPublisher(
+            PublisherConfig(bootstrap, "engine-s", "m", kafka={"message.timeout.ms": 60000})
+        )
+        pub.publish_events([stored(rng, 0) for _ in range(100)])
+        pub.flush(30)
+        subprocess.run([services, "down", "kafka"], env=env, check=True)
+        pub.publish_events([stored(rng, 0) for _ in range(100)])
+        start = time.monotonic()
+        with pytest.raises(PublishError, match=r"unacknowledged|not delivered"):
+            pub.close(timeout=5)
+        assert time.monotonic() - start < 15
+    finally:
+        subprocess.run([services, "down", "kafka"], env=env, check=False)

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvledger import __version__, simulate_cmd
+from kvledger import __version__, consumer_cmds, simulate_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate_cmd.add_parser(subparsers)
+    consumer_cmds.add_parsers(subparsers)
     return parser
 
 

@@ -23,6 +23,7 @@ has the same hashes on every instance.
 from __future__ import annotations
 
 import random
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ SLIDING_GROUP = GroupOffloadConfig(
 MISCONFIGURED_FULL_GROUP = FULL_GROUP._replace(tokens_per_block=16)
 SLIDING_CHUNKS_STORED = 2
 STORAGE_OWNER = "disk"
-VOCAB = 32000
+VOCAB = 65536  # token ids are drawn as 16-bit values
 DEFAULT_MODEL = "sim-llama-8b"
 
 
@@ -138,7 +139,7 @@ class SimulatedEngine:
         cfg = self.config
         prompt = self.prompts[self.rng.randrange(len(self.prompts))]
         suffix_len = self.rng.randint(*cfg.suffix_tokens)
-        tokens = prompt + [self.rng.randrange(VOCAB) for _ in range(suffix_len)]
+        tokens = prompt + random_tokens(self.rng, suffix_len)
         raw = prompt_block_hashes(tokens, TOKENS_PER_HASH, cfg.hash_algorithm)
         req = _Request(block_hashes=raw, all_token_ids=tokens)
         tracker = self.sink.tracker
@@ -240,6 +241,11 @@ class SimulatedEngine:
         summary.requests += 1
 
 
+def random_tokens(rng: random.Random, count: int) -> list[int]:
+    """``count`` token ids in [0, VOCAB), deterministic for the generator's state."""
+    return array("H", rng.randbytes(2 * count)).tolist()
+
+
 def _announcement(model: str, cfg: GroupOffloadConfig) -> GroupSpec:
     spec = cfg.kv_event_group_spec
     return GroupSpec(
@@ -266,10 +272,7 @@ class Fleet:
         self.config = config
         rng = random.Random(config.seed)
         low, high = config.system_prompt_tokens
-        prompts = [
-            [rng.randrange(VOCAB) for _ in range(rng.randint(low, high))]
-            for _ in range(config.system_prompts)
-        ]
+        prompts = [random_tokens(rng, rng.randint(low, high)) for _ in range(config.system_prompts)]
         self.engines = [
             SimulatedEngine(
                 iid,

@@ -1,0 +1,125 @@
+"""Operator actions: declare group specs, inspect and replay the dead-letter table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+
+from consumer.apply import BatchApplier
+from consumer.inbound import Inbound, decode
+from consumer.validate import check_announcement
+from schemas.codec import Codec
+from schemas.errors import KvledgerError
+from schemas.events import GroupSpec
+
+
+class InvalidSpecError(KvledgerError):
+    """A declared spec that is not well-formed."""
+
+
+def declare_group(conn: psycopg.Connection, spec: GroupSpec) -> None:
+    """Declare (or re-declare) a group's spec; a declared spec wins over announcements."""
+    invalid = check_announcement(spec, None)
+    if invalid is not None:
+        raise InvalidSpecError(invalid.detail)
+    with conn.transaction():
+        conn.execute(
+            """
+            INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size,
+                hash_block_size, sliding_window, origin)
+            VALUES (%s, %s, %s, %s, %s, %s, 'declared')
+            ON CONFLICT (model, group_idx) DO UPDATE SET kind = EXCLUDED.kind,
+                block_size = EXCLUDED.block_size, hash_block_size = EXCLUDED.hash_block_size,
+                sliding_window = EXCLUDED.sliding_window, origin = 'declared',
+                announced_by = NULL, updated_at = now()
+            """,
+            (
+                spec.model,
+                spec.group_idx,
+                spec.kind,
+                spec.block_size,
+                spec.hash_block_size,
+                spec.sliding_window,
+            ),
+        )
+
+
+def list_groups(conn: psycopg.Connection) -> list[tuple[object, ...]]:
+    return conn.execute(
+        "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window, origin, "
+        "announced_by, updated_at FROM kvledger.group_specs ORDER BY model, group_idx"
+    ).fetchall()
+
+
+def dlq_summary(conn: psycopg.Connection) -> list[tuple[object, ...]]:
+    """(reason, pending, replayed, first, last) per reason."""
+    return conn.execute(
+        """
+        SELECT reason, count(*) FILTER (WHERE replayed_at IS NULL),
+               count(*) FILTER (WHERE replayed_at IS NOT NULL), min(first_seen), max(first_seen)
+        FROM kvledger.rejected_events GROUP BY reason ORDER BY reason
+        """
+    ).fetchall()
+
+
+def dlq_rows(
+    conn: psycopg.Connection, reason: str | None = None, limit: int = 20
+) -> list[tuple[object, ...]]:
+    return conn.execute(
+        """
+        SELECT id, kafka_topic, kafka_partition, kafka_offset, source, reason, detail,
+               first_seen, replayed_at
+        FROM kvledger.rejected_events
+        WHERE (%(reason)s::text IS NULL OR reason = %(reason)s)
+        ORDER BY id DESC LIMIT %(limit)s
+        """,
+        {"reason": reason, "limit": limit},
+    ).fetchall()
+
+
+@dataclass
+class ReplayResult:
+    considered: int
+    replayed: int
+    still_rejected: dict[str, int]
+
+
+def replay(
+    conn: psycopg.Connection,
+    codec: Codec | None = None,
+    reason: str | None = None,
+    batch_size: int = 1000,
+) -> ReplayResult:
+    """Re-apply pending rejected events in Kafka order; applied ones are marked replayed.
+
+    Idempotent: a replayed row is never applied again. Rows still invalid stay pending.
+    """
+    codec = codec or Codec()
+    applier = BatchApplier("replay")
+    considered, replayed = 0, 0
+    still: dict[str, int] = {}
+    last_id = 0
+    while True:
+        with conn.transaction():
+            rows = conn.execute(
+                """
+                SELECT id, kafka_topic, kafka_partition, kafka_offset, kafka_key, raw
+                FROM kvledger.rejected_events
+                WHERE replayed_at IS NULL AND id > %(last)s
+                  AND (%(reason)s::text IS NULL OR reason = %(reason)s)
+                ORDER BY id LIMIT %(limit)s FOR UPDATE
+                """,
+                {"last": last_id, "reason": reason, "limit": batch_size},
+            ).fetchall()
+            if not rows:
+                break
+            last_id = rows[-1][0]
+            rows.sort(key=lambda r: (r[1], r[2], r[3]))
+            batch = [decode(Inbound(t, p, o, k, bytes(v)), codec) for _, t, p, o, k, v in rows]
+            result = applier.replay(conn, batch)
+        considered += len(rows)
+        replayed += result.replayed
+        for r in result.rejected:
+            still[r.reason] = still.get(r.reason, 0) + 1
+    return ReplayResult(considered, replayed, still)

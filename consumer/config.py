@@ -1,0 +1,25 @@
+"""Consumer configuration, read once at the edge (CLI) and passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_GROUP = "kvledger-index"
+DEFAULT_DLQ_TOPIC = "kv-events.dlq"
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    bootstrap_servers: str
+    database_url: str
+    topic: str = "kv-events"
+    group_id: str = DEFAULT_GROUP
+    dlq_topic: str = DEFAULT_DLQ_TOPIC
+    batch_size: int = 5000
+    batch_timeout_s: float = 0.5
+    until_caught_up: bool = False
+    metrics_port: int | None = None
+    retry_backoff_s: float = 0.5
+    retry_backoff_max_s: float = 10.0
+    kafka: Mapping[str, object] = field(default_factory=dict)

@@ -1,0 +1,308 @@
+"""The index consumer: Kafka → decode → validate → apply (one transaction) → next batch.
+
+:meth:`IndexConsumer.run` is the pipeline, in this order for every batch:
+
+1. poll up to ``batch_size`` messages (or ``batch_timeout_s``);
+2. decode each (pure; failures become values);
+3. in ONE PostgreSQL transaction: fence on the stored offsets, validate and apply the batch,
+   store rejections, write the offsets; before committing, produce the rejections to the
+   dead-letter topic and wait for their acknowledgements;
+4. commit; then, only as a hint for lag tools, commit the offsets to Kafka (auto-commit off).
+
+On partition assignment the consumer seeks to the offsets stored in PostgreSQL, so a crash at
+any instant neither loses nor double-applies a message. Database errors are retried with
+backoff on the same batch; a fenced batch (another consumer advanced its partition) is
+abandoned and the consumer re-seeks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec
+from prometheus_client import start_http_server
+
+from consumer import metrics
+from consumer.apply import BatchApplier, BatchResult, FencedError
+from consumer.config import ConsumerConfig
+from consumer.db import connect
+from consumer.dlq import DeadLetterError, DeadLetterProducer
+from consumer.inbound import Decoded, Inbound, decode
+from schemas.codec import Codec
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = (psycopg.OperationalError, psycopg.errors.SerializationFailure, DeadLetterError)
+
+
+@dataclass
+class RunSummary:
+    batches: int = 0
+    messages: int = 0
+    applied: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+    block_events: int = 0
+    fenced: int = 0
+    retries: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+ProgressFn = Callable[[RunSummary, int], None]
+
+
+def stored_offsets(conn: psycopg.Connection, group: str, topic: str) -> dict[int, int]:
+    rows = conn.execute(
+        "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
+        "WHERE consumer_group = %s AND kafka_topic = %s",
+        (group, topic),
+    ).fetchall()
+    return {int(p): int(o) for p, o in rows}
+
+
+def _inbound(m: Message) -> Inbound:
+    topic, partition, offset = m.topic(), m.partition(), m.offset()
+    assert topic is not None and partition is not None and offset is not None
+    return Inbound(topic, partition, offset, m.key(), m.value() or b"")
+
+
+class IndexConsumer:
+    """Materializes the topic into the index (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        codec: Codec | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.config = config
+        self.codec = codec or Codec()
+        self.progress = progress
+        self.summary = RunSummary()
+        self._stop = threading.Event()
+        self._applier = BatchApplier(config.group_id)
+        self._conn: psycopg.Connection | None = None
+        self._consumer: Consumer | None = None
+        self._dlq: DeadLetterProducer | None = None
+        self._admin = AdminClient({"bootstrap.servers": config.bootstrap_servers})
+
+    def stop(self) -> None:
+        """Ask the loop to finish its current batch and return (signal-handler safe)."""
+        self._stop.set()
+
+    # ------------------------------------------------------------------ the pipeline
+    def run(self) -> RunSummary:
+        cfg = self.config
+        if cfg.metrics_port:
+            start_http_server(cfg.metrics_port, registry=metrics.REGISTRY)
+        started = time.monotonic()
+        self._conn = self._connect()
+        self._dlq = DeadLetterProducer(cfg.bootstrap_servers, cfg.dlq_topic)
+        settings: dict[str, object] = {
+            "bootstrap.servers": cfg.bootstrap_servers,
+            "group.id": cfg.group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "client.id": f"kvledger-consumer-{cfg.group_id}",
+            "fetch.max.bytes": 52428800,
+            "max.partition.fetch.bytes": 4194304,
+        }
+        settings.update(cfg.kafka)
+        consumer = Consumer(settings)
+        self._consumer = consumer
+        consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        try:
+            while not self._stop.is_set():
+                messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
+                batch: list[Decoded] = []
+                for m in messages:
+                    err = m.error()
+                    if err is not None:
+                        if err.fatal():
+                            raise KafkaException(err)
+                        if err.code() != KafkaError._PARTITION_EOF:
+                            logger.warning("consumer error: %s", err)
+                        continue
+                    batch.append(decode(_inbound(m), self.codec))
+                if batch:
+                    self._apply(batch)
+                if cfg.until_caught_up and len(messages) < cfg.batch_size and self._caught_up():
+                    break
+        finally:
+            self.summary.seconds = time.monotonic() - started
+            consumer.close()
+            self._dlq.close()
+            self._conn.close()
+        return self.summary
+
+    def _apply(self, batch: list[Decoded]) -> None:
+        delay = self.config.retry_backoff_s
+        started = time.monotonic()
+        while True:
+            conn = self._conn
+            assert conn is not None and self._dlq is not None
+            try:
+                with conn.transaction():
+                    result = self._applier.apply(conn, batch)
+                    self._dlq.send(result.rejected)
+                break
+            except FencedError as exc:
+                logger.warning("batch abandoned: %s", exc)
+                metrics.FENCED.inc()
+                self.summary.fenced += 1
+                self._reseek()
+                return
+            except _RETRYABLE as exc:
+                if self._stop.is_set():
+                    raise
+                metrics.RETRIES.inc()
+                self.summary.retries += 1
+                logger.warning("batch failed (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self.config.retry_backoff_max_s)
+                if conn.closed or conn.broken:
+                    self._conn = self._connect()
+        metrics.BATCH_SECONDS.observe(time.monotonic() - started)
+        self._account(result)
+        if self._consumer is not None:
+            hint = [TopicPartition(t, p, n) for (t, p), n in result.next_offsets.items()]
+            try:
+                self._consumer.commit(offsets=hint, asynchronous=True)
+            except KafkaException as exc:  # a hint only
+                logger.debug("offset hint not committed: %s", exc)
+
+    def _account(self, result: BatchResult) -> None:
+        s = self.summary
+        s.batches += 1
+        s.messages += result.messages
+        s.applied += result.applied
+        s.duplicates += result.duplicates
+        s.block_events += result.block_events
+        s.rejected += len(result.rejected)
+        metrics.MESSAGES_APPLIED.inc(result.applied)
+        metrics.MESSAGES_DUPLICATE.inc(result.duplicates)
+        metrics.BLOCK_EVENTS.inc(result.block_events)
+        metrics.NOOP_REMOVALS.inc(result.noop_removals)
+        metrics.SEQUENCE_GAPS.inc(result.gaps)
+        by_reason: dict[str, int] = {}
+        for r in result.rejected:
+            by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
+            metrics.MESSAGES_REJECTED.labels(r.reason).inc()
+            logger.debug(
+                "rejected %s[%d]@%d: %s (%s)",
+                r.message.topic,
+                r.message.partition,
+                r.message.offset,
+                r.reason,
+                r.detail,
+            )
+        for reason, count in by_reason.items():
+            s.rejected_by_reason[reason] = s.rejected_by_reason.get(reason, 0) + count
+            example = next(r for r in result.rejected if r.reason == reason)
+            logger.info(
+                "rejected %d message(s) as %s, e.g. %s[%d]@%d: %s",
+                count,
+                reason,
+                example.message.topic,
+                example.message.partition,
+                example.message.offset,
+                example.detail,
+            )
+        if self.progress is not None:
+            self.progress(s, self._lag())
+
+    # ------------------------------------------------------------------ offsets
+    def _connect(self) -> psycopg.Connection:
+        delay = self.config.retry_backoff_s
+        while True:
+            try:
+                return connect(self.config.database_url, autocommit=True)
+            except psycopg.OperationalError as exc:
+                if self._stop.is_set():
+                    raise
+                logger.warning("database unavailable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self.config.retry_backoff_max_s)
+
+    def _stored(self) -> dict[int, int]:
+        while True:
+            conn = self._conn
+            assert conn is not None
+            try:
+                return stored_offsets(conn, self.config.group_id, self.config.topic)
+            except psycopg.OperationalError as exc:
+                if self._stop.is_set():
+                    raise
+                logger.warning("reading offsets failed (%s); reconnecting", exc)
+                time.sleep(self.config.retry_backoff_s)
+                if conn.closed or conn.broken:
+                    self._conn = self._connect()
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        stored = self._stored()
+        for tp in partitions:
+            tp.offset = stored.get(tp.partition, OFFSET_BEGINNING)
+        logger.info(
+            "assigned partitions %s", ", ".join(f"{tp.partition}@{tp.offset}" for tp in partitions)
+        )
+        consumer.assign(partitions)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))
+        consumer.unassign()
+
+    def _reseek(self) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return
+        stored = self._stored()
+        for tp in consumer.assignment():
+            offset = stored.get(tp.partition, OFFSET_BEGINNING)
+            try:
+                consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+            except KafkaException as exc:
+                logger.warning("seek %s[%d] failed: %s", tp.topic, tp.partition, exc)
+
+    def _end_offsets(self) -> dict[int, tuple[int, int]]:
+        """(low, high) watermark of every partition of the topic, in two admin requests."""
+        admin = self._admin
+        topic = self.config.topic
+        metadata = admin.list_topics(topic, timeout=10)
+        partitions = list(metadata.topics[topic].partitions)
+        out: dict[int, list[int]] = {p: [0, 0] for p in partitions}
+        specs = ((0, OffsetSpec.earliest()), (1, OffsetSpec.latest()))  # type: ignore[no-untyped-call]
+        for index, spec in specs:
+            request = {TopicPartition(topic, p): spec for p in partitions}
+            for tp, future in admin.list_offsets(request, request_timeout=10).items():
+                out[tp.partition][index] = future.result().offset
+        return {p: (low, high) for p, (low, high) in out.items()}
+
+    def _lag(self) -> int:
+        try:
+            ends = self._end_offsets()
+        except KafkaException:
+            return -1
+        stored = self._stored()
+        total = 0
+        for partition, (low, high) in ends.items():
+            lag = max(0, high - stored.get(partition, low))
+            metrics.LAG.labels(str(partition)).set(lag)
+            total += lag
+        return total
+
+    def _caught_up(self) -> bool:
+        return self._lag() == 0

@@ -1,0 +1,241 @@
+"""Validation: pure checks of a decoded event against its group spec and known blocks.
+
+Every rejection has a stable reason code (:class:`Reason`). No broker, no database: the
+caller passes the spec and the rows it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from schemas.events import (
+    FULL_ATTENTION_KINDS,
+    MEDIUMS,
+    SPEC_KINDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GroupSpec,
+)
+
+# Bounds that keep one message from exhausting the consumer (a 1 MiB Kafka message cannot
+# legitimately carry more).
+MAX_HASHES_PER_EVENT = 8192
+MAX_TOKENS_PER_EVENT = 262_144
+MAX_BLOCK_SIZE = 1 << 20
+MAX_HASH_BYTES = 64
+
+
+class Reason(StrEnum):
+    """Stable rejection reason codes (in the database, the DLQ headers and metrics)."""
+
+    UNDECODABLE = "undecodable"
+    UNKNOWN_SCHEMA = "unknown_schema"
+    UNKNOWN_GROUP = "unknown_group"
+    SPEC_CONFLICT = "spec_conflict"
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+    PLACEHOLDER_FOR_FULL_ATTENTION = "placeholder_for_full_attention"
+    HASH_CONFLICT = "hash_conflict"
+    INVALID_EVENT = "invalid_event"
+    STALE_EPOCH = "stale_epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A group spec as the consumer holds it."""
+
+    kind: str
+    block_size: int
+    hash_block_size: int
+    sliding_window: int | None
+    origin: str  # declared | announced
+
+    def same_shape(self, other: Spec | GroupSpec) -> bool:
+        return (
+            self.kind == other.kind
+            and self.block_size == other.block_size
+            and self.hash_block_size == other.hash_block_size
+            and self.sliding_window == other.sliding_window
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    reason: Reason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRow:
+    """What the index knows of one block hash (for conflict checks)."""
+
+    parent_hash: bytes | None
+    token_start: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    partial: bool
+
+    @property
+    def placeholder(self) -> bool:
+        return self.block_size == 0
+
+    @property
+    def token_end(self) -> int | None:
+        if self.token_start is None:
+            return None
+        return self.token_start + len(self.token_ids)
+
+
+def check_announcement(spec: GroupSpec, current: Spec | None) -> Invalid | None:
+    """An announcement must be well-formed and agree with the spec already held."""
+    if spec.kind not in SPEC_KINDS:
+        return Invalid(Reason.INVALID_EVENT, f"unknown spec kind {spec.kind!r}")
+    if not 0 < spec.block_size <= MAX_BLOCK_SIZE or not 0 < spec.hash_block_size <= MAX_BLOCK_SIZE:
+        return Invalid(
+            Reason.INVALID_EVENT,
+            f"block sizes must be positive (block {spec.block_size}, hash {spec.hash_block_size})",
+        )
+    if spec.block_size % spec.hash_block_size:
+        return Invalid(
+            Reason.INVALID_EVENT,
+            f"block size {spec.block_size} is not a multiple of hash size {spec.hash_block_size}",
+        )
+    if current is not None and not current.same_shape(spec):
+        return Invalid(
+            Reason.SPEC_CONFLICT,
+            f"announced {spec.kind}/{spec.block_size}/{spec.hash_block_size}/"
+            f"{spec.sliding_window} but the {current.origin} spec is {current.kind}/"
+            f"{current.block_size}/{current.hash_block_size}/{current.sliding_window}",
+        )
+    return None
+
+
+def _check_hashes(hashes: Sequence[bytes]) -> Invalid | None:
+    if not hashes:
+        return Invalid(Reason.INVALID_EVENT, "no block hashes")
+    if len(hashes) > MAX_HASHES_PER_EVENT:
+        return Invalid(
+            Reason.INVALID_EVENT, f"{len(hashes)} hashes exceed the bound {MAX_HASHES_PER_EVENT}"
+        )
+    for h in hashes:
+        if not 0 < len(h) <= MAX_HASH_BYTES:
+            return Invalid(Reason.INVALID_EVENT, f"a block hash of {len(h)} bytes")
+    return None
+
+
+def _check_medium(medium: str | None) -> Invalid | None:
+    if medium is not None and medium not in MEDIUMS:
+        return Invalid(Reason.INVALID_EVENT, f"unknown medium {medium!r}")
+    return None
+
+
+def check_stored(event: BlockStored, spec: Spec | None) -> Invalid | None:
+    """Shape checks of a BlockStored against its group spec (no index state needed)."""
+    if spec is None:
+        return Invalid(
+            Reason.UNKNOWN_GROUP,
+            f"group {event.group_idx} has no declared or announced spec",
+        )
+    if invalid := _check_hashes(event.block_hashes) or _check_medium(event.medium):
+        return invalid
+    if len(event.token_ids) > MAX_TOKENS_PER_EVENT:
+        return Invalid(
+            Reason.INVALID_EVENT,
+            f"{len(event.token_ids)} tokens exceed the bound {MAX_TOKENS_PER_EVENT}",
+        )
+    if event.token_start is not None and event.token_start < 0:
+        return Invalid(Reason.INVALID_EVENT, f"negative token_start {event.token_start}")
+    if event.is_placeholder:
+        if spec.kind in FULL_ATTENTION_KINDS:
+            return Invalid(
+                Reason.PLACEHOLDER_FOR_FULL_ATTENTION,
+                f"placeholder payload for {spec.kind} group {event.group_idx}",
+            )
+        return None
+    expected = spec.hash_block_size if event.partial else spec.block_size
+    if event.block_size != expected:
+        what = " (hash size, partial tail)" if event.partial else ""
+        return Invalid(
+            Reason.BLOCK_SIZE_MISMATCH,
+            f"block_size {event.block_size} but the {spec.origin} spec of group "
+            f"{event.group_idx} says {expected}{what}",
+        )
+    if len(event.token_ids) != len(event.block_hashes) * event.block_size:
+        return Invalid(
+            Reason.TOKEN_COUNT_MISMATCH,
+            f"{len(event.token_ids)} tokens for {len(event.block_hashes)} hashes of "
+            f"{event.block_size}",
+        )
+    return None
+
+
+def check_removed(event: BlockRemoved, spec: Spec | None) -> Invalid | None:
+    if spec is None:
+        return Invalid(
+            Reason.UNKNOWN_GROUP, f"group {event.group_idx} has no declared or announced spec"
+        )
+    return _check_hashes(event.block_hashes) or _check_medium(event.medium)
+
+
+def check_cleared(event: AllBlocksCleared) -> Invalid | None:
+    return _check_medium(event.medium)
+
+
+def explode(event: BlockStored) -> list[tuple[bytes, BlockRow]]:
+    """One row per hash: hash i covers tokens [start + i*size, +size), parent hash i-1."""
+    rows = []
+    parent = event.parent_block_hash
+    size = event.block_size
+    start = event.token_start
+    tokens = event.token_ids
+    for i, h in enumerate(event.block_hashes):
+        rows.append(
+            (
+                h,
+                BlockRow(
+                    parent_hash=parent,
+                    token_start=start + i * size if start is not None else None,
+                    token_ids=tuple(tokens[i * size : (i + 1) * size]),
+                    block_size=size,
+                    partial=event.partial,
+                ),
+            )
+        )
+        parent = h
+    return rows
+
+
+def conflicts(existing: BlockRow, new: BlockRow) -> str | None:
+    """Why ``new`` cannot describe the same hash as ``existing``; None when consistent.
+
+    The same hash may be described at two granularities (a partial tail's hash-size row and
+    a full block's row end at the same token): then both must end at the same position and
+    agree on the tokens they share (the shorter is a suffix of the longer).
+    """
+    if existing.placeholder or new.placeholder:
+        return None
+    if existing.block_size == new.block_size:
+        if existing.token_ids != new.token_ids:
+            return "same hash announced with different tokens"
+        if existing.parent_hash != new.parent_hash:
+            return "same hash announced with a different parent"
+        if (
+            existing.token_start is not None
+            and new.token_start is not None
+            and existing.token_start != new.token_start
+        ):
+            return "same hash announced at a different position"
+        return None
+    if (
+        existing.token_end is not None
+        and new.token_end is not None
+        and existing.token_end != new.token_end
+    ):
+        return "same hash announced ending at a different position"
+    shorter, longer = sorted((existing.token_ids, new.token_ids), key=len)
+    if longer[len(longer) - len(shorter) :] != shorter:
+        return "same hash announced with different tokens"
+    return None

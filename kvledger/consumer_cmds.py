@@ -1,0 +1,189 @@
+"""`kvledger migrate | consume | groups | dlq`: the consumer side's commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import TYPE_CHECKING, Any
+
+from consumer import admin
+from consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
+from consumer.db import connect, migrate
+from consumer.service import IndexConsumer, RunSummary
+from kvledger import settings
+from schemas.events import SPEC_KINDS, GroupSpec
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def _db_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
+
+
+def add_parsers(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser("migrate", help="create or upgrade the index schema (alembic)")
+    _db_arg(p)
+    p.add_argument("--revision", default="head")
+    p.set_defaults(run=_migrate)
+
+    p = subparsers.add_parser("consume", help="materialize the topic into the index")
+    _db_arg(p)
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    p.add_argument("--topic", default="kv-events")
+    p.add_argument("--group", default=DEFAULT_GROUP, help="consumer group")
+    p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC)
+    p.add_argument("--batch-size", type=int, default=5000)
+    p.add_argument("--batch-timeout", type=float, default=0.5, help="seconds")
+    p.add_argument(
+        "--until-caught-up",
+        action="store_true",
+        help="exit 0 once the stored offsets reach the partitions' end offsets",
+    )
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--no-migrate", action="store_true", help="do not run migrations first")
+    p.set_defaults(run=_consume)
+
+    g = subparsers.add_parser("groups", help="declare or list KV-cache group specs")
+    gs = g.add_subparsers(dest="groups_command", required=True)
+    p = gs.add_parser("declare", help="declare a group's spec (wins over announcements)")
+    _db_arg(p)
+    p.add_argument("--model", required=True)
+    p.add_argument("--group", type=int, required=True, dest="group_idx")
+    p.add_argument("--kind", default="full_attention", choices=sorted(SPEC_KINDS))
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--hash-block-size", type=int, help="defaults to the block size")
+    p.add_argument("--sliding-window", type=int)
+    p.set_defaults(run=_groups_declare)
+    p = gs.add_parser("list", help="list group specs")
+    _db_arg(p)
+    p.set_defaults(run=_groups_list)
+
+    d = subparsers.add_parser("dlq", help="inspect or replay rejected events")
+    ds = d.add_subparsers(dest="dlq_command", required=True)
+    p = ds.add_parser("list", help="rejections by reason, and the latest rows")
+    _db_arg(p)
+    p.add_argument("--reason")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(run=_dlq_list)
+    p = ds.add_parser("replay", help="re-apply pending rejected events (idempotent)")
+    _db_arg(p)
+    p.add_argument("--reason")
+    p.set_defaults(run=_dlq_replay)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    url = settings.database_url(args.database_url)
+    migrate(url, args.revision)
+    print(f"index schema at revision {args.revision}")
+    return 0
+
+
+def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
+    return ConsumerConfig(
+        bootstrap_servers=settings.kafka_bootstrap(args.bootstrap),
+        database_url=settings.database_url(args.database_url),
+        topic=args.topic,
+        group_id=args.group,
+        dlq_topic=args.dlq_topic,
+        batch_size=args.batch_size,
+        batch_timeout_s=args.batch_timeout,
+        until_caught_up=args.until_caught_up,
+        metrics_port=args.metrics_port,
+    )
+
+
+def terminal_progress(summary: RunSummary, lag: int) -> None:
+    if not sys.stderr.isatty():
+        return
+    sys.stderr.write(
+        f"\rconsumed {summary.messages:,} messages: {summary.applied:,} applied, "
+        f"{summary.rejected:,} rejected, {summary.duplicates:,} duplicate; "
+        f"{summary.block_events:,} block events; lag {lag:,}   "
+    )
+    sys.stderr.flush()
+
+
+def _consume(args: argparse.Namespace) -> int:
+    config = consumer_config(args)
+    if not args.no_migrate:
+        migrate(config.database_url)
+    service = IndexConsumer(config, progress=terminal_progress)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        logger.info("signal %d: finishing the current batch", signum)
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    summary = service.run()
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    print(
+        f"consumed {summary.messages} messages in {summary.batches} batches "
+        f"({summary.seconds:.1f} s): {summary.applied} applied, {summary.rejected} rejected, "
+        f"{summary.duplicates} duplicate, {summary.block_events} block events"
+    )
+    for reason, count in sorted(summary.rejected_by_reason.items()):
+        print(f"  rejected {reason}: {count}")
+    return 0
+
+
+def _groups_declare(args: argparse.Namespace) -> int:
+    spec = GroupSpec(
+        model=args.model,
+        group_idx=args.group_idx,
+        kind=args.kind,
+        block_size=args.block_size,
+        hash_block_size=args.hash_block_size or args.block_size,
+        sliding_window=args.sliding_window,
+    )
+    with connect(settings.database_url(args.database_url), autocommit=True) as conn:
+        try:
+            admin.declare_group(conn, spec)
+        except admin.InvalidSpecError as exc:
+            print(f"kvledger: invalid spec: {exc}", file=sys.stderr)
+            return 2
+    print(f"declared {spec}")
+    return 0
+
+
+def _print_table(header: list[str], rows: list[tuple[object, ...]]) -> None:
+    cells = [header] + [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for i, row in enumerate(cells):
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _groups_list(args: argparse.Namespace) -> int:
+    with connect(settings.database_url(args.database_url), autocommit=True) as conn:
+        rows = admin.list_groups(conn)
+    header = ["model", "group", "kind", "block", "hash", "window", "origin", "by", "updated"]
+    _print_table(header, rows)
+    return 0
+
+
+def _dlq_list(args: argparse.Namespace) -> int:
+    with connect(settings.database_url(args.database_url), autocommit=True) as conn:
+        summary = admin.dlq_summary(conn)
+        rows = admin.dlq_rows(conn, args.reason, args.limit)
+    _print_table(["reason", "pending", "replayed", "first", "last"], summary)
+    print()
+    header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen", "replayed"]
+    _print_table(header, rows)
+    return 0
+
+
+def _dlq_replay(args: argparse.Namespace) -> int:
+    with connect(settings.database_url(args.database_url), autocommit=True) as conn:
+        result = admin.replay(conn, reason=args.reason)
+    print(f"replayed {result.replayed} of {result.considered} pending rejected events")
+    for reason, count in sorted(result.still_rejected.items()):
+        print(f"  still rejected {reason}: {count}")
+    return 0

@@ -94,6 +94,8 @@ def replay(
     """Re-apply pending rejected events in Kafka order; applied ones are marked replayed.
 
     Idempotent: a replayed row is never applied again. Rows still invalid stay pending.
+    Events of a superseded producer epoch (``stale_epoch``) are replayed only when asked for
+    by that reason: a newer epoch of the same source has already re-announced its state.
     """
     codec = codec or Codec()
     applier = BatchApplier("replay")
@@ -108,6 +110,7 @@ def replay(
                 FROM kvledger.rejected_events
                 WHERE replayed_at IS NULL AND id > %(last)s
                   AND (%(reason)s::text IS NULL OR reason = %(reason)s)
+                  AND (reason <> 'stale_epoch' OR %(reason)s::text = 'stale_epoch')
                 ORDER BY id LIMIT %(limit)s FOR UPDATE
                 """,
                 {"last": last_id, "reason": reason, "limit": batch_size},

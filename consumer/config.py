@@ -22,4 +22,8 @@ class ConsumerConfig:
     metrics_port: int | None = None
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 10.0
+    # Static membership: a restarted consumer with the same id takes its partitions back at
+    # once instead of waiting for the session of its dead predecessor to time out.
+    group_instance_id: str | None = None
+    session_timeout_ms: int = 10000
     kafka: Mapping[str, object] = field(default_factory=dict)

@@ -120,7 +120,10 @@ class IndexConsumer:
             "client.id": f"kvledger-consumer-{cfg.group_id}",
             "fetch.max.bytes": 52428800,
             "max.partition.fetch.bytes": 4194304,
+            "session.timeout.ms": cfg.session_timeout_ms,
         }
+        if cfg.group_instance_id:
+            settings["group.instance.id"] = cfg.group_instance_id
         settings.update(cfg.kafka)
         consumer = Consumer(settings)
         self._consumer = consumer

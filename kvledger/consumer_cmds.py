@@ -45,6 +45,10 @@ def add_parsers(subparsers: Subparsers) -> None:
         help="exit 0 once the stored offsets reach the partitions' end offsets",
     )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--group-instance-id",
+        help="static group membership id: a restart with the same id resumes at once",
+    )
     p.add_argument("--no-migrate", action="store_true", help="do not run migrations first")
     p.set_defaults(run=_consume)
 
@@ -94,6 +98,7 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         batch_timeout_s=args.batch_timeout,
         until_caught_up=args.until_caught_up,
         metrics_port=args.metrics_port,
+        group_instance_id=args.group_instance_id,
     )
 
 

@@ -139,3 +139,22 @@ def make_topic(kafka_admin: AdminClient) -> Iterator[Callable[..., str]]:
 def group_id() -> str:
     """A consumer group of this test alone."""
     return f"test-group-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def fresh_database(database_url: str) -> Iterator[str]:
+    """A new, migrated database for one test (dropped afterwards); yields its URL."""
+    import sqlalchemy as sa
+
+    from consumer.db import connect, migrate
+
+    name = f"kvl_test_{uuid.uuid4().hex[:12]}"
+    with connect(database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    migrate(url)
+    try:
+        yield url
+    finally:
+        with connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

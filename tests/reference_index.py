@@ -1,0 +1,213 @@
+"""An independent, deliberately simple model of the index, computed from the events alone.
+
+It walks each partition's messages in order (partition by partition, unlike the consumer,
+which interleaves them), and must end in the same state as the consumer's index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import psycopg
+
+from schemas.codec import Codec
+from schemas.errors import DecodeError
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+
+FULL = {
+    "full_attention",
+    "mla_attention",
+    "sink_full_attention",
+    "encoder_only_attention",
+    "cross_attention",
+}
+
+
+@dataclass
+class Reference:
+    specs: dict[tuple[str, int], tuple[str, int, int]] = field(default_factory=dict)
+    blocks: dict[tuple[str, int, bytes], tuple[object, ...]] = field(default_factory=dict)
+    refs: Counter[tuple[object, ...]] = field(default_factory=Counter)
+    history: list[tuple[object, ...]] = field(default_factory=list)
+    open_at: dict[tuple[object, ...], datetime] = field(default_factory=dict)
+    status: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    def residencies(self) -> dict[tuple[object, ...], int]:
+        return {k: v for k, v in self.refs.items() if v > 0}
+
+    def history_multiset(self) -> Counter[tuple[object, ...]]:
+        rows = list(self.history) + [(*k, t, None) for k, t in self.open_at.items()]
+        return Counter(rows)
+
+
+def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
+    ref = Reference()
+    codec = Codec()
+    for partition in sorted(messages_by_partition):
+        for raw in messages_by_partition[partition]:
+            try:
+                env = codec.decode(raw)
+            except DecodeError as exc:
+                ref.status["rejected"] += 1
+                ref.rejected[exc.reason] += 1
+                continue
+            ev = env.event
+            when = datetime.fromtimestamp(env.event_time_ms / 1000, tz=UTC)
+            group = getattr(ev, "group_idx", None) or 0
+            reason = None
+            if isinstance(ev, GroupSpec):
+                ref.specs.setdefault(
+                    (ev.model, ev.group_idx), (ev.kind, ev.block_size, ev.hash_block_size)
+                )
+            elif isinstance(ev, BlockStored):
+                spec = ref.specs.get((env.model, group))
+                if spec is None:
+                    reason = "unknown_group"
+                elif ev.block_size == 0 and not ev.token_ids:
+                    reason = "placeholder_for_full_attention" if spec[0] in FULL else None
+                elif ev.block_size != (spec[2] if ev.partial else spec[1]):
+                    reason = "block_size_mismatch"
+                elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+                    reason = "token_count_mismatch"
+                if reason is None:
+                    parent = ev.parent_block_hash
+                    for i, h in enumerate(ev.block_hashes):
+                        size = ev.block_size
+                        start = ev.token_start + i * size if ev.token_start is not None else None
+                        row = (
+                            parent,
+                            start,
+                            tuple(ev.token_ids[i * size : (i + 1) * size]),
+                            size,
+                            ev.partial,
+                        )
+                        key = (env.model, group, h)
+                        old = ref.blocks.get(key)
+                        if old is None or (
+                            size > 0 and (old[3] == 0 or (old[4] and not ev.partial))
+                        ):
+                            ref.blocks[key] = row
+                        parent = h
+                        res = (
+                            env.model,
+                            group,
+                            h,
+                            env.source,
+                            ev.medium or "GPU",
+                            ev.ownership or "",
+                        )
+                        ref.refs[res] += 1
+                        if ref.refs[res] == 1:
+                            ref.open_at[res] = when
+            elif isinstance(ev, BlockRemoved):
+                if (env.model, group) not in ref.specs:
+                    reason = "unknown_group"
+                else:
+                    for h in ev.block_hashes:
+                        res = (
+                            env.model,
+                            group,
+                            h,
+                            env.source,
+                            ev.medium or "GPU",
+                            ev.ownership or "",
+                        )
+                        if ref.refs[res] > 0:
+                            ref.refs[res] -= 1
+                            if ref.refs[res] == 0:
+                                ref.history.append((*res, ref.open_at.pop(res), when))
+            elif isinstance(ev, AllBlocksCleared):
+                for res in list(ref.refs):
+                    if (
+                        res[0] == env.model
+                        and res[1] == group
+                        and res[3] == env.source
+                        and res[4] == (ev.medium or "GPU")
+                        and ref.refs[res] > 0
+                    ):
+                        ref.refs[res] = 0
+                        ref.history.append((*res, ref.open_at.pop(res), when))
+            if reason is None:
+                ref.status["applied"] += 1
+            else:
+                ref.status["rejected"] += 1
+                ref.rejected[reason] += 1
+    return ref
+
+
+def index_state(conn: psycopg.Connection) -> dict[str, object]:
+    """The consumer's index, in the reference's shapes."""
+    blocks = {
+        (m, g, bytes(h)): (bytes(p) if p is not None else None, s, tuple(t), bs, partial)
+        for m, g, h, p, s, t, bs, partial in conn.execute(
+            "SELECT model, group_idx, block_hash, parent_hash, token_start, token_ids, "
+            "block_size, partial FROM kvledger.blocks"
+        ).fetchall()
+    }
+    residencies = {
+        (m, g, bytes(h), i, md, o): c
+        for m, g, h, i, md, o, c in conn.execute(
+            "SELECT model, group_idx, block_hash, instance, medium, ownership, refcount "
+            "FROM kvledger.residencies"
+        ).fetchall()
+    }
+    history = Counter(
+        (m, g, bytes(h), i, md, o, s, r)
+        for m, g, h, i, md, o, s, r in conn.execute(
+            "SELECT model, group_idx, block_hash, instance, medium, ownership, stored_at, "
+            "removed_at FROM kvledger.residency_history"
+        ).fetchall()
+    )
+    status = Counter(
+        dict(
+            conn.execute("SELECT status, count(*) FROM kvledger.events GROUP BY status").fetchall()
+        )
+    )
+    rejected = Counter(
+        dict(
+            conn.execute(
+                "SELECT reason, count(*) FROM kvledger.rejected_events GROUP BY reason"
+            ).fetchall()
+        )
+    )
+    return {
+        "blocks": blocks,
+        "residencies": residencies,
+        "history": history,
+        "status": status,
+        "rejected": rejected,
+    }
+
+
+def full_dump(conn: psycopg.Connection) -> dict[str, list[tuple[object, ...]]]:
+    """Every table's rows minus wall-clock columns, sorted: equal dumps mean equal indexes."""
+    columns = {
+        "group_specs": "model, group_idx, kind, block_size, hash_block_size, sliding_window, "
+        "origin",
+        "blocks": "model, group_idx, block_hash, parent_hash, token_start, token_end, token_ids, "
+        "block_size, partial, lora_name, extra_keys, first_seen, last_seen",
+        "residencies": "model, group_idx, block_hash, instance, medium, ownership, locality, "
+        "since, kafka_partition, kafka_offset, refcount",
+        "residency_history": "model, group_idx, block_hash, instance, medium, ownership, "
+        "locality, stored_at, removed_at, removed_by, stored_partition, stored_offset",
+        "events": "kafka_partition, kafka_offset, source, epoch, seq, event_type, group_idx, "
+        "medium, ownership, hash_count, noop_count, status, reason, event_time",
+        "rejected_events": "kafka_partition, kafka_offset, kafka_key, raw, reason, detail, source",
+        "source_health": "source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
+        "epoch_changes, duplicates, last_event_time",
+    }
+    queries = {name: f"SELECT {cols} FROM kvledger.{name}" for name, cols in columns.items()}
+    out = {}
+    for name, sql in queries.items():
+        rows = [
+            tuple(
+                bytes(v) if isinstance(v, memoryview) else (tuple(v) if isinstance(v, list) else v)
+                for v in row
+            )
+            for row in conn.execute(sql).fetchall()
+        ]
+        out[name] = sorted(rows, key=repr)
+    return out

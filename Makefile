@@ -32,8 +32,11 @@ define with_env
 $(if $(USE_EXTERNAL),,eval "$$($(SERVICES) env)";)
 endef
 
+# KEEP=1 (or DEMO_ARGS=--keep) leaves the local services running for exploration.
 demo: services
-	@$(with_env) $(VENV)/bin/kvledger demo $(DEMO_ARGS)
+	@$(with_env) $(VENV)/bin/kvledger demo $(DEMO_ARGS) $(if $(KEEP),--keep,)
+	@if [ -z "$(KEEP)$(USE_EXTERNAL)" ] && ! echo "$(DEMO_ARGS)" | grep -q -- --keep; then \
+		$(SERVICES) down; fi
 
 lint: venv
 	@$(VENV)/bin/ruff check .

@@ -39,7 +39,7 @@ class DeadLetterProducer:
             }
         )
         self._errors: list[str] = []
-        _ensure(AdminClient({"bootstrap.servers": bootstrap}), topic, timeout)
+        _ensure(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, timeout)
 
     def send(self, rejections: Sequence[Rejection]) -> None:
         """Produce every rejection and wait for the acknowledgements (raises on failure)."""

@@ -98,7 +98,7 @@ class IndexConsumer:
         self._conn: psycopg.Connection | None = None
         self._consumer: Consumer | None = None
         self._dlq: DeadLetterProducer | None = None
-        self._admin = AdminClient({"bootstrap.servers": config.bootstrap_servers})
+        self._admin = AdminClient({"bootstrap.servers": config.bootstrap_servers, "log_level": 4})
 
     def stop(self) -> None:
         """Ask the loop to finish its current batch and return (signal-handler safe)."""

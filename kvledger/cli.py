@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvledger import __version__, consumer_cmds, simulate_cmd
+from kvledger import __version__, consumer_cmds, demo, simulate_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate_cmd.add_parser(subparsers)
     consumer_cmds.add_parsers(subparsers)
+    demo.add_parser(subparsers)
     return parser
 
 
@@ -27,6 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
     if args.command is None:
         parser.print_help()
         return 2

@@ -36,7 +36,7 @@ def run_simulation(
     show_progress: bool = True,
 ) -> SimulationResult:
     """simulate → tracker → publisher → Kafka, one publisher per simulated instance."""
-    ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, partitions)
+    ensure_topic(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, partitions)
     publishers: dict[str, KVEventPublisher] = {}
 
     def sink(instance_id: str) -> KVEventPublisher:

@@ -258,6 +258,21 @@ def _announcement(model: str, cfg: GroupOffloadConfig) -> GroupSpec:
     )
 
 
+def system_prompts(config: FleetConfig) -> list[list[int]]:
+    """The fleet-wide system prompts of a configuration (deterministic for its seed)."""
+    rng = random.Random(config.seed)
+    low, high = config.system_prompt_tokens
+    return [random_tokens(rng, rng.randint(low, high)) for _ in range(config.system_prompts)]
+
+
+def prompt_hashes(tokens: list[int], config: FleetConfig, int64: bool = True) -> list[bytes]:
+    """Group 0's block hashes of a prompt, as a router computes them (vLLM sha256)."""
+    raw = prompt_block_hashes(tokens, TOKENS_PER_HASH, config.hash_algorithm)
+    scale = FULL_GROUP.tokens_per_block // TOKENS_PER_HASH
+    blocks = raw[scale - 1 :: scale]
+    return [h[-8:] for h in blocks] if int64 else blocks
+
+
 def instance_ids(config: FleetConfig) -> list[str]:
     ids = [f"engine-{i}" for i in range(config.instances)]
     if config.misconfigured_source:
@@ -270,9 +285,7 @@ class Fleet:
 
     def __init__(self, config: FleetConfig, sink_factory: Callable[[str], EventSink]) -> None:
         self.config = config
-        rng = random.Random(config.seed)
-        low, high = config.system_prompt_tokens
-        prompts = [random_tokens(rng, rng.randint(low, high)) for _ in range(config.system_prompts)]
+        prompts = system_prompts(config)
         self.engines = [
             SimulatedEngine(
                 iid,

@@ -1,0 +1,87 @@
+"""Lookups over the index: which holders have the longest prefix of a prompt, on which tier.
+
+A thin, typed layer over the SQL functions the migrations create (kvledger.match_prefix and
+kvledger.match_prefix_at), so that any language can ask the same questions in SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from types import MappingProxyType
+
+import psycopg
+
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType(
+    {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One holder's match: how many leading blocks (and tokens) of the prompt it holds."""
+
+    instance: str
+    medium: str
+    ownership: str
+    matched_blocks: int
+    matched_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    instance: str
+    score: float
+    tokens_by_tier: dict[str, int]
+
+
+class PrefixIndex:
+    """Prefix lookups on one database connection."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+
+    def match(self, model: str, group_idx: int, hashes: Sequence[bytes]) -> list[Holder]:
+        rows = self.conn.execute(
+            "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
+            "FROM kvledger.match_prefix(%s, %s, %s) "
+            "ORDER BY matched_blocks DESC, instance, medium, ownership",
+            (model, group_idx, list(hashes)),
+        ).fetchall()
+        return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+
+    def match_at(
+        self, model: str, group_idx: int, hashes: Sequence[bytes], at: datetime
+    ) -> list[Holder]:
+        rows = self.conn.execute(
+            "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
+            "FROM kvledger.match_prefix_at(%s, %s, %s, %s) "
+            "ORDER BY matched_blocks DESC, instance, medium, ownership",
+            (model, group_idx, list(hashes), at),
+        ).fetchall()
+        return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+
+
+def rank(
+    holders: Sequence[Holder], weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS
+) -> list[Ranked]:
+    """Rank instances for routing: each matched token counts its best tier's weight.
+
+    An instance's score is the sum over tokens of the highest weight among the tiers that
+    hold that token (tiers hold nested prefixes, so this is a sum over tier increments).
+    """
+    by_instance: dict[str, dict[str, int]] = {}
+    for h in holders:
+        tiers = by_instance.setdefault(h.instance, {})
+        tiers[h.medium] = max(tiers.get(h.medium, 0), h.matched_tokens)
+    ranked = []
+    for instance, tiers in by_instance.items():
+        score, covered = 0.0, 0
+        for medium, tokens in sorted(tiers.items(), key=lambda kv: -weights.get(kv[0], 0.0)):
+            if tokens > covered:
+                score += (tokens - covered) * weights.get(medium, 0.0)
+                covered = tokens
+        ranked.append(Ranked(instance, score, dict(tiers)))
+    ranked.sort(key=lambda r: (-r.score, r.instance))
+    return ranked

@@ -1,0 +1,282 @@
+"""`kvledger demo`: the whole system on a simulated fleet, with a report a person can read.
+
+simulate (several engines, shared system prompts, CPU + STORAGE tiers, evictions, partial
+tails, a sliding-window group, one misconfigured source) → tracker → publisher → Kafka →
+consumer → PostgreSQL index → a routing decision and audit answers in SQL.
+
+The demo works in its own database (``<database>_demo``) and its own topic
+(``kv-events-demo``), both recreated on every run, so a second run starts clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import psycopg
+import sqlalchemy as sa
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from consumer.config import ConsumerConfig
+from consumer.db import connect, migrate
+from consumer.lookup import PrefixIndex, rank
+from consumer.service import IndexConsumer
+from kvledger import settings
+from kvledger.simulate_cmd import run_simulation
+from producer.simulate import (
+    FULL_GROUP,
+    FleetConfig,
+    prompt_hashes,
+    random_tokens,
+    system_prompts,
+)
+from producer.topics import ensure_topic
+
+TOPIC = "kv-events-demo"
+GROUP = "kvledger-demo"
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("demo", help="run the whole pipeline on a simulated fleet")
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    p.add_argument("--database-url", help="server to use (else $KVLEDGER_DATABASE_URL)")
+    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--requests", type=int, default=150, help="requests per instance")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--keep", action="store_true", help="leave the services up afterwards")
+    p.set_defaults(run=_run)
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title}")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [list(header)] + [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for i, row in enumerate(cells):
+        print("   " + "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            print("   " + "  ".join("-" * w for w in widths))
+
+
+def _sql(conn: psycopg.Connection, title: str, query: str, params: Sequence[object] = ()) -> None:
+    _section(title)
+    print("   " + "\n   ".join(line for line in query.strip().splitlines()))
+    cur = conn.execute(query, params)
+    header = [d.name for d in cur.description or []]
+    _table(header, cur.fetchall())
+
+
+def _demo_database(server_url: str) -> str:
+    url = sa.engine.make_url(server_url)
+    name = f"{url.database or 'kvledger'}_demo"
+    with connect(server_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return url.set(database=name).render_as_string(hide_password=False)
+
+
+def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
+    existing = set(admin.list_topics(timeout=10).topics)
+    doomed = [n for n in names if n in existing]
+    if doomed:
+        for future in admin.delete_topics(doomed).values():
+            with contextlib.suppress(KafkaException):
+                future.result(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and set(doomed) & set(
+            admin.list_topics(timeout=10).topics
+        ):
+            time.sleep(0.2)
+
+
+def _run(args: argparse.Namespace) -> int:
+    bootstrap = settings.kafka_bootstrap(args.bootstrap)
+    server = settings.database_url(args.database_url)
+    fleet = FleetConfig(
+        instances=args.instances, requests=args.requests, seed=args.seed, misconfigured_source=True
+    )
+    print("kvledger demo: a simulated fleet → Kafka → consumer → PostgreSQL prefix-cache index")
+    print(
+        f"   broker {bootstrap}; {fleet.instances} engines + 1 misconfigured, "
+        f"{fleet.requests} requests each, seed {fleet.seed}"
+    )
+
+    _section("set-up")
+    database = _demo_database(server)
+    migrate(database)
+    print(f"   database {sa.engine.make_url(database).database} created and migrated")
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
+    _fresh_topics(admin, [TOPIC, f"{TOPIC}.dlq"])
+    ensure_topic(admin, TOPIC, 12)
+    print(f"   topic {TOPIC} (12 partitions) and dead-letter topic {TOPIC}.dlq")
+
+    consumer = IndexConsumer(
+        ConsumerConfig(
+            bootstrap_servers=bootstrap,
+            database_url=database,
+            topic=TOPIC,
+            group_id=GROUP,
+            dlq_topic=f"{TOPIC}.dlq",
+            batch_size=2000,
+            batch_timeout_s=0.2,
+        )
+    )
+    consumer_thread = threading.Thread(target=consumer.run, name="consumer", daemon=True)
+    consumer_thread.start()
+    print("   consumer started (group kvledger-demo)")
+
+    _section("publishing")
+    sim = run_simulation(bootstrap, TOPIC, fleet, partitions=12)
+    s = sim.summary
+    print(
+        f"   {s.requests} requests: {s.lookup_hits} chunk lookup hits, {s.promotions} "
+        f"promotions from STORAGE, {s.partial_tails} partial tails stored"
+    )
+    print(
+        f"   {sim.produced} messages produced, {sim.acked} acknowledged "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(sim.by_type.items()))})"
+    )
+
+    _section("consuming")
+    start = time.monotonic()
+    lag = -1
+    while time.monotonic() - start < 300:
+        lag = consumer._lag()
+        if sys.stderr.isatty():
+            sys.stderr.write(
+                f"\r   lag {lag:>8,} messages; applied {consumer.summary.applied:,}   "
+            )
+            sys.stderr.flush()
+        if lag == 0 and consumer.summary.messages >= sim.produced:
+            break
+        time.sleep(0.3)
+    consumer.stop()
+    consumer_thread.join(timeout=60)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    c = consumer.summary
+    print(f"   consumer lag reached {lag} after {time.monotonic() - start:.1f} s")
+    print(
+        f"   {c.messages} messages: {c.applied} applied, {c.rejected} rejected, "
+        f"{c.duplicates} duplicate; {c.block_events} block events"
+    )
+    for reason, count in sorted(c.rejected_by_reason.items()):
+        print(f"   rejected {reason}: {count} (kept with raw bytes; also in {TOPIC}.dlq)")
+    if lag != 0:
+        print("kvledger demo: the consumer did not catch up", file=sys.stderr)
+        return 1
+
+    with connect(database, autocommit=True) as conn:
+        _sql(
+            conn,
+            "per-instance footprint by tier (view kvledger.instance_footprint)",
+            """
+SELECT instance, medium, ownership, blocks, refs, tokens
+FROM kvledger.instance_footprint
+WHERE group_idx = 0 ORDER BY instance, medium, ownership
+""",
+        )
+        _sql(
+            conn,
+            "top shared prefixes (view kvledger.hottest_prefixes)",
+            """
+SELECT encode(block_hash, 'hex') AS block_hash, token_start, token_end, instances
+FROM kvledger.hottest_prefixes
+WHERE group_idx = 0
+ORDER BY instances DESC, token_end DESC LIMIT 5
+""",
+        )
+        _routing(conn, fleet)
+        _audits(conn)
+    _section("explore")
+    url = sa.engine.make_url(database)
+    print(
+        f"   psql -h {url.host} -p {url.port} -U {url.username} {url.database}   "
+        f"(password {url.password})"
+    )
+    print("   kvledger dlq list / kvledger groups list  (with --database-url above)")
+    if args.keep:
+        print("   services left running; stop them with: scripts/services down")
+    else:
+        print("   (make demo KEEP=1 leaves the services running to explore this)")
+    return 0
+
+
+def _routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
+    import random
+
+    prompts = system_prompts(fleet)
+    prompt = prompts[0] + random_tokens(random.Random("router"), 300)
+    hashes = prompt_hashes(prompt, fleet)
+    index = PrefixIndex(conn)
+    holders = index.match(fleet.model, FULL_GROUP.group_idx, hashes)
+    _section("one routing decision")
+    print(
+        f"   prompt: system prompt 0 ({len(prompts[0])} tokens) + a new 300-token question = "
+        f"{len(prompt)} tokens, {len(hashes)} blocks of {FULL_GROUP.tokens_per_block}"
+    )
+    print("   SELECT * FROM kvledger.match_prefix('sim-llama-8b', 0, <block hashes>)")
+    _table(
+        ["instance", "medium", "ownership", "matched_blocks", "matched_tokens"],
+        [
+            (h.instance, h.medium, h.ownership or "-", h.matched_blocks, h.matched_tokens)
+            for h in holders
+        ],
+    )
+    ranked = rank(holders)
+    print("   ranked with tier weights GPU 1.0, CPU 0.8, STORAGE 0.5:")
+    for i, r in enumerate(ranked, 1):
+        tiers = ", ".join(f"{m} {t} tokens" for m, t in sorted(r.tokens_by_tier.items()))
+        print(f"   {i}. {r.instance}  score {r.score:,.0f}  ({tiers})")
+    if ranked:
+        best = ranked[0]
+        print(
+            f"   → route to {best.instance}: it already holds "
+            f"{max(best.tokens_by_tier.values())} of the prompt's {len(prompt)} tokens"
+        )
+    else:
+        print("   → no instance holds this prefix: route by load")
+
+
+def _audits(conn: psycopg.Connection) -> None:
+    row = conn.execute(
+        "SELECT min(stored_at), max(coalesce(removed_at, stored_at)) FROM kvledger.residency_history"
+    ).fetchone()
+    assert row is not None
+    first, last = row
+    middle = first + (last - first) / 2 if first and last else None
+    _sql(
+        conn,
+        "audit: what did engine-1 hold on CPU in the middle of the run, and why did it leave?",
+        """
+SELECT count(*) AS blocks_held,
+       count(*) FILTER (WHERE removed_by = 'removed') AS evicted_later,
+       count(*) FILTER (WHERE removed_at IS NULL) AS still_held
+FROM kvledger.residency_history
+WHERE instance = 'engine-1' AND medium = 'CPU' AND ownership = ''
+  AND stored_at <= %(at)s AND (removed_at IS NULL OR removed_at > %(at)s)
+""",
+        {"at": middle},  # type: ignore[arg-type]
+    )
+    _sql(
+        conn,
+        "audit: which sources sent events the index refused, and why?",
+        """
+SELECT source, reason, count(*) AS events, min(detail) AS example
+FROM kvledger.rejected_events
+GROUP BY source, reason ORDER BY events DESC
+""",
+    )
+    if middle is not None:
+        print(
+            f"   (the middle of the run: {middle:%H:%M:%S.%f}; runs spanned "
+            f"{(last - first) / timedelta(seconds=1):.2f} s of event time)"
+        )

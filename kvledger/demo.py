@@ -248,7 +248,8 @@ def _routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
 
 def _audits(conn: psycopg.Connection) -> None:
     row = conn.execute(
-        "SELECT min(stored_at), max(coalesce(removed_at, stored_at)) FROM kvledger.residency_history"
+        "SELECT min(stored_at), max(coalesce(removed_at, stored_at)) "
+        "FROM kvledger.residency_history"
     ).fetchone()
     assert row is not None
     first, last = row

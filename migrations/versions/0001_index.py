@@ -117,7 +117,7 @@ def upgrade() -> None:
             status       text        NOT NULL CHECK (status IN ('applied', 'rejected', 'duplicate')),
             reason       text,
             event_time   timestamptz,
-            applied_at   timestamptz NOT NULL DEFAULT now(),
+            applied_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
             PRIMARY KEY (kafka_topic, kafka_partition, kafka_offset)
         );
         CREATE INDEX events_source_idx ON kvledger.events (source, event_time);

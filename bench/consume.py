@@ -1,0 +1,188 @@
+"""Materialization rate, beside a raw COPY of the same rows; end-to-end lag at a steady rate.
+
+1. apply: a simulated fleet's messages (pre-encoded, as on the topic) go through decode +
+   validate + apply + offsets in batches of 5,000, one transaction each, into a fresh
+   database; figure: block events (hashes stored or removed) per second.
+2. baseline: the rows that run wrote (blocks, residencies, history, audit log) are COPYed
+   into an empty copy of the same tables in the same database server; the ratio compares
+   the two rates for the same number of block events.
+3. lag: a producer publishes at a steady 5,000 messages/s while the consumer runs; lag per
+   message = the time its audit row was written minus its event time (p50, p99).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
+
+from bench.common import record
+from consumer.apply import BatchApplier
+from consumer.config import ConsumerConfig
+from consumer.db import connect, migrate
+from consumer.inbound import Inbound, decode
+from consumer.service import IndexConsumer
+from producer.config import PublisherConfig
+from producer.publisher import KVEventPublisher
+from producer.simulate import CollectingSink, Fleet, FleetConfig, SimulatedEngine
+from producer.topics import ensure_topic
+from schemas.codec import Codec
+from schemas.events import Envelope
+
+TABLES = ("blocks", "residencies", "residency_history", "events")
+
+
+def _database(server: str, name: str) -> str:
+    with connect(server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(server).set(database=name).render_as_string(hide_password=False)
+    migrate(url)
+    return url
+
+
+def _messages(fleet: FleetConfig) -> list[tuple[bytes, bytes]]:
+    """(key, value) of every message the fleet publishes, in publish order."""
+    sinks: dict[str, CollectingSink] = {}
+
+    def sink(instance: str) -> CollectingSink:
+        sinks[instance] = CollectingSink(fleet.model)
+        return sinks[instance]
+
+    Fleet(fleet, sink).run()
+    codec = Codec()
+    out = []
+    for source, s in sinks.items():
+        seq: dict[int, int] = {}
+        for i, event in enumerate(s.events):
+            group = event.group_idx or 0
+            n = seq.get(group, 0)
+            seq[group] = n + 1
+            env = Envelope(source, fleet.model, 0, 1, n, 1_764_000_000_000 + i, event)
+            out.append((f"{source}/{group}".encode(), codec.encode(env)))
+    return out
+
+
+def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[str, float]:
+    messages = _messages(fleet)
+    url = _database(server, "kvledger_bench_apply")
+    codec = Codec()
+    applier = BatchApplier("bench")
+    inbound = [Inbound("bench", 0, i, k, v) for i, (k, v) in enumerate(messages)]
+    block_events = 0
+    with connect(url, autocommit=True) as conn:
+        start = time.perf_counter()
+        for i in range(0, len(inbound), batch_size):
+            batch = [decode(m, codec) for m in inbound[i : i + batch_size]]
+            with conn.transaction():
+                result = applier.apply(conn, batch)
+            block_events += result.block_events
+        seconds = time.perf_counter() - start
+        rows = {t: conn.execute(f"SELECT * FROM kvledger.{t}").fetchall() for t in TABLES}
+        columns = {
+            t: [d.name for d in conn.execute(f"SELECT * FROM kvledger.{t} LIMIT 0").description]
+            for t in TABLES
+        }
+        conn.execute("CREATE SCHEMA IF NOT EXISTS copy_bench")
+        for t in TABLES:
+            conn.execute(f"DROP TABLE IF EXISTS copy_bench.{t}")
+            conn.execute(f"CREATE TABLE copy_bench.{t} (LIKE kvledger.{t} INCLUDING ALL)")
+        start = time.perf_counter()
+        with conn.transaction(), conn.cursor() as cur:
+            for t in TABLES:
+                with cur.copy(f"COPY copy_bench.{t} ({', '.join(columns[t])}) FROM STDIN") as copy:
+                    for row in rows[t]:
+                        copy.write_row(row)
+        copy_seconds = time.perf_counter() - start
+    ours = block_events / seconds
+    raw = block_events / copy_seconds
+    return {
+        "messages": float(len(messages)),
+        "block events": float(block_events),
+        "rows written": float(sum(len(r) for r in rows.values())),
+        "apply block-events/s (decode+validate+apply+offsets)": ours,
+        "raw COPY of the same rows, block-events/s": raw,
+        "ratio apply / raw COPY": ours / raw,
+    }
+
+
+def lag(
+    bootstrap: str, server: str, rate: float = 5000.0, seconds: float = 12.0
+) -> dict[str, float]:
+    url = _database(server, "kvledger_bench_lag")
+    topic = f"bench-lag-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
+    ensure_topic(admin, topic, 12)
+    consumer = IndexConsumer(
+        ConsumerConfig(
+            bootstrap,
+            url,
+            topic=topic,
+            group_id="bench-lag",
+            dlq_topic=f"{topic}.dlq",
+            batch_size=5000,
+            batch_timeout_s=0.05,
+        )
+    )
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    time.sleep(3)  # group join
+    publishers: list[KVEventPublisher] = []
+
+    def sink(instance: str) -> KVEventPublisher:
+        pub = KVEventPublisher(
+            PublisherConfig(bootstrap, instance, "sim-llama-8b", topic, kafka={"linger.ms": 5})
+        )
+        publishers.append(pub)
+        return pub
+
+    fleet = Fleet(FleetConfig(instances=4, requests=100_000, seed=3), sink)
+    produced = 0
+    start = time.monotonic()
+    summary_stub = __import__("producer.simulate", fromlist=["FleetSummary"]).FleetSummary()
+    engines: list[SimulatedEngine] = fleet.engines
+    i = 0
+    while time.monotonic() - start < seconds:
+        engines[i % len(engines)].step(summary_stub)
+        i += 1
+        produced = summary_stub.messages
+        ahead = produced / rate - (time.monotonic() - start)
+        if ahead > 0:
+            time.sleep(ahead)
+    for pub in publishers:
+        pub.close(60)
+    deadline = time.monotonic() + 60
+    while consumer.summary.messages < produced + 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    consumer.stop()
+    thread.join(30)
+    with connect(url, autocommit=True) as conn:
+        p50, p99, n = conn.execute(
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d), "
+            "percentile_cont(0.99) WITHIN GROUP (ORDER BY d), count(*) "
+            "FROM (SELECT extract(epoch FROM applied_at - event_time) * 1000 AS d "
+            "FROM kvledger.events) s"
+        ).fetchone()
+    admin.delete_topics([topic, f"{topic}.dlq"])
+    return {
+        "target msg/s": rate,
+        "achieved msg/s": produced / seconds,
+        "messages measured": float(n),
+        "lag p50 ms": float(p50),
+        "lag p99 ms": float(p99),
+    }
+
+
+def main() -> None:
+    server = os.environ["KVLEDGER_DATABASE_URL"]
+    bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
+    record("consume_apply", apply_rate(server, FleetConfig(instances=4, requests=500, seed=21)))
+    record("consume_lag", lag(bootstrap, server))
+
+
+if __name__ == "__main__":
+    main()

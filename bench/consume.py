@@ -13,6 +13,9 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -26,9 +29,7 @@ from consumer.config import ConsumerConfig
 from consumer.db import connect, migrate
 from consumer.inbound import Inbound, decode
 from consumer.service import IndexConsumer
-from producer.config import PublisherConfig
-from producer.publisher import KVEventPublisher
-from producer.simulate import CollectingSink, Fleet, FleetConfig, SimulatedEngine
+from producer.simulate import CollectingSink, Fleet, FleetConfig
 from producer.topics import ensure_topic
 from schemas.codec import Codec
 from schemas.events import Envelope
@@ -113,6 +114,7 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
 def lag(
     bootstrap: str, server: str, rate: float = 5000.0, seconds: float = 12.0
 ) -> dict[str, float]:
+    """A producer process publishes at ``rate`` messages/s; the consumer runs here."""
     url = _database(server, "kvledger_bench_lag")
     topic = f"bench-lag-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
@@ -131,46 +133,35 @@ def lag(
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     time.sleep(3)  # group join
-    publishers: list[KVEventPublisher] = []
-
-    def sink(instance: str) -> KVEventPublisher:
-        pub = KVEventPublisher(
-            PublisherConfig(bootstrap, instance, "sim-llama-8b", topic, kafka={"linger.ms": 5})
-        )
-        publishers.append(pub)
-        return pub
-
-    fleet = Fleet(FleetConfig(instances=4, requests=100_000, seed=3), sink)
-    produced = 0
-    start = time.monotonic()
-    summary_stub = __import__("producer.simulate", fromlist=["FleetSummary"]).FleetSummary()
-    engines: list[SimulatedEngine] = fleet.engines
-    i = 0
-    while time.monotonic() - start < seconds:
-        engines[i % len(engines)].step(summary_stub)
-        i += 1
-        produced = summary_stub.messages
-        ahead = produced / rate - (time.monotonic() - start)
-        if ahead > 0:
-            time.sleep(ahead)
-    for pub in publishers:
-        pub.close(60)
-    deadline = time.monotonic() + 60
-    while consumer.summary.messages < produced + 8 and time.monotonic() < deadline:
+    # About 20 messages per request: enough requests for ``seconds`` at ``rate``.
+    requests = int(rate * seconds / 20 / 4)
+    producer = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", "simulate", "--bootstrap", bootstrap,
+         "--topic", topic, "--partitions", "12", "--instances", "4",
+         "--requests", str(requests), "--rate", str(rate), "--seed", "3"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    produced = int(re.search(r"(\d+) produced", producer.stdout).group(1))  # type: ignore[union-attr]
+    elapsed = float(re.search(r"elapsed: +([\d.]+) s", producer.stdout).group(1))  # type: ignore[union-attr]
+    deadline = time.monotonic() + 120
+    while consumer.summary.messages < produced and time.monotonic() < deadline:
         time.sleep(0.2)
     consumer.stop()
     thread.join(30)
     with connect(url, autocommit=True) as conn:
-        p50, p99, n = conn.execute(
+        row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d), "
             "percentile_cont(0.99) WITHIN GROUP (ORDER BY d), count(*) "
             "FROM (SELECT extract(epoch FROM applied_at - event_time) * 1000 AS d "
             "FROM kvledger.events) s"
         ).fetchone()
+        assert row is not None
+        p50, p99, n = row
     admin.delete_topics([topic, f"{topic}.dlq"])
     return {
         "target msg/s": rate,
-        "achieved msg/s": produced / seconds,
+        "achieved msg/s": produced / elapsed,
+        "block events/s (about 3 per message)": consumer.summary.block_events / elapsed,
         "messages measured": float(n),
         "lag p50 ms": float(p50),
         "lag p99 ms": float(p99),

@@ -167,28 +167,45 @@ class BatchApplier:
 
     def __init__(self, consumer_group: str) -> None:
         self.consumer_group = consumer_group
+        self._prepared: set[int] = set()  # connections whose temp tables exist
+
+    def _temp_tables(self, conn: psycopg.Connection, cur: psycopg.Cursor) -> None:
+        # Temp tables live as long as the session; create them once per connection.
+        key = id(conn.pgconn)
+        if key not in self._prepared:
+            cur.execute(_TEMP_TABLES)
+            self._prepared.add(key)
 
     # ------------------------------------------------------------------ entry points
     def apply(self, conn: psycopg.Connection, batch: Sequence[Decoded]) -> BatchResult:
         """Apply consumed messages and write the offsets; raises FencedError when fenced."""
-        with conn.cursor() as cur:
-            cur.execute(_TEMP_TABLES)
-            next_offsets = self._fence(cur, batch)
-            run = _Run(cur, check_sequence=True)
-            result = run.process(batch)
-            run.write_audit_inserts()
-            self._write_offsets(cur, next_offsets)
-            result.next_offsets = next_offsets
-            return result
+        try:
+            with conn.cursor() as cur:
+                self._temp_tables(conn, cur)
+                next_offsets = self._fence(cur, batch)
+                run = _Run(cur, check_sequence=True)
+                result = run.process(batch)
+                run.write_audit_inserts()
+                self._write_offsets(cur, next_offsets)
+                result.next_offsets = next_offsets
+                return result
+        except BaseException:
+            # A rolled-back transaction may have taken the temp tables' creation with it.
+            self._prepared.discard(id(conn.pgconn))
+            raise
 
     def replay(self, conn: psycopg.Connection, batch: Sequence[Decoded]) -> BatchResult:
         """Re-apply rejected messages (no sequence checks, no offsets). Idempotent."""
-        with conn.cursor() as cur:
-            cur.execute(_TEMP_TABLES)
-            run = _Run(cur, check_sequence=False)
-            result = run.process(batch)
-            run.write_replay_updates()
-            return result
+        try:
+            with conn.cursor() as cur:
+                self._temp_tables(conn, cur)
+                run = _Run(cur, check_sequence=False)
+                result = run.process(batch)
+                run.write_replay_updates()
+                return result
+        except BaseException:
+            self._prepared.discard(id(conn.pgconn))
+            raise
 
     # ------------------------------------------------------------------ offsets
     def _fence(self, cur: psycopg.Cursor, batch: Sequence[Decoded]) -> dict[tuple[str, int], int]:
@@ -609,71 +626,39 @@ class _Run:
                 ],
             )
         if self.block_writes:
-            with cur.copy(
-                "COPY tmp_blocks (model, group_idx, block_hash, parent_hash, token_start, "
-                "token_end, token_ids, block_size, partial, lora_name, extra_keys, first_seen, "
-                "last_seen) FROM STDIN"
-            ) as copy:
-                for (model, group, h), w in sorted(self.block_writes.items()):
-                    r = w.row
-                    end = r.token_start + len(r.token_ids) if r.token_start is not None else None
-                    copy.write_row(
-                        (
-                            model,
-                            group,
-                            h,
-                            r.parent_hash,
-                            r.token_start,
-                            end,
-                            list(r.token_ids),
-                            r.block_size,
-                            r.partial,
-                            w.lora_name,
-                            w.extra_keys,
-                            w.first_seen,
-                            w.last_seen,
-                        )
-                    )
+            rows = []
+            for (model, group, h), w in sorted(self.block_writes.items()):
+                r = w.row
+                end = r.token_start + len(r.token_ids) if r.token_start is not None else None
+                rows.append(
+                    (model, group, h, r.parent_hash, r.token_start, end, list(r.token_ids),
+                     r.block_size, r.partial, w.lora_name, w.extra_keys, w.first_seen,
+                     w.last_seen)
+                )  # fmt: skip
+            _copy(cur, "tmp_blocks", _BLOCK_COLUMNS, rows)
             cur.execute(_MERGE_BLOCKS)
         touched = [(k, s) for k, s in self.res.items() if s.touched]
         if touched:
-            closes = [(k, s) for k, s in touched if s.close_existing_at is not None]
+            closes = [
+                (*k, s.close_existing_at, s.close_existing_by)
+                for k, s in touched
+                if s.close_existing_at is not None
+            ]
             if closes:
-                with cur.copy(
-                    "COPY tmp_close (model, group_idx, block_hash, instance, medium, ownership, "
-                    "removed_at, removed_by) FROM STDIN"
-                ) as copy:
-                    for k, s in closes:
-                        copy.write_row((*k, s.close_existing_at, s.close_existing_by))
+                _copy(cur, "tmp_close", _CLOSE_COLUMNS, closes)
                 cur.execute(_CLOSE_HISTORY)
-            with cur.copy(
-                "COPY kvledger.residency_history (model, group_idx, block_hash, instance, "
-                "medium, ownership, locality, stored_at, removed_at, removed_by, "
-                "stored_partition, stored_offset) FROM STDIN"
-            ) as copy:
-                for k, s in touched:
-                    for i in s.intervals:
-                        copy.write_row(
-                            (
-                                *k,
-                                i.locality,
-                                i.stored_at,
-                                i.removed_at,
-                                i.removed_by,
-                                i.partition,
-                                i.offset,
-                            )
-                        )
-            with cur.copy(
-                "COPY tmp_res (model, group_idx, block_hash, instance, medium, ownership, "
-                "locality, since, kafka_topic, kafka_partition, kafka_offset, refcount) "
-                "FROM STDIN"
-            ) as copy:
-                for k, s in sorted(touched, key=lambda item: item[0]):
-                    if s.refcount > 0 or s.existed:
-                        copy.write_row(
-                            (*k, s.locality, s.since, s.topic, s.partition, s.offset, s.refcount)
-                        )
+            intervals = [
+                (*k, i.locality, i.stored_at, i.removed_at, i.removed_by, i.partition, i.offset)
+                for k, s in touched
+                for i in s.intervals
+            ]
+            _copy(cur, "kvledger.residency_history", _HISTORY_COLUMNS, intervals)
+            holders = [
+                (*k, s.locality, s.since, s.topic, s.partition, s.offset, s.refcount)
+                for k, s in sorted(touched, key=lambda item: item[0])
+                if s.refcount > 0 or s.existed
+            ]
+            _copy(cur, "tmp_res", _RES_COLUMNS, holders)
             cur.execute(_MERGE_RESIDENCIES)
         dirty = [(k, h) for k, h in self.health.items() if h.dirty]
         if dirty:
@@ -709,13 +694,7 @@ class _Run:
     def write_audit_inserts(self) -> None:
         cur = self.cur
         if self.audit:
-            with cur.copy(
-                "COPY kvledger.events (kafka_topic, kafka_partition, kafka_offset, source, "
-                "model, epoch, seq, event_type, group_idx, medium, ownership, hash_count, "
-                "noop_count, status, reason, event_time) FROM STDIN"
-            ) as copy:
-                for row in self.audit:
-                    copy.write_row(row)
+            _copy(cur, "kvledger.events", _EVENT_COLUMNS, self.audit)
         if self.result.rejected:
             cur.executemany(
                 """
@@ -763,6 +742,84 @@ class _Run:
             """,
             [(row[0], row[1], row[2]) for row in applied],
         )
+
+
+_KEY_COLUMNS = (
+    ("model", "text"),
+    ("group_idx", "int4"),
+    ("block_hash", "bytea"),
+    ("instance", "text"),
+    ("medium", "text"),
+    ("ownership", "text"),
+)
+_BLOCK_COLUMNS = (
+    ("model", "text"),
+    ("group_idx", "int4"),
+    ("block_hash", "bytea"),
+    ("parent_hash", "bytea"),
+    ("token_start", "int8"),
+    ("token_end", "int8"),
+    ("token_ids", "int4[]"),
+    ("block_size", "int4"),
+    ("partial", "bool"),
+    ("lora_name", "text"),
+    ("extra_keys", "text"),
+    ("first_seen", "timestamptz"),
+    ("last_seen", "timestamptz"),
+)
+_CLOSE_COLUMNS = (*_KEY_COLUMNS, ("removed_at", "timestamptz"), ("removed_by", "text"))
+_HISTORY_COLUMNS = (
+    *_KEY_COLUMNS,
+    ("locality", "text"),
+    ("stored_at", "timestamptz"),
+    ("removed_at", "timestamptz"),
+    ("removed_by", "text"),
+    ("stored_partition", "int4"),
+    ("stored_offset", "int8"),
+)
+_RES_COLUMNS = (
+    *_KEY_COLUMNS,
+    ("locality", "text"),
+    ("since", "timestamptz"),
+    ("kafka_topic", "text"),
+    ("kafka_partition", "int4"),
+    ("kafka_offset", "int8"),
+    ("refcount", "int4"),
+)
+_EVENT_COLUMNS = (
+    ("kafka_topic", "text"),
+    ("kafka_partition", "int4"),
+    ("kafka_offset", "int8"),
+    ("source", "text"),
+    ("model", "text"),
+    ("epoch", "int8"),
+    ("seq", "int8"),
+    ("event_type", "text"),
+    ("group_idx", "int4"),
+    ("medium", "text"),
+    ("ownership", "text"),
+    ("hash_count", "int4"),
+    ("noop_count", "int4"),
+    ("status", "text"),
+    ("reason", "text"),
+    ("event_time", "timestamptz"),
+)
+
+
+def _copy(
+    cur: psycopg.Cursor,
+    table: str,
+    columns: Sequence[tuple[str, str]],
+    rows: Sequence[Sequence[object]],
+) -> None:
+    """Binary COPY of rows into a table (no text escaping: the fast path)."""
+    if not rows:
+        return
+    names = ", ".join(name for name, _ in columns)
+    with cur.copy(f"COPY {table} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([kind for _, kind in columns])
+        for row in rows:
+            copy.write_row(row)
 
 
 def _upgrades(known: BlockRow, new: BlockRow) -> bool:

@@ -34,6 +34,7 @@ def run_simulation(
     fleet: FleetConfig,
     partitions: int = DEFAULT_PARTITIONS,
     show_progress: bool = True,
+    rate: float | None = None,
 ) -> SimulationResult:
     """simulate → tracker → publisher → Kafka, one publisher per simulated instance."""
     ensure_topic(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, partitions)
@@ -49,7 +50,7 @@ def run_simulation(
         return publisher
 
     start = time.perf_counter()
-    summary = Fleet(fleet, sink).run(Progress("publishing") if show_progress else None)
+    summary = Fleet(fleet, sink).run(Progress("publishing") if show_progress else None, rate)
     for publisher in publishers.values():
         publisher.close(timeout=60)
     seconds = time.perf_counter() - start
@@ -75,6 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--rate", type=float, help="pace publishing to this many messages per second")
     p.add_argument(
         "--misconfigured-source",
         action="store_true",
@@ -92,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         misconfigured_source=args.misconfigured_source,
     )
     result = run_simulation(
-        settings.kafka_bootstrap(args.bootstrap), args.topic, fleet, args.partitions
+        settings.kafka_bootstrap(args.bootstrap), args.topic, fleet, args.partitions, rate=args.rate
     )
     s = result.summary
     print(f"instances:      {', '.join(s.instances)}")

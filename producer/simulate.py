@@ -23,6 +23,7 @@ has the same hashes on every instance.
 from __future__ import annotations
 
 import random
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -298,16 +299,26 @@ class Fleet:
             for iid in instance_ids(config)
         ]
 
-    def run(self, progress: Callable[[int, int], None] | None = None) -> FleetSummary:
+    def run(
+        self,
+        progress: Callable[[int, int], None] | None = None,
+        rate: float | None = None,
+    ) -> FleetSummary:
+        """Serve every request; ``rate`` paces publishing to that many messages per second."""
         summary = FleetSummary(instances=[e.instance_id for e in self.engines])
         total = self.config.requests * len(self.engines)
         done = 0
+        start = time.monotonic()
         for _ in range(self.config.requests):
             for engine in self.engines:
                 engine.step(summary)
                 done += 1
                 if progress is not None:
                     progress(done, total)
+                if rate:
+                    ahead = summary.messages / rate - (time.monotonic() - start)
+                    if ahead > 0:
+                        time.sleep(ahead)
         return summary
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from bench import consume, produce, tracker_encode
+from bench import consume, lookup, produce, tracker_encode
 from bench.common import RESULTS
 
 
@@ -20,6 +20,7 @@ def main() -> None:
     tracker_encode.main()
     produce.main()
     consume.main()
+    lookup.main()
     data = json.loads(RESULTS.read_text())
     print(f"\nwrote {RESULTS}")
     print(f"{'benchmark':<16} {'figure':<58} {'value':>14}")

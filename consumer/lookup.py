@@ -30,6 +30,36 @@ class Holder:
 
 
 @dataclass(frozen=True, slots=True)
+class Residency:
+    """One current holder of a block."""
+
+    instance: str
+    medium: str
+    ownership: str
+    locality: str | None
+    since: datetime
+    refcount: int
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """What the index knows of one block hash."""
+
+    model: str
+    group_idx: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_start: int | None
+    token_end: int | None
+    block_size: int
+    partial: bool
+    lora_name: str | None
+    first_seen: datetime
+    last_seen: datetime
+    holders: tuple[Residency, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Ranked:
     instance: str
     score: float
@@ -61,6 +91,43 @@ class PrefixIndex:
             (model, group_idx, list(hashes), at),
         ).fetchall()
         return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+
+    def match_tokens(
+        self, model: str, group_idx: int, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> list[Holder]:
+        """The same answer found by walking the hash chain by token content."""
+        rows = self.conn.execute(
+            "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
+            "FROM kvledger.match_tokens(%s, %s, %s, %s) "
+            "ORDER BY matched_blocks DESC, instance, medium, ownership",
+            (model, group_idx, list(token_ids), lora_name),
+        ).fetchall()
+        return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+
+    def holders(self, model: str, group_idx: int, block_hash: bytes) -> list[Residency]:
+        rows = self.conn.execute(
+            "SELECT instance, medium, ownership, locality, since, refcount "
+            "FROM kvledger.residencies WHERE model = %s AND group_idx = %s AND block_hash = %s "
+            "ORDER BY instance, medium, ownership",
+            (model, group_idx, block_hash),
+        ).fetchall()
+        return [Residency(*row) for row in rows]
+
+    def blocks(self, block_hash: bytes) -> list[Block]:
+        """Every (model, group) row of a hash, with its current holders."""
+        rows = self.conn.execute(
+            "SELECT model, group_idx, block_hash, parent_hash, token_start, token_end, "
+            "block_size, partial, lora_name, first_seen, last_seen FROM kvledger.blocks "
+            "WHERE block_hash = %s ORDER BY model, group_idx",
+            (block_hash,),
+        ).fetchall()
+        out = []
+        for m, g, h, p, start, end, size, partial, lora, first, last in rows:
+            out.append(
+                Block(m, g, bytes(h), bytes(p) if p is not None else None, start, end, size,
+                      partial, lora, first, last, tuple(self.holders(m, g, bytes(h))))
+            )  # fmt: skip
+        return out
 
 
 def rank(

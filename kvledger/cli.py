@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvledger import __version__, consumer_cmds, demo, simulate_cmd
+from kvledger import __version__, consumer_cmds, demo, lookup_cmds, simulate_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cmd.add_parser(subparsers)
     consumer_cmds.add_parsers(subparsers)
     demo.add_parser(subparsers)
+    lookup_cmds.add_parsers(subparsers)
     return parser
 
 

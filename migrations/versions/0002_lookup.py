@@ -18,29 +18,32 @@ def upgrade() -> None:
         """
         -- For each holder (instance, medium, ownership) with a non-empty match: the longest
         -- run of consecutive hashes from the start of p_hashes that it holds now, in blocks,
-        -- and the tokens it covers (the end of the last matched block).
+        -- and the tokens it covers (the end of the last matched block). PL/pgSQL so that the
+        -- plan is cached per session.
         CREATE FUNCTION kvledger.match_prefix(p_model text, p_group integer, p_hashes bytea[])
         RETURNS TABLE (instance text, medium text, ownership text,
                        matched_blocks integer, matched_tokens bigint)
-        LANGUAGE sql STABLE AS $$
-            WITH q AS (
-                SELECT h, i::integer AS i FROM unnest(p_hashes) WITH ORDINALITY AS t(h, i)
-            ),
-            held AS (
-                SELECT r.instance, r.medium, r.ownership, q.i, b.token_end,
+        LANGUAGE plpgsql STABLE AS $$
+        BEGIN
+            RETURN QUERY
+            WITH held AS (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i,
                        row_number() OVER (PARTITION BY r.instance, r.medium, r.ownership
                                           ORDER BY q.i) AS rn
-                FROM q
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
                 JOIN kvledger.residencies r
                   ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
-                LEFT JOIN kvledger.blocks b
-                  ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = q.h
+            ),
+            runs AS (
+                SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
+                FROM held WHERE held.i = held.rn
+                GROUP BY held.instance, held.medium, held.ownership
             )
-            SELECT instance, medium, ownership, count(*)::integer,
-                   max(token_end)
-            FROM held
-            WHERE i = rn
-            GROUP BY instance, medium, ownership
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+        END
         $$;
 
         -- The same answer as of a past instant, from the residency history.
@@ -48,30 +51,31 @@ def upgrade() -> None:
                                                  p_hashes bytea[], p_at timestamptz)
         RETURNS TABLE (instance text, medium text, ownership text,
                        matched_blocks integer, matched_tokens bigint)
-        LANGUAGE sql STABLE AS $$
-            WITH q AS (
-                SELECT h, i::integer AS i FROM unnest(p_hashes) WITH ORDINALITY AS t(h, i)
-            ),
-            held AS (
-                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i
-                FROM q
+        LANGUAGE plpgsql STABLE AS $$
+        BEGIN
+            RETURN QUERY
+            WITH held AS (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
                 JOIN kvledger.residency_history r
                   ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
                  AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)
             ),
             ranked AS (
-                SELECT held.*, row_number() OVER (PARTITION BY instance, medium, ownership
-                                                  ORDER BY i) AS rn
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
                 FROM held
+            ),
+            runs AS (
+                SELECT ranked.instance, ranked.medium, ranked.ownership, max(ranked.i) AS n
+                FROM ranked WHERE ranked.i = ranked.rn
+                GROUP BY ranked.instance, ranked.medium, ranked.ownership
             )
-            SELECT ranked.instance, ranked.medium, ranked.ownership, count(*)::integer,
-                   max(b.token_end)
-            FROM ranked
-            JOIN q USING (i)
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n, b.token_end
+            FROM runs
             LEFT JOIN kvledger.blocks b
-              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = q.h
-            WHERE ranked.i = ranked.rn
-            GROUP BY ranked.instance, ranked.medium, ranked.ownership
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+        END
         $$;
 
         -- Auditors' views.

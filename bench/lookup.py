@@ -1,0 +1,181 @@
+"""Lookup latency on an index of 1,024,000 blocks held across 64 instances.
+
+The index is generated in SQL (8,000 chains of 128 blocks; each chain's prefixes held by two
+instances on CPU and one on STORAGE), once, in database <database>_bench_lookup. Prompts of
+128 hashes are drawn from the chains. Figures: p50/p99 latency via SQL, the Python API and
+HTTP (a `kvledger serve` process), and lookups/s with 8 concurrent HTTP clients.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import sqlalchemy as sa
+
+from bench.common import record
+from consumer.db import connect, migrate
+from consumer.lookup import PrefixIndex
+
+CHAINS, LENGTH, INSTANCES = 8000, 128, 64
+H = "decode(substr(md5(c::text || '/' || i::text), 1, 16), 'hex')"
+HP = "decode(substr(md5(c::text || '/' || (i - 1)::text), 1, 16), 'hex')"
+
+
+def _database(server: str) -> str:
+    url = sa.engine.make_url(server)
+    name = f"{url.database}_bench_lookup"
+    with connect(server, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            conn.execute(f'CREATE DATABASE "{name}"')
+    out = url.set(database=name).render_as_string(hide_password=False)
+    migrate(out)
+    return out
+
+
+def populate(url: str) -> int:
+    with connect(url, autocommit=True) as conn:
+        (blocks,) = conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone() or (0,)
+        if blocks >= CHAINS * LENGTH:
+            return int(blocks)
+        print("generating the index (once)...", file=sys.stderr)
+        conn.execute("TRUNCATE kvledger.blocks, kvledger.residencies, kvledger.group_specs")
+        conn.execute(
+            "INSERT INTO kvledger.group_specs VALUES "
+            "('bench', 0, 'full_attention', 16, 16, NULL, 'declared', NULL, now())"
+        )
+        conn.execute(
+            f"""
+            INSERT INTO kvledger.blocks (model, group_idx, block_hash, parent_hash, token_start,
+                token_end, token_ids, block_size, partial, first_seen, last_seen)
+            SELECT 'bench', 0, {H}, CASE WHEN i = 0 THEN NULL ELSE {HP} END, i * 16, i * 16 + 16,
+                   array_fill(c, ARRAY[16]), 16, false, now(), now()
+            FROM generate_series(0, {CHAINS - 1}) c, generate_series(0, {LENGTH - 1}) i
+            """
+        )
+        conn.execute(
+            f"""
+            INSERT INTO kvledger.residencies (model, group_idx, block_hash, instance, medium,
+                ownership, since, kafka_topic, kafka_partition, kafka_offset, refcount)
+            SELECT 'bench', 0, {H}, 'engine-' || ((c * 7 + k * 13) % {INSTANCES}),
+                   CASE WHEN k = 2 THEN 'STORAGE' ELSE 'CPU' END,
+                   CASE WHEN k = 2 THEN 'disk' ELSE '' END, now(), 'bench', 0, 0, 1
+            FROM generate_series(0, {CHAINS - 1}) c, generate_series(0, 2) k,
+                 LATERAL generate_series(0, 16 + (c * 31 + k * 17) % {LENGTH - 16}) i
+            """
+        )
+        conn.execute("ANALYZE kvledger.blocks")
+        conn.execute("ANALYZE kvledger.residencies")
+        (blocks,) = conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone() or (0,)
+        return int(blocks)
+
+
+def _prompt(rng: random.Random) -> list[bytes]:
+    import hashlib
+
+    c = rng.randrange(CHAINS)
+    return [hashlib.md5(f"{c}/{i}".encode()).digest()[:8] for i in range(LENGTH)]
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return (
+        statistics.median(samples) * 1000,
+        samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1000,
+    )
+
+
+def main(lookups: int = 2000) -> dict[str, float]:
+    url = _database(os.environ["KVLEDGER_DATABASE_URL"])
+    blocks = populate(url)
+    rng = random.Random(1)
+    prompts = [_prompt(rng) for _ in range(lookups)]
+    figures: dict[str, float] = {"blocks": float(blocks), "instances": float(INSTANCES)}
+    with connect(url, autocommit=True) as conn:
+        (residencies,) = conn.execute("SELECT count(*) FROM kvledger.residencies").fetchone() or (
+            0,
+        )
+        figures["residencies"] = float(residencies)
+        sql_times, api_times = [], []
+        for hashes in prompts[:200]:  # warm-up
+            conn.execute(
+                "SELECT * FROM kvledger.match_prefix('bench', 0, %s)", (hashes,)
+            ).fetchall()
+        for hashes in prompts:
+            start = time.perf_counter()
+            conn.execute(
+                "SELECT * FROM kvledger.match_prefix('bench', 0, %s)", (hashes,)
+            ).fetchall()
+            sql_times.append(time.perf_counter() - start)
+        index = PrefixIndex(conn)
+        for hashes in prompts:
+            start = time.perf_counter()
+            index.match("bench", 0, hashes)
+            api_times.append(time.perf_counter() - start)
+    figures["SQL p50 ms"], figures["SQL p99 ms"] = _percentiles(sql_times)
+    figures["Python API p50 ms"], figures["Python API p99 ms"] = _percentiles(api_times)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", "serve", "--database-url", url,
+         "--port", str(port), "--pool-size", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvledger serve did not start")
+            time.sleep(0.2)
+        bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
+        http_times = []
+        with httpx.Client(base_url=base) as client:
+            for body in bodies[:200]:
+                client.post("/v1/match", json=body)
+            for body in bodies:
+                start = time.perf_counter()
+                response = client.post("/v1/match", json=body)
+                http_times.append(time.perf_counter() - start)
+                assert response.status_code == 200
+        figures["HTTP p50 ms"], figures["HTTP p99 ms"] = _percentiles(http_times)
+        done = [0]
+        lock = threading.Lock()
+
+        def worker(offset: int) -> None:
+            with httpx.Client(base_url=base) as client:
+                for body in bodies[offset::8][:250]:
+                    client.post("/v1/match", json=body)
+                    with lock:
+                        done[0] += 1
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        figures["HTTP lookups/s, 8 concurrent clients"] = done[0] / (time.perf_counter() - start)
+    finally:
+        server.terminate()
+        server.wait(30)
+    record("lookup", figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

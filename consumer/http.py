@@ -1,0 +1,219 @@
+"""The lookup service (`kvledger serve`): prefix matches over HTTP for routers.
+
+POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...],
+                   "lora_name"?, "at"?, "weights"?} → holders and a routing rank
+GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
+GET  /healthz            the database answers
+GET  /metrics            Prometheus metrics
+
+Every request runs in a read-only transaction as the kvledger_reader role when it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from psycopg_pool import ConnectionPool
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from consumer.db import conninfo
+from consumer.lookup import DEFAULT_TIER_WEIGHTS, PrefixIndex, rank
+from consumer.metrics import REGISTRY
+
+MAX_BODY_BYTES = 1 << 20
+MAX_HASHES = 8192
+MAX_TOKENS = 262_144
+
+REQUESTS = Counter(
+    "kvledger_http_requests_total", "Lookup requests by route and status", ["route", "status"],
+    registry=REGISTRY,
+)  # fmt: skip
+LATENCY = Histogram(
+    "kvledger_http_seconds", "Lookup request latency by route", ["route"], registry=REGISTRY
+)
+
+
+class BadRequestError(ValueError):
+    pass
+
+
+def _configure(conn: psycopg.Connection) -> None:
+    conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    has_role = conn.execute(
+        "SELECT pg_has_role(current_user, 'kvledger_reader', 'MEMBER') "
+        "FROM pg_roles WHERE rolname = 'kvledger_reader'"
+    ).fetchone()
+    if has_role and has_role[0]:
+        conn.execute("SET ROLE kvledger_reader")
+
+
+def _hash(value: object) -> bytes:
+    if isinstance(value, str):
+        try:
+            return bytes.fromhex(value.removeprefix("0x"))
+        except ValueError:
+            raise BadRequestError(f"not a hex hash: {value[:80]!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64:
+        return value.to_bytes(8, "big")
+    raise BadRequestError("hashes are hex strings or unsigned 64-bit integers")
+
+
+def _holder_json(h: Any) -> dict[str, Any]:
+    return asdict(h)
+
+
+def create_app(database_url: str, pool_size: int = 8) -> Starlette:
+    pool = ConnectionPool(
+        conninfo(database_url),
+        min_size=1,
+        max_size=pool_size,
+        configure=_configure,
+        kwargs={"autocommit": True},
+        open=False,
+    )
+
+    @contextmanager
+    def index() -> Iterator[PrefixIndex]:
+        with pool.connection() as conn:
+            yield PrefixIndex(conn)
+
+    def timed(route: str, fn: Any, with_body: bool = False) -> Any:
+        async def handler(request: Request) -> Response:
+            start = time.perf_counter()
+            try:
+                data = await body(request) if with_body else None
+                response: Response = await run_in_threadpool(fn, request, data)
+            except BadRequestError as exc:
+                response = JSONResponse({"error": str(exc)}, status_code=400)
+            except psycopg.OperationalError as exc:
+                response = JSONResponse({"error": f"database unavailable: {exc}"}, 503)
+            LATENCY.labels(route).observe(time.perf_counter() - start)
+            REQUESTS.labels(route, str(response.status_code)).inc()
+            return response
+
+        return handler
+
+    async def body(request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit():
+            raise BadRequestError("a JSON body with Content-Length is required")
+        if int(length) > MAX_BODY_BYTES:
+            raise BadRequestError(f"body over {MAX_BODY_BYTES} bytes")
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise BadRequestError("body is not JSON") from None
+        if not isinstance(data, dict):
+            raise BadRequestError("body must be a JSON object")
+        return data
+
+    def match(request: Request, data: dict[str, Any]) -> Response:
+        model = data.get("model")
+        group = data.get("group_idx", 0)
+        if not isinstance(model, str) or not model:
+            raise BadRequestError("model (string) is required")
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            raise BadRequestError("group_idx must be a non-negative integer")
+        weights = data.get("weights", dict(DEFAULT_TIER_WEIGHTS))
+        if not isinstance(weights, dict) or not all(
+            isinstance(v, int | float) for v in weights.values()
+        ):
+            raise BadRequestError("weights must map medium to a number")
+        hashes, tokens = data.get("hashes"), data.get("token_ids")
+        if (hashes is None) == (tokens is None):
+            raise BadRequestError("give exactly one of hashes or token_ids")
+        at = data.get("at")
+        with index() as idx:
+            if hashes is not None:
+                if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
+                    raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
+                parsed = [_hash(h) for h in hashes]
+                if at is not None:
+                    try:
+                        when = datetime.fromisoformat(str(at))
+                    except ValueError:
+                        raise BadRequestError("at must be an ISO 8601 time") from None
+                    if when.tzinfo is None:
+                        raise BadRequestError("at needs a time zone")
+                    holders = idx.match_at(model, group, parsed, when)
+                else:
+                    holders = idx.match(model, group, parsed)
+            else:
+                if (
+                    not isinstance(tokens, list)
+                    or not tokens
+                    or len(tokens) > MAX_TOKENS
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+                    or not all(-(2**31) <= t < 2**31 for t in tokens)
+                ):
+                    raise BadRequestError(f"token_ids must be a list of 1..{MAX_TOKENS} int32")
+                lora = data.get("lora_name")
+                if lora is not None and not isinstance(lora, str):
+                    raise BadRequestError("lora_name must be a string")
+                holders = idx.match_tokens(model, group, tokens, lora)
+        ranked = rank(holders, weights)
+        return JSONResponse(
+            {
+                "holders": [_holder_json(h) for h in holders],
+                "ranked": [_holder_json(r) for r in ranked],
+            }
+        )
+
+    def block(request: Request, _: None) -> Response:
+        h = _hash(request.path_params["block_hash"])
+        with index() as idx:
+            rows = idx.blocks(h)
+        if not rows:
+            return JSONResponse({"error": "unknown block hash"}, status_code=404)
+        return JSONResponse([_block_json(b) for b in rows])
+
+    def healthz(request: Request, _: None) -> Response:
+        with index() as idx:
+            idx.conn.execute("SELECT 1 FROM kvledger.group_specs LIMIT 1")
+        return JSONResponse({"status": "ok"})
+
+    def metrics(request: Request) -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        pool.open()
+        try:
+            yield
+        finally:
+            pool.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/match", timed("match", match, with_body=True), methods=["POST"]),
+            Route("/v1/blocks/{block_hash}", timed("blocks", block), methods=["GET"]),
+            Route("/healthz", timed("healthz", healthz), methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    return app
+
+
+def _block_json(b: Any) -> dict[str, Any]:
+    d = asdict(b)
+    d["block_hash"] = b.block_hash.hex()
+    d["parent_hash"] = b.parent_hash.hex() if b.parent_hash is not None else None
+    for key in ("first_seen", "last_seen"):
+        d[key] = d[key].isoformat()
+    for holder in d["holders"]:
+        holder["since"] = holder["since"].isoformat()
+    return d

@@ -1,0 +1,82 @@
+"""`kvledger serve` (the HTTP lookup service) and `kvledger lookup` (one prompt, a table)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from consumer.db import connect
+from consumer.lookup import PrefixIndex, rank
+from kvledger import settings
+
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def add_parsers(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve prefix lookups over HTTP")
+    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--pool-size", type=int, default=8)
+    p.set_defaults(run=_serve)
+
+    p = subparsers.add_parser("lookup", help="which instances hold a prompt's prefix")
+    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--group", type=int, default=0)
+    p.add_argument(
+        "--token-ids",
+        required=True,
+        help="comma-separated token ids, or @FILE with whitespace/comma-separated ids",
+    )
+    p.add_argument("--lora-name")
+    p.set_defaults(run=_lookup)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    parts = text.replace(",", " ").split()
+    try:
+        return [int(p) for p in parts]
+    except ValueError as exc:
+        raise SystemExit(f"kvledger: token ids must be integers ({exc})") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from consumer.http import create_app
+
+    app = create_app(settings.database_url(args.database_url), args.pool_size)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    return 0
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    tokens = parse_token_ids(args.token_ids)
+    if not tokens:
+        print("kvledger: no token ids given", file=sys.stderr)
+        return 2
+    with connect(settings.database_url(args.database_url), autocommit=True) as conn:
+        holders = PrefixIndex(conn).match_tokens(args.model, args.group, tokens, args.lora_name)
+    print(f"prompt of {len(tokens)} tokens, model {args.model}, group {args.group}")
+    if not holders:
+        print("no instance holds any prefix of this prompt")
+        return 0
+    rows = [
+        (h.instance, h.medium, h.ownership or "-", str(h.matched_blocks), str(h.matched_tokens))
+        for h in holders
+    ]
+    header = ("instance", "medium", "ownership", "blocks", "tokens")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for i, row in enumerate([header, *rows]):
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    best = rank(holders)[0]
+    print(f"route to {best.instance} (score {best.score:,.0f})")
+    return 0

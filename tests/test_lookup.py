@@ -1,0 +1,252 @@
+"""Lookups over an index filled through the real pipeline, against brute-force answers."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime
+
+import pytest
+from starlette.testclient import TestClient
+
+from consumer.db import connect
+from consumer.http import create_app
+from consumer.lookup import Holder, PrefixIndex, rank
+from kvledger.simulate_cmd import run_simulation
+from producer.simulate import FleetConfig, prompt_hashes, random_tokens, system_prompts
+from tests.reference_index import Reference, build
+from tests.test_consumer import by_partition, consume
+
+pytestmark = pytest.mark.integration
+MODEL = "sim-llama-8b"
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def filled(request: pytest.FixtureRequest) -> tuple[str, FleetConfig, Reference]:
+    """One fleet through Kafka into a fresh database, and the reference model of it."""
+    kafka_bootstrap = request.getfixturevalue("kafka_bootstrap")
+    database_url = request.getfixturevalue("database_url")
+    import uuid
+
+    import sqlalchemy as sa
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from consumer.db import migrate
+
+    name = f"kvl_lookup_{uuid.uuid4().hex[:10]}"
+    with connect(database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    migrate(url)
+    topic = f"lookup-{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 6, 1)])[topic].result(30)
+    fleet = FleetConfig(instances=5, requests=80, seed=31)
+    sim = run_simulation(kafka_bootstrap, topic, fleet, partitions=6, show_progress=False)
+    group = f"lookup-{uuid.uuid4().hex[:8]}"
+    consume(kafka_bootstrap, url, topic, group)
+    ref = build(by_partition(kafka_bootstrap, topic, group + "-read", sim.produced))
+    yield url, fleet, ref
+    admin.delete_topics([topic, f"{topic}.dlq"])
+    with connect(database_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _held_now(ref: Reference) -> set[tuple[object, ...]]:
+    return set(ref.residencies())
+
+
+def _held_at(ref: Reference, at: datetime) -> set[tuple[object, ...]]:
+    held = set()
+    for row in ref.history_multiset():
+        *key, stored, removed = row
+        if stored <= at and (removed is None or removed > at):
+            held.add(tuple(key))
+    return held
+
+
+def brute_force(ref: Reference, hashes: list[bytes], held: set[tuple[object, ...]]) -> set[Holder]:
+    holders = {k[3:] for k in held if k[0] == MODEL and k[1] == 0}
+    out = set()
+    for instance, medium, ownership in holders:
+        n = 0
+        while n < len(hashes) and (MODEL, 0, hashes[n], instance, medium, ownership) in held:
+            n += 1
+        if n:
+            row = ref.blocks.get((MODEL, 0, hashes[n - 1]))
+            end = row[1] + len(row[2]) if row and row[1] is not None else 0
+            out.add(Holder(instance, medium, ownership, n, end))
+    return out
+
+
+def chain_by_tokens(ref: Reference, tokens: list[int]) -> list[bytes]:
+    """Walk the reference's rows by token content, as match_tokens must."""
+    children: dict[bytes | None, list[tuple[bytes, tuple[object, ...]]]] = {}
+    for (model, group, h), row in ref.blocks.items():
+        if model == MODEL and group == 0 and row[3] == BLOCK and not row[4]:
+            children.setdefault(row[0], []).append((h, row))  # type: ignore[arg-type]
+    chain: list[bytes] = []
+    parent: bytes | None = None
+    while len(chain) * BLOCK + BLOCK <= len(tokens):
+        want = tuple(tokens[len(chain) * BLOCK : (len(chain) + 1) * BLOCK])
+        nxt = [h for h, row in children.get(parent, []) if row[2] == want]
+        if not nxt:
+            break
+        parent = nxt[0]
+        chain.append(parent)
+    return chain
+
+
+def prompts(ref: Reference, fleet: FleetConfig, rng: random.Random) -> list[list[int]]:
+    """System prompts with new suffixes, and prompts rebuilt from stored chains."""
+    out = [p + random_tokens(rng, rng.randint(0, 200)) for p in system_prompts(fleet)]
+    full = [
+        (h, row) for (m, g, h), row in ref.blocks.items()
+        if m == MODEL and g == 0 and row[3] == BLOCK and not row[4]
+    ]  # fmt: skip
+    for _, row in rng.sample(full, 25):
+        tokens: list[int] = []
+        cur: tuple[object, ...] | None = row
+        while cur is not None:
+            tokens = list(cur[2]) + tokens  # type: ignore[call-overload]
+            parent = cur[0]
+            cur = ref.blocks.get((MODEL, 0, parent)) if parent is not None else None  # type: ignore[arg-type]
+            if cur is not None and (cur[3] != BLOCK or cur[4]):
+                break
+        out.append(tokens + random_tokens(rng, rng.randint(0, 64)))
+    out.append(random_tokens(rng, 300))  # nobody holds it
+    return out
+
+
+def test_match_and_match_tokens_agree_with_brute_force(filled) -> None:
+    url, fleet, ref = filled
+    rng = random.Random(99)
+    held = _held_now(ref)
+    nonempty = 0
+    with connect(url, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        for tokens in prompts(ref, fleet, rng):
+            hashes = prompt_hashes(tokens, fleet)
+            want = brute_force(ref, hashes, held)
+            assert set(index.match(MODEL, 0, hashes)) == want
+            chain = chain_by_tokens(ref, tokens)
+            assert set(index.match_tokens(MODEL, 0, tokens)) == brute_force(ref, chain, held)
+            nonempty += bool(want)
+    assert nonempty >= 20
+
+
+def test_match_at_several_instants(filled) -> None:
+    url, fleet, ref = filled
+    rng = random.Random(5)
+    times = sorted({row[-2] for row in ref.history_multiset()})
+    instants = [times[int(q * (len(times) - 1))] for q in (0.1, 0.3, 0.5, 0.7, 0.95)]
+    candidates = prompts(ref, fleet, rng)
+    with connect(url, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        for at in instants:
+            held = _held_at(ref, at)
+            for tokens in candidates[:15]:
+                hashes = prompt_hashes(tokens, fleet)
+                assert set(index.match_at(MODEL, 0, hashes, at)) == brute_force(ref, hashes, held)
+
+
+def test_removal_on_one_medium_keeps_the_other(filled) -> None:
+    url, _, ref = filled
+    both = {(k[2], k[3]) for k in ref.residencies() if k[4] == "STORAGE"} & {
+        (k[2], k[3]) for k in ref.residencies() if k[4] == "CPU"
+    }
+    only_storage = {(k[2], k[3]) for k in ref.residencies() if k[4] == "STORAGE"} - both
+    assert both and only_storage
+    with connect(url, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        h, instance = next(iter(only_storage))
+        media = {(r.instance, r.medium) for r in index.holders(MODEL, 0, h)}
+        assert (instance, "STORAGE") in media and (instance, "CPU") not in media
+
+
+def test_rank_weights_tiers() -> None:
+    holders = [
+        Holder("a", "CPU", "", 4, 128),
+        Holder("a", "STORAGE", "disk", 8, 256),
+        Holder("b", "GPU", "", 5, 160),
+    ]
+    ranked = rank(holders)
+    # a: 128 tokens at 0.8 + 128 more at 0.5 = 166.4; b: 160 at 1.0.
+    assert [(r.instance, round(r.score, 1)) for r in ranked] == [("a", 166.4), ("b", 160.0)]
+    assert rank(holders, {"GPU": 1.0, "CPU": 0.1, "STORAGE": 0.1})[0].instance == "b"
+
+
+def test_http_endpoints(filled) -> None:
+    url, fleet, _ = filled
+    tokens = system_prompts(fleet)[0] + [1, 2, 3]
+    hashes = prompt_hashes(tokens, fleet)
+    with TestClient(create_app(url, pool_size=2)) as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        by_hash = client.post(
+            "/v1/match", json={"model": MODEL, "hashes": [h.hex() for h in hashes]}
+        )
+        assert by_hash.status_code == 200
+        with connect(url, autocommit=True) as conn:
+            want = PrefixIndex(conn).match(MODEL, 0, hashes)
+        assert {tuple(h.values()) for h in by_hash.json()["holders"]} == {
+            (h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens) for h in want
+        }
+        assert by_hash.json()["ranked"][0]["instance"] == rank(want)[0].instance
+        by_ints = client.post(
+            "/v1/match", json={"model": MODEL, "hashes": [int.from_bytes(h, "big") for h in hashes]}
+        )
+        assert by_ints.json() == by_hash.json()
+        by_tokens = client.post("/v1/match", json={"model": MODEL, "token_ids": tokens})
+        assert by_tokens.status_code == 200 and by_tokens.json()["holders"]
+        block = client.get(f"/v1/blocks/{hashes[0].hex()}")
+        assert block.status_code == 200
+        assert block.json()[0]["token_start"] == 0 and block.json()[0]["holders"]
+        assert client.get(f"/v1/blocks/{'00' * 8}").status_code == 404
+        bad = [
+            client.post(
+                "/v1/match", content=b"not json", headers={"content-type": "application/json"}
+            ),
+            client.post("/v1/match", json={"hashes": ["00"]}),
+            client.post("/v1/match", json={"model": MODEL}),
+            client.post("/v1/match", json={"model": MODEL, "hashes": ["zz"]}),
+            client.post("/v1/match", json={"model": MODEL, "hashes": ["00"], "token_ids": [1]}),
+            client.post("/v1/match", json={"model": MODEL, "hashes": ["00"] * 9000}),
+            client.post("/v1/match", json={"model": MODEL, "token_ids": [1.5]}),
+            client.post("/v1/match", json={"model": MODEL, "hashes": ["00"], "at": "2026-01-01"}),
+            client.post("/v1/match", json={"model": MODEL, "group_idx": -1, "hashes": ["00"]}),
+            client.get("/v1/blocks/xyz"),
+        ]
+        for response in bad:
+            assert response.status_code == 400, response.text
+            assert "error" in response.json()
+        too_big = client.post(
+            "/v1/match",
+            content=b"{" + b" " * (1 << 20) + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert too_big.status_code == 400
+        metrics = client.get("/metrics").text
+        assert 'kvledger_http_requests_total{route="match",status="400"}' in metrics
+
+
+def test_lookup_cli_prints_holders(filled, capsys) -> None:
+    from kvledger.cli import main as cli
+
+    url, fleet, _ = filled
+    tokens = system_prompts(fleet)[1]
+    assert (
+        cli(
+            [
+                "lookup",
+                "--database-url",
+                url,
+                "--model",
+                MODEL,
+                "--token-ids",
+                ",".join(map(str, tokens)),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "route to engine-" in out and "CPU" in out

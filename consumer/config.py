@@ -15,13 +15,20 @@ class ConsumerConfig:
     database_url: str
     topic: str = "kv-events"
     group_id: str = DEFAULT_GROUP
-    dlq_topic: str = DEFAULT_DLQ_TOPIC
+    # None: rejections are stored in rejected_events only (rebuilds, verification).
+    dlq_topic: str | None = DEFAULT_DLQ_TOPIC
     batch_size: int = 5000
     batch_timeout_s: float = 0.5
     until_caught_up: bool = False
+    # Stop once every partition's stored offset reaches these (partition -> offset); messages
+    # at or past them are not applied. For rebuilds that must end where another index ends.
+    stop_at: Mapping[int, int] | None = None
     metrics_port: int | None = None
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 10.0
+    # Prefetched messages held by the client, per partition and in all: the consumer's memory
+    # bound while it is far behind.
+    queued_max_kbytes: int = 16384
     # Static membership: a restarted consumer with the same id takes its partitions back at
     # once instead of waiting for the session of its dead predecessor to time out.
     group_instance_id: str | None = None

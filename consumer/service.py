@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import psycopg
@@ -58,6 +58,7 @@ class RunSummary:
     block_events: int = 0
     fenced: int = 0
     retries: int = 0
+    restarts: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -111,7 +112,53 @@ class IndexConsumer:
             start_http_server(cfg.metrics_port, registry=metrics.REGISTRY)
         started = time.monotonic()
         self._conn = self._connect()
-        self._dlq = DeadLetterProducer(cfg.bootstrap_servers, cfg.dlq_topic)
+        if cfg.dlq_topic:
+            self._dlq = DeadLetterProducer(cfg.bootstrap_servers, cfg.dlq_topic)
+        self._consumer = self._new_consumer()
+        try:
+            while not self._stop.is_set():
+                consumer = self._consumer
+                assert consumer is not None
+                messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
+                batch: list[Decoded] = []
+                fatal = None
+                for m in messages:
+                    err = m.error()
+                    if err is not None:
+                        if err.fatal() or err.code() == KafkaError._FATAL:
+                            fatal = err
+                        elif err.code() != KafkaError._PARTITION_EOF:
+                            logger.warning("consumer error: %s", err)
+                        continue
+                    inbound = _inbound(m)
+                    if cfg.stop_at is not None and inbound.offset >= cfg.stop_at.get(
+                        inbound.partition, 0
+                    ):
+                        continue
+                    batch.append(decode(inbound, self.codec))
+                if fatal is not None:
+                    # The client cannot go on (e.g. a static member fenced after a broker
+                    # restart). The offsets live in PostgreSQL: a new client resumes exactly.
+                    logger.error("fatal consumer error, starting a new client: %s", fatal)
+                    self._recreate_consumer()
+                    continue
+                if batch:
+                    self._apply(batch)
+                if cfg.stop_at is not None and self._reached(cfg.stop_at):
+                    break
+                if cfg.until_caught_up and len(messages) < cfg.batch_size and self._caught_up():
+                    break
+        finally:
+            self.summary.seconds = time.monotonic() - started
+            if self._consumer is not None:
+                self._consumer.close()
+            if self._dlq is not None:
+                self._dlq.close()
+            self._conn.close()
+        return self.summary
+
+    def _new_consumer(self) -> Consumer:
+        cfg = self.config
         settings: dict[str, object] = {
             "bootstrap.servers": cfg.bootstrap_servers,
             "group.id": cfg.group_id,
@@ -121,47 +168,38 @@ class IndexConsumer:
             "fetch.max.bytes": 52428800,
             "max.partition.fetch.bytes": 4194304,
             "session.timeout.ms": cfg.session_timeout_ms,
+            "queued.max.messages.kbytes": cfg.queued_max_kbytes,
         }
         if cfg.group_instance_id:
             settings["group.instance.id"] = cfg.group_instance_id
         settings.update(cfg.kafka)
         consumer = Consumer(settings)
-        self._consumer = consumer
         consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
-        try:
-            while not self._stop.is_set():
-                messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
-                batch: list[Decoded] = []
-                for m in messages:
-                    err = m.error()
-                    if err is not None:
-                        if err.fatal():
-                            raise KafkaException(err)
-                        if err.code() != KafkaError._PARTITION_EOF:
-                            logger.warning("consumer error: %s", err)
-                        continue
-                    batch.append(decode(_inbound(m), self.codec))
-                if batch:
-                    self._apply(batch)
-                if cfg.until_caught_up and len(messages) < cfg.batch_size and self._caught_up():
-                    break
-        finally:
-            self.summary.seconds = time.monotonic() - started
-            consumer.close()
-            self._dlq.close()
-            self._conn.close()
-        return self.summary
+        return consumer
+
+    def _recreate_consumer(self) -> None:
+        old = self._consumer
+        self._consumer = None
+        if old is not None:
+            try:
+                old.close()
+            except KafkaException as exc:
+                logger.warning("closing the failed client: %s", exc)
+        self.summary.restarts += 1
+        time.sleep(self.config.retry_backoff_s)
+        self._consumer = self._new_consumer()
 
     def _apply(self, batch: list[Decoded]) -> None:
         delay = self.config.retry_backoff_s
         started = time.monotonic()
         while True:
             conn = self._conn
-            assert conn is not None and self._dlq is not None
+            assert conn is not None
             try:
                 with conn.transaction():
                     result = self._applier.apply(conn, batch)
-                    self._dlq.send(result.rejected)
+                    if self._dlq is not None:
+                        self._dlq.send(result.rejected)
                 break
             except FencedError as exc:
                 logger.warning("batch abandoned: %s", exc)
@@ -306,6 +344,10 @@ class IndexConsumer:
             metrics.LAG.labels(str(partition)).set(lag)
             total += lag
         return total
+
+    def _reached(self, targets: Mapping[int, int]) -> bool:
+        stored = self._stored()
+        return all(stored.get(p, 0) >= offset for p, offset in targets.items() if offset > 0)
 
     def _caught_up(self) -> bool:
         return self._lag() == 0

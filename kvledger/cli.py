@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate_cmd.add_parser(subparsers)
     consumer_cmds.add_parsers(subparsers)
+    consumer_cmds.add_reliability_parsers(subparsers)
     demo.add_parser(subparsers)
     lookup_cmds.add_parsers(subparsers)
     return parser

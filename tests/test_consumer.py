@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import struct
@@ -272,7 +273,9 @@ def _consumer_process(
         args.append("--until-caught-up")
     if instance_id:
         args += ["--group-instance-id", instance_id]
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = os.environ.get("KVLEDGER_TEST_CONSUMER_LOG")
+    sink = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(args, cwd=ROOT, stdout=sink, stderr=sink)
 
 
 def _wait_caught_up(bootstrap: str, db: str, topic: str, group: str, timeout: float = 120) -> None:

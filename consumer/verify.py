@@ -1,0 +1,189 @@
+"""Check the index against the log, and rebuild it from the log.
+
+verify: replay the topic from its beginning into a scratch database, stopping exactly at the
+live index's stored offsets, then compare every table (minus wall-clock columns). Declared
+group specs are copied first (they are operator input, not in the log). Operator replays
+of rejected events are not in the log either, so they show up as differences.
+
+rebuild: replace the live index with one rebuilt from the topic (declared specs kept).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import psycopg
+import sqlalchemy as sa
+
+from consumer.config import ConsumerConfig
+from consumer.db import connect, downgrade, migrate
+from consumer.service import IndexConsumer, RunSummary, stored_offsets
+
+# Every table's columns minus wall-clock ones (applied_at, first_seen of rejections, ids).
+COLUMNS: Mapping[str, str] = {
+    # announced_by left out: which source's announcement arrives first across partitions is
+    # not fixed by the log.
+    "group_specs": "model, group_idx, kind, block_size, hash_block_size, sliding_window, origin",
+    "blocks": "model, group_idx, block_hash, parent_hash, token_start, token_end, token_ids, "
+    "block_size, partial, lora_name, extra_keys, first_seen, last_seen",
+    "residencies": "model, group_idx, block_hash, instance, medium, ownership, locality, "
+    "since, kafka_topic, kafka_partition, kafka_offset, refcount",
+    "residency_history": "model, group_idx, block_hash, instance, medium, ownership, "
+    "locality, stored_at, removed_at, removed_by, stored_partition, stored_offset",
+    "events": "kafka_topic, kafka_partition, kafka_offset, source, model, epoch, seq, "
+    "event_type, group_idx, medium, ownership, hash_count, noop_count, status, reason, "
+    "event_time",
+    "rejected_events": "kafka_topic, kafka_partition, kafka_offset, kafka_key, raw, reason, "
+    "detail, source",
+    "source_health": "source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
+    "epoch_changes, duplicates, last_event_time",
+}
+
+
+def _value(v: object) -> object:
+    if isinstance(v, memoryview):
+        return bytes(v)
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def dump(conn: psycopg.Connection) -> dict[str, Counter[tuple[object, ...]]]:
+    """Every table as a multiset of rows (wall-clock columns left out)."""
+    out = {}
+    for table, cols in COLUMNS.items():
+        rows = conn.execute(f"SELECT {cols} FROM kvledger.{table}").fetchall()
+        out[table] = Counter(tuple(_value(v) for v in row) for row in rows)
+    return out
+
+
+@dataclass
+class TableDiff:
+    table: str
+    only_live: list[tuple[object, ...]] = field(default_factory=list)
+    only_rebuilt: list[tuple[object, ...]] = field(default_factory=list)
+
+
+def diff(
+    live: dict[str, Counter[tuple[object, ...]]], rebuilt: dict[str, Counter[tuple[object, ...]]]
+) -> list[TableDiff]:
+    out = []
+    for table in COLUMNS:
+        a, b = live[table], rebuilt[table]
+        if a != b:
+            only_live = sorted((a - b).elements(), key=repr)
+            only_rebuilt = sorted((b - a).elements(), key=repr)
+            out.append(TableDiff(table, only_live, only_rebuilt))
+    return out
+
+
+def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
+    rows = live.execute(
+        "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window "
+        "FROM kvledger.group_specs WHERE origin = 'declared'"
+    ).fetchall()
+    with target.transaction():
+        for row in rows:
+            target.execute(
+                "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
+                "hash_block_size, sliding_window, origin) VALUES (%s, %s, %s, %s, %s, %s, "
+                "'declared') ON CONFLICT (model, group_idx) DO NOTHING",
+                row,
+            )
+    return len(rows)
+
+
+@dataclass
+class VerifyResult:
+    differences: list[TableDiff]
+    rebuilt: RunSummary
+    targets: dict[int, int]
+    rows: dict[str, int]
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+
+def verify(
+    bootstrap: str,
+    live_url: str,
+    topic: str,
+    group: str,
+    scratch_url: str | None = None,
+) -> VerifyResult:
+    """Rebuild into a scratch database up to the live offsets and compare."""
+    created = scratch_url is None
+    if scratch_url is None:
+        url = sa.engine.make_url(live_url)
+        name = f"{url.database}_verify_{uuid.uuid4().hex[:8]}"
+        with connect(live_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        scratch_url = url.set(database=name).render_as_string(hide_password=False)
+    try:
+        migrate(scratch_url)
+        with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
+            _copy_declared(live, scratch)
+            targets = stored_offsets(live, group, topic)
+        summary = IndexConsumer(
+            ConsumerConfig(
+                bootstrap_servers=bootstrap,
+                database_url=scratch_url,
+                topic=topic,
+                # Its own Kafka group: joining the live one would take its partitions.
+                group_id=f"{group}-verify-{uuid.uuid4().hex[:8]}",
+                dlq_topic=None,
+                stop_at=targets,
+                until_caught_up=not targets,
+                batch_size=5000,
+                batch_timeout_s=0.2,
+            )
+        ).run()
+        with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
+            a, b = dump(live), dump(scratch)
+        return VerifyResult(
+            diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()}
+        )
+    finally:
+        if created:
+            scratch_name = sa.engine.make_url(scratch_url).database
+            with connect(live_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{scratch_name}" WITH (FORCE)')
+
+
+def rebuild(bootstrap: str, live_url: str, topic: str, group: str) -> RunSummary:
+    """Replace the live index with one rebuilt from the topic (declared specs kept).
+
+    Stop the consumers of ``group`` first. Rejections are stored again but not re-sent to
+    the dead-letter topic, which already holds them.
+    """
+    with connect(live_url, autocommit=True) as conn:
+        declared = conn.execute(
+            "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window "
+            "FROM kvledger.group_specs WHERE origin = 'declared'"
+        ).fetchall()
+    downgrade(live_url, "base")
+    migrate(live_url)
+    with connect(live_url, autocommit=True) as conn, conn.transaction():
+        for row in declared:
+            conn.execute(
+                "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
+                "hash_block_size, sliding_window, origin) VALUES (%s, %s, %s, %s, %s, %s, "
+                "'declared')",
+                row,
+            )
+    return IndexConsumer(
+        ConsumerConfig(
+            bootstrap_servers=bootstrap,
+            database_url=live_url,
+            topic=topic,
+            group_id=group,
+            dlq_topic=None,
+            until_caught_up=True,
+            batch_size=5000,
+            batch_timeout_s=0.2,
+        )
+    ).run()

@@ -1,0 +1,259 @@
+"""Faults against the real broker and database; every scenario ends with `kvledger verify`."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+
+from consumer.db import connect, migrate
+from consumer.verify import verify
+from kvledger.cli import main as cli
+from producer.topics import ensure_topic
+from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
+from schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
+from tests.test_consumer import _consumer_process, _wait_caught_up, consume
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = str(ROOT / "scripts" / "services")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _producer_process(
+    bootstrap: str, topic: str, requests: int, rate: int, seed: int = 4
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", "simulate", "--bootstrap", bootstrap,
+         "--topic", topic, "--partitions", "6", "--instances", "3", "--requests", str(requests),
+         "--rate", str(rate), "--seed", str(seed), "--misconfigured-source"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+
+
+def _produced(proc: subprocess.Popen[str]) -> int:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    line = next(ln for ln in out.splitlines() if ln.startswith("messages:"))
+    produced, acked = int(line.split()[1]), int(line.split()[3])
+    assert produced == acked
+    return produced
+
+
+def _assert_verified(bootstrap: str, db: str, topic: str, group: str) -> None:
+    result = verify(bootstrap, db, topic, group)
+    assert result.ok, [(d.table, d.only_live[:2], d.only_rebuilt[:2]) for d in result.differences]
+
+
+def test_verify_detects_tampering_and_rebuild_repairs(
+    kafka_bootstrap, fresh_database, make_topic, group_id, capsys
+) -> None:
+    topic = make_topic("verify", partitions=6)
+    assert _produced(_producer_process(kafka_bootstrap, topic, 60, 100000)) > 0
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    args = [
+        "--bootstrap",
+        kafka_bootstrap,
+        "--database-url",
+        fresh_database,
+        "--topic",
+        topic,
+        "--group",
+        group_id,
+    ]
+    assert cli(["verify", *args]) == 0
+    assert "verify: OK" in capsys.readouterr().out
+    with connect(fresh_database, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE kvledger.residencies SET refcount = refcount + 1 WHERE ctid = "
+            "(SELECT ctid FROM kvledger.residencies LIMIT 1)"
+        )
+        conn.execute(
+            "DELETE FROM kvledger.blocks WHERE ctid = (SELECT ctid FROM kvledger.blocks LIMIT 1)"
+        )
+    assert cli(["verify", *args]) == 1
+    out = capsys.readouterr().out
+    assert "residencies: 1 row(s) only in the live index, 1 only in the rebuild" in out
+    assert "blocks: 0 row(s) only in the live index, 1 only in the rebuild" in out
+    assert cli(["rebuild", *args]) == 2  # needs --yes
+    assert cli(["rebuild", *args, "--yes"]) == 0
+    assert cli(["verify", *args]) == 0
+
+
+def test_twenty_kills_under_steady_load(
+    kafka_bootstrap, fresh_database, make_topic, group_id
+) -> None:
+    topic = make_topic("kill20", partitions=6)
+    producer = _producer_process(kafka_bootstrap, topic, requests=400, rate=1000)
+    rng = random.Random(77)
+    for _ in range(20):
+        proc = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "k1")
+        time.sleep(rng.uniform(0.5, 2.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    produced = _produced(producer)
+    final = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, True, "k1")
+    assert final.wait(timeout=300) == 0
+    with connect(fresh_database, autocommit=True) as conn:
+        (events,) = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+    assert events == produced
+    _assert_verified(kafka_bootstrap, fresh_database, topic, group_id)
+
+
+def test_consumers_rebalancing_repeatedly(
+    kafka_bootstrap, fresh_database, make_topic, group_id
+) -> None:
+    topic = make_topic("churn", partitions=6)
+    producer = _producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
+    steady = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
+    for _ in range(4):
+        extra = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
+        time.sleep(2.5)
+        extra.send_signal(signal.SIGTERM)
+        assert extra.wait(timeout=60) == 0
+    produced = _produced(producer)
+    _wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
+    steady.send_signal(signal.SIGTERM)
+    assert steady.wait(timeout=60) == 0
+    with connect(fresh_database, autocommit=True) as conn:
+        (events,) = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+    assert events == produced
+    _assert_verified(kafka_bootstrap, fresh_database, topic, group_id)
+
+
+def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, group_id) -> None:
+    env = dict(
+        os.environ,
+        KVLEDGER_KAFKA_PORT=str(_free_port()),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(_free_port()),
+        KVLEDGER_STATE_DIR=str(tmp_path / "state"),
+    )
+    bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
+    subprocess.run([SERVICES, "up", "kafka"], env=env, check=True)
+    try:
+        topic = "kv-events"
+        ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, 6)
+        consumer = _consumer_process(bootstrap, fresh_database, topic, group_id, False, "b1")
+        producer = _producer_process(bootstrap, topic, requests=250, rate=1000)
+        time.sleep(4)
+        subprocess.run([SERVICES, "down", "kafka"], env=env, check=True)
+        time.sleep(3)
+        subprocess.run([SERVICES, "up", "kafka"], env=env, check=True)
+        produced = _produced(producer)  # close() succeeded: everything was acknowledged
+        _wait_caught_up(bootstrap, fresh_database, topic, group_id, timeout=180)
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(timeout=60) == 0
+        with connect(fresh_database, autocommit=True) as conn:
+            (events,) = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+            gaps = conn.execute(
+                "SELECT sum(gap_count), sum(duplicates) FROM kvledger.source_health"
+            ).fetchone()
+        assert events == produced
+        assert gaps == (0, 0)  # no sequence gaps, nothing written twice
+        _assert_verified(bootstrap, fresh_database, topic, group_id)
+    finally:
+        subprocess.run([SERVICES, "down", "kafka"], env=env, check=False)
+
+
+def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id) -> None:
+    # The postgres user must reach the cluster's folder: pytest's tmp_path is private to root.
+    state = tempfile.mkdtemp(prefix="kvledger-pgtest-")
+    os.chmod(state, 0o755)
+    env = dict(os.environ, KVLEDGER_PG_PORT=str(_free_port()), KVLEDGER_STATE_DIR=state)
+    subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
+    db = f"postgresql+psycopg://kvledger:kvledger@127.0.0.1:{env['KVLEDGER_PG_PORT']}/kvledger"
+    try:
+        migrate(db)
+        topic = make_topic("pgrestart", partitions=6)
+        producer = _producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
+        consumer = _consumer_process(kafka_bootstrap, db, topic, group_id, False, "p1")
+        time.sleep(5)
+        subprocess.run([SERVICES, "down", "postgres"], env=env, check=True)
+        time.sleep(3)
+        subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
+        produced = _produced(producer)
+        _wait_caught_up(kafka_bootstrap, db, topic, group_id, timeout=180)
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(timeout=60) == 0
+        with connect(db, autocommit=True) as conn:
+            (events,) = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+        assert events == produced
+        _assert_verified(kafka_bootstrap, db, topic, group_id)
+    finally:
+        subprocess.run([SERVICES, "down", "postgres"], env=env, check=False)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_poison_input_is_rejected_and_the_consumer_keeps_going(
+    kafka_bootstrap, fresh_database, make_topic, group_id
+) -> None:
+    topic = make_topic("poison", partitions=1)
+    codec = Codec()
+    rng = random.Random(13)
+
+    def env(seq: int, event: object, epoch: int = 5_000) -> bytes:
+        return codec.encode(Envelope("p", "m", 0, epoch, seq, 1_700_000_000_000 + seq, event))  # type: ignore[arg-type]
+
+    def stored(h: bytes, tokens: tuple[int, ...], size: int) -> BlockStored:
+        return BlockStored((h,), None, tokens, size, None, "CPU", None, group_idx=0, token_start=0)
+
+    valid = env(7, stored(b"V" * 8, tuple(range(16)), 16))
+    plan: list[tuple[bytes, str | None]] = [
+        (env(0, GroupSpec("m", 0, "full_attention", 16, 16)), None),
+        (rng.randbytes(64), "undecodable"),
+        (valid[: len(valid) // 2], "undecodable"),
+        (SINGLE_OBJECT_MAGIC + struct.pack("<Q", 7) + valid[10:], "unknown_schema"),
+        (env(2, stored(b"T" * 8, tuple([1] * 300_000), 16)), "invalid_event"),
+        (env(3, stored(b"N" * 8, tuple(range(16)), -16)), "block_size_mismatch"),
+        (env(4, stored(b"A" * 8, tuple(range(16)), 1 << 30)), "block_size_mismatch"),
+        (
+            env(
+                5,
+                BlockStored(
+                    (b"W" * 8, b"X" * 8), None, tuple(range(16)), 16, None, "CPU", None, group_idx=0
+                ),
+            ),
+            "token_count_mismatch",
+        ),
+        (env(6, BlockRemoved((b"Z" * 8,), "CPU", 0)), None),  # removal before any store: a no-op
+        (valid, None),
+        (valid, "duplicate"),  # the same bytes delivered again
+        (env(1, stored(b"O" * 8, tuple(range(16)), 16), epoch=4_000), "stale_epoch"),
+        (env(8, stored(b"E" * 8, tuple(range(16)), 16)), None),  # still applied afterwards
+    ]
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 2_000_000})
+    for value, _ in plan:
+        producer.produce(topic, key=b"p/0", value=value)
+    assert producer.flush(30) == 0
+    summary = consume(kafka_bootstrap, fresh_database, topic, group_id)
+    expected = sorted(r for _, r in plan if r not in (None, "duplicate"))
+    assert sorted(r for r, n in summary.rejected_by_reason.items() for _ in range(n)) == expected
+    assert summary.duplicates == 1
+    with connect(fresh_database, autocommit=True) as conn:
+        hashes = {
+            bytes(h) for (h,) in conn.execute("SELECT block_hash FROM kvledger.blocks").fetchall()
+        }
+        noop = conn.execute(
+            "SELECT noop_count, reason FROM kvledger.events WHERE event_type = 'BlockRemoved'"
+        ).fetchone()
+        rows = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+    assert hashes == {b"V" * 8, b"E" * 8}
+    assert noop == (1, "noop_removal")
+    assert rows == (len(plan),)

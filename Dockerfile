@@ -8,6 +8,7 @@ COPY schemas schemas
 COPY kvledger kvledger
 COPY migrations migrations
 COPY alembic.ini alembic.ini
-RUN pip install --no-cache-dir .
+# Editable: the migrations and alembic.ini are read from /app.
+RUN pip install --no-cache-dir -e .
 ENTRYPOINT []
 CMD ["kvledger", "--help"]

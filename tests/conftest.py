@@ -109,6 +109,15 @@ def database_url() -> Iterator[str]:
         _unavailable("PostgreSQL (scripts/services)", repr(exc))
 
 
+@pytest.fixture(autouse=True)
+def _reap_children() -> Iterator[None]:
+    """Kill any child process a test left running (e.g. after a failed assertion)."""
+    from tests.procs import reap
+
+    yield
+    reap()
+
+
 @pytest.fixture
 def kafka_admin(kafka_bootstrap: str) -> AdminClient:
     return AdminClient({"bootstrap.servers": kafka_bootstrap})

@@ -25,6 +25,7 @@ from producer.simulate import FleetConfig
 from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from schemas.events import BlockStored, Envelope, GroupSpec
 from tests.kafka_helpers import consume_all
+from tests.procs import spawn
 from tests.reference_index import build, full_dump, index_state
 
 pytestmark = pytest.mark.integration
@@ -275,7 +276,7 @@ def _consumer_process(
         args += ["--group-instance-id", instance_id]
     log = os.environ.get("KVLEDGER_TEST_CONSUMER_LOG")
     sink = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(args, cwd=ROOT, stdout=sink, stderr=sink)
+    return spawn(args, cwd=ROOT, stdout=sink, stderr=sink)
 
 
 def _wait_caught_up(bootstrap: str, db: str, topic: str, group: str, timeout: float = 120) -> None:

@@ -24,6 +24,7 @@ from kvledger.cli import main as cli
 from producer.topics import ensure_topic
 from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
+from tests.procs import spawn
 from tests.test_consumer import _consumer_process, _wait_caught_up, consume
 
 pytestmark = pytest.mark.integration
@@ -40,7 +41,7 @@ def _free_port() -> int:
 def _producer_process(
     bootstrap: str, topic: str, requests: int, rate: int, seed: int = 4
 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "kvledger.cli", "simulate", "--bootstrap", bootstrap,
          "--topic", topic, "--partitions", "6", "--instances", "3", "--requests", str(requests),
          "--rate", str(rate), "--seed", str(seed), "--misconfigured-source"],

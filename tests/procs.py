@@ -1,0 +1,23 @@
+"""Child processes started by tests, so that a failing test cannot leave one running."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+_children: list[subprocess.Popen[Any]] = []
+
+
+def spawn(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    proc: subprocess.Popen[Any] = subprocess.Popen(args, **kwargs)
+    _children.append(proc)
+    return proc
+
+
+def reap() -> None:
+    """Kill every child still running (called after each test)."""
+    while _children:
+        proc = _children.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

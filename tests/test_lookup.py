@@ -79,21 +79,29 @@ def brute_force(ref: Reference, hashes: list[bytes], held: set[tuple[object, ...
     return out
 
 
-def chain_by_tokens(ref: Reference, tokens: list[int]) -> list[bytes]:
-    """Walk the reference's rows by token content, as match_tokens must."""
-    children: dict[bytes | None, list[tuple[bytes, tuple[object, ...]]]] = {}
+def chain_by_tokens(ref: Reference, tokens: list[int], hash_size: int = 16) -> list[bytes]:
+    """Walk the reference's rows by token content as match_tokens must: full blocks from the
+    start, then partial-tail rows at hash granularity."""
+    children: dict[tuple[bytes | None, bool], list[tuple[bytes, tuple[object, ...]]]] = {}
     for (model, group, h), row in ref.blocks.items():
-        if model == MODEL and group == 0 and row[3] == BLOCK and not row[4]:
-            children.setdefault(row[0], []).append((h, row))  # type: ignore[arg-type]
+        if (
+            model == MODEL
+            and group == 0
+            and (row[3], row[4]) in ((BLOCK, False), (hash_size, True))
+        ):
+            children.setdefault((row[0], bool(row[4])), []).append((h, row))  # type: ignore[arg-type]
     chain: list[bytes] = []
     parent: bytes | None = None
-    while len(chain) * BLOCK + BLOCK <= len(tokens):
-        want = tuple(tokens[len(chain) * BLOCK : (len(chain) + 1) * BLOCK])
-        nxt = [h for h, row in children.get(parent, []) if row[2] == want]
-        if not nxt:
-            break
-        parent = nxt[0]
-        chain.append(parent)
+    pos = 0
+    for partial, size in ((False, BLOCK), (True, hash_size)):
+        while pos + size <= len(tokens):
+            want = tuple(tokens[pos : pos + size])
+            nxt = sorted(h for h, row in children.get((parent, partial), []) if row[2] == want)
+            if not nxt:
+                break
+            parent = nxt[0]
+            chain.append(parent)
+            pos += size
     return chain
 
 
@@ -114,6 +122,18 @@ def prompts(ref: Reference, fleet: FleetConfig, rng: random.Random) -> list[list
             if cur is not None and (cur[3] != BLOCK or cur[4]):
                 break
         out.append(tokens + random_tokens(rng, rng.randint(0, 64)))
+    held_hashes = {k[2] for k in ref.residencies() if k[0] == MODEL and k[1] == 0}
+    tails = [
+        row for (m, g, h), row in ref.blocks.items()
+        if m == MODEL and g == 0 and row[4] and h in held_hashes
+    ]  # fmt: skip
+    for row in rng.sample(tails, min(15, len(tails))):  # prompts ending in a partial tail
+        tokens = []
+        cur = row
+        while cur is not None:
+            tokens = list(cur[2]) + tokens  # type: ignore[call-overload]
+            cur = ref.blocks.get((MODEL, 0, cur[0])) if cur[0] is not None else None  # type: ignore[arg-type]
+        out.append(tokens)
     out.append(random_tokens(rng, 300))  # nobody holds it
     return out
 
@@ -122,7 +142,7 @@ def test_match_and_match_tokens_agree_with_brute_force(filled) -> None:
     url, fleet, ref = filled
     rng = random.Random(99)
     held = _held_now(ref)
-    nonempty = 0
+    nonempty = partial = 0
     with connect(url, autocommit=True) as conn:
         index = PrefixIndex(conn)
         for tokens in prompts(ref, fleet, rng):
@@ -130,9 +150,12 @@ def test_match_and_match_tokens_agree_with_brute_force(filled) -> None:
             want = brute_force(ref, hashes, held)
             assert set(index.match(MODEL, 0, hashes)) == want
             chain = chain_by_tokens(ref, tokens)
-            assert set(index.match_tokens(MODEL, 0, tokens)) == brute_force(ref, chain, held)
+            by_tokens = set(index.match_tokens(MODEL, 0, tokens))
+            assert by_tokens == brute_force(ref, chain, held)
             nonempty += bool(want)
+            partial += any(h.matched_tokens % BLOCK for h in by_tokens)
     assert nonempty >= 20
+    assert partial >= 3  # partial tails extended matches at hash granularity
 
 
 def test_match_at_several_instants(filled) -> None:

@@ -10,7 +10,7 @@ SERVICES := scripts/services
 # then no local service is started.
 USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 
-.PHONY: venv services services-down demo test lint unit bench clean
+.PHONY: venv services services-down demo test test-containers containers lint unit bench clean
 
 venv: $(VENV)/.installed
 
@@ -48,6 +48,17 @@ unit: venv
 
 test: lint services
 	@$(with_env) $(PY) -m pytest $(PYTEST_ARGS)
+	@if [ -z "$(SKIP_CONTAINERS)" ]; then $(MAKE) --no-print-directory test-containers; fi
+
+# The end-to-end suite with services from testcontainers only (a local Podman engine with
+# images built here; on a machine with Docker set DOCKER_HOST instead and skip the set-up).
+CONTAINER_TESTS ?= tests/e2e tests/test_services_smoke.py
+containers: venv
+	@scripts/containers up
+
+test-containers: containers
+	@eval "$$(scripts/containers env)"; \
+	env -u KVLEDGER_KAFKA_BOOTSTRAP -u KVLEDGER_DATABASE_URL $(PY) -m pytest $(PYTEST_ARGS) $(CONTAINER_TESTS)
 
 bench: services
 	@$(with_env) $(PY) -m bench $(BENCH_ARGS)

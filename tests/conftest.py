@@ -57,6 +57,47 @@ def _services_env() -> dict[str, str]:
     return env
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _kafka_container(image: str) -> tuple[Any, str]:
+    """A single-node KRaft broker; its listener port is published as the same host port, so
+    the address it advertises (127.0.0.1:<port>) works from the host."""
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.wait_strategies import LogMessageWaitStrategy
+
+    port = _free_port()
+    container = DockerContainer(image).with_bind_ports(port, port)
+    if "kvledger-kafka" in image:  # the image scripts/containers builds
+        container = container.with_env("KAFKA_PORT", str(port))
+    else:  # apache/kafka
+        for key, value in {
+            "KAFKA_NODE_ID": "1",
+            "KAFKA_PROCESS_ROLES": "broker,controller",
+            "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@localhost:9093",
+            "KAFKA_LISTENERS": f"PLAINTEXT://:{port},CONTROLLER://:9093",
+            "KAFKA_ADVERTISED_LISTENERS": f"PLAINTEXT://127.0.0.1:{port}",
+            "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
+            "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1",
+            "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
+            "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
+            "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR": "1",
+            "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR": "1",
+            "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
+            "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
+        }.items():
+            container = container.with_env(key, value)
+    container.waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(120))
+    container.start()
+    return container, f"127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
     """Bootstrap servers of a real Apache Kafka broker."""
@@ -64,16 +105,16 @@ def kafka_bootstrap() -> Iterator[str]:
         yield value
         return
     if _docker_engine_answers():
-        from testcontainers.community.kafka import KafkaContainer
-
+        image = os.environ.get("KVLEDGER_TEST_KAFKA_IMAGE", "apache/kafka:4.1.1")
+        container = None
         try:
-            image = os.environ.get("KVLEDGER_TEST_KAFKA_IMAGE", "confluentinc/cp-kafka:7.7.1")
-            container = KafkaContainer(image).with_kraft()
-            container.start()
+            container, bootstrap = _kafka_container(image)
         except Exception as exc:
+            if container is not None:
+                container.stop()
             _unavailable("Kafka (testcontainers)", repr(exc))
         try:
-            yield container.get_bootstrap_server()
+            yield bootstrap
         finally:
             container.stop()
         return
@@ -92,14 +133,17 @@ def database_url() -> Iterator[str]:
     if _docker_engine_answers():
         from testcontainers.community.postgres import PostgresContainer
 
+        image = os.environ.get("KVLEDGER_TEST_POSTGRES_IMAGE", "postgres:16")
+        container = PostgresContainer(
+            image, username="kvledger", password="kvledger", dbname="kvledger", driver="psycopg"
+        )
         try:
-            image = os.environ.get("KVLEDGER_TEST_POSTGRES_IMAGE", "postgres:16")
-            container = PostgresContainer(image, driver="psycopg")
             container.start()
         except Exception as exc:
+            container.stop()
             _unavailable("PostgreSQL (testcontainers)", repr(exc))
         try:
-            yield container.get_connection_url()
+            yield container.get_connection_url().replace("localhost", "127.0.0.1")
         finally:
             container.stop()
         return

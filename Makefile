@@ -47,14 +47,15 @@ unit: venv
 	@$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 test: lint services
-	@$(with_env) $(PY) -m pytest $(PYTEST_ARGS)
+	@$(with_env) $(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/containers
 	@if [ -z "$(SKIP_CONTAINERS)" ]; then $(MAKE) --no-print-directory test-containers; fi
 
 # The end-to-end suite with services from testcontainers only (a local Podman engine with
 # images built here; on a machine with Docker set DOCKER_HOST instead and skip the set-up).
-CONTAINER_TESTS ?= tests/e2e tests/test_services_smoke.py
+CONTAINER_TESTS ?= tests/e2e tests/test_services_smoke.py tests/containers
 containers: venv
 	@scripts/containers up
+	@scripts/containers app
 
 test-containers: containers
 	@eval "$$(scripts/containers env)"; \

@@ -52,6 +52,7 @@ def test_app_services_use_the_codes_variables_and_commands() -> None:
 def test_host_ports_match_scripts_services() -> None:
     services = _compose()["services"]
     script = (ROOT / "scripts" / "services").read_text()
-    assert "127.0.0.1:19092:19092" in services["kafka"]["ports"]
-    assert "127.0.0.1:15432:5432" in services["postgres"]["ports"]
+    kafka = "127.0.0.1:${KVLEDGER_KAFKA_PORT:-19092}:${KVLEDGER_KAFKA_PORT:-19092}"
+    assert kafka in services["kafka"]["ports"]
+    assert "127.0.0.1:${KVLEDGER_PG_PORT:-15432}:5432" in services["postgres"]["ports"]
     assert "KVLEDGER_KAFKA_PORT:-19092" in script and "KVLEDGER_PG_PORT:-15432" in script

@@ -1,20 +1,30 @@
 #!/bin/sh
 # One KRaft node. KAFKA_PORT: the listener port inside, published as the same port on the
 # host; KAFKA_ADVERTISED_HOST (default 127.0.0.1) is what clients are told to connect to.
+# KAFKA_INTERNAL_HOST (e.g. the compose service name) adds a listener on 29092 for clients
+# in other containers.
 set -eu
 PORT=${KAFKA_PORT:-9092}
 HOST=${KAFKA_ADVERTISED_HOST:-127.0.0.1}
+LISTENERS="PLAINTEXT://0.0.0.0:$PORT,CONTROLLER://127.0.0.1:9093"
+ADVERTISED="PLAINTEXT://$HOST:$PORT"
+PROTOCOLS="CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
+if [ -n "${KAFKA_INTERNAL_HOST:-}" ]; then
+  LISTENERS="$LISTENERS,INTERNAL://0.0.0.0:29092"
+  ADVERTISED="$ADVERTISED,INTERNAL://$KAFKA_INTERNAL_HOST:29092"
+  PROTOCOLS="$PROTOCOLS,INTERNAL:PLAINTEXT"
+fi
 DIR=/var/lib/kafka
 mkdir -p "$DIR/data"
 cat > "$DIR/server.properties" <<PROPS
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:9093
-listeners=PLAINTEXT://0.0.0.0:$PORT,CONTROLLER://127.0.0.1:9093
-advertised.listeners=PLAINTEXT://$HOST:$PORT
+listeners=$LISTENERS
+advertised.listeners=$ADVERTISED
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=$PROTOCOLS
 log.dirs=$DIR/data
 offsets.topic.replication.factor=1
 offsets.topic.num.partitions=4

@@ -20,13 +20,12 @@ import threading
 import time
 import uuid
 
-import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
 from bench.common import record
 from consumer.apply import BatchApplier
 from consumer.config import ConsumerConfig
-from consumer.db import connect, migrate
+from consumer.db import connect, create_database, migrate
 from consumer.inbound import Inbound, decode
 from consumer.service import IndexConsumer
 from producer.simulate import CollectingSink, Fleet, FleetConfig
@@ -38,10 +37,7 @@ TABLES = ("blocks", "residencies", "residency_history", "events")
 
 
 def _database(server: str, name: str) -> str:
-    with connect(server, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(server).set(database=name).render_as_string(hide_password=False)
+    url = create_database(server, name, replace=True)
     migrate(url)
     return url
 

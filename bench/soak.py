@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
 from bench.common import record
-from consumer.db import connect, migrate
+from consumer.db import connect, create_database, migrate
 from kvledger.simulate_cmd import run_simulation
 from producer.simulate import FleetConfig
 from producer.topics import ensure_topic
@@ -28,12 +28,7 @@ from producer.topics import ensure_topic
 def main(target: int = 1_000_000) -> dict[str, float]:
     bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
     server = os.environ["KVLEDGER_DATABASE_URL"]
-    url = sa.engine.make_url(server)
-    name = f"{url.database}_soak"
-    with connect(server, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db = url.set(database=name).render_as_string(hide_password=False)
+    db = create_database(server, f"{sa.engine.make_url(server).database}_soak", replace=True)
     migrate(db)
     topic = f"soak-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})

@@ -40,3 +40,35 @@ def downgrade(url: str, revision: str = "base") -> None:
     config.set_main_option("script_location", str(ROOT / "migrations"))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     command.downgrade(config, revision)
+
+
+def drop_database(server_url: str, name: str, attempts: int = 10) -> None:
+    """Drop a database, waiting out autovacuum (which FORCE may not terminate without
+    pg_signal_backend) and ending our own leftover sessions."""
+    import time
+
+    for attempt in range(attempts):
+        with connect(server_url, autocommit=True) as conn:
+            try:
+                # Plain DROP makes autovacuum workers on that database exit by themselves.
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+                return
+            except psycopg.errors.ObjectInUse:
+                try:
+                    conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                    return
+                except psycopg.errors.InsufficientPrivilege:
+                    if attempt == attempts - 1:
+                        raise
+        time.sleep(0.5)
+
+
+def create_database(server_url: str, name: str, replace: bool = False) -> str:
+    """Create a database on the server of ``server_url``; returns its SQLAlchemy URL."""
+    import sqlalchemy as sa
+
+    if replace:
+        drop_database(server_url, name)
+    with connect(server_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return sa.engine.make_url(server_url).set(database=name).render_as_string(hide_password=False)

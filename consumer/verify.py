@@ -19,7 +19,7 @@ import psycopg
 import sqlalchemy as sa
 
 from consumer.config import ConsumerConfig
-from consumer.db import connect, downgrade, migrate
+from consumer.db import connect, create_database, downgrade, drop_database, migrate
 from consumer.service import IndexConsumer, RunSummary, stored_offsets
 
 # Every table's columns minus wall-clock ones (applied_at, first_seen of rejections, ids).
@@ -118,11 +118,8 @@ def verify(
     """Rebuild into a scratch database up to the live offsets and compare."""
     created = scratch_url is None
     if scratch_url is None:
-        url = sa.engine.make_url(live_url)
-        name = f"{url.database}_verify_{uuid.uuid4().hex[:8]}"
-        with connect(live_url, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        scratch_url = url.set(database=name).render_as_string(hide_password=False)
+        name = f"{sa.engine.make_url(live_url).database}_verify_{uuid.uuid4().hex[:8]}"
+        scratch_url = create_database(live_url, name)
     try:
         migrate(scratch_url)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
@@ -149,9 +146,7 @@ def verify(
         )
     finally:
         if created:
-            scratch_name = sa.engine.make_url(scratch_url).database
-            with connect(live_url, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{scratch_name}" WITH (FORCE)')
+            drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
 
 
 def rebuild(bootstrap: str, live_url: str, topic: str, group: str) -> RunSummary:

@@ -24,7 +24,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from consumer.config import ConsumerConfig
-from consumer.db import connect, migrate
+from consumer.db import connect, create_database, migrate
 from consumer.lookup import PrefixIndex, rank
 from consumer.service import IndexConsumer
 from kvledger import settings
@@ -75,12 +75,8 @@ def _sql(conn: psycopg.Connection, title: str, query: str, params: Sequence[obje
 
 
 def _demo_database(server_url: str) -> str:
-    url = sa.engine.make_url(server_url)
-    name = f"{url.database or 'kvledger'}_demo"
-    with connect(server_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return url.set(database=name).render_as_string(hide_password=False)
+    name = f"{sa.engine.make_url(server_url).database or 'kvledger'}_demo"
+    return create_database(server_url, name, replace=True)
 
 
 def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:

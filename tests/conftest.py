@@ -197,17 +197,12 @@ def group_id() -> str:
 @pytest.fixture
 def fresh_database(database_url: str) -> Iterator[str]:
     """A new, migrated database for one test (dropped afterwards); yields its URL."""
-    import sqlalchemy as sa
-
-    from consumer.db import connect, migrate
+    from consumer.db import create_database, drop_database, migrate
 
     name = f"kvl_test_{uuid.uuid4().hex[:12]}"
-    with connect(database_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    url = create_database(database_url, name)
     migrate(url)
     try:
         yield url
     finally:
-        with connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop_database(database_url, name)

@@ -302,22 +302,17 @@ def _reference_dump(
 ) -> dict[str, list[tuple[object, ...]]]:
     import uuid
 
-    import sqlalchemy as sa
-
-    from consumer.db import migrate
+    from consumer.db import create_database, drop_database, migrate
 
     name = f"kvl_ref_{uuid.uuid4().hex[:10]}"
-    with connect(database_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    url = create_database(database_url, name)
     try:
         migrate(url)
         consume(kafka_bootstrap, url, topic, group)
         with connect(url, autocommit=True) as conn:
             return full_dump(conn)
     finally:
-        with connect(database_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop_database(database_url, name)
 
 
 def test_exactly_once_under_kill_9(

@@ -28,15 +28,12 @@ def filled(request: pytest.FixtureRequest) -> tuple[str, FleetConfig, Reference]
     database_url = request.getfixturevalue("database_url")
     import uuid
 
-    import sqlalchemy as sa
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from consumer.db import migrate
+    from consumer.db import create_database, drop_database, migrate
 
     name = f"kvl_lookup_{uuid.uuid4().hex[:10]}"
-    with connect(database_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = sa.engine.make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    url = create_database(database_url, name)
     migrate(url)
     topic = f"lookup-{uuid.uuid4().hex[:10]}"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
@@ -48,8 +45,7 @@ def filled(request: pytest.FixtureRequest) -> tuple[str, FleetConfig, Reference]
     ref = build(by_partition(kafka_bootstrap, topic, group + "-read", sim.produced))
     yield url, fleet, ref
     admin.delete_topics([topic, f"{topic}.dlq"])
-    with connect(database_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    drop_database(database_url, name)
 
 
 def _held_now(ref: Reference) -> set[tuple[object, ...]]:

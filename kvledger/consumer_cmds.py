@@ -13,6 +13,7 @@ from consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
 from consumer.db import connect, migrate
 from consumer.service import IndexConsumer, RunSummary
 from kvledger import settings
+from kvledger.tables import print_table
 from schemas.events import SPEC_KINDS, GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -157,20 +158,11 @@ def _groups_declare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(header: list[str], rows: list[tuple[object, ...]]) -> None:
-    cells = [header] + [["" if v is None else str(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for i, row in enumerate(cells):
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
-
-
 def _groups_list(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         rows = admin.list_groups(conn)
     header = ["model", "group", "kind", "block", "hash", "window", "origin", "by", "updated"]
-    _print_table(header, rows)
+    print_table(header, rows)
     return 0
 
 
@@ -178,10 +170,10 @@ def _dlq_list(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         summary = admin.dlq_summary(conn)
         rows = admin.dlq_rows(conn, args.reason, args.limit)
-    _print_table(["reason", "pending", "replayed", "first", "last"], summary)
+    print_table(["reason", "pending", "replayed", "first", "last"], summary)
     print()
     header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen", "replayed"]
-    _print_table(header, rows)
+    print_table(header, rows)
     return 0
 
 

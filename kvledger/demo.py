@@ -29,6 +29,7 @@ from consumer.lookup import PrefixIndex, rank
 from consumer.service import IndexConsumer
 from kvledger import settings
 from kvledger.simulate_cmd import run_simulation
+from kvledger.tables import print_table
 from producer.simulate import (
     FULL_GROUP,
     FleetConfig,
@@ -57,21 +58,12 @@ def _section(title: str) -> None:
     print(f"\n== {title}")
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [list(header)] + [["" if v is None else str(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for i, row in enumerate(cells):
-        print("   " + "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-        if i == 0:
-            print("   " + "  ".join("-" * w for w in widths))
-
-
 def _sql(conn: psycopg.Connection, title: str, query: str, params: Sequence[object] = ()) -> None:
     _section(title)
     print("   " + "\n   ".join(line for line in query.strip().splitlines()))
     cur = conn.execute(query, params)
     header = [d.name for d in cur.description or []]
-    _table(header, cur.fetchall())
+    print_table(header, cur.fetchall(), indent="   ")
 
 
 def _demo_database(server_url: str) -> str:
@@ -220,12 +212,13 @@ def _routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
         f"{len(prompt)} tokens, {len(hashes)} blocks of {FULL_GROUP.tokens_per_block}"
     )
     print("   SELECT * FROM kvledger.match_prefix('sim-llama-8b', 0, <block hashes>)")
-    _table(
+    print_table(
         ["instance", "medium", "ownership", "matched_blocks", "matched_tokens"],
         [
             (h.instance, h.medium, h.ownership or "-", h.matched_blocks, h.matched_tokens)
             for h in holders
         ],
+        indent="   ",
     )
     ranked = rank(holders)
     print("   ranked with tier weights GPU 1.0, CPU 0.8, STORAGE 0.5:")

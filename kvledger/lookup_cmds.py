@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from consumer.db import connect
 from consumer.lookup import PrefixIndex, rank
 from kvledger import settings
+from kvledger.tables import print_table
 
 if TYPE_CHECKING:
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -67,16 +68,11 @@ def _lookup(args: argparse.Namespace) -> int:
     if not holders:
         print("no instance holds any prefix of this prompt")
         return 0
-    rows = [
-        (h.instance, h.medium, h.ownership or "-", str(h.matched_blocks), str(h.matched_tokens))
-        for h in holders
-    ]
-    header = ("instance", "medium", "ownership", "blocks", "tokens")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for i, row in enumerate([header, *rows]):
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(
+        ("instance", "medium", "ownership", "blocks", "tokens"),
+        [(h.instance, h.medium, h.ownership or "-", h.matched_blocks, h.matched_tokens)
+         for h in holders],
+    )  # fmt: skip
     best = rank(holders)[0]
     print(f"route to {best.instance} (score {best.score:,.0f})")
     return 0

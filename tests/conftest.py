@@ -57,21 +57,15 @@ def _services_env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _kafka_container(image: str) -> tuple[Any, str]:
     """A single-node KRaft broker; its listener port is published as the same host port, so
     the address it advertises (127.0.0.1:<port>) works from the host."""
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
-    port = _free_port()
+    from tests.procs import free_port
+
+    port = free_port()
     container = DockerContainer(image).with_bind_ports(port, port)
     if "kvledger-kafka" in image:  # the image scripts/containers builds
         container = container.with_env("KAFKA_PORT", str(port))

@@ -1,7 +1,9 @@
-"""Child processes started by tests, so that a failing test cannot leave one running."""
+"""Child processes started by tests (so that a failing test cannot leave one running), and
+free loopback ports for the services some tests start themselves."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from typing import Any
 
@@ -21,3 +23,9 @@ def reap() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import time
 from collections import defaultdict
@@ -21,6 +20,7 @@ from schemas import events
 from schemas.codec import Codec
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
 from tests.kafka_helpers import consume_all
+from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,18 +234,12 @@ def test_message_too_large_is_reported(kafka_bootstrap: str, make_topic) -> None
     assert info.value.errors
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_broker_stopped_mid_run_makes_close_raise(tmp_path: Path) -> None:
     """A throwaway broker of our own is stopped while messages are in flight."""
     env = dict(
         os.environ,
-        KVLEDGER_KAFKA_PORT=str(_free_port()),
-        KVLEDGER_KAFKA_CONTROLLER_PORT=str(_free_port()),
+        KVLEDGER_KAFKA_PORT=str(free_port()),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
         KVLEDGER_STATE_DIR=str(tmp_path / "state"),
     )
     services = str(ROOT / "scripts" / "services")

@@ -6,7 +6,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -24,18 +23,12 @@ from kvledger.cli import main as cli
 from producer.topics import ensure_topic
 from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
-from tests.procs import spawn
+from tests.procs import free_port, spawn
 from tests.test_consumer import _consumer_process, _wait_caught_up, consume
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = str(ROOT / "scripts" / "services")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _producer_process(
@@ -142,8 +135,8 @@ def test_consumers_rebalancing_repeatedly(
 def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, group_id) -> None:
     env = dict(
         os.environ,
-        KVLEDGER_KAFKA_PORT=str(_free_port()),
-        KVLEDGER_KAFKA_CONTROLLER_PORT=str(_free_port()),
+        KVLEDGER_KAFKA_PORT=str(free_port()),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
         KVLEDGER_STATE_DIR=str(tmp_path / "state"),
     )
     bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
@@ -177,7 +170,7 @@ def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id
     # The postgres user must reach the cluster's folder: pytest's tmp_path is private to root.
     state = tempfile.mkdtemp(prefix="kvledger-pgtest-")
     os.chmod(state, 0o755)
-    env = dict(os.environ, KVLEDGER_PG_PORT=str(_free_port()), KVLEDGER_STATE_DIR=state)
+    env = dict(os.environ, KVLEDGER_PG_PORT=str(free_port()), KVLEDGER_STATE_DIR=state)
     subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
     db = f"postgresql+psycopg://kvledger:kvledger@127.0.0.1:{env['KVLEDGER_PG_PORT']}/kvledger"
     try:

@@ -9,7 +9,6 @@ host; the lookup service answers; the stack goes down.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ import httpx
 import pytest
 
 from producer.simulate import FleetConfig, system_prompts
+from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
@@ -63,10 +57,10 @@ def test_compose_stack_end_to_end() -> None:
     if not os.environ.get("KVLEDGER_APP_IMAGE"):
         pytest.fail("run through `make test-containers` (it builds the images)", pytrace=False)
     ports = {
-        "KVLEDGER_KAFKA_PORT": _free_port(),
-        "KVLEDGER_PG_PORT": _free_port(),
-        "KVLEDGER_LOOKUP_PORT": _free_port(),
-        "KVLEDGER_METRICS_PORT": _free_port(),
+        "KVLEDGER_KAFKA_PORT": free_port(),
+        "KVLEDGER_PG_PORT": free_port(),
+        "KVLEDGER_LOOKUP_PORT": free_port(),
+        "KVLEDGER_METRICS_PORT": free_port(),
     }
     env = dict(os.environ, **{k: str(v) for k, v in ports.items()})
     project = f"kvledger-ci-{uuid.uuid4().hex[:6]}"

@@ -128,13 +128,15 @@ def database_url() -> Iterator[str]:
         from testcontainers.community.postgres import PostgresContainer
 
         image = os.environ.get("KVLEDGER_TEST_POSTGRES_IMAGE", "postgres:16")
-        container = PostgresContainer(
-            image, username="kvledger", password="kvledger", dbname="kvledger", driver="psycopg"
-        )
-        try:
+        container = None
+        try:  # DockerException is raised at construction when the engine goes away
+            container = PostgresContainer(
+                image, username="kvledger", password="kvledger", dbname="kvledger", driver="psycopg"
+            )
             container.start()
         except Exception as exc:
-            container.stop()
+            if container is not None:
+                container.stop()
             _unavailable("PostgreSQL (testcontainers)", repr(exc))
         try:
             yield container.get_connection_url().replace("localhost", "127.0.0.1")

@@ -18,6 +18,7 @@ Rejected messages are returned as :class:`Rejection` values for the dead-letter 
 from __future__ import annotations
 
 import logging
+import struct
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -631,7 +632,7 @@ class _Run:
                 r = w.row
                 end = r.token_start + len(r.token_ids) if r.token_start is not None else None
                 rows.append(
-                    (model, group, h, r.parent_hash, r.token_start, end, list(r.token_ids),
+                    (model, group, h, r.parent_hash, r.token_start, end, _int4_array(r.token_ids),
                      r.block_size, r.partial, w.lora_name, w.extra_keys, w.first_seen,
                      w.last_seen)
                 )  # fmt: skip
@@ -759,7 +760,7 @@ _BLOCK_COLUMNS = (
     ("parent_hash", "bytea"),
     ("token_start", "int8"),
     ("token_end", "int8"),
-    ("token_ids", "int4[]"),
+    ("token_ids", "bytea"),  # int4[] bytes built by _int4_array
     ("block_size", "int4"),
     ("partial", "bool"),
     ("lora_name", "text"),
@@ -804,6 +805,22 @@ _EVENT_COLUMNS = (
     ("reason", "text"),
     ("event_time", "timestamptz"),
 )
+
+
+def _int4_array(values: Sequence[int]) -> bytes:
+    """PostgreSQL's binary form of an int4[] in one struct.pack call.
+
+    Binary COPY hands a field's bytes to the column type's receive function, so these bytes
+    go out through the plain bytea dumper (see _BLOCK_COLUMNS): far cheaper than adapting a
+    Python list element by element.
+    """
+    n = len(values)
+    if n == 0:  # an empty array has no dimensions
+        return struct.pack(">iiI", 0, 0, 23)
+    body = [4] * (2 * n)  # (length 4, value) per element
+    body[1::2] = values
+    # ndim 1, no nulls, element oid 23 (int4), length n, lower bound 1, elements.
+    return struct.pack(f">iiIii{2 * n}i", 1, 0, 23, n, 1, *body)
 
 
 def _copy(

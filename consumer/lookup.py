@@ -72,37 +72,31 @@ class PrefixIndex:
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
 
-    def match(self, model: str, group_idx: int, hashes: Sequence[bytes]) -> list[Holder]:
+    def _holders(self, function: str, params: tuple[object, ...]) -> list[Holder]:
+        placeholders = ", ".join(["%s"] * len(params))
         rows = self.conn.execute(
             "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
-            "FROM kvledger.match_prefix(%s, %s, %s) "
+            f"FROM kvledger.{function}({placeholders}) "
             "ORDER BY matched_blocks DESC, instance, medium, ownership",
-            (model, group_idx, list(hashes)),
+            params,
         ).fetchall()
         return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+
+    def match(self, model: str, group_idx: int, hashes: Sequence[bytes]) -> list[Holder]:
+        """Holders of the longest run of ``hashes`` from the start, now."""
+        return self._holders("match_prefix", (model, group_idx, list(hashes)))
 
     def match_at(
         self, model: str, group_idx: int, hashes: Sequence[bytes], at: datetime
     ) -> list[Holder]:
-        rows = self.conn.execute(
-            "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
-            "FROM kvledger.match_prefix_at(%s, %s, %s, %s) "
-            "ORDER BY matched_blocks DESC, instance, medium, ownership",
-            (model, group_idx, list(hashes), at),
-        ).fetchall()
-        return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+        """The same answer as of ``at``, from the residency history."""
+        return self._holders("match_prefix_at", (model, group_idx, list(hashes), at))
 
     def match_tokens(
         self, model: str, group_idx: int, token_ids: Sequence[int], lora_name: str | None = None
     ) -> list[Holder]:
         """The same answer found by walking the hash chain by token content."""
-        rows = self.conn.execute(
-            "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
-            "FROM kvledger.match_tokens(%s, %s, %s, %s) "
-            "ORDER BY matched_blocks DESC, instance, medium, ownership",
-            (model, group_idx, list(token_ids), lora_name),
-        ).fetchall()
-        return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+        return self._holders("match_tokens", (model, group_idx, list(token_ids), lora_name))
 
     def holders(self, model: str, group_idx: int, block_hash: bytes) -> list[Residency]:
         rows = self.conn.execute(

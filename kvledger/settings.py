@@ -8,21 +8,19 @@ ENV_KAFKA = "KVLEDGER_KAFKA_BOOTSTRAP"
 ENV_DATABASE = "KVLEDGER_DATABASE_URL"
 
 
-def kafka_bootstrap(flag: str | None) -> str:
-    value = flag or os.environ.get(ENV_KAFKA)
+def _required(flag: str | None, env: str, what: str, option: str) -> str:
+    value = flag or os.environ.get(env)
     if not value:
         raise SystemExit(
-            f"kvledger: no Kafka broker: pass --bootstrap or set {ENV_KAFKA} "
+            f"kvledger: no {what}: pass {option} or set {env} "
             '(`eval "$(scripts/services env)"` after `scripts/services up`)'
         )
     return value
+
+
+def kafka_bootstrap(flag: str | None) -> str:
+    return _required(flag, ENV_KAFKA, "Kafka broker", "--bootstrap")
 
 
 def database_url(flag: str | None) -> str:
-    value = flag or os.environ.get(ENV_DATABASE)
-    if not value:
-        raise SystemExit(
-            f"kvledger: no database: pass --database-url or set {ENV_DATABASE} "
-            '(`eval "$(scripts/services env)"` after `scripts/services up`)'
-        )
-    return value
+    return _required(flag, ENV_DATABASE, "database", "--database-url")

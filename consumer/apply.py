@@ -304,7 +304,7 @@ class _Run:
             cur.execute(
                 "SELECT block_hash, parent_hash, token_start, token_ids, block_size, partial "
                 "FROM kvledger.blocks WHERE model = %s AND group_idx = %s "
-                "AND block_hash = ANY(%s)",
+                "AND block_hash = ANY(%b)",
                 (model, group, list(hashes)),
             )
             for h, parent, start, tokens, size, partial in cur.fetchall():
@@ -332,7 +332,7 @@ class _Run:
         )
         params: tuple[object, ...] = (model, group, instance, medium, ownership)
         if hashes is not None:
-            sql += " AND block_hash = ANY(%s)"
+            sql += " AND block_hash = ANY(%b)"
             params += (hashes,)
         self.cur.execute(sql, params)
         for h, refcount, locality, since, topic, partition, offset in self.cur.fetchall():

@@ -264,7 +264,7 @@ class IndexConsumer:
                 example.detail,
             )
         if self.progress is not None:
-            self.progress(s, self._lag())
+            self.progress(s, self.lag())
 
     # ------------------------------------------------------------------ offsets
     def _connect(self) -> psycopg.Connection:
@@ -332,7 +332,8 @@ class IndexConsumer:
                 out[tp.partition][index] = future.result().offset
         return {p: (low, high) for p, (low, high) in out.items()}
 
-    def _lag(self) -> int:
+    def lag(self) -> int:
+        """Messages between the stored offsets and the partitions' ends (-1 if unknown)."""
         try:
             ends = self._end_offsets()
         except KafkaException:
@@ -350,4 +351,4 @@ class IndexConsumer:
         return all(stored.get(p, 0) >= offset for p, offset in targets.items() if offset > 0)
 
     def _caught_up(self) -> bool:
-        return self._lag() == 0
+        return self.lag() == 0

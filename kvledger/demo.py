@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     lag = -1
     while time.monotonic() - start < 300:
-        lag = consumer._lag()
+        lag = consumer.lag()
         if sys.stderr.isatty():
             sys.stderr.write(
                 f"\r   lag {lag:>8,} messages; applied {consumer.summary.applied:,}   "

@@ -180,34 +180,3 @@ def index_state(conn: psycopg.Connection) -> dict[str, object]:
         "status": status,
         "rejected": rejected,
     }
-
-
-def full_dump(conn: psycopg.Connection) -> dict[str, list[tuple[object, ...]]]:
-    """Every table's rows minus wall-clock columns, sorted: equal dumps mean equal indexes."""
-    columns = {
-        "group_specs": "model, group_idx, kind, block_size, hash_block_size, sliding_window, "
-        "origin",
-        "blocks": "model, group_idx, block_hash, parent_hash, token_start, token_end, token_ids, "
-        "block_size, partial, lora_name, extra_keys, first_seen, last_seen",
-        "residencies": "model, group_idx, block_hash, instance, medium, ownership, locality, "
-        "since, kafka_partition, kafka_offset, refcount",
-        "residency_history": "model, group_idx, block_hash, instance, medium, ownership, "
-        "locality, stored_at, removed_at, removed_by, stored_partition, stored_offset",
-        "events": "kafka_partition, kafka_offset, source, epoch, seq, event_type, group_idx, "
-        "medium, ownership, hash_count, noop_count, status, reason, event_time",
-        "rejected_events": "kafka_partition, kafka_offset, kafka_key, raw, reason, detail, source",
-        "source_health": "source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-        "epoch_changes, duplicates, last_event_time",
-    }
-    queries = {name: f"SELECT {cols} FROM kvledger.{name}" for name, cols in columns.items()}
-    out = {}
-    for name, sql in queries.items():
-        rows = [
-            tuple(
-                bytes(v) if isinstance(v, memoryview) else (tuple(v) if isinstance(v, list) else v)
-                for v in row
-            )
-            for row in conn.execute(sql).fetchall()
-        ]
-        out[name] = sorted(rows, key=repr)
-    return out

@@ -217,6 +217,10 @@ class OffloadingEventsTracker:
         self._payloads: dict[OffloadKey, _ChunkPayload] = {}
 
     # ------------------------------------------------------------------ recording
+    def _records(self, group_config: GroupConfigLike) -> bool:
+        """Sliding-window, chunked-local and Mamba groups keep placeholder payloads."""
+        return self.enabled and group_config.sliding_window_size_in_chunks is None
+
     def record_store(
         self,
         req: RequestLike,
@@ -225,7 +229,7 @@ class OffloadingEventsTracker:
         offload_key: OffloadKey,
     ) -> None:
         """Snapshot the payload of a full chunk being stored; merges residencies on re-store."""
-        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+        if not self._records(group_config):
             return
         payload = self._full_chunk_payload(req, group_config, chunk_idx)
         self._put_merging(offload_key, payload)
@@ -238,7 +242,7 @@ class OffloadingEventsTracker:
         offload_key: OffloadKey,
     ) -> None:
         """Backfill a primary-tier hit's payload (never overwriting); register (CPU, None)."""
-        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+        if not self._records(group_config):
             return
         payload = self._payloads.get(offload_key)
         if payload is None:
@@ -254,7 +258,7 @@ class OffloadingEventsTracker:
         offload_key: OffloadKey,
     ) -> None:
         """Snapshot a partial recurrent tail ending at ``boundary_tokens`` (a hash edge)."""
-        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+        if not self._records(group_config):
             return
         payload = self._partial_tail_payload(req, group_config, boundary_tokens)
         self._put_merging(offload_key, payload)
@@ -267,7 +271,7 @@ class OffloadingEventsTracker:
         offload_key: OffloadKey,
     ) -> None:
         """Backfill a partial tail's payload on a lookup hit, only when none is recorded."""
-        if not self.enabled or group_config.sliding_window_size_in_chunks is not None:
+        if not self._records(group_config):
             return
         if offload_key not in self._payloads:
             self._payloads[offload_key] = self._partial_tail_payload(
@@ -408,14 +412,9 @@ class OffloadingEventsTracker:
         self, req: RequestLike, cfg: GroupConfigLike, chunk_idx: int
     ) -> _ChunkPayload:
         hashes_per_chunk = cfg.hashes_per_chunk
-        if hashes_per_chunk <= 0 or cfg.tokens_per_chunk % hashes_per_chunk:
-            raise TrackerInputError(
-                f"group {cfg.group_idx}: {cfg.tokens_per_chunk} tokens per chunk do not split "
-                f"into {hashes_per_chunk} hashes"
-            )
+        tokens_per_hash = _tokens_per_hash(cfg)
         if chunk_idx < 0:
             raise TrackerInputError(f"chunk index {chunk_idx} is negative")
-        tokens_per_hash = cfg.tokens_per_chunk // hashes_per_chunk
         first = chunk_idx * hashes_per_chunk
         last = first + hashes_per_chunk
         raw_hashes = req.block_hashes
@@ -460,12 +459,7 @@ class OffloadingEventsTracker:
     def _partial_tail_payload(
         self, req: RequestLike, cfg: GroupConfigLike, boundary_tokens: int
     ) -> _ChunkPayload:
-        if cfg.hashes_per_chunk <= 0 or cfg.tokens_per_chunk % cfg.hashes_per_chunk:
-            raise TrackerInputError(
-                f"group {cfg.group_idx}: {cfg.tokens_per_chunk} tokens per chunk do not split "
-                f"into {cfg.hashes_per_chunk} hashes"
-            )
-        tokens_per_hash = cfg.tokens_per_chunk // cfg.hashes_per_chunk
+        tokens_per_hash = _tokens_per_hash(cfg)
         if boundary_tokens <= 0:
             raise TrackerInputError(f"partial tail boundary {boundary_tokens} must be positive")
         if boundary_tokens % tokens_per_hash:
@@ -513,6 +507,15 @@ class OffloadingEventsTracker:
         if parent is None:
             raise TrackerInputError(f"the hash before index {first} (the parent) is missing")
         return bytes(parent)
+
+
+def _tokens_per_hash(cfg: GroupConfigLike) -> int:
+    if cfg.hashes_per_chunk <= 0 or cfg.tokens_per_chunk % cfg.hashes_per_chunk:
+        raise TrackerInputError(
+            f"group {cfg.group_idx}: {cfg.tokens_per_chunk} tokens per chunk do not split "
+            f"into {cfg.hashes_per_chunk} hashes"
+        )
+    return cfg.tokens_per_chunk // cfg.hashes_per_chunk
 
 
 def _present(hashes: Sequence[bytes | None], what: str) -> tuple[bytes, ...]:

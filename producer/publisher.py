@@ -36,6 +36,7 @@ from producer.tracker import (
     OffloadingEvent,
     OffloadingEventGroupSpec,
     OffloadingEventsTracker,
+    group_announcement,
 )
 from schemas.codec import Codec
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec, KVEvent
@@ -91,16 +92,8 @@ class KVEventPublisher:
             for cfg in group_configs:
                 if cfg.group_idx in self._announced:
                     continue
-                spec = cfg.kv_event_group_spec
-                self.tracker.set_group_spec(cfg.group_idx, spec)
-                announcement = GroupSpec(
-                    model=self.config.model,
-                    group_idx=cfg.group_idx,
-                    kind=spec.kv_cache_spec_kind or "unknown",
-                    block_size=cfg.tokens_per_block,
-                    hash_block_size=cfg.tokens_per_chunk // cfg.hashes_per_chunk,
-                    sliding_window=spec.kv_cache_spec_sliding_window,
-                )
+                self.tracker.set_group_spec(cfg.group_idx, cfg.kv_event_group_spec)
+                announcement = group_announcement(self.config.model, cfg)
                 self._announced[cfg.group_idx] = announcement
                 self._produce(cfg.group_idx, announcement)
 

@@ -38,6 +38,7 @@ from producer.tracker import (
     OffloadingEventGroupSpec,
     OffloadingEventsTracker,
     OffloadKey,
+    group_announcement,
     make_offload_key,
 )
 from schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
@@ -130,7 +131,7 @@ class SimulatedEngine:
         self.cpu: OrderedDict[OffloadKey, None] = OrderedDict()
         self.storage: OrderedDict[OffloadKey, None] = OrderedDict()
         if misconfigured:
-            sink.announce_group_spec(_announcement(config.model, FULL_GROUP))
+            sink.announce_group_spec(group_announcement(config.model, FULL_GROUP))
             sink.announce_groups([SLIDING_GROUP])
         else:
             sink.announce_groups([FULL_GROUP, SLIDING_GROUP])
@@ -247,18 +248,6 @@ def random_tokens(rng: random.Random, count: int) -> list[int]:
     return array("H", rng.randbytes(2 * count)).tolist()
 
 
-def _announcement(model: str, cfg: GroupOffloadConfig) -> GroupSpec:
-    spec = cfg.kv_event_group_spec
-    return GroupSpec(
-        model=model,
-        group_idx=cfg.group_idx,
-        kind=spec.kv_cache_spec_kind or "unknown",
-        block_size=cfg.tokens_per_block,
-        hash_block_size=cfg.tokens_per_chunk // cfg.hashes_per_chunk,
-        sliding_window=spec.kv_cache_spec_sliding_window,
-    )
-
-
 def system_prompts(config: FleetConfig) -> list[list[int]]:
     """The fleet-wide system prompts of a configuration (deterministic for its seed)."""
     rng = random.Random(config.seed)
@@ -336,7 +325,7 @@ class CollectingSink:
 
     def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None:
         for cfg in group_configs:
-            self.announce_group_spec(_announcement(self.model, cfg))
+            self.announce_group_spec(group_announcement(self.model, cfg))
 
     def announce_group_spec(self, spec: GroupSpec) -> None:
         self._tracker.set_group_spec(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
-from schemas.events import BlockRemoved, BlockStored
+from schemas.events import BlockRemoved, BlockStored, GroupSpec
 
 logger = logging.getLogger(__name__)
 # Placeholder warnings are expected for some groups: say each once per process, as vLLM does.
@@ -516,6 +516,19 @@ def _tokens_per_hash(cfg: GroupConfigLike) -> int:
             f"into {cfg.hashes_per_chunk} hashes"
         )
     return cfg.tokens_per_chunk // cfg.hashes_per_chunk
+
+
+def group_announcement(model: str, cfg: GroupConfigLike) -> GroupSpec:
+    """The GroupSpec a producer announces for a group config (block and hash sizes, kind)."""
+    spec = cfg.kv_event_group_spec
+    return GroupSpec(
+        model=model,
+        group_idx=cfg.group_idx,
+        kind=spec.kv_cache_spec_kind or "unknown",
+        block_size=cfg.tokens_per_block,
+        hash_block_size=cfg.tokens_per_chunk // cfg.hashes_per_chunk,
+        sliding_window=spec.kv_cache_spec_sliding_window,
+    )
 
 
 def _present(hashes: Sequence[bytes | None], what: str) -> tuple[bytes, ...]:

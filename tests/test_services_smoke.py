@@ -6,7 +6,9 @@ from collections import defaultdict
 
 import pytest
 import sqlalchemy as sa
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
+
+from tests.kafka_helpers import consume_all
 
 pytestmark = pytest.mark.integration
 
@@ -37,32 +39,15 @@ def test_kafka_keyed_round_trip_across_partitions(
     assert errors == []
     assert len(delivered) == MESSAGES
 
-    consumer = Consumer(
-        {
-            "bootstrap.servers": kafka_bootstrap,
-            "group.id": group_id,
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
-    )
-    consumer.subscribe([topic])
+    messages = consume_all(kafka_bootstrap, topic, group_id, MESSAGES)
     by_key: dict[str, list[int]] = defaultdict(list)
     partitions_of_key: dict[str, set[int]] = defaultdict(set)
-    seen = 0
-    try:
-        while seen < MESSAGES:
-            batch = consumer.consume(500, timeout=10)
-            assert batch, f"no message within 10 s after {seen} of {MESSAGES}"
-            for msg in batch:
-                assert msg.error() is None, msg.error()
-                key = msg.key().decode()
-                by_key[key].append(int(msg.value()))
-                partitions_of_key[key].add(msg.partition())
-                seen += 1
-    finally:
-        consumer.close()
+    for msg in messages:
+        key = msg.key().decode()
+        by_key[key].append(int(msg.value()))
+        partitions_of_key[key].add(msg.partition())
 
-    assert seen == MESSAGES
+    assert len(messages) == MESSAGES
     # Every key stays on one partition and keeps its produce order.
     assert all(len(parts) == 1 for parts in partitions_of_key.values())
     for key, values in by_key.items():

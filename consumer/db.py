@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import psycopg
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,24 +26,25 @@ def connect(url: str, autocommit: bool = False) -> psycopg.Connection:
     return psycopg.connect(conninfo(url), autocommit=autocommit)
 
 
-def migrate(url: str, revision: str = "head") -> None:
-    """Run Alembic's upgrade to ``revision`` (the project's migrations/)."""
+def _alembic(url: str) -> tuple[ModuleType, Config]:
     from alembic import command
     from alembic.config import Config
 
     config = Config(str(ROOT / "alembic.ini"))
     config.set_main_option("script_location", str(ROOT / "migrations"))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return command, config
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Run Alembic's upgrade to ``revision`` (the project's migrations/)."""
+    command, config = _alembic(url)
     command.upgrade(config, revision)
 
 
 def downgrade(url: str, revision: str = "base") -> None:
-    from alembic import command
-    from alembic.config import Config
-
-    config = Config(str(ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(ROOT / "migrations"))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    """Run Alembic's downgrade to ``revision``."""
+    command, config = _alembic(url)
     command.downgrade(config, revision)
 
 

@@ -1,7 +1,8 @@
 """The lookup service (`kvledger serve`): prefix matches over HTTP for routers.
 
 POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...],
-                   "lora_name"?, "at"?, "weights"?} → holders and a routing rank
+                   "granularity"? ("block" | "hash", with hashes), "lora_name"?, "at"?,
+                   "weights"?} → holders and a routing rank
 GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
 GET  /healthz            the database answers
 GET  /metrics            Prometheus metrics
@@ -29,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from consumer.db import conninfo
-from consumer.lookup import DEFAULT_TIER_WEIGHTS, PrefixIndex, rank
+from consumer.lookup import DEFAULT_TIER_WEIGHTS, GRANULARITIES, PrefixIndex, rank
 from consumer.metrics import REGISTRY
 
 MAX_BODY_BYTES = 1 << 20
@@ -136,6 +137,11 @@ def create_app(database_url: str, pool_size: int = 8) -> Starlette:
         if (hashes is None) == (tokens is None):
             raise BadRequestError("give exactly one of hashes or token_ids")
         at = data.get("at")
+        granularity = data.get("granularity", "block")
+        if granularity not in GRANULARITIES:
+            raise BadRequestError(f"granularity must be one of {', '.join(GRANULARITIES)}")
+        if tokens is not None and granularity != "block":
+            raise BadRequestError("granularity applies to hashes, not token_ids")
         with index() as idx:
             if hashes is not None:
                 if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
@@ -148,9 +154,9 @@ def create_app(database_url: str, pool_size: int = 8) -> Starlette:
                         raise BadRequestError("at must be an ISO 8601 time") from None
                     if when.tzinfo is None:
                         raise BadRequestError("at needs a time zone")
-                    holders = idx.match_at(model, group, parsed, when)
+                    holders = idx.match_at(model, group, parsed, when, granularity)
                 else:
-                    holders = idx.match(model, group, parsed)
+                    holders = idx.match(model, group, parsed, granularity)
             else:
                 if (
                     not isinstance(tokens, list)

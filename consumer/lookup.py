@@ -1,7 +1,7 @@
 """Lookups over the index: which holders have the longest prefix of a prompt, on which tier.
 
-A thin, typed layer over the SQL functions the migrations create (kvledger.match_prefix and
-kvledger.match_prefix_at), so that any language can ask the same questions in SQL.
+A thin, typed layer over the SQL functions the migrations create (kvledger.match_prefix,
+match_prefix_at and match_tokens), so that any language can ask the same questions in SQL.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
+from typing import Literal, get_args
 
 import psycopg
 
@@ -18,9 +19,19 @@ DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType(
 )
 
 
+Granularity = Literal["block", "hash"]
+GRANULARITIES: tuple[Granularity, ...] = get_args(Granularity)
+
+
+def _check(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """One holder's match: how many leading blocks (and tokens) of the prompt it holds."""
+    """One holder's match: how many leading whole blocks of the prompt it holds, and how
+    many tokens (which a partial tail extends past the last whole block)."""
 
     instance: str
     medium: str
@@ -73,24 +84,45 @@ class PrefixIndex:
         self.conn = conn
 
     def _holders(self, function: str, params: tuple[object, ...]) -> list[Holder]:
-        placeholders = ", ".join(["%s"] * len(params))
+        # Hash arrays travel in binary: text-escaping 128 bytea values costs more than the
+        # lookup's index probes.
+        placeholders = ", ".join("%b" if isinstance(p, list) else "%s" for p in params)
         rows = self.conn.execute(
             "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
             f"FROM kvledger.{function}({placeholders}) "
-            "ORDER BY matched_blocks DESC, instance, medium, ownership",
+            "ORDER BY matched_tokens DESC NULLS LAST, matched_blocks DESC, "
+            "instance, medium, ownership",
             params,
         ).fetchall()
         return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
 
-    def match(self, model: str, group_idx: int, hashes: Sequence[bytes]) -> list[Holder]:
-        """Holders of the longest run of ``hashes`` from the start, now."""
-        return self._holders("match_prefix", (model, group_idx, list(hashes)))
+    def match(
+        self,
+        model: str,
+        group_idx: int,
+        hashes: Sequence[bytes],
+        granularity: Granularity = "block",
+    ) -> list[Holder]:
+        """Holders of the longest run of ``hashes`` from the start, now.
+
+        ``granularity="block"``: one hash per block, as the events announce them.
+        ``"hash"``: the prompt's hashes at the group's hash size (what the engine computes);
+        partial tails then extend a match past the last full block, in tokens.
+        """
+        _check(granularity)
+        return self._holders("match_prefix", (model, group_idx, list(hashes), granularity))
 
     def match_at(
-        self, model: str, group_idx: int, hashes: Sequence[bytes], at: datetime
+        self,
+        model: str,
+        group_idx: int,
+        hashes: Sequence[bytes],
+        at: datetime,
+        granularity: Granularity = "block",
     ) -> list[Holder]:
         """The same answer as of ``at``, from the residency history."""
-        return self._holders("match_prefix_at", (model, group_idx, list(hashes), at))
+        _check(granularity)
+        return self._holders("match_prefix_at", (model, group_idx, list(hashes), at, granularity))
 
     def match_tokens(
         self, model: str, group_idx: int, token_ids: Sequence[int], lora_name: str | None = None

@@ -255,10 +255,13 @@ def system_prompts(config: FleetConfig) -> list[list[int]]:
     return [random_tokens(rng, rng.randint(low, high)) for _ in range(config.system_prompts)]
 
 
-def prompt_hashes(tokens: list[int], config: FleetConfig, int64: bool = True) -> list[bytes]:
-    """Group 0's block hashes of a prompt, as a router computes them (vLLM sha256)."""
+def prompt_hashes(
+    tokens: list[int], config: FleetConfig, int64: bool = True, per_hash: bool = False
+) -> list[bytes]:
+    """Group 0's block hashes of a prompt, as a router computes them (vLLM sha256); with
+    ``per_hash``, every hash at the hash size (TOKENS_PER_HASH tokens) instead."""
     raw = prompt_block_hashes(tokens, TOKENS_PER_HASH, config.hash_algorithm)
-    scale = FULL_GROUP.tokens_per_block // TOKENS_PER_HASH
+    scale = 1 if per_hash else FULL_GROUP.tokens_per_block // TOKENS_PER_HASH
     blocks = raw[scale - 1 :: scale]
     return [h[-8:] for h in blocks] if int64 else blocks
 

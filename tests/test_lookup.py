@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from datetime import datetime
 
+import psycopg
 import pytest
 from starlette.testclient import TestClient
 
@@ -19,6 +20,7 @@ from tests.test_consumer import by_partition, consume
 pytestmark = pytest.mark.integration
 MODEL = "sim-llama-8b"
 BLOCK = 32
+HASH = 16  # the fleet's hash size (TOKENS_PER_HASH)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +77,34 @@ def brute_force(ref: Reference, hashes: list[bytes], held: set[tuple[object, ...
     return out
 
 
-def chain_by_tokens(ref: Reference, tokens: list[int], hash_size: int = 16) -> list[bytes]:
+def brute_force_hashes(
+    raw: list[bytes], held: set[tuple[object, ...]], hash_size: int = HASH
+) -> set[Holder]:
+    """The hash-granularity answer: position i is covered when its hash is held (a partial
+    tail row) or when the hash ending its block is (a full block)."""
+    ratio = BLOCK // hash_size
+    holders = {k[3:] for k in held if k[0] == MODEL and k[1] == 0}
+    out = set()
+    for instance, medium, ownership in holders:
+        holder = (instance, medium, ownership)
+        mine = {k[2] for k in held if k[:2] == (MODEL, 0) and k[3:] == holder}
+        n = 0
+        while n < len(raw):
+            end = (n // ratio + 1) * ratio  # block end of position n (0-based), exclusive
+            if raw[n] not in mine and not (end <= len(raw) and raw[end - 1] in mine):
+                break
+            n += 1
+        if n:
+            out.add(Holder(instance, medium, ownership, n // ratio, n * hash_size))
+    return out
+
+
+def chain_by_tokens(
+    ref: Reference, tokens: list[int], hash_size: int = HASH
+) -> tuple[list[bytes], int]:
     """Walk the reference's rows by token content as match_tokens must: full blocks from the
-    start, then partial-tail rows at hash granularity."""
+    start, then partial-tail rows at hash granularity. Returns the chain and how many of it
+    are full blocks."""
     children: dict[tuple[bytes | None, bool], list[tuple[bytes, tuple[object, ...]]]] = {}
     for (model, group, h), row in ref.blocks.items():
         if (
@@ -89,6 +116,7 @@ def chain_by_tokens(ref: Reference, tokens: list[int], hash_size: int = 16) -> l
     chain: list[bytes] = []
     parent: bytes | None = None
     pos = 0
+    full = 0
     for partial, size in ((False, BLOCK), (True, hash_size)):
         while pos + size <= len(tokens):
             want = tuple(tokens[pos : pos + size])
@@ -98,7 +126,9 @@ def chain_by_tokens(ref: Reference, tokens: list[int], hash_size: int = 16) -> l
             parent = nxt[0]
             chain.append(parent)
             pos += size
-    return chain
+        if not partial:
+            full = len(chain)
+    return chain, full
 
 
 def prompts(ref: Reference, fleet: FleetConfig, rng: random.Random) -> list[list[int]]:
@@ -138,20 +168,43 @@ def test_match_and_match_tokens_agree_with_brute_force(filled) -> None:
     url, fleet, ref = filled
     rng = random.Random(99)
     held = _held_now(ref)
-    nonempty = partial = 0
+    nonempty = partial = partial_by_hash = 0
     with connect(url, autocommit=True) as conn:
         index = PrefixIndex(conn)
         for tokens in prompts(ref, fleet, rng):
             hashes = prompt_hashes(tokens, fleet)
             want = brute_force(ref, hashes, held)
             assert set(index.match(MODEL, 0, hashes)) == want
-            chain = chain_by_tokens(ref, tokens)
+            raw = prompt_hashes(tokens, fleet, per_hash=True)
+            by_hash = set(index.match(MODEL, 0, raw, granularity="hash"))
+            assert by_hash == brute_force_hashes(raw, held)
+            # Hash granularity never matches less than block granularity.
+            best = {(h.instance, h.medium, h.ownership): h.matched_tokens for h in by_hash}
+            assert all(best[(h.instance, h.medium, h.ownership)] >= h.matched_tokens for h in want)
+            chain, full = chain_by_tokens(ref, tokens)
             by_tokens = set(index.match_tokens(MODEL, 0, tokens))
-            assert by_tokens == brute_force(ref, chain, held)
+            assert by_tokens == {
+                Holder(h.instance, h.medium, h.ownership, min(h.matched_blocks, full),
+                       h.matched_tokens)
+                for h in brute_force(ref, chain, held)
+            }  # fmt: skip
             nonempty += bool(want)
             partial += any(h.matched_tokens % BLOCK for h in by_tokens)
+            partial_by_hash += any(h.matched_tokens % BLOCK for h in by_hash)
     assert nonempty >= 20
-    assert partial >= 3  # partial tails extended matches at hash granularity
+    # Partial tails extended matches at hash granularity, by tokens and by hashes.
+    assert partial >= 3 and partial_by_hash >= 3
+
+
+def test_match_by_hash_rejects_unknown_granularity(filled) -> None:
+    url, _, _ = filled
+    with connect(url, autocommit=True) as conn:
+        with pytest.raises(ValueError, match="granularity"):
+            PrefixIndex(conn).match(MODEL, 0, [b"x" * 8], granularity="chunk")  # type: ignore[arg-type]
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            conn.execute("SELECT * FROM kvledger.match_prefix(%s, 0, %s, 'chunk')", (MODEL, [b"x"]))
+        # A group without a spec has no hash size: nothing matches by hash.
+        assert PrefixIndex(conn).match(MODEL, 7, [b"x" * 8], granularity="hash") == []
 
 
 def test_match_at_several_instants(filled) -> None:
@@ -167,6 +220,10 @@ def test_match_at_several_instants(filled) -> None:
             for tokens in candidates[:15]:
                 hashes = prompt_hashes(tokens, fleet)
                 assert set(index.match_at(MODEL, 0, hashes, at)) == brute_force(ref, hashes, held)
+                raw = prompt_hashes(tokens, fleet, per_hash=True)
+                assert set(index.match_at(MODEL, 0, raw, at, "hash")) == brute_force_hashes(
+                    raw, held
+                )
 
 
 def test_removal_on_one_medium_keeps_the_other(filled) -> None:
@@ -211,6 +268,16 @@ def test_http_endpoints(filled) -> None:
             (h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens) for h in want
         }
         assert by_hash.json()["ranked"][0]["instance"] == rank(want)[0].instance
+        raw = prompt_hashes(tokens, fleet, per_hash=True)
+        by_raw = client.post(
+            "/v1/match",
+            json={"model": MODEL, "hashes": [h.hex() for h in raw], "granularity": "hash"},
+        )
+        with connect(url, autocommit=True) as conn:
+            want_raw = PrefixIndex(conn).match(MODEL, 0, raw, "hash")
+        assert [h["matched_tokens"] for h in by_raw.json()["holders"]] == [
+            h.matched_tokens for h in want_raw
+        ] and want_raw
         by_ints = client.post(
             "/v1/match", json={"model": MODEL, "hashes": [int.from_bytes(h, "big") for h in hashes]}
         )
@@ -233,6 +300,10 @@ def test_http_endpoints(filled) -> None:
             client.post("/v1/match", json={"model": MODEL, "token_ids": [1.5]}),
             client.post("/v1/match", json={"model": MODEL, "hashes": ["00"], "at": "2026-01-01"}),
             client.post("/v1/match", json={"model": MODEL, "group_idx": -1, "hashes": ["00"]}),
+            client.post("/v1/match", json={"model": MODEL, "hashes": ["00"], "granularity": 2}),
+            client.post(
+                "/v1/match", json={"model": MODEL, "token_ids": [1], "granularity": "hash"}
+            ),
             client.get("/v1/blocks/xyz"),
         ]
         for response in bad:

@@ -13,8 +13,20 @@ branch_labels = None
 depends_on = None
 
 
-def upgrade() -> None:
-    op.execute(
+# The answer for the hashes found by the walk (revision 0004 counts a partial tail's hashes
+# as tokens, not blocks).
+FINAL_SELECT = """
+            SELECT * FROM kvledger.match_prefix(
+                p_model, p_group,
+                ARRAY(SELECT h FROM (SELECT h, i AS k FROM chain
+                                     UNION ALL SELECT h, 1000000000 + j FROM tail) s
+                      ORDER BY k, h))
+"""
+
+
+def match_tokens_sql(final_select: str) -> str:
+    """CREATE FUNCTION kvledger.match_tokens, answering with ``final_select``."""
+    return (
         """
         -- Walk the hash chain by token content from the start of the prompt: block 1 has no
         -- parent and the prompt's first block_size tokens; block i+1 has block i as parent
@@ -69,14 +81,18 @@ def upgrade() -> None:
                   AND t.pos + spec.hash_block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
-            )
-            SELECT * FROM kvledger.match_prefix(
-                p_model, p_group,
-                ARRAY(SELECT h FROM (SELECT h, i AS k FROM chain
-                                     UNION ALL SELECT h, 1000000000 + j FROM tail) s
-                      ORDER BY k, h))
+            )"""
+        + final_select
+        + """
         $$;
+        """
+    )
 
+
+def upgrade() -> None:
+    op.execute(
+        match_tokens_sql(FINAL_SELECT)
+        + """
         -- A read-only role for the lookup service (skipped where roles cannot be created).
         DO $$
         BEGIN

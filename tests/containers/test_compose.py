@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from consumer.db import connect
 from producer.simulate import FleetConfig, system_prompts
 from tests.procs import free_port
 
@@ -77,6 +78,8 @@ def test_compose_stack_end_to_end() -> None:
         # finished one-shot container: bring the stack up in its order by hand.
         _run([*compose, "up", "-d", "kafka", "postgres"], env, timeout=600)
         _wait_for_services(bootstrap, database)
+        with connect(database, autocommit=True) as conn:  # the compose command's settings
+            assert conn.execute("SHOW shared_buffers").fetchone() == ("512MB",)
         _run([*compose, "run", "--rm", "migrate"], env)
         _run([*compose, "up", "-d", "--no-deps", "lookup"], env)
         lookup = f"http://127.0.0.1:{ports['KVLEDGER_LOOKUP_PORT']}"

@@ -1,5 +1,6 @@
 #!/bin/sh
-# Initialize a cluster (POSTGRES_USER / POSTGRES_PASSWORD / POSTGRES_DB) and run the server.
+# Initialize a cluster (POSTGRES_USER / POSTGRES_PASSWORD / POSTGRES_DB) and run the server
+# with the command's settings (e.g. postgres -c shared_buffers=512MB).
 set -eu
 BIN=$(ls -d /usr/lib/postgresql/*/bin | tail -n 1)
 DATA=/var/lib/kvledger-pg
@@ -21,4 +22,6 @@ if [ ! -f "$DATA/PG_VERSION" ]; then
 fi
 mkdir -p /var/run/postgresql && chown postgres: /var/run/postgresql
 echo "kvledger-postgres: starting"
-exec su postgres -c "exec $BIN/postgres -D $DATA -c listen_addresses='*'"
+# Like the official image: a command starting with "postgres" passes its settings on.
+[ "${1:-}" = postgres ] && shift
+exec su postgres -c "exec $BIN/postgres -D $DATA -c listen_addresses='*' $*"

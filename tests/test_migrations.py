@@ -1,0 +1,53 @@
+"""Every migration goes down and comes back up on a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumer.db import connect, downgrade, migrate
+
+pytestmark = pytest.mark.integration
+
+
+def _objects(url: str) -> tuple[set[str], set[str]]:
+    with connect(url, autocommit=True) as conn:
+        tables = {
+            name
+            for (name,) in conn.execute(
+                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = 'kvledger' AND c.relkind IN ('r', 'v')"
+            )
+        }
+        functions = {
+            str(sig)
+            for (sig,) in conn.execute(
+                "SELECT p.proname || '(' || oidvectortypes(p.proargtypes) || ')' "
+                "FROM pg_proc p "
+                "JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'kvledger'"
+            )
+        }
+    return tables, functions
+
+
+def test_downgrade_each_revision_and_upgrade_again(fresh_database: str) -> None:
+    head_tables, head_functions = _objects(fresh_database)
+    assert {"blocks", "residencies", "events", "instance_footprint"} <= head_tables
+    assert "match_prefix(text, integer, bytea[], text)" in head_functions
+
+    downgrade(fresh_database, "0003")
+    _, functions = _objects(fresh_database)
+    assert "match_prefix(text, integer, bytea[])" in functions
+    assert "match_tokens(text, integer, integer[], text)" in functions
+    with connect(fresh_database, autocommit=True) as conn:  # the 0003 functions still run
+        assert (
+            conn.execute("SELECT * FROM kvledger.match_tokens('m', 0, ARRAY[1, 2, 3])").fetchall()
+            == []
+        )
+
+    for revision in ("0002", "0001", "base"):
+        downgrade(fresh_database, revision)
+    tables, functions = _objects(fresh_database)
+    assert tables <= {"alembic_version"} and not functions
+
+    migrate(fresh_database)
+    assert _objects(fresh_database) == (head_tables, head_functions)

@@ -19,7 +19,7 @@ import psycopg
 import sqlalchemy as sa
 
 from consumer.config import ConsumerConfig
-from consumer.db import connect, create_database, downgrade, drop_database, migrate
+from consumer.db import connect, create_database, drop_database, migrate
 from consumer.service import IndexConsumer, RunSummary, stored_offsets
 
 # Every table's columns minus wall-clock ones (applied_at, first_seen of rejections, ids).
@@ -155,21 +155,20 @@ def rebuild(bootstrap: str, live_url: str, topic: str, group: str) -> RunSummary
     Stop the consumers of ``group`` first. Rejections are stored again but not re-sent to
     the dead-letter topic, which already holds them.
     """
-    with connect(live_url, autocommit=True) as conn:
-        declared = conn.execute(
-            "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window "
-            "FROM kvledger.group_specs WHERE origin = 'declared'"
-        ).fetchall()
-    downgrade(live_url, "base")
+    # One TRUNCATE takes every table's lock before it changes anything (dropping the schema
+    # instead can deadlock with an autovacuum ANALYZE of one of its tables), and restarts
+    # the id sequences as a fresh index has them.
     migrate(live_url)
     with connect(live_url, autocommit=True) as conn, conn.transaction():
-        for row in declared:
-            conn.execute(
-                "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
-                "hash_block_size, sliding_window, origin) VALUES (%s, %s, %s, %s, %s, %s, "
-                "'declared')",
-                row,
+        tables = [
+            name
+            for (name,) in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' "
+                "AND tablename NOT IN ('group_specs', 'alembic_version') ORDER BY tablename"
             )
+        ]
+        conn.execute("TRUNCATE " + ", ".join(f"kvledger.{t}" for t in tables) + " RESTART IDENTITY")
+        conn.execute("DELETE FROM kvledger.group_specs WHERE origin <> 'declared'")
     return IndexConsumer(
         ConsumerConfig(
             bootstrap_servers=bootstrap,

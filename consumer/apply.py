@@ -302,10 +302,10 @@ class _Run:
                     hashes_by_group[(env.model, group)].update(ev.block_hashes)
         for (model, group), hashes in hashes_by_group.items():
             cur.execute(
-                "SELECT block_hash, parent_hash, token_start, token_ids, block_size, partial "
-                "FROM kvledger.blocks WHERE model = %s AND group_idx = %s "
-                "AND block_hash = ANY(%b)",
-                (model, group, list(hashes)),
+                "SELECT b.block_hash, b.parent_hash, b.token_start, b.token_ids, b.block_size, "
+                "b.partial FROM unnest(%b::bytea[]) AS q(h) JOIN kvledger.blocks b "
+                "ON b.model = %s AND b.group_idx = %s AND b.block_hash = q.h",
+                (list(hashes), model, group),
             )
             for h, parent, start, tokens, size, partial in cur.fetchall():
                 self.blocks[(model, group, h)] = BlockRow(
@@ -325,16 +325,25 @@ class _Run:
 
     def _load_residencies(self, holder: HolderKey, hashes: list[bytes] | None) -> None:
         model, group, instance, medium, ownership = holder
-        sql = (
-            "SELECT block_hash, refcount, locality, since, kafka_topic, kafka_partition, "
-            "kafka_offset FROM kvledger.residencies WHERE model = %s AND group_idx = %s "
-            "AND instance = %s AND medium = %s AND ownership = %s"
+        columns = (
+            "r.block_hash, r.refcount, r.locality, r.since, r.kafka_topic, r.kafka_partition, "
+            "r.kafka_offset"
+        )
+        holder_is = (
+            "r.model = %s AND r.group_idx = %s AND r.instance = %s AND r.medium = %s "
+            "AND r.ownership = %s"
         )
         params: tuple[object, ...] = (model, group, instance, medium, ownership)
-        if hashes is not None:
-            sql += " AND block_hash = ANY(%b)"
-            params += (hashes,)
-        self.cur.execute(sql, params)
+        if hashes is None:
+            self.cur.execute(
+                f"SELECT {columns} FROM kvledger.residencies r WHERE {holder_is}", params
+            )
+        else:
+            self.cur.execute(
+                f"SELECT {columns} FROM unnest(%b::bytea[]) AS q(h) JOIN kvledger.residencies r "
+                f"ON r.block_hash = q.h AND {holder_is}",
+                (hashes, *params),
+            )
         for h, refcount, locality, since, topic, partition, offset in self.cur.fetchall():
             key = (model, group, h, instance, medium, ownership)
             if key not in self.res:

@@ -220,6 +220,18 @@ class BatchApplier:
             return nxt
         topics = [t for t, _ in first]
         parts = [p for _, p in first]
+        # A partition never written before gets its row now, at this batch's start: a second
+        # consumer holding the same first batch then waits on that row and is fenced when
+        # it sees the advanced offset (with no row, both would insert and apply).
+        cur.execute(
+            """
+            INSERT INTO kvledger.consumer_offsets
+                (consumer_group, kafka_topic, kafka_partition, next_offset)
+            SELECT %s, t, p, n FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS k(t, p, n)
+            ON CONFLICT (consumer_group, kafka_topic, kafka_partition) DO NOTHING
+            """,
+            (self.consumer_group, topics, parts, list(first.values())),
+        )
         cur.execute(
             """
             SELECT o.kafka_topic, o.kafka_partition, o.next_offset

@@ -51,9 +51,11 @@ def test_a_batch_behind_or_ahead_of_the_stored_offset_is_fenced(fresh_database: 
         with conn.transaction():
             applier.apply(conn, _batch(0, 10))
         for start in (0, 5, 11):  # re-read, overlapping, skipping ahead
-            with pytest.raises(FencedError, match=f"stored 10, batch starts {start}"):
-                with conn.transaction():
-                    applier.apply(conn, _batch(start, 3))
+            with (
+                pytest.raises(FencedError, match=f"stored 10, batch starts {start}"),
+                conn.transaction(),
+            ):
+                applier.apply(conn, _batch(start, 3))
         with conn.transaction():
             applier.apply(conn, _batch(10, 5))
     assert _counts(fresh_database) == (15, 14, 15)

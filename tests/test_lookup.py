@@ -168,7 +168,7 @@ def test_match_and_match_tokens_agree_with_brute_force(filled) -> None:
     url, fleet, ref = filled
     rng = random.Random(99)
     held = _held_now(ref)
-    nonempty = partial = partial_by_hash = 0
+    nonempty = partial = partial_by_hash = gapped = 0
     with connect(url, autocommit=True) as conn:
         index = PrefixIndex(conn)
         for tokens in prompts(ref, fleet, rng):
@@ -189,9 +189,14 @@ def test_match_and_match_tokens_agree_with_brute_force(filled) -> None:
                 for h in brute_force(ref, chain, held)
             }  # fmt: skip
             nonempty += bool(want)
+            gapped += any(  # a holder that also holds hashes past the end of its run
+                (MODEL, 0, later, h.instance, h.medium, h.ownership) in held
+                for h in want
+                for later in hashes[h.matched_blocks + 1 :]
+            )
             partial += any(h.matched_tokens % BLOCK for h in by_tokens)
             partial_by_hash += any(h.matched_tokens % BLOCK for h in by_hash)
-    assert nonempty >= 20
+    assert nonempty >= 20 and gapped >= 1
     # Partial tails extended matches at hash granularity, by tokens and by hashes.
     assert partial >= 3 and partial_by_hash >= 3
 

@@ -30,3 +30,19 @@ def record(name: str, figures: dict[str, Any]) -> None:
     for key, value in figures.items():
         shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
         print(f"   {key:<40} {shown}")
+
+
+def settle(database_url: str, timeout_s: float = 60.0) -> None:
+    """Wait (up to ``timeout_s``) until no autovacuum worker runs on the server, so that one
+    benchmark's clean-up (an earlier run's dead rows) does not land in the next one's timings."""
+    from consumer.db import connect
+
+    deadline = time.monotonic() + timeout_s
+    with connect(database_url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+            ).fetchone()
+            if not row or row[0] == 0:
+                return
+            time.sleep(0.5)

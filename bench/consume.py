@@ -22,7 +22,7 @@ import uuid
 
 from confluent_kafka.admin import AdminClient
 
-from bench.common import record
+from bench.common import record, settle
 from consumer.apply import BatchApplier
 from consumer.config import ConsumerConfig
 from consumer.db import connect, create_database, migrate
@@ -167,10 +167,13 @@ def lag(
 def main() -> None:
     server = os.environ["KVLEDGER_DATABASE_URL"]
     bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
+    settle(server)
     record("consume_apply", apply_rate(server, FleetConfig(instances=4, requests=500, seed=21)))
+    settle(server)
     # At 5,000 msg/s the producer, broker, database and consumer share this 2-core machine;
     # the lower rate shows the lag with headroom.
     record("consume_lag_5000", lag(bootstrap, server, rate=5000.0))
+    settle(server)
     record("consume_lag_3000", lag(bootstrap, server, rate=3000.0))
 
 

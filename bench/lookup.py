@@ -22,7 +22,7 @@ import time
 import httpx
 import sqlalchemy as sa
 
-from bench.common import record
+from bench.common import record, settle
 from consumer.db import connect, migrate
 from consumer.lookup import PrefixIndex
 
@@ -99,6 +99,7 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 def main(lookups: int = 2000) -> dict[str, float]:
     url = _database(os.environ["KVLEDGER_DATABASE_URL"])
     blocks = populate(url)
+    settle(url)
     rng = random.Random(1)
     prompts = [_prompt(rng) for _ in range(lookups)]
     # The prompts are long-lived: keep the collector from walking them inside timed calls.

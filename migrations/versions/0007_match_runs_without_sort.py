@@ -81,39 +81,16 @@ _COVERED = """
                     h.i) AS c(i)"""
 
 
-def _function(name: str, held: str, extra: str) -> str:
-    block = _RUNS.format(held=held) + _BLOCK_ANSWER
-    by_hash = _RUNS.format(held=_COVERED.format(held=held)) + _HASH_ANSWER
-    return f"""
-        CREATE FUNCTION kvledger.{name}(p_model text, p_group integer, p_hashes bytea[]{extra},
-                                        p_granularity text DEFAULT 'block')
-        RETURNS TABLE (instance text, medium text, ownership text,
-                       matched_blocks integer, matched_tokens bigint)
-        LANGUAGE plpgsql STABLE AS $$
-        DECLARE
-            v_ratio integer;
-            v_hash_size integer;
-        BEGIN
-            IF p_granularity = 'block' THEN
-                RETURN QUERY {block.strip()};
-                RETURN;
-            ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
-                RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
-                    USING ERRCODE = 'invalid_parameter_value';
-            END IF;
-            SELECT s.block_size / s.hash_block_size, s.hash_block_size
-              INTO v_ratio, v_hash_size
-              FROM kvledger.group_specs s
-             WHERE s.model = p_model AND s.group_idx = p_group
-               AND s.hash_block_size > 0 AND s.block_size > 0
-               AND s.block_size % s.hash_block_size = 0;
-            IF NOT FOUND THEN
-                RETURN;  -- no spec with a hash size: nothing can be matched by hash
-            END IF;
-            RETURN QUERY {by_hash.strip()};
-        END
-        $$;
-        """
+def _function(old: ModuleType, name: str, held: str, extra: str) -> str:
+    """Revision 0004's function (its granularity switch), with the runs counted."""
+    return str(
+        old._FUNCTION.format(
+            name=name,
+            extra=extra,
+            block=(_RUNS.format(held=held) + _BLOCK_ANSWER).strip(),
+            hash=(_RUNS.format(held=_COVERED.format(held=held)) + _HASH_ANSWER).strip(),
+        )
+    )
 
 
 _DROP = """
@@ -126,8 +103,8 @@ def upgrade() -> None:
     old = _revision_0004()
     op.execute(
         _DROP
-        + _function("match_prefix", old._HELD_NOW, "")
-        + _function("match_prefix_at", old._HELD_AT, ", p_at timestamptz")
+        + _function(old, "match_prefix", old._HELD_NOW, "")
+        + _function(old, "match_prefix_at", old._HELD_AT, ", p_at timestamptz")
         + old._GRANT
     )
 

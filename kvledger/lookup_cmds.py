@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +54,10 @@ def _serve(args: argparse.Namespace) -> int:
     from consumer.http import create_app
 
     app = create_app(settings.database_url(args.database_url), args.pool_size)
+    # What is loaded by now lives as long as the process: keep it out of the collector's
+    # scans (a full collection over it took ~20 ms, inside whichever request triggered it).
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
     return 0
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ from consumer.config import ConsumerConfig
 from consumer.db import connect, create_database, migrate
 from consumer.inbound import Inbound, decode
 from consumer.service import IndexConsumer
+from kvledger.process import freeze_startup_objects
 from producer.simulate import CollectingSink, Fleet, FleetConfig
 from producer.topics import ensure_topic
 from schemas.codec import Codec
@@ -70,6 +72,9 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
     codec = Codec()
     applier = BatchApplier("bench")
     inbound = [Inbound("bench", 0, i, k, v) for i, (k, v) in enumerate(messages)]
+    # A consumer holds one batch, not the whole topic: keep the pre-encoded messages out of
+    # the collector's scans, as `kvledger consume` does with what start-up loaded.
+    freeze_startup_objects()
     block_events = 0
     with connect(url, autocommit=True) as conn:
         start = time.perf_counter()
@@ -95,6 +100,7 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
                     for row in rows[t]:
                         copy.write_row(row)
         copy_seconds = time.perf_counter() - start
+    gc.unfreeze()
     ours = block_events / seconds
     raw = block_events / copy_seconds
     return {
@@ -126,6 +132,7 @@ def lag(
             batch_timeout_s=0.05,
         )
     )
+    freeze_startup_objects()  # as `kvledger consume` does
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     time.sleep(3)  # group join
@@ -144,6 +151,7 @@ def lag(
         time.sleep(0.2)
     consumer.stop()
     thread.join(30)
+    gc.unfreeze()
     with connect(url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d), "

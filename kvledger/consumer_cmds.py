@@ -13,6 +13,7 @@ from consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
 from consumer.db import connect, migrate
 from consumer.service import IndexConsumer, RunSummary
 from kvledger import settings
+from kvledger.process import freeze_startup_objects
 from kvledger.tables import print_table
 from schemas.events import SPEC_KINDS, GroupSpec
 
@@ -126,6 +127,7 @@ def _consume(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    freeze_startup_objects()
     summary = service.run()
     if sys.stderr.isatty():
         sys.stderr.write("\n")

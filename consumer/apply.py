@@ -370,35 +370,36 @@ class _Run:
             msg = d.message
             if d.envelope is None:
                 assert d.error is not None
-                self._reject(d, Reason(d.error.reason), d.error.detail)
+                self._reject(d, Reason(d.error.reason), d.error.detail, None)
                 continue
             env = d.envelope
+            when = _ts(env.event_time_ms)  # once per message
             if self.check_sequence:
-                verdict = self._sequence(env)
+                verdict = self._sequence(env, when)
                 if verdict == "stale":
                     self._reject(
                         d,
                         Reason.STALE_EPOCH,
                         f"epoch {env.epoch} is older than the source's current epoch",
+                        when,
                     )
                     continue
                 if verdict == "duplicate":
                     result.duplicates += 1
-                    self._audit(d, "duplicate", None, 0, 0)
+                    self._audit(d, "duplicate", None, 0, 0, when)
                     continue
-            invalid, hashes, noop = self._apply_event(env, msg)
+            invalid, hashes, noop = self._apply_event(env, msg, when)
             if invalid is not None:
-                self._reject(d, invalid.reason, invalid.detail)
+                self._reject(d, invalid.reason, invalid.detail, when)
             else:
                 result.applied += 1
-                self._audit(d, "applied", "noop_removal" if noop else None, hashes, noop)
+                self._audit(d, "applied", "noop_removal" if noop else None, hashes, noop, when)
         self._write()
         return result
 
-    def _sequence(self, env: Envelope) -> str:
+    def _sequence(self, env: Envelope, when: datetime) -> str:
         key = (env.source, env.model, _group(env.event))
         h = self.health.get(key)
-        when = _ts(env.event_time_ms)
         if h is None:
             h = _Health(epoch=env.epoch, last_seq=env.seq, last_event_time=when, dirty=True)
             if env.seq != 0:
@@ -427,16 +428,18 @@ class _Run:
         h.last_event_time = when if h.last_event_time is None else max(h.last_event_time, when)
         return "ok"
 
-    def _apply_event(self, env: Envelope, msg: Inbound) -> tuple[Invalid | None, int, int]:
+    def _apply_event(
+        self, env: Envelope, msg: Inbound, when: datetime
+    ) -> tuple[Invalid | None, int, int]:
         """Validate and apply one event: (why it is invalid, hashes applied, no-op removals)."""
         ev = env.event
         if isinstance(ev, GroupSpec):
             return self._announce(env, ev)
         if isinstance(ev, BlockStored):
-            return self._stored(env, ev, msg)
+            return self._stored(env, ev, msg, when)
         if isinstance(ev, BlockRemoved):
-            return self._removed(env, ev, msg)
-        return self._cleared(env, ev, msg)
+            return self._removed(env, ev, msg, when)
+        return self._cleared(env, ev, msg, when)
 
     def _announce(self, env: Envelope, ev: GroupSpec) -> tuple[Invalid | None, int, int]:
         if ev.model != env.model:
@@ -457,7 +460,7 @@ class _Run:
         return invalid, 0, 0
 
     def _stored(
-        self, env: Envelope, ev: BlockStored, msg: Inbound
+        self, env: Envelope, ev: BlockStored, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         group = _group(ev)
         invalid = check_stored(ev, self.specs.get((env.model, group)))
@@ -469,7 +472,6 @@ class _Run:
                 break
         if invalid is not None:
             return invalid, 0, 0
-        when = _ts(env.event_time_ms)
         medium = _medium(ev.medium)
         ownership = ev.ownership or ""
         extra_by_block = ev.extra_keys or ()
@@ -498,13 +500,12 @@ class _Run:
         return None, len(rows), 0
 
     def _removed(
-        self, env: Envelope, ev: BlockRemoved, msg: Inbound
+        self, env: Envelope, ev: BlockRemoved, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         group = _group(ev)
         invalid = check_removed(ev, self.specs.get((env.model, group)))
         if invalid is not None:
             return invalid, 0, 0
-        when = _ts(env.event_time_ms)
         medium = _medium(ev.medium)
         ownership = ev.ownership or ""
         noop = 0
@@ -517,13 +518,12 @@ class _Run:
         return None, len(ev.block_hashes), noop
 
     def _cleared(
-        self, env: Envelope, ev: AllBlocksCleared, msg: Inbound
+        self, env: Envelope, ev: AllBlocksCleared, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         invalid = check_cleared(ev)
         if invalid is not None:
             return invalid, 0, 0
         medium = _medium(ev.medium)
-        when = _ts(env.event_time_ms)
         groups = (
             [ev.group_idx]
             if ev.group_idx is not None
@@ -573,7 +573,16 @@ class _Run:
         return True
 
     # ------------------------------------------------------------------ audit rows
-    def _audit(self, d: Decoded, status: str, reason: str | None, hashes: int, noop: int) -> None:
+    def _audit(
+        self,
+        d: Decoded,
+        status: str,
+        reason: str | None,
+        hashes: int,
+        noop: int,
+        when: datetime | None,
+    ) -> None:
+        """One audit row; ``when`` is the event time (None for an undecodable message)."""
         msg, env = d.message, d.envelope
         if env is None:
             row: tuple[object, ...] = (
@@ -613,15 +622,15 @@ class _Run:
                 noop,
                 status,
                 reason,
-                _ts(env.event_time_ms),
+                when,
             )
         self.audit.append(row)
 
-    def _reject(self, d: Decoded, reason: Reason, detail: str) -> None:
+    def _reject(self, d: Decoded, reason: Reason, detail: str, when: datetime | None) -> None:
         source = d.envelope.source if d.envelope is not None else None
         self.result.rejected.append(Rejection(d.message, reason.value, detail, source))
         hashes = len(getattr(d.envelope.event, "block_hashes", ())) if d.envelope else 0
-        self._audit(d, "rejected", reason.value, hashes, 0)
+        self._audit(d, "rejected", reason.value, hashes, 0, when)
 
     # ------------------------------------------------------------------ writes
     def _write(self) -> None:
@@ -651,11 +660,10 @@ class _Run:
             rows = []
             for (model, group, h), w in sorted(self.block_writes.items()):
                 r = w.row
-                end = r.token_start + len(r.token_ids) if r.token_start is not None else None
                 rows.append(
-                    (model, group, h, r.parent_hash, r.token_start, end, _int4_array(r.token_ids),
-                     r.block_size, r.partial, w.lora_name, w.extra_keys, w.first_seen,
-                     w.last_seen)
+                    (model, group, h, r.parent_hash, r.token_start, r.token_end,
+                     _int4_array(r.token_ids), r.block_size, r.partial, w.lora_name,
+                     w.extra_keys, w.first_seen, w.last_seen)
                 )  # fmt: skip
             _copy(cur, "tmp_blocks", _BLOCK_COLUMNS, rows)
             cur.execute(_MERGE_BLOCKS)

@@ -14,7 +14,7 @@ import psycopg
 
 from schemas.codec import Codec
 from schemas.errors import DecodeError
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
 
 FULL = {
     "full_attention",
@@ -41,6 +41,13 @@ class Reference:
     def history_multiset(self) -> Counter[tuple[object, ...]]:
         rows = list(self.history) + [(*k, t, None) for k, t in self.open_at.items()]
         return Counter(rows)
+
+
+def _residency(
+    env: Envelope, group: int, h: bytes, ev: BlockStored | BlockRemoved
+) -> tuple[object, ...]:
+    """(model, group, hash, instance, medium, ownership); absent medium means GPU."""
+    return (env.model, group, h, env.source, ev.medium or "GPU", ev.ownership or "")
 
 
 def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
@@ -91,14 +98,7 @@ def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
                         ):
                             ref.blocks[key] = row
                         parent = h
-                        res = (
-                            env.model,
-                            group,
-                            h,
-                            env.source,
-                            ev.medium or "GPU",
-                            ev.ownership or "",
-                        )
+                        res = _residency(env, group, h, ev)
                         ref.refs[res] += 1
                         if ref.refs[res] == 1:
                             ref.open_at[res] = when
@@ -107,14 +107,7 @@ def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
                     reason = "unknown_group"
                 else:
                     for h in ev.block_hashes:
-                        res = (
-                            env.model,
-                            group,
-                            h,
-                            env.source,
-                            ev.medium or "GPU",
-                            ev.ownership or "",
-                        )
+                        res = _residency(env, group, h, ev)
                         if ref.refs[res] > 0:
                             ref.refs[res] -= 1
                             if ref.refs[res] == 0:

@@ -53,13 +53,10 @@ def list_groups(conn: psycopg.Connection) -> list[tuple[object, ...]]:
 
 
 def dlq_summary(conn: psycopg.Connection) -> list[tuple[object, ...]]:
-    """(reason, pending, replayed, first, last) per reason."""
+    """(reason, pending, replayed, first, last) per reason, from the auditors' view."""
     return conn.execute(
-        """
-        SELECT reason, count(*) FILTER (WHERE replayed_at IS NULL),
-               count(*) FILTER (WHERE replayed_at IS NOT NULL), min(first_seen), max(first_seen)
-        FROM kvledger.rejected_events GROUP BY reason ORDER BY reason
-        """
+        "SELECT reason, pending, total - pending, first_seen, last_seen "
+        "FROM kvledger.rejected_summary ORDER BY reason"
     ).fetchall()
 
 

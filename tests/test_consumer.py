@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
+from consumer.admin import dlq_summary
 from consumer.config import ConsumerConfig
 from consumer.db import connect
 from consumer.service import IndexConsumer, RunSummary, stored_offsets
@@ -204,6 +205,13 @@ def test_each_rejection_end_to_end_and_replay(
     assert cli(["dlq", "replay", "--database-url", fresh_database]) == 0
     out = capsys.readouterr().out
     assert "replayed 1 of 8 pending rejected events" in out
+    with connect(fresh_database, autocommit=True) as conn:
+        summary = {row[0]: (row[1], row[2]) for row in dlq_summary(conn)}
+    assert sum(p for p, _ in summary.values()) == len(expected_rejections) - 1
+    assert sum(r for _, r in summary.values()) == 1
+    assert summary["unknown_group"][1] == 1
+    assert cli(["dlq", "list", "--database-url", fresh_database]) == 0
+    assert "unknown_group" in capsys.readouterr().out
     assert cli(["dlq", "replay", "--database-url", fresh_database]) == 0
     assert "replayed 0 of 7 pending rejected events" in capsys.readouterr().out
     with connect(fresh_database, autocommit=True) as conn:

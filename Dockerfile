@@ -7,8 +7,7 @@ COPY consumer consumer
 COPY schemas schemas
 COPY kvledger kvledger
 COPY migrations migrations
-COPY alembic.ini alembic.ini
-# Editable: the migrations and alembic.ini are read from /app.
-RUN pip install --no-cache-dir -e .
+# Installed as a wheel (migrations included); kvledger/ links to the folders above.
+RUN pip install --no-cache-dir . && rm -rf /app/*
 ENTRYPOINT []
 CMD ["kvledger", "--help"]

@@ -35,7 +35,7 @@ def record(name: str, figures: dict[str, Any]) -> None:
 def settle(database_url: str, timeout_s: float = 60.0) -> None:
     """Wait (up to ``timeout_s``) until no autovacuum worker runs on the server, so that one
     benchmark's clean-up (an earlier run's dead rows) does not land in the next one's timings."""
-    from consumer.db import connect
+    from kvledger.consumer.db import connect
 
     deadline = time.monotonic() + timeout_s
     with connect(database_url, autocommit=True) as conn:

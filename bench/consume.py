@@ -24,16 +24,17 @@ import uuid
 from confluent_kafka.admin import AdminClient
 
 from bench.common import record, settle
-from consumer.apply import BatchApplier
-from consumer.config import ConsumerConfig
-from consumer.db import connect, create_database, migrate
-from consumer.inbound import Inbound, decode
-from consumer.service import IndexConsumer
+from kvledger.consumer.config import ConsumerConfig
+from kvledger.consumer.db import connect, create_database, migrate
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.service import IndexConsumer
+from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.fleet import CollectingSink, Fleet, FleetConfig
 from kvledger.process import freeze_startup_objects
-from producer.simulate import CollectingSink, Fleet, FleetConfig
-from producer.topics import ensure_topic
-from schemas.codec import Codec
-from schemas.events import Envelope
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import Envelope
+from kvledger.schemas.topics import ensure_topic
 
 TABLES = ("blocks", "residencies", "residency_history", "events")
 
@@ -70,19 +71,17 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
     messages = _messages(fleet)
     url = _database(server, "kvledger_bench_apply")
     codec = Codec()
-    applier = BatchApplier("bench")
     inbound = [Inbound("bench", 0, i, k, v) for i, (k, v) in enumerate(messages)]
     # A consumer holds one batch, not the whole topic: keep the pre-encoded messages out of
     # the collector's scans, as `kvledger consume` does with what start-up loaded.
     freeze_startup_objects()
     block_events = 0
     with connect(url, autocommit=True) as conn:
+        store = PostgresStore(conn)
         start = time.perf_counter()
         for i in range(0, len(inbound), batch_size):
-            batch = [decode(m, codec) for m in inbound[i : i + batch_size]]
-            with conn.transaction():
-                result = applier.apply(conn, batch)
-            block_events += result.block_events
+            result = run_batch(inbound[i : i + batch_size], codec, store, "bench")
+            block_events += result.plan.block_events
         seconds = time.perf_counter() - start
         rows = {t: conn.execute(f"SELECT * FROM kvledger.{t}").fetchall() for t in TABLES}
         columns = {

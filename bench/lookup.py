@@ -23,8 +23,8 @@ import httpx
 import sqlalchemy as sa
 
 from bench.common import record, settle
-from consumer.db import connect, migrate
-from consumer.lookup import PrefixIndex
+from kvledger.consumer.db import connect, migrate
+from kvledger.consumer.lookup import PrefixIndex
 
 CHAINS, LENGTH, INSTANCES = 8000, 128, 64
 H = "decode(substr(md5(c::text || '/' || i::text), 1, 16), 'hex')"

@@ -15,10 +15,10 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from bench.common import record
-from producer.config import PRODUCER_DEFAULTS, PublisherConfig
-from producer.publisher import KVEventPublisher
-from producer.simulate import Fleet, FleetConfig
-from producer.topics import ensure_topic
+from kvledger.fleet import Fleet, FleetConfig
+from kvledger.producer.config import PRODUCER_DEFAULTS, PublisherConfig
+from kvledger.producer.publisher import KVEventPublisher
+from kvledger.schemas.topics import ensure_topic
 
 
 def main(instances: int = 4, requests: int = 250) -> dict[str, float]:

@@ -19,10 +19,10 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
 from bench.common import record
-from consumer.db import connect, create_database, migrate
+from kvledger.consumer.db import connect, create_database, migrate
+from kvledger.fleet import FleetConfig
+from kvledger.schemas.topics import ensure_topic
 from kvledger.simulate_cmd import run_simulation
-from producer.simulate import FleetConfig
-from producer.topics import ensure_topic
 
 
 def main(target: int = 1_000_000) -> dict[str, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from bench.common import rate, record
-from producer.tracker import (
+from kvledger.producer.tracker import (
     GroupOffloadConfig,
     Medium,
     OffloadingEvent,
@@ -17,8 +17,8 @@ from producer.tracker import (
     OffloadingEventsTracker,
     make_offload_key,
 )
-from schemas.codec import Codec
-from schemas.events import Envelope
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import Envelope
 
 GROUP = GroupOffloadConfig(0, 16, 64, 4, OffloadingEventGroupSpec("full_attention", None))
 PROMPT_TOKENS = 2048

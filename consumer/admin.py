@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import psycopg
 
-from consumer.apply import BatchApplier
-from consumer.inbound import Inbound, decode
-from consumer.validate import check_announcement
-from schemas.codec import Codec
-from schemas.errors import KvledgerError
-from schemas.events import GroupSpec
+from kvledger.consumer.core.validate import check_announcement
+from kvledger.consumer.inbound import Inbound, decode
+from kvledger.consumer.pipeline import replay_batch
+from kvledger.consumer.store.postgres import PostgresStore, upsert_group_specs
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.errors import KvledgerError
+from kvledger.schemas.events import GroupSpec
 
 
 class InvalidSpecError(KvledgerError):
@@ -24,25 +25,7 @@ def declare_group(conn: psycopg.Connection, spec: GroupSpec) -> None:
     if invalid is not None:
         raise InvalidSpecError(invalid.detail)
     with conn.transaction():
-        conn.execute(
-            """
-            INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size,
-                hash_block_size, sliding_window, origin)
-            VALUES (%s, %s, %s, %s, %s, %s, 'declared')
-            ON CONFLICT (model, group_idx) DO UPDATE SET kind = EXCLUDED.kind,
-                block_size = EXCLUDED.block_size, hash_block_size = EXCLUDED.hash_block_size,
-                sliding_window = EXCLUDED.sliding_window, origin = 'declared',
-                announced_by = NULL, updated_at = now()
-            """,
-            (
-                spec.model,
-                spec.group_idx,
-                spec.kind,
-                spec.block_size,
-                spec.hash_block_size,
-                spec.sliding_window,
-            ),
-        )
+        upsert_group_specs(conn, [(spec, None)], "declared")
 
 
 def list_groups(conn: psycopg.Connection) -> list[tuple[object, ...]]:
@@ -95,7 +78,7 @@ def replay(
     by that reason: a newer epoch of the same source has already re-announced its state.
     """
     codec = codec or Codec()
-    applier = BatchApplier("replay")
+    store = PostgresStore(conn)
     considered, replayed = 0, 0
     still: dict[str, int] = {}
     last_id = 0
@@ -117,9 +100,9 @@ def replay(
             last_id = rows[-1][0]
             rows.sort(key=lambda r: (r[1], r[2], r[3]))
             batch = [decode(Inbound(t, p, o, k, bytes(v)), codec) for _, t, p, o, k, v in rows]
-            result = applier.replay(conn, batch)
+            plan = replay_batch(batch, store)
         considered += len(rows)
-        replayed += result.replayed
-        for r in result.rejected:
+        replayed += plan.replayed
+        for r in plan.rejected:
             still[r.reason] = still.get(r.reason, 0) + 1
     return ReplayResult(considered, replayed, still)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib import resources
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -10,8 +10,6 @@ import psycopg
 
 if TYPE_CHECKING:
     from alembic.config import Config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def conninfo(url: str) -> str:
@@ -30,8 +28,11 @@ def _alembic(url: str) -> tuple[ModuleType, Config]:
     from alembic import command
     from alembic.config import Config
 
-    config = Config(str(ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(ROOT / "migrations"))
+    # The migrations ship inside the package (kvledger/migrations), installed or editable.
+    with resources.as_file(resources.files("kvledger").joinpath("migrations")) as folder:
+        config = Config(str(folder / "alembic.ini"))
+        config.set_main_option("script_location", str(folder))
+        config.set_main_option("version_locations", str(folder / "versions"))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return command, config
 

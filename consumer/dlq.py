@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka.admin import AdminClient
 
-from consumer.apply import Rejection
-from schemas.errors import KvledgerError
+from kvledger.consumer.core.model import Rejection
+from kvledger.schemas.errors import KvledgerError
+from kvledger.schemas.topics import ensure_topic
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class DeadLetterProducer:
             }
         )
         self._errors: list[str] = []
-        _ensure(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, timeout)
+        admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
+        ensure_topic(admin, topic, DLQ_PARTITIONS, timeout=timeout, exact_partitions=False)
 
     def send(self, rejections: Sequence[Rejection]) -> None:
         """Produce every rejection and wait for the acknowledgements (raises on failure)."""
@@ -80,17 +82,3 @@ class DeadLetterProducer:
 
     def close(self) -> None:
         self._producer.flush(self.timeout)
-
-
-def _ensure(admin: AdminClient, topic: str, timeout: float) -> None:
-    metadata = admin.list_topics(topic=topic, timeout=timeout)
-    found = metadata.topics.get(topic)
-    if found is not None and found.error is None:
-        return
-    futures = admin.create_topics([NewTopic(topic, DLQ_PARTITIONS, 1)])
-    try:
-        futures[topic].result(timeout=timeout)
-        logger.info("created dead-letter topic %s", topic)
-    except KafkaException as exc:
-        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise

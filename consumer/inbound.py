@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.codec import Codec
-from schemas.errors import DecodeError
-from schemas.events import Envelope
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.errors import DecodeError
+from kvledger.schemas.events import Envelope
 
 
 @dataclass(frozen=True, slots=True)

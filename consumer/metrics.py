@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvledger.consumer.core.model import Plan
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 MESSAGES_APPLIED = Counter(
@@ -52,3 +54,15 @@ LAG = Gauge(
     ["partition"],
     registry=REGISTRY,
 )
+
+
+def record_batch(plan: Plan, seconds: float) -> None:
+    """Count one applied batch (its plan) and its duration."""
+    BATCH_SECONDS.observe(seconds)
+    MESSAGES_APPLIED.inc(plan.applied)
+    MESSAGES_DUPLICATE.inc(plan.duplicates)
+    BLOCK_EVENTS.inc(plan.block_events)
+    NOOP_REMOVALS.inc(plan.noop_removals)
+    SEQUENCE_GAPS.inc(plan.gaps)
+    for r in plan.rejected:
+        MESSAGES_REJECTED.labels(r.reason).inc()

@@ -1,18 +1,14 @@
-"""The index consumer: Kafka → decode → validate → apply (one transaction) → next batch.
+"""The index consumer's Kafka side: the client's lifecycle around the batch pipeline.
 
-:meth:`IndexConsumer.run` is the pipeline, in this order for every batch:
+:meth:`IndexConsumer.run` polls up to ``batch_size`` messages (or ``batch_timeout_s``),
+hands them to :func:`~kvledger.consumer.pipeline.run_batch` (decode, plan and write in one
+transaction with the offsets; its docstring has the commit order), then commits the offsets
+to Kafka only as a hint for lag tools (auto-commit is off).
 
-1. poll up to ``batch_size`` messages (or ``batch_timeout_s``);
-2. decode each (pure; failures become values);
-3. in ONE PostgreSQL transaction: fence on the stored offsets, validate and apply the batch,
-   store rejections, write the offsets; before committing, produce the rejections to the
-   dead-letter topic and wait for their acknowledgements;
-4. commit; then, only as a hint for lag tools, commit the offsets to Kafka (auto-commit off).
-
-On partition assignment the consumer seeks to the offsets stored in PostgreSQL, so a crash at
-any instant neither loses nor double-applies a message. Database errors are retried with
-backoff on the same batch; a fenced batch (another consumer advanced its partition) is
-abandoned and the consumer re-seeks.
+What stays here: assignment (seek to the offsets stored in PostgreSQL, so a crash at any
+instant neither loses nor double-applies a message), error triage (a fatal client error
+starts a new client), retries with backoff of a batch that failed on a database or
+dead-letter error, re-seeking after a fenced batch, lag.
 """
 
 from __future__ import annotations
@@ -35,13 +31,15 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from prometheus_client import start_http_server
 
-from consumer import metrics
-from consumer.apply import BatchApplier, BatchResult, FencedError
-from consumer.config import ConsumerConfig
-from consumer.db import connect
-from consumer.dlq import DeadLetterError, DeadLetterProducer
-from consumer.inbound import Decoded, Inbound, decode
-from schemas.codec import Codec
+from kvledger.consumer import metrics
+from kvledger.consumer.config import ConsumerConfig
+from kvledger.consumer.db import connect
+from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.pipeline import BatchResult, run_batch
+from kvledger.consumer.store.base import FencedError
+from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.schemas.codec import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +65,8 @@ ProgressFn = Callable[[RunSummary, int], None]
 
 
 def stored_offsets(conn: psycopg.Connection, group: str, topic: str) -> dict[int, int]:
-    rows = conn.execute(
-        "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
-        "WHERE consumer_group = %s AND kafka_topic = %s",
-        (group, topic),
-    ).fetchall()
-    return {int(p): int(o) for p, o in rows}
+    """Each partition's next offset for ``group`` as the index stored it."""
+    return PostgresStore(conn).stored_offsets(group, topic)
 
 
 def _inbound(m: Message) -> Inbound:
@@ -95,8 +89,8 @@ class IndexConsumer:
         self.progress = progress
         self.summary = RunSummary()
         self._stop = threading.Event()
-        self._applier = BatchApplier(config.group_id)
         self._conn: psycopg.Connection | None = None
+        self._store: PostgresStore | None = None
         self._consumer: Consumer | None = None
         self._dlq: DeadLetterProducer | None = None
         self._admin = AdminClient({"bootstrap.servers": config.bootstrap_servers, "log_level": 4})
@@ -120,7 +114,7 @@ class IndexConsumer:
                 consumer = self._consumer
                 assert consumer is not None
                 messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
-                batch: list[Decoded] = []
+                batch: list[Inbound] = []
                 fatal = None
                 for m in messages:
                     err = m.error()
@@ -135,7 +129,7 @@ class IndexConsumer:
                         inbound.partition, 0
                     ):
                         continue
-                    batch.append(decode(inbound, self.codec))
+                    batch.append(inbound)
                 if fatal is not None:
                     # The client cannot go on (e.g. a static member fenced after a broker
                     # restart). The offsets live in PostgreSQL: a new client resumes exactly.
@@ -189,17 +183,16 @@ class IndexConsumer:
         time.sleep(self.config.retry_backoff_s)
         self._consumer = self._new_consumer()
 
-    def _apply(self, batch: list[Decoded]) -> None:
+    def _apply(self, batch: list[Inbound]) -> None:
         delay = self.config.retry_backoff_s
         started = time.monotonic()
         while True:
             conn = self._conn
             assert conn is not None
+            if self._store is None or self._store.conn is not conn:
+                self._store = PostgresStore(conn)
             try:
-                with conn.transaction():
-                    result = self._applier.apply(conn, batch)
-                    if self._dlq is not None:
-                        self._dlq.send(result.rejected)
+                result = run_batch(batch, self.codec, self._store, self.config.group_id, self._dlq)
                 break
             except FencedError as exc:
                 logger.warning("batch abandoned: %s", exc)
@@ -217,7 +210,7 @@ class IndexConsumer:
                 delay = min(delay * 2, self.config.retry_backoff_max_s)
                 if conn.closed or conn.broken:
                     self._conn = self._connect()
-        metrics.BATCH_SECONDS.observe(time.monotonic() - started)
+        metrics.record_batch(result.plan, time.monotonic() - started)
         self._account(result)
         if self._consumer is not None:
             hint = [TopicPartition(t, p, n) for (t, p), n in result.next_offsets.items()]
@@ -227,22 +220,16 @@ class IndexConsumer:
                 logger.debug("offset hint not committed: %s", exc)
 
     def _account(self, result: BatchResult) -> None:
-        s = self.summary
+        plan, s = result.plan, self.summary
         s.batches += 1
-        s.messages += result.messages
-        s.applied += result.applied
-        s.duplicates += result.duplicates
-        s.block_events += result.block_events
-        s.rejected += len(result.rejected)
-        metrics.MESSAGES_APPLIED.inc(result.applied)
-        metrics.MESSAGES_DUPLICATE.inc(result.duplicates)
-        metrics.BLOCK_EVENTS.inc(result.block_events)
-        metrics.NOOP_REMOVALS.inc(result.noop_removals)
-        metrics.SEQUENCE_GAPS.inc(result.gaps)
+        s.messages += plan.messages
+        s.applied += plan.applied
+        s.duplicates += plan.duplicates
+        s.block_events += plan.block_events
+        s.rejected += len(plan.rejected)
         by_reason: dict[str, int] = {}
-        for r in result.rejected:
+        for r in plan.rejected:
             by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
-            metrics.MESSAGES_REJECTED.labels(r.reason).inc()
             logger.debug(
                 "rejected %s[%d]@%d: %s (%s)",
                 r.message.topic,
@@ -253,7 +240,7 @@ class IndexConsumer:
             )
         for reason, count in by_reason.items():
             s.rejected_by_reason[reason] = s.rejected_by_reason.get(reason, 0) + count
-            example = next(r for r in result.rejected if r.reason == reason)
+            example = next(r for r in plan.rejected if r.reason == reason)
             logger.info(
                 "rejected %d message(s) as %s, e.g. %s[%d]@%d: %s",
                 count,

@@ -18,29 +18,14 @@ from dataclasses import dataclass, field
 import psycopg
 import sqlalchemy as sa
 
-from consumer.config import ConsumerConfig
-from consumer.db import connect, create_database, drop_database, migrate
-from consumer.service import IndexConsumer, RunSummary, stored_offsets
+from kvledger.consumer.config import ConsumerConfig
+from kvledger.consumer.db import connect, create_database, drop_database, migrate
+from kvledger.consumer.service import IndexConsumer, RunSummary, stored_offsets
+from kvledger.consumer.store.postgres import load_specs, upsert_group_specs
+from kvledger.consumer.store.tables import COMPARED
 
-# Every table's columns minus wall-clock ones (applied_at, first_seen of rejections, ids).
-COLUMNS: Mapping[str, str] = {
-    # announced_by left out: which source's announcement arrives first across partitions is
-    # not fixed by the log.
-    "group_specs": "model, group_idx, kind, block_size, hash_block_size, sliding_window, origin",
-    "blocks": "model, group_idx, block_hash, parent_hash, token_start, token_end, token_ids, "
-    "block_size, partial, lora_name, extra_keys, first_seen, last_seen",
-    "residencies": "model, group_idx, block_hash, instance, medium, ownership, locality, "
-    "since, kafka_topic, kafka_partition, kafka_offset, refcount",
-    "residency_history": "model, group_idx, block_hash, instance, medium, ownership, "
-    "locality, stored_at, removed_at, removed_by, stored_partition, stored_offset",
-    "events": "kafka_topic, kafka_partition, kafka_offset, source, model, epoch, seq, "
-    "event_type, group_idx, medium, ownership, hash_count, noop_count, status, reason, "
-    "event_time",
-    "rejected_events": "kafka_topic, kafka_partition, kafka_offset, kafka_key, raw, reason, "
-    "detail, source",
-    "source_health": "source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-    "epoch_changes, duplicates, last_event_time",
-}
+# Every compared table's columns (wall-clock ones left out), from the one table list.
+COLUMNS: Mapping[str, str] = {name: ", ".join(t.compared) for name, t in COMPARED.items()}
 
 
 def _value(v: object) -> object:
@@ -81,19 +66,12 @@ def diff(
 
 
 def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
-    rows = live.execute(
-        "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window "
-        "FROM kvledger.group_specs WHERE origin = 'declared'"
-    ).fetchall()
+    declared = [
+        (held.spec, None) for held in load_specs(live).values() if held.origin == "declared"
+    ]
     with target.transaction():
-        for row in rows:
-            target.execute(
-                "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
-                "hash_block_size, sliding_window, origin) VALUES (%s, %s, %s, %s, %s, %s, "
-                "'declared') ON CONFLICT (model, group_idx) DO NOTHING",
-                row,
-            )
-    return len(rows)
+        upsert_group_specs(target, declared, "declared")
+    return len(declared)
 
 
 @dataclass

@@ -8,14 +8,14 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from consumer import admin
-from consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
-from consumer.db import connect, migrate
-from consumer.service import IndexConsumer, RunSummary
 from kvledger import settings
+from kvledger.consumer import admin
+from kvledger.consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
+from kvledger.consumer.db import connect, migrate
+from kvledger.consumer.service import IndexConsumer, RunSummary
 from kvledger.process import freeze_startup_objects
+from kvledger.schemas.events import SPEC_KINDS, GroupSpec
 from kvledger.tables import print_table
-from schemas.events import SPEC_KINDS, GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from consumer.verify import verify
+    from kvledger.consumer.verify import verify
 
     result = verify(
         settings.kafka_bootstrap(args.bootstrap),
@@ -241,7 +241,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _rebuild(args: argparse.Namespace) -> int:
-    from consumer.verify import rebuild
+    from kvledger.consumer.verify import rebuild
 
     if not args.yes:
         print(

@@ -23,21 +23,21 @@ import sqlalchemy as sa
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from consumer.config import ConsumerConfig
-from consumer.db import connect, create_database, migrate
-from consumer.lookup import PrefixIndex, rank
-from consumer.service import IndexConsumer
 from kvledger import settings
-from kvledger.simulate_cmd import run_simulation
-from kvledger.tables import print_table
-from producer.simulate import (
+from kvledger.consumer.config import ConsumerConfig
+from kvledger.consumer.db import connect, create_database, migrate
+from kvledger.consumer.lookup import PrefixIndex, rank
+from kvledger.consumer.service import IndexConsumer
+from kvledger.fleet import (
     FULL_GROUP,
     FleetConfig,
     prompt_hashes,
     random_tokens,
     system_prompts,
 )
-from producer.topics import ensure_topic
+from kvledger.schemas.topics import ensure_topic
+from kvledger.simulate_cmd import run_simulation
+from kvledger.tables import print_table
 
 TOPIC = "kv-events-demo"
 GROUP = "kvledger-demo"

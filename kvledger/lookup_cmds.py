@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from consumer.db import connect
-from consumer.lookup import PrefixIndex, rank
 from kvledger import settings
+from kvledger.consumer.db import connect
+from kvledger.consumer.lookup import PrefixIndex, rank
 from kvledger.process import freeze_startup_objects
 from kvledger.tables import print_table
 
@@ -51,7 +51,7 @@ def parse_token_ids(text: str) -> list[int]:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from consumer.http import create_app
+    from kvledger.consumer.lookup.http import create_app
 
     app = create_app(settings.database_url(args.database_url), args.pool_size)
     freeze_startup_objects()

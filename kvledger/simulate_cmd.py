@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from confluent_kafka.admin import AdminClient
 
 from kvledger import settings
+from kvledger.fleet import DEFAULT_MODEL, Fleet, FleetConfig, FleetSummary
+from kvledger.producer.config import DEFAULT_TOPIC, PublisherConfig
+from kvledger.producer.publisher import KVEventPublisher
 from kvledger.progress import Progress
-from producer.config import DEFAULT_TOPIC, PublisherConfig
-from producer.publisher import KVEventPublisher
-from producer.simulate import DEFAULT_MODEL, Fleet, FleetConfig, FleetSummary
-from producer.topics import DEFAULT_PARTITIONS, ensure_topic
+from kvledger.schemas.topics import DEFAULT_PARTITIONS, ensure_topic
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from schemas.errors import KvledgerError
+from kvledger.schemas.errors import KvledgerError, TopicMismatchError
+
+__all__ = ["DeliveryError", "FatalProducerError", "PublishError", "TopicMismatchError"]
 
 
 class PublishError(KvledgerError):
@@ -19,7 +21,3 @@ class DeliveryError(PublishError):
 
 class FatalProducerError(PublishError):
     """The Kafka client hit a fatal error (e.g. idempotence fenced): the publisher is dead."""
-
-
-class TopicMismatchError(KvledgerError):
-    """An existing topic does not have the shape kvledger was asked for."""

@@ -19,7 +19,6 @@ several threads are serialized; the tracker itself belongs to the scheduler thre
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,18 +28,28 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from producer.config import PublisherConfig
-from producer.errors import DeliveryError, FatalProducerError, PublishError
-from producer.tracker import (
+from kvledger.producer.config import PublisherConfig
+from kvledger.producer.errors import DeliveryError, FatalProducerError, PublishError
+from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
     OffloadingEventGroupSpec,
     OffloadingEventsTracker,
     group_announcement,
 )
-from schemas.codec import Codec
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec, KVEvent
-from schemas.hashing import int_to_hash_bytes
+from kvledger.producer.vllm import from_vllm_event
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    GroupSpec,
+    KVEvent,
+    group_of,
+)
+from kvledger.schemas.hashing import to_int64_bytes
+from kvledger.schemas.topics import message_key
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +122,7 @@ class KVEventPublisher:
             self._check_healthy()
             events = self.tracker.take_events(offloading_events)
             for event in events:
-                self._produce(_group_of(event), self._wire_form(event))
+                self._produce(group_of(event), self._wire_form(event))
             self._producer.poll(0)
             return len(events)
 
@@ -129,7 +138,7 @@ class KVEventPublisher:
                 elif isinstance(event, AllBlocksCleared):
                     self._clear_all_locked(event.medium)
                 else:
-                    self._produce(_group_of(event), self._wire_form(event))
+                    self._produce(group_of(event), self._wire_form(event))
                 count += 1
             self._producer.poll(0)
             return count
@@ -187,7 +196,7 @@ class KVEventPublisher:
     def _wire_form(self, event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
         if self.config.hash_format == "digest":
             return event
-        hashes = tuple(h[-8:] for h in event.block_hashes)
+        hashes = tuple(to_int64_bytes(h) for h in event.block_hashes)
         if isinstance(event, BlockRemoved):
             return BlockRemoved(
                 hashes, event.medium, event.group_idx, event.locality, event.ownership
@@ -195,7 +204,7 @@ class KVEventPublisher:
         parent = event.parent_block_hash
         return BlockStored(
             block_hashes=hashes,
-            parent_block_hash=parent[-8:] if parent is not None else None,
+            parent_block_hash=to_int64_bytes(parent) if parent is not None else None,
             token_ids=event.token_ids,
             block_size=event.block_size,
             lora_id=event.lora_id,
@@ -236,7 +245,7 @@ class KVEventPublisher:
             event=event,
         )
         value = self.codec.encode(envelope)
-        key = f"{self.config.source_id}/{group}".encode()
+        key = message_key(self.config.source_id, group)
         while True:
             try:
                 self._producer.produce(
@@ -284,69 +293,3 @@ class KVEventPublisher:
                 f"{self.config.topic}: {'; '.join(self._errors[:3])}",
                 list(self._errors),
             )
-
-
-def _group_of(event: BlockStored | BlockRemoved) -> int:
-    return event.group_idx if event.group_idx is not None else 0
-
-
-# ---------------------------------------------------------------------- vLLM events
-def _hash_bytes(value: object) -> bytes:
-    if isinstance(value, bytes | bytearray):
-        return bytes(value)
-    if isinstance(value, int):
-        return int_to_hash_bytes(value)
-    raise TypeError(f"a block hash must be int or bytes, got {type(value).__name__}")
-
-
-def _extra_keys_json(extra: object) -> tuple[str | None, ...] | None:
-    if extra is None:
-        return None
-    if not isinstance(extra, list | tuple):
-        raise TypeError("extra_keys must be a list with one entry per block")
-    return tuple(
-        None if e is None else json.dumps(e, sort_keys=True, default=_json_default) for e in extra
-    )
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, tuple):
-        return list(value)
-    return str(value)
-
-
-def from_vllm_event(event: Any) -> KVEvent:
-    """Map one vLLM KV cache event (BlockStored/BlockRemoved/AllBlocksCleared) to ours."""
-    kind = type(event).__name__
-    if kind == "BlockStored":
-        parent = event.parent_block_hash
-        return BlockStored(
-            block_hashes=tuple(_hash_bytes(h) for h in event.block_hashes),
-            parent_block_hash=_hash_bytes(parent) if parent is not None else None,
-            token_ids=tuple(int(t) for t in event.token_ids),
-            block_size=int(event.block_size),
-            lora_id=getattr(event, "lora_id", None),
-            medium=getattr(event, "medium", None),
-            lora_name=getattr(event, "lora_name", None),
-            extra_keys=_extra_keys_json(getattr(event, "extra_keys", None)),
-            group_idx=getattr(event, "group_idx", None),
-            kv_cache_spec_kind=getattr(event, "kv_cache_spec_kind", None),
-            kv_cache_spec_sliding_window=getattr(event, "kv_cache_spec_sliding_window", None),
-            locality=getattr(event, "locality", None),
-            ownership=getattr(event, "ownership", None),
-            token_start=getattr(event, "token_start", None),
-            partial=bool(getattr(event, "partial", False)),
-        )
-    if kind == "BlockRemoved":
-        return BlockRemoved(
-            block_hashes=tuple(_hash_bytes(h) for h in event.block_hashes),
-            medium=getattr(event, "medium", None),
-            group_idx=getattr(event, "group_idx", None),
-            locality=getattr(event, "locality", None),
-            ownership=getattr(event, "ownership", None),
-        )
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared(medium=getattr(event, "medium", None) or "GPU")
-    raise TypeError(f"not a vLLM KV cache event: {kind}")

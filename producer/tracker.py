@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
-from schemas.events import BlockRemoved, BlockStored, GroupSpec
+from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
 
 logger = logging.getLogger(__name__)
 # Placeholder warnings are expected for some groups: say each once per process, as vLLM does.

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-from schemas.errors import DecodeError
-from schemas.events import (
+from kvledger.schemas.errors import DecodeError
+from kvledger.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -43,7 +43,7 @@ _CONFLUENT_ID = struct.Struct(">I")
 
 
 def _load(name: str) -> dict[str, Any]:
-    text = resources.files("schemas").joinpath("avro", f"{name}.avsc").read_text("utf-8")
+    text = resources.files("kvledger.schemas").joinpath("avro", f"{name}.avsc").read_text("utf-8")
     loaded: dict[str, Any] = json.loads(text)
     return loaded
 

@@ -18,3 +18,7 @@ class DecodeError(KvledgerError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class TopicMismatchError(KvledgerError):
+    """An existing topic does not have the shape kvledger was asked for."""

@@ -18,6 +18,11 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 
+# Wire defaults, defined once for both sides: vLLM's GPU block pool events predate the
+# group_idx and medium fields, so an absent group is group 0 and an absent medium is GPU.
+DEFAULT_GROUP_IDX = 0
+DEFAULT_MEDIUM = MEDIUM_GPU
+
 LOCALITIES = ("LOCAL", "REMOTE")
 
 # vLLM's KV cache spec kinds. Placeholders (block_size 0) are legitimate only for the kinds
@@ -98,6 +103,18 @@ class GroupSpec:
     hash_block_size: int
     sliding_window: int | None = None
 
+    def same_shape(self, other: GroupSpec) -> bool:
+        """Two specs that describe one group alike (whatever model or index they name)."""
+        return (
+            self.kind == other.kind
+            and self.block_size == other.block_size
+            and self.hash_block_size == other.hash_block_size
+            and self.sliding_window == other.sliding_window
+        )
+
+    def describe(self) -> str:
+        return f"{self.kind}/{self.block_size}/{self.hash_block_size}/{self.sliding_window}"
+
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | GroupSpec
 
@@ -117,3 +134,15 @@ class Envelope:
     seq: int
     event_time_ms: int
     event: KVEvent
+
+
+def group_of(event: KVEvent) -> int:
+    """The event's KV-cache group, with the wire default applied."""
+    group = event.group_idx
+    return group if group is not None else DEFAULT_GROUP_IDX
+
+
+def medium_of(event: BlockStored | BlockRemoved | AllBlocksCleared) -> str:
+    """The event's medium, with the wire default applied."""
+    medium = event.medium
+    return medium if medium is not None else DEFAULT_MEDIUM

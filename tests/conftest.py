@@ -63,7 +63,7 @@ def _kafka_container(image: str) -> tuple[Any, str]:
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
-    from tests.procs import free_port
+    from tests.helpers.procs import free_port
 
     port = free_port()
     container = DockerContainer(image).with_bind_ports(port, port)
@@ -152,7 +152,7 @@ def database_url() -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def _reap_children() -> Iterator[None]:
     """Kill any child process a test left running (e.g. after a failed assertion)."""
-    from tests.procs import reap
+    from tests.helpers.procs import reap
 
     yield
     reap()
@@ -193,7 +193,7 @@ def group_id() -> str:
 @pytest.fixture
 def fresh_database(database_url: str) -> Iterator[str]:
     """A new, migrated database for one test (dropped afterwards); yields its URL."""
-    from consumer.db import create_database, drop_database, migrate
+    from kvledger.consumer.db import create_database, drop_database, migrate
 
     name = f"kvl_test_{uuid.uuid4().hex[:12]}"
     url = create_database(database_url, name)

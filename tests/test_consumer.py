@@ -2,59 +2,35 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
 
-from consumer.admin import dlq_summary
-from consumer.config import ConsumerConfig
-from consumer.db import connect
-from consumer.service import IndexConsumer, RunSummary, stored_offsets
-from consumer.verify import dump as full_dump
 from kvledger.cli import main as cli
+from kvledger.consumer.admin import dlq_summary
+from kvledger.consumer.db import connect
+from kvledger.consumer.verify import dump as full_dump
+from kvledger.fleet import FleetConfig
+from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
+from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
 from kvledger.simulate_cmd import run_simulation
-from producer.simulate import FleetConfig
-from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
-from schemas.events import BlockStored, Envelope, GroupSpec
-from tests.kafka_helpers import consume_all
-from tests.procs import spawn
-from tests.reference_index import build, index_state
+from tests.helpers.consuming import (
+    by_partition,
+    consume,
+    consumer_process,
+    wait_caught_up,
+)
+from tests.helpers.kafka import consume_all
+from tests.helpers.reference_index import build, index_state
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def consume(bootstrap: str, db: str, topic: str, group: str, batch: int = 2000) -> RunSummary:
-    config = ConsumerConfig(
-        bootstrap_servers=bootstrap,
-        database_url=db,
-        topic=topic,
-        group_id=group,
-        dlq_topic=f"{topic}.dlq",
-        batch_size=batch,
-        batch_timeout_s=0.2,
-        until_caught_up=True,
-    )
-    return IndexConsumer(config).run()
-
-
-def by_partition(bootstrap: str, topic: str, group: str, count: int) -> dict[int, list[bytes]]:
-    out: dict[int, list[bytes]] = defaultdict(list)
-    for msg in sorted(
-        consume_all(bootstrap, topic, group, count), key=lambda m: (m.partition(), m.offset())
-    ):
-        out[msg.partition()].append(msg.value())
-    return out
 
 
 def test_index_equals_reference_model(
@@ -232,7 +208,7 @@ def test_each_rejection_end_to_end_and_replay(
 def _produce_slowly(
     bootstrap: str, topic: str, fleet: FleetConfig, done: threading.Event, result: list[int]
 ) -> None:
-    import producer.simulate as sim
+    import kvledger.fleet as sim
 
     original = sim.SimulatedEngine.step
 
@@ -250,68 +226,12 @@ def _produce_slowly(
         done.set()
 
 
-def _consumer_process(
-    bootstrap: str,
-    db: str,
-    topic: str,
-    group: str,
-    until_caught_up: bool,
-    instance_id: str | None = None,
-) -> subprocess.Popen[bytes]:
-    args = [
-        sys.executable,
-        "-m",
-        "kvledger.cli",
-        "consume",
-        "--bootstrap",
-        bootstrap,
-        "--database-url",
-        db,
-        "--topic",
-        topic,
-        "--group",
-        group,
-        "--dlq-topic",
-        f"{topic}.dlq",
-        "--batch-size",
-        "300",
-        "--batch-timeout",
-        "0.2",
-        "--no-migrate",
-    ]
-    if until_caught_up:
-        args.append("--until-caught-up")
-    if instance_id:
-        args += ["--group-instance-id", instance_id]
-    log = os.environ.get("KVLEDGER_TEST_CONSUMER_LOG")
-    sink = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    return spawn(args, cwd=ROOT, stdout=sink, stderr=sink)
-
-
-def _wait_caught_up(bootstrap: str, db: str, topic: str, group: str, timeout: float = 120) -> None:
-    from confluent_kafka import TopicPartition
-    from confluent_kafka.admin import AdminClient, OffsetSpec
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    partitions = list(admin.list_topics(topic, timeout=10).topics[topic].partitions)
-    request = {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions}
-    ends = {tp.partition: f.result().offset for tp, f in admin.list_offsets(request).items()}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with connect(db, autocommit=True) as conn:
-            stored = stored_offsets(conn, group, topic)
-        if all(stored.get(p, 0) >= end for p, end in ends.items()):
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"not caught up within {timeout} s: {stored} vs {ends}")
-
-
 def _reference_dump(
     kafka_bootstrap: str, database_url: str, topic: str, group: str
 ) -> dict[str, list[tuple[object, ...]]]:
     import uuid
 
-    from consumer.db import create_database, drop_database, migrate
+    from kvledger.consumer.db import create_database, drop_database, migrate
 
     name = f"kvl_ref_{uuid.uuid4().hex[:10]}"
     url = create_database(database_url, name)
@@ -337,14 +257,14 @@ def test_exactly_once_under_kill_9(
     rng = random.Random(2024)
     kills = 0
     while kills < 6 or not done.is_set():
-        proc = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "c1")
+        proc = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "c1")
         time.sleep(rng.uniform(0.8, 3.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
         assert kills < 40
     thread.join()
-    final = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, True, "c1")
+    final = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, True, "c1")
     assert final.wait(timeout=180) == 0
     with connect(fresh_database, autocommit=True) as conn:
         interrupted = full_dump(conn)
@@ -363,18 +283,18 @@ def test_rebalance_two_consumers_same_index(
         target=_produce_slowly, args=(kafka_bootstrap, topic, fleet, done, produced)
     )
     thread.start()
-    first = _consumer_process(
+    first = consumer_process(
         kafka_bootstrap, fresh_database, topic, group_id, until_caught_up=False
     )
     time.sleep(2.0)
-    second = _consumer_process(
+    second = consumer_process(
         kafka_bootstrap, fresh_database, topic, group_id, until_caught_up=False
     )
     time.sleep(3.0)
     second.send_signal(signal.SIGTERM)
     assert second.wait(timeout=60) == 0
     thread.join()
-    _wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
+    wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     with connect(fresh_database, autocommit=True) as conn:

@@ -8,17 +8,19 @@ import threading
 
 import pytest
 
-from consumer.apply import BatchApplier, FencedError
-from consumer.db import connect
-from consumer.inbound import Decoded, Inbound, decode
-from schemas.codec import Codec
-from schemas.events import BlockStored, Envelope, GroupSpec
+from kvledger.consumer.db import connect
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.store.base import FencedError
+from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
 
 pytestmark = pytest.mark.integration
 TOPIC = "fence"
 
 
-def _batch(first_offset: int, count: int) -> list[Decoded]:
+def _batch(first_offset: int, count: int) -> list[Inbound]:
     codec = Codec()
     out = []
     for i in range(first_offset, first_offset + count):
@@ -29,7 +31,7 @@ def _batch(first_offset: int, count: int) -> list[Decoded]:
                 (i.to_bytes(8, "big"),), None, (i, i, i, i), 4, None, "GPU", None, group_idx=0
             )
         value = codec.encode(Envelope("engine-0", "m", 0, 1, i, 1_764_000_000_000 + i, event))
-        out.append(decode(Inbound(TOPIC, 0, i, b"engine-0/0", value), codec))
+        out.append(Inbound(TOPIC, 0, i, b"engine-0/0", value))
     return out
 
 
@@ -46,32 +48,30 @@ def _counts(url: str) -> tuple[int, int, int]:
 
 
 def test_a_batch_behind_or_ahead_of_the_stored_offset_is_fenced(fresh_database: str) -> None:
-    applier = BatchApplier("g")
+    codec = Codec()
     with connect(fresh_database, autocommit=True) as conn:
-        with conn.transaction():
-            applier.apply(conn, _batch(0, 10))
+        store = PostgresStore(conn)
+        run_batch(_batch(0, 10), codec, store, "g")
         for start in (0, 5, 11):  # re-read, overlapping, skipping ahead
-            with (
-                pytest.raises(FencedError, match=f"stored 10, batch starts {start}"),
-                conn.transaction(),
-            ):
-                applier.apply(conn, _batch(start, 3))
-        with conn.transaction():
-            applier.apply(conn, _batch(10, 5))
+            with pytest.raises(FencedError, match=f"stored 10, batch starts {start}"):
+                run_batch(_batch(start, 3), codec, store, "g")
+        run_batch(_batch(10, 5), codec, store, "g")
     assert _counts(fresh_database) == (15, 14, 15)
 
 
 def test_two_consumers_with_the_same_first_batch_apply_it_once(fresh_database: str) -> None:
-    first, second = BatchApplier("g"), BatchApplier("g")
+    codec = Codec()
     outcome: list[BaseException | None] = []
     with connect(fresh_database, autocommit=True) as a, connect(fresh_database) as b:
+        first, second = PostgresStore(a), PostgresStore(b)
+        # The first consumer's batch transaction stays open (the outer transaction) while
+        # the second one tries the same first batch.
         with a.transaction():
-            first.apply(a, _batch(0, 10))
+            run_batch(_batch(0, 10), codec, first, "g")
 
             def other() -> None:  # blocks on the first consumer's offsets row
                 try:
-                    with b.transaction():
-                        second.apply(b, _batch(0, 10))
+                    run_batch(_batch(0, 10), codec, second, "g")
                     outcome.append(None)
                 except BaseException as exc:
                     outcome.append(exc)

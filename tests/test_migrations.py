@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.db import connect, downgrade, migrate
+from kvledger.consumer.db import connect, downgrade, migrate
 
 pytestmark = pytest.mark.integration
 

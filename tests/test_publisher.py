@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from producer.config import PublisherConfig
-from producer.errors import DeliveryError, PublishError
-from producer.publisher import KVEventPublisher
-from producer.simulate import FULL_GROUP, SLIDING_GROUP
-from producer.tracker import Medium, OffloadingEvent, make_offload_key
-from schemas import events
-from schemas.codec import Codec
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
-from tests.kafka_helpers import consume_all
-from tests.procs import free_port
+from kvledger.fleet import FULL_GROUP, SLIDING_GROUP
+from kvledger.producer.config import PublisherConfig
+from kvledger.producer.errors import DeliveryError, PublishError
+from kvledger.producer.publisher import KVEventPublisher
+from kvledger.producer.tracker import Medium, OffloadingEvent, make_offload_key
+from kvledger.schemas import events
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+from tests.helpers.kafka import consume_all
+from tests.helpers.procs import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +248,7 @@ def test_broker_stopped_mid_run_makes_close_raise(tmp_path: Path) -> None:
         bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
         from confluent_kafka.admin import AdminClient
 
-        from producer.topics import ensure_topic
+        from kvledger.schemas.topics import ensure_topic
 
         ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), "kv-events", 3)
         rng = random.Random(9)

@@ -17,14 +17,14 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from consumer.db import connect, migrate
-from consumer.verify import verify
 from kvledger.cli import main as cli
-from producer.topics import ensure_topic
-from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
-from schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
-from tests.procs import free_port, spawn
-from tests.test_consumer import _consumer_process, _wait_caught_up, consume
+from kvledger.consumer.db import connect, migrate
+from kvledger.consumer.verify import verify
+from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
+from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
+from kvledger.schemas.topics import ensure_topic
+from tests.helpers.consuming import consume, consumer_process, wait_caught_up
+from tests.helpers.procs import free_port, spawn
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,12 +108,12 @@ def test_twenty_kills_under_steady_load(
     producer = _producer_process(kafka_bootstrap, topic, requests=400, rate=1000)
     rng = random.Random(77)
     for _ in range(20):
-        proc = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "k1")
+        proc = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "k1")
         time.sleep(rng.uniform(0.5, 2.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     produced = _produced(producer)
-    final = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, True, "k1")
+    final = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, True, "k1")
     assert final.wait(timeout=300) == 0
     _assert_all_audited_and_verified(kafka_bootstrap, fresh_database, topic, group_id, produced)
 
@@ -123,14 +123,14 @@ def test_consumers_rebalancing_repeatedly(
 ) -> None:
     topic = make_topic("churn", partitions=6)
     producer = _producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
-    steady = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
+    steady = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
     for _ in range(4):
-        extra = _consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
+        extra = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
         time.sleep(2.5)
         extra.send_signal(signal.SIGTERM)
         assert extra.wait(timeout=60) == 0
     produced = _produced(producer)
-    _wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
+    wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
     steady.send_signal(signal.SIGTERM)
     assert steady.wait(timeout=60) == 0
     _assert_all_audited_and_verified(kafka_bootstrap, fresh_database, topic, group_id, produced)
@@ -148,14 +148,14 @@ def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, gr
     try:
         topic = "kv-events"
         ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, 6)
-        consumer = _consumer_process(bootstrap, fresh_database, topic, group_id, False, "b1")
+        consumer = consumer_process(bootstrap, fresh_database, topic, group_id, False, "b1")
         producer = _producer_process(bootstrap, topic, requests=250, rate=1000)
         time.sleep(4)
         subprocess.run([SERVICES, "down", "kafka"], env=env, check=True)
         time.sleep(3)
         subprocess.run([SERVICES, "up", "kafka"], env=env, check=True)
         produced = _produced(producer)  # close() succeeded: everything was acknowledged
-        _wait_caught_up(bootstrap, fresh_database, topic, group_id, timeout=180)
+        wait_caught_up(bootstrap, fresh_database, topic, group_id, timeout=180)
         consumer.send_signal(signal.SIGTERM)
         assert consumer.wait(timeout=60) == 0
         with connect(fresh_database, autocommit=True) as conn:
@@ -179,13 +179,13 @@ def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id
         migrate(db)
         topic = make_topic("pgrestart", partitions=6)
         producer = _producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
-        consumer = _consumer_process(kafka_bootstrap, db, topic, group_id, False, "p1")
+        consumer = consumer_process(kafka_bootstrap, db, topic, group_id, False, "p1")
         time.sleep(5)
         subprocess.run([SERVICES, "down", "postgres"], env=env, check=True)
         time.sleep(3)
         subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
         produced = _produced(producer)
-        _wait_caught_up(kafka_bootstrap, db, topic, group_id, timeout=180)
+        wait_caught_up(kafka_bootstrap, db, topic, group_id, timeout=180)
         consumer.send_signal(signal.SIGTERM)
         assert consumer.wait(timeout=60) == 0
         _assert_all_audited_and_verified(kafka_bootstrap, db, topic, group_id, produced)

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from tests.kafka_helpers import consume_all
+from tests.helpers.kafka import consume_all
 
 pytestmark = pytest.mark.integration
 

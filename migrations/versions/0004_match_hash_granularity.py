@@ -16,10 +16,6 @@ Revises: 0003
 Create Date: 2026-11-29
 """
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
 
 revision = "0004"
@@ -27,11 +23,60 @@ down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-# One holder's run over covered positions: rows (instance, medium, ownership, i) are held
-# positions; a held block end (i a multiple of v_ratio) also covers the v_ratio - 1 positions
-# before it. {held} is a query over one residency relation.
-_HASH_RUNS = """
-            WITH held AS ({held}),
+# The exact SQL this revision applies, frozen here: no revision imports another, and later
+# revisions copy what they change (the current definitions are consumer/lookup/sql/*.sql).
+_UPGRADE = r"""
+        DROP FUNCTION kvledger.match_tokens(text, integer, integer[], text);
+        DROP FUNCTION kvledger.match_prefix(text, integer, bytea[]);
+        DROP FUNCTION kvledger.match_prefix_at(text, integer, bytea[], timestamptz);
+        
+        CREATE FUNCTION kvledger.match_prefix(p_model text, p_group integer, p_hashes bytea[],
+                                        p_granularity text DEFAULT 'block')
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        DECLARE
+            v_ratio integer;
+            v_hash_size integer;
+        BEGIN
+            IF p_granularity = 'block' THEN
+                RETURN QUERY WITH held AS (
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
+                FROM (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h) held
+            ),
+            runs AS (
+                SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
+                FROM held WHERE held.i = held.rn
+                GROUP BY held.instance, held.medium, held.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+                RETURN;
+            ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
+                RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            SELECT s.block_size / s.hash_block_size, s.hash_block_size
+              INTO v_ratio, v_hash_size
+              FROM kvledger.group_specs s
+             WHERE s.model = p_model AND s.group_idx = p_group
+               AND s.hash_block_size > 0 AND s.block_size > 0
+               AND s.block_size % s.hash_block_size = 0;
+            IF NOT FOUND THEN
+                RETURN;  -- no spec with a hash size: nothing can be matched by hash
+            END IF;
+            RETURN QUERY WITH held AS (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h),
             covered AS (
                 SELECT DISTINCT held.instance, held.medium, held.ownership, c.i
                 FROM held CROSS JOIN LATERAL generate_series(
@@ -51,27 +96,28 @@ _HASH_RUNS = """
             SELECT runs.instance, runs.medium, runs.ownership,
                    (runs.n / v_ratio)::integer, runs.n::bigint * v_hash_size
             FROM runs;
-"""
+        END
+        $$;
 
-_HELD_NOW = """
-                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
-                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
-                JOIN kvledger.residencies r
-                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h"""
-
-_HELD_AT = """
+        CREATE FUNCTION kvledger.match_prefix_at(p_model text, p_group integer, p_hashes bytea[], p_at timestamptz,
+                                        p_granularity text DEFAULT 'block')
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        DECLARE
+            v_ratio integer;
+            v_hash_size integer;
+        BEGIN
+            IF p_granularity = 'block' THEN
+                RETURN QUERY WITH held AS (
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
+                FROM (
                 SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
                 FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
                 JOIN kvledger.residency_history r
                   ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
-                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)"""
-
-# The block-granularity answer (as in revision 0002), then the hash-granularity one.
-_BLOCK_RUNS = """
-            WITH held AS (
-                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
-                                                  held.ownership ORDER BY held.i) AS rn
-                FROM ({held}) held
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)) held
             ),
             runs AS (
                 SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
@@ -82,20 +128,6 @@ _BLOCK_RUNS = """
             FROM runs
             LEFT JOIN kvledger.blocks b
               ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
-"""
-
-_FUNCTION = """
-        CREATE FUNCTION kvledger.{name}(p_model text, p_group integer, p_hashes bytea[]{extra},
-                                        p_granularity text DEFAULT 'block')
-        RETURNS TABLE (instance text, medium text, ownership text,
-                       matched_blocks integer, matched_tokens bigint)
-        LANGUAGE plpgsql STABLE AS $$
-        DECLARE
-            v_ratio integer;
-            v_hash_size integer;
-        BEGIN
-            IF p_granularity = 'block' THEN
-                RETURN QUERY {block};
                 RETURN;
             ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
                 RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
@@ -110,33 +142,88 @@ _FUNCTION = """
             IF NOT FOUND THEN
                 RETURN;  -- no spec with a hash size: nothing can be matched by hash
             END IF;
-            RETURN QUERY {hash};
+            RETURN QUERY WITH held AS (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residency_history r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)),
+            covered AS (
+                SELECT DISTINCT held.instance, held.medium, held.ownership, c.i
+                FROM held CROSS JOIN LATERAL generate_series(
+                    CASE WHEN held.i % v_ratio = 0 THEN held.i - v_ratio + 1 ELSE held.i END,
+                    held.i) AS c(i)
+            ),
+            ranked AS (
+                SELECT covered.*, row_number() OVER (PARTITION BY covered.instance,
+                       covered.medium, covered.ownership ORDER BY covered.i) AS rn
+                FROM covered
+            ),
+            runs AS (
+                SELECT ranked.instance, ranked.medium, ranked.ownership, max(ranked.i) AS n
+                FROM ranked WHERE ranked.i = ranked.rn
+                GROUP BY ranked.instance, ranked.medium, ranked.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership,
+                   (runs.n / v_ratio)::integer, runs.n::bigint * v_hash_size
+            FROM runs;
         END
         $$;
-"""
 
-
-def _function(name: str, held: str, extra: str) -> str:
-    return _FUNCTION.format(
-        name=name,
-        extra=extra,
-        block=_BLOCK_RUNS.format(held=held).strip().rstrip(";"),
-        hash=_HASH_RUNS.format(held=held).strip().rstrip(";"),
-    )
-
-
-def _revision_0003() -> ModuleType:
-    path = Path(__file__).with_name("0003_match_tokens_reader.py")
-    spec = importlib.util.spec_from_file_location("kvledger_revision_0003", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# match_tokens walks full blocks, then partial-tail hashes: its matched_blocks is capped at
-# the full blocks of the walk, so a tail adds tokens only.
-_TOKENS_FINAL_SELECT = """
+        -- Walk the hash chain by token content from the start of the prompt: block 1 has no
+        -- parent and the prompt's first block_size tokens; block i+1 has block i as parent
+        -- and the next block_size tokens. Where the full blocks end, partial-tail rows
+        -- (hash_block_size tokens each) extend the walk at hash granularity. Only rows
+        -- without extra keys and with the given LoRA take part. Then answer as match_prefix
+        -- does for the hashes found.
+        CREATE FUNCTION kvledger.match_tokens(p_model text, p_group integer,
+                                              p_tokens integer[], p_lora text DEFAULT NULL)
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE sql STABLE AS $$
+            WITH RECURSIVE spec AS (
+                SELECT block_size, hash_block_size FROM kvledger.group_specs
+                WHERE model = p_model AND group_idx = p_group
+            ),
+            chain(h, i) AS (
+                SELECT b.block_hash, 1
+                FROM kvledger.blocks b, spec
+                WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash IS NULL
+                  AND NOT b.partial AND b.block_size = spec.block_size
+                  AND b.token_ids = p_tokens[1:spec.block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                UNION ALL
+                SELECT b.block_hash, c.i + 1
+                FROM chain c, spec, kvledger.blocks b
+                WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash = c.h
+                  AND NOT b.partial AND b.block_size = spec.block_size
+                  AND (c.i + 1) * spec.block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[c.i * spec.block_size + 1:(c.i + 1) * spec.block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+            ),
+            tip AS (
+                SELECT (SELECT h FROM chain ORDER BY i DESC LIMIT 1) AS h,
+                       (SELECT count(*) FROM chain)::integer * spec.block_size AS pos
+                FROM spec
+            ),
+            tail(h, j, pos) AS (
+                SELECT b.block_hash, 1, tip.pos + spec.hash_block_size
+                FROM tip, spec, kvledger.blocks b
+                WHERE b.model = p_model AND b.group_idx = p_group
+                  AND b.parent_hash IS NOT DISTINCT FROM tip.h
+                  AND b.partial AND b.block_size = spec.hash_block_size
+                  AND tip.pos + spec.hash_block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[tip.pos + 1:tip.pos + spec.hash_block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                UNION ALL
+                SELECT b.block_hash, t.j + 1, t.pos + spec.hash_block_size
+                FROM tail t, spec, kvledger.blocks b
+                WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash = t.h
+                  AND b.partial AND b.block_size = spec.hash_block_size
+                  AND t.pos + spec.hash_block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+            )
             SELECT m.instance, m.medium, m.ownership,
                    least(m.matched_blocks, (SELECT count(*) FROM chain))::integer,
                    m.matched_tokens
@@ -145,9 +232,140 @@ _TOKENS_FINAL_SELECT = """
                 ARRAY(SELECT h FROM (SELECT h, i AS k FROM chain
                                      UNION ALL SELECT h, 1000000000 + j FROM tail) s
                       ORDER BY k, h)) m
+
+        $$;
+        
+        DO $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'kvledger_reader') THEN
+                GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA kvledger TO kvledger_reader;
+            END IF;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE NOTICE 'kvledger_reader not granted: %', SQLERRM;
+        END
+        $$;
 """
 
-_GRANT = """
+_DOWNGRADE = r"""
+        DROP FUNCTION kvledger.match_tokens(text, integer, integer[], text);
+        DROP FUNCTION kvledger.match_prefix(text, integer, bytea[], text);
+        DROP FUNCTION kvledger.match_prefix_at(text, integer, bytea[], timestamptz, text);
+        
+        CREATE FUNCTION kvledger.match_prefix(p_model text, p_group integer, p_hashes bytea[])
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        BEGIN
+            RETURN QUERY WITH held AS (
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
+                FROM (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h) held
+            ),
+            runs AS (
+                SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
+                FROM held WHERE held.i = held.rn
+                GROUP BY held.instance, held.medium, held.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+        END
+        $$;
+        
+        CREATE FUNCTION kvledger.match_prefix_at(p_model text, p_group integer, p_hashes bytea[], p_at timestamptz)
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        BEGIN
+            RETURN QUERY WITH held AS (
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
+                FROM (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residency_history r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)) held
+            ),
+            runs AS (
+                SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
+                FROM held WHERE held.i = held.rn
+                GROUP BY held.instance, held.medium, held.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+        END
+        $$;
+        
+        -- Walk the hash chain by token content from the start of the prompt: block 1 has no
+        -- parent and the prompt's first block_size tokens; block i+1 has block i as parent
+        -- and the next block_size tokens. Where the full blocks end, partial-tail rows
+        -- (hash_block_size tokens each) extend the walk at hash granularity. Only rows
+        -- without extra keys and with the given LoRA take part. Then answer as match_prefix
+        -- does for the hashes found.
+        CREATE FUNCTION kvledger.match_tokens(p_model text, p_group integer,
+                                              p_tokens integer[], p_lora text DEFAULT NULL)
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE sql STABLE AS $$
+            WITH RECURSIVE spec AS (
+                SELECT block_size, hash_block_size FROM kvledger.group_specs
+                WHERE model = p_model AND group_idx = p_group
+            ),
+            chain(h, i) AS (
+                SELECT b.block_hash, 1
+                FROM kvledger.blocks b, spec
+                WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash IS NULL
+                  AND NOT b.partial AND b.block_size = spec.block_size
+                  AND b.token_ids = p_tokens[1:spec.block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                UNION ALL
+                SELECT b.block_hash, c.i + 1
+                FROM chain c, spec, kvledger.blocks b
+                WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash = c.h
+                  AND NOT b.partial AND b.block_size = spec.block_size
+                  AND (c.i + 1) * spec.block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[c.i * spec.block_size + 1:(c.i + 1) * spec.block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+            ),
+            tip AS (
+                SELECT (SELECT h FROM chain ORDER BY i DESC LIMIT 1) AS h,
+                       (SELECT count(*) FROM chain)::integer * spec.block_size AS pos
+                FROM spec
+            ),
+            tail(h, j, pos) AS (
+                SELECT b.block_hash, 1, tip.pos + spec.hash_block_size
+                FROM tip, spec, kvledger.blocks b
+                WHERE b.model = p_model AND b.group_idx = p_group
+                  AND b.parent_hash IS NOT DISTINCT FROM tip.h
+                  AND b.partial AND b.block_size = spec.hash_block_size
+                  AND tip.pos + spec.hash_block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[tip.pos + 1:tip.pos + spec.hash_block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                UNION ALL
+                SELECT b.block_hash, t.j + 1, t.pos + spec.hash_block_size
+                FROM tail t, spec, kvledger.blocks b
+                WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash = t.h
+                  AND b.partial AND b.block_size = spec.hash_block_size
+                  AND t.pos + spec.hash_block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+            )
+            SELECT * FROM kvledger.match_prefix(
+                p_model, p_group,
+                ARRAY(SELECT h FROM (SELECT h, i AS k FROM chain
+                                     UNION ALL SELECT h, 1000000000 + j FROM tail) s
+                      ORDER BY k, h))
+
+        $$;
+        
         DO $$
         BEGIN
             IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'kvledger_reader') THEN
@@ -161,43 +379,8 @@ _GRANT = """
 
 
 def upgrade() -> None:
-    op.execute(
-        """
-        DROP FUNCTION kvledger.match_tokens(text, integer, integer[], text);
-        DROP FUNCTION kvledger.match_prefix(text, integer, bytea[]);
-        DROP FUNCTION kvledger.match_prefix_at(text, integer, bytea[], timestamptz);
-        """
-        + _function("match_prefix", _HELD_NOW, "")
-        + _function("match_prefix_at", _HELD_AT, ", p_at timestamptz")
-        + _revision_0003().match_tokens_sql(_TOKENS_FINAL_SELECT)
-        + _GRANT
-    )
+    op.execute(_UPGRADE)
 
 
 def downgrade() -> None:
-    # The three-argument, block-granularity forms of revisions 0002 and 0003.
-    old = _revision_0003()
-    op.execute(
-        """
-        DROP FUNCTION kvledger.match_tokens(text, integer, integer[], text);
-        DROP FUNCTION kvledger.match_prefix(text, integer, bytea[], text);
-        DROP FUNCTION kvledger.match_prefix_at(text, integer, bytea[], timestamptz, text);
-        """
-        + _old_function("match_prefix", _HELD_NOW, "")
-        + _old_function("match_prefix_at", _HELD_AT, ", p_at timestamptz")
-        + old.match_tokens_sql(old.FINAL_SELECT)
-        + _GRANT
-    )
-
-
-def _old_function(name: str, held: str, extra: str) -> str:
-    return f"""
-        CREATE FUNCTION kvledger.{name}(p_model text, p_group integer, p_hashes bytea[]{extra})
-        RETURNS TABLE (instance text, medium text, ownership text,
-                       matched_blocks integer, matched_tokens bigint)
-        LANGUAGE plpgsql STABLE AS $$
-        BEGIN
-            RETURN QUERY {_BLOCK_RUNS.format(held=held).strip().rstrip(";")};
-        END
-        $$;
-        """
+    op.execute(_DOWNGRADE)

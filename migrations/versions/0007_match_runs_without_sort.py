@@ -12,10 +12,6 @@ Revises: 0006
 Create Date: 2026-11-29
 """
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
 
 revision = "0007"
@@ -23,20 +19,27 @@ down_revision = "0006"
 branch_labels = None
 depends_on = None
 
+# The exact SQL this revision applies, frozen here: no revision imports another, and later
+# revisions copy what they change (the current definitions are consumer/lookup/sql/*.sql).
+_UPGRADE = r"""
+        DROP FUNCTION kvledger.match_prefix(text, integer, bytea[], text);
+        DROP FUNCTION kvledger.match_prefix_at(text, integer, bytea[], timestamptz, text);
 
-def _revision_0004() -> ModuleType:
-    path = Path(__file__).with_name("0004_match_hash_granularity.py")
-    spec = importlib.util.spec_from_file_location("kvledger_revision_0004", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# runs(instance, medium, ownership, n) from held(instance, medium, ownership, i), where
-# (holder, i) is unique: whole runs by counting, runs with gaps by ranking.
-_RUNS = """
-            WITH held AS MATERIALIZED ({held}),
+        CREATE FUNCTION kvledger.match_prefix(p_model text, p_group integer, p_hashes bytea[],
+                                        p_granularity text DEFAULT 'block')
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        DECLARE
+            v_ratio integer;
+            v_hash_size integer;
+        BEGIN
+            IF p_granularity = 'block' THEN
+                RETURN QUERY WITH held AS MATERIALIZED (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h),
             agg AS (
                 SELECT held.instance, held.medium, held.ownership, count(*) AS c,
                        min(held.i) AS lo, max(held.i) AS hi
@@ -59,61 +62,329 @@ _RUNS = """
                 SELECT gapped.instance, gapped.medium, gapped.ownership, max(gapped.i)
                 FROM gapped WHERE gapped.i = gapped.rn
                 GROUP BY gapped.instance, gapped.medium, gapped.ownership
-            )"""
-
-_BLOCK_ANSWER = """
+            )
             SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
             FROM runs
             LEFT JOIN kvledger.blocks b
-              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n]"""
-
-_HASH_ANSWER = """
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+                RETURN;
+            ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
+                RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            SELECT s.block_size / s.hash_block_size, s.hash_block_size
+              INTO v_ratio, v_hash_size
+              FROM kvledger.group_specs s
+             WHERE s.model = p_model AND s.group_idx = p_group
+               AND s.hash_block_size > 0 AND s.block_size > 0
+               AND s.block_size % s.hash_block_size = 0;
+            IF NOT FOUND THEN
+                RETURN;  -- no spec with a hash size: nothing can be matched by hash
+            END IF;
+            RETURN QUERY WITH held AS MATERIALIZED (
+                SELECT DISTINCT h.instance, h.medium, h.ownership, c.i
+                FROM (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h) h CROSS JOIN LATERAL generate_series(
+                    CASE WHEN h.i % v_ratio = 0 THEN h.i - v_ratio + 1 ELSE h.i END,
+                    h.i) AS c(i)),
+            agg AS (
+                SELECT held.instance, held.medium, held.ownership, count(*) AS c,
+                       min(held.i) AS lo, max(held.i) AS hi
+                FROM held
+                GROUP BY held.instance, held.medium, held.ownership
+            ),
+            gapped AS (
+                SELECT held.instance, held.medium, held.ownership, held.i,
+                       row_number() OVER (PARTITION BY held.instance, held.medium,
+                                          held.ownership ORDER BY held.i) AS rn
+                FROM held
+                JOIN agg ON agg.instance = held.instance AND agg.medium = held.medium
+                        AND agg.ownership = held.ownership
+                WHERE agg.lo = 1 AND agg.c <> agg.hi
+            ),
+            runs AS (
+                SELECT agg.instance, agg.medium, agg.ownership, agg.hi AS n
+                FROM agg WHERE agg.lo = 1 AND agg.c = agg.hi
+                UNION ALL
+                SELECT gapped.instance, gapped.medium, gapped.ownership, max(gapped.i)
+                FROM gapped WHERE gapped.i = gapped.rn
+                GROUP BY gapped.instance, gapped.medium, gapped.ownership
+            )
             SELECT runs.instance, runs.medium, runs.ownership,
                    (runs.n / v_ratio)::integer, runs.n::bigint * v_hash_size
-            FROM runs"""
+            FROM runs;
+        END
+        $$;
 
-# Positions covered at hash granularity: a held hash, and the positions of a block whose
-# last hash (the block's own) is held.
-_COVERED = """
+        CREATE FUNCTION kvledger.match_prefix_at(p_model text, p_group integer, p_hashes bytea[], p_at timestamptz,
+                                        p_granularity text DEFAULT 'block')
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        DECLARE
+            v_ratio integer;
+            v_hash_size integer;
+        BEGIN
+            IF p_granularity = 'block' THEN
+                RETURN QUERY WITH held AS MATERIALIZED (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residency_history r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)),
+            agg AS (
+                SELECT held.instance, held.medium, held.ownership, count(*) AS c,
+                       min(held.i) AS lo, max(held.i) AS hi
+                FROM held
+                GROUP BY held.instance, held.medium, held.ownership
+            ),
+            gapped AS (
+                SELECT held.instance, held.medium, held.ownership, held.i,
+                       row_number() OVER (PARTITION BY held.instance, held.medium,
+                                          held.ownership ORDER BY held.i) AS rn
+                FROM held
+                JOIN agg ON agg.instance = held.instance AND agg.medium = held.medium
+                        AND agg.ownership = held.ownership
+                WHERE agg.lo = 1 AND agg.c <> agg.hi
+            ),
+            runs AS (
+                SELECT agg.instance, agg.medium, agg.ownership, agg.hi AS n
+                FROM agg WHERE agg.lo = 1 AND agg.c = agg.hi
+                UNION ALL
+                SELECT gapped.instance, gapped.medium, gapped.ownership, max(gapped.i)
+                FROM gapped WHERE gapped.i = gapped.rn
+                GROUP BY gapped.instance, gapped.medium, gapped.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+                RETURN;
+            ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
+                RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            SELECT s.block_size / s.hash_block_size, s.hash_block_size
+              INTO v_ratio, v_hash_size
+              FROM kvledger.group_specs s
+             WHERE s.model = p_model AND s.group_idx = p_group
+               AND s.hash_block_size > 0 AND s.block_size > 0
+               AND s.block_size % s.hash_block_size = 0;
+            IF NOT FOUND THEN
+                RETURN;  -- no spec with a hash size: nothing can be matched by hash
+            END IF;
+            RETURN QUERY WITH held AS MATERIALIZED (
                 SELECT DISTINCT h.instance, h.medium, h.ownership, c.i
-                FROM ({held}) h CROSS JOIN LATERAL generate_series(
+                FROM (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residency_history r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)) h CROSS JOIN LATERAL generate_series(
                     CASE WHEN h.i % v_ratio = 0 THEN h.i - v_ratio + 1 ELSE h.i END,
-                    h.i) AS c(i)"""
+                    h.i) AS c(i)),
+            agg AS (
+                SELECT held.instance, held.medium, held.ownership, count(*) AS c,
+                       min(held.i) AS lo, max(held.i) AS hi
+                FROM held
+                GROUP BY held.instance, held.medium, held.ownership
+            ),
+            gapped AS (
+                SELECT held.instance, held.medium, held.ownership, held.i,
+                       row_number() OVER (PARTITION BY held.instance, held.medium,
+                                          held.ownership ORDER BY held.i) AS rn
+                FROM held
+                JOIN agg ON agg.instance = held.instance AND agg.medium = held.medium
+                        AND agg.ownership = held.ownership
+                WHERE agg.lo = 1 AND agg.c <> agg.hi
+            ),
+            runs AS (
+                SELECT agg.instance, agg.medium, agg.ownership, agg.hi AS n
+                FROM agg WHERE agg.lo = 1 AND agg.c = agg.hi
+                UNION ALL
+                SELECT gapped.instance, gapped.medium, gapped.ownership, max(gapped.i)
+                FROM gapped WHERE gapped.i = gapped.rn
+                GROUP BY gapped.instance, gapped.medium, gapped.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership,
+                   (runs.n / v_ratio)::integer, runs.n::bigint * v_hash_size
+            FROM runs;
+        END
+        $$;
 
+        DO $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'kvledger_reader') THEN
+                GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA kvledger TO kvledger_reader;
+            END IF;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE NOTICE 'kvledger_reader not granted: %', SQLERRM;
+        END
+        $$;
+"""
 
-def _function(old: ModuleType, name: str, held: str, extra: str) -> str:
-    """Revision 0004's function (its granularity switch), with the runs counted."""
-    return str(
-        old._FUNCTION.format(
-            name=name,
-            extra=extra,
-            block=(_RUNS.format(held=held) + _BLOCK_ANSWER).strip(),
-            hash=(_RUNS.format(held=_COVERED.format(held=held)) + _HASH_ANSWER).strip(),
-        )
-    )
-
-
-_DROP = """
+_DOWNGRADE = r"""
         DROP FUNCTION kvledger.match_prefix(text, integer, bytea[], text);
         DROP FUNCTION kvledger.match_prefix_at(text, integer, bytea[], timestamptz, text);
+
+        CREATE FUNCTION kvledger.match_prefix(p_model text, p_group integer, p_hashes bytea[],
+                                        p_granularity text DEFAULT 'block')
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        DECLARE
+            v_ratio integer;
+            v_hash_size integer;
+        BEGIN
+            IF p_granularity = 'block' THEN
+                RETURN QUERY WITH held AS (
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
+                FROM (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h) held
+            ),
+            runs AS (
+                SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
+                FROM held WHERE held.i = held.rn
+                GROUP BY held.instance, held.medium, held.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+                RETURN;
+            ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
+                RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            SELECT s.block_size / s.hash_block_size, s.hash_block_size
+              INTO v_ratio, v_hash_size
+              FROM kvledger.group_specs s
+             WHERE s.model = p_model AND s.group_idx = p_group
+               AND s.hash_block_size > 0 AND s.block_size > 0
+               AND s.block_size % s.hash_block_size = 0;
+            IF NOT FOUND THEN
+                RETURN;  -- no spec with a hash size: nothing can be matched by hash
+            END IF;
+            RETURN QUERY WITH held AS (
+                SELECT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h),
+            covered AS (
+                SELECT DISTINCT held.instance, held.medium, held.ownership, c.i
+                FROM held CROSS JOIN LATERAL generate_series(
+                    CASE WHEN held.i % v_ratio = 0 THEN held.i - v_ratio + 1 ELSE held.i END,
+                    held.i) AS c(i)
+            ),
+            ranked AS (
+                SELECT covered.*, row_number() OVER (PARTITION BY covered.instance,
+                       covered.medium, covered.ownership ORDER BY covered.i) AS rn
+                FROM covered
+            ),
+            runs AS (
+                SELECT ranked.instance, ranked.medium, ranked.ownership, max(ranked.i) AS n
+                FROM ranked WHERE ranked.i = ranked.rn
+                GROUP BY ranked.instance, ranked.medium, ranked.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership,
+                   (runs.n / v_ratio)::integer, runs.n::bigint * v_hash_size
+            FROM runs;
+        END
+        $$;
+
+        CREATE FUNCTION kvledger.match_prefix_at(p_model text, p_group integer, p_hashes bytea[], p_at timestamptz,
+                                        p_granularity text DEFAULT 'block')
+        RETURNS TABLE (instance text, medium text, ownership text,
+                       matched_blocks integer, matched_tokens bigint)
+        LANGUAGE plpgsql STABLE AS $$
+        DECLARE
+            v_ratio integer;
+            v_hash_size integer;
+        BEGIN
+            IF p_granularity = 'block' THEN
+                RETURN QUERY WITH held AS (
+                SELECT held.*, row_number() OVER (PARTITION BY held.instance, held.medium,
+                                                  held.ownership ORDER BY held.i) AS rn
+                FROM (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residency_history r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)) held
+            ),
+            runs AS (
+                SELECT held.instance, held.medium, held.ownership, max(held.i) AS n
+                FROM held WHERE held.i = held.rn
+                GROUP BY held.instance, held.medium, held.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership, runs.n::integer, b.token_end
+            FROM runs
+            LEFT JOIN kvledger.blocks b
+              ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = p_hashes[runs.n];
+                RETURN;
+            ELSIF p_granularity IS DISTINCT FROM 'hash' THEN
+                RAISE EXCEPTION 'granularity must be block or hash, not %', p_granularity
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            SELECT s.block_size / s.hash_block_size, s.hash_block_size
+              INTO v_ratio, v_hash_size
+              FROM kvledger.group_specs s
+             WHERE s.model = p_model AND s.group_idx = p_group
+               AND s.hash_block_size > 0 AND s.block_size > 0
+               AND s.block_size % s.hash_block_size = 0;
+            IF NOT FOUND THEN
+                RETURN;  -- no spec with a hash size: nothing can be matched by hash
+            END IF;
+            RETURN QUERY WITH held AS (
+                SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
+                FROM unnest(p_hashes) WITH ORDINALITY AS q(h, i)
+                JOIN kvledger.residency_history r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = q.h
+                 AND r.stored_at <= p_at AND (r.removed_at IS NULL OR r.removed_at > p_at)),
+            covered AS (
+                SELECT DISTINCT held.instance, held.medium, held.ownership, c.i
+                FROM held CROSS JOIN LATERAL generate_series(
+                    CASE WHEN held.i % v_ratio = 0 THEN held.i - v_ratio + 1 ELSE held.i END,
+                    held.i) AS c(i)
+            ),
+            ranked AS (
+                SELECT covered.*, row_number() OVER (PARTITION BY covered.instance,
+                       covered.medium, covered.ownership ORDER BY covered.i) AS rn
+                FROM covered
+            ),
+            runs AS (
+                SELECT ranked.instance, ranked.medium, ranked.ownership, max(ranked.i) AS n
+                FROM ranked WHERE ranked.i = ranked.rn
+                GROUP BY ranked.instance, ranked.medium, ranked.ownership
+            )
+            SELECT runs.instance, runs.medium, runs.ownership,
+                   (runs.n / v_ratio)::integer, runs.n::bigint * v_hash_size
+            FROM runs;
+        END
+        $$;
+
+        DO $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'kvledger_reader') THEN
+                GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA kvledger TO kvledger_reader;
+            END IF;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE NOTICE 'kvledger_reader not granted: %', SQLERRM;
+        END
+        $$;
 """
 
 
 def upgrade() -> None:
-    old = _revision_0004()
-    op.execute(
-        _DROP
-        + _function(old, "match_prefix", old._HELD_NOW, "")
-        + _function(old, "match_prefix_at", old._HELD_AT, ", p_at timestamptz")
-        + old._GRANT
-    )
+    op.execute(_UPGRADE)
 
 
 def downgrade() -> None:
-    old = _revision_0004()
-    op.execute(
-        _DROP
-        + old._function("match_prefix", old._HELD_NOW, "")
-        + old._function("match_prefix_at", old._HELD_AT, ", p_at timestamptz")
-        + old._GRANT
-    )
+    op.execute(_DOWNGRADE)

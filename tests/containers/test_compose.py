@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from consumer.db import connect
-from producer.simulate import FleetConfig, system_prompts
-from tests.procs import free_port
+from kvledger.consumer.db import connect
+from kvledger.fleet import FleetConfig, system_prompts
+from tests.helpers.procs import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def _wait_for_services(bootstrap: str, database: str, timeout: float = 180) -> N
     import psycopg
     from confluent_kafka.admin import AdminClient
 
-    from consumer.db import conninfo
+    from kvledger.consumer.db import conninfo
 
     deadline = time.monotonic() + timeout
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from consumer.db import connect
-from consumer.lookup import rank
-from producer.simulate import FleetConfig, prompt_hashes, system_prompts
-from tests.reference_index import build, index_state
-from tests.test_consumer import by_partition
-from tests.test_lookup import brute_force
+from kvledger.consumer.db import connect
+from kvledger.consumer.lookup import rank
+from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
+from tests.helpers.brute_force import brute_force
+from tests.helpers.consuming import by_partition
+from tests.helpers.reference_index import build, index_state
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.codec import SINGLE_OBJECT_MAGIC, Codec, envelope_schema_json, schema_fingerprint
-from schemas.errors import DecodeError
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
+from kvledger.schemas.codec import (
+    SINGLE_OBJECT_MAGIC,
+    Codec,
+    envelope_schema_json,
+    schema_fingerprint,
+)
+from kvledger.schemas.errors import DecodeError
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
 
 EVENTS = [
     BlockStored(

@@ -8,9 +8,8 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.validate import (
-    BlockRow,
-    Spec,
+from kvledger.consumer.core.model import BlockRow, HeldSpec
+from kvledger.consumer.core.validate import (
     check_announcement,
     check_cleared,
     check_removed,
@@ -18,9 +17,9 @@ from consumer.validate import (
     conflicts,
     explode,
 )
-from schemas.codec import SINGLE_OBJECT_MAGIC, Codec
-from schemas.errors import DecodeError
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
+from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
+from kvledger.schemas.errors import DecodeError
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
 
 CODEC = Codec()
 HEADER = SINGLE_OBJECT_MAGIC + struct.pack("<Q", CODEC.fingerprint)
@@ -31,11 +30,16 @@ text = st.one_of(st.none(), st.sampled_from(["CPU", "GPU", "STORAGE", "", "TAPE"
 specs = st.one_of(
     st.none(),
     st.builds(
-        Spec,
-        st.sampled_from(["full_attention", "sliding_window", "mamba", "unknown"]),
-        small,
-        small,
-        st.one_of(st.none(), small),
+        HeldSpec,
+        st.builds(
+            GroupSpec,
+            st.just("m"),
+            st.just(0),
+            st.sampled_from(["full_attention", "sliding_window", "mamba", "unknown"]),
+            small,
+            small,
+            st.one_of(st.none(), small),
+        ),
         st.sampled_from(["declared", "announced"]),
     ),
 )
@@ -59,7 +63,7 @@ stored = st.builds(
 )
 
 
-def _validate(event: object, spec: Spec | None) -> None:
+def _validate(event: object, spec: HeldSpec | None) -> None:
     if isinstance(event, BlockStored):
         if check_stored(event, spec) is None:
             rows = explode(event)
@@ -76,7 +80,7 @@ def _validate(event: object, spec: Spec | None) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=300), specs)
-def test_arbitrary_bytes_decode_or_reject(data: bytes, spec: Spec | None) -> None:
+def test_arbitrary_bytes_decode_or_reject(data: bytes, spec: HeldSpec | None) -> None:
     for candidate in (data, HEADER + data):
         try:
             envelope = CODEC.decode(candidate)
@@ -89,7 +93,7 @@ def test_arbitrary_bytes_decode_or_reject(data: bytes, spec: Spec | None) -> Non
 @settings(max_examples=400, deadline=None)
 @given(stored, specs)
 def test_arbitrary_events_validate_without_exceptions(
-    event: BlockStored, spec: Spec | None
+    event: BlockStored, spec: HeldSpec | None
 ) -> None:
     _validate(event, spec)
     try:

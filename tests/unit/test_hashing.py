@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.hashing import (
+from kvledger.schemas.hashing import (
     block_extra_keys,
     hash_block_tokens,
     int_to_hash_bytes,

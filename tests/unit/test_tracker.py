@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from producer.tracker import (
+from kvledger.producer.tracker import (
     GroupOffloadConfig,
     Locality,
     Medium,
@@ -19,7 +19,7 @@ from producer.tracker import (
     offload_key_hash,
     resolve_block_hashes,
 )
-from schemas.events import BlockRemoved, BlockStored
+from kvledger.schemas.events import BlockRemoved, BlockStored
 
 FULL = OffloadingEventGroupSpec("full_attention", None)
 SLIDING = OffloadingEventGroupSpec("sliding_window", 128)

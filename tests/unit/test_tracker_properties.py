@@ -5,13 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.tracker import (
+from kvledger.producer.tracker import (
     Medium,
     OffloadingEvent,
     OffloadingEventsTracker,
     make_offload_key,
 )
-from schemas.events import BlockStored
+from kvledger.schemas.events import BlockStored
 from tests.unit.test_tracker import FULL, SLIDING, cfg, request
 
 GROUPS = {

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from schemas.events import (
+from kvledger.consumer.core.model import BlockRow, HeldSpec
+from kvledger.schemas.events import (
     FULL_ATTENTION_KINDS,
     MEDIUMS,
     SPEC_KINDS,
@@ -44,52 +45,12 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Spec:
-    """A group spec as the consumer holds it."""
-
-    kind: str
-    block_size: int
-    hash_block_size: int
-    sliding_window: int | None
-    origin: str  # declared | announced
-
-    def same_shape(self, other: Spec | GroupSpec) -> bool:
-        return (
-            self.kind == other.kind
-            and self.block_size == other.block_size
-            and self.hash_block_size == other.hash_block_size
-            and self.sliding_window == other.sliding_window
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class Invalid:
     reason: Reason
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRow:
-    """What the index knows of one block hash (for conflict checks)."""
-
-    parent_hash: bytes | None
-    token_start: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    partial: bool
-
-    @property
-    def placeholder(self) -> bool:
-        return self.block_size == 0
-
-    @property
-    def token_end(self) -> int | None:
-        if self.token_start is None:
-            return None
-        return self.token_start + len(self.token_ids)
-
-
-def check_announcement(spec: GroupSpec, current: Spec | None) -> Invalid | None:
+def check_announcement(spec: GroupSpec, current: HeldSpec | None) -> Invalid | None:
     """An announcement must be well-formed and agree with the spec already held."""
     if spec.kind not in SPEC_KINDS:
         return Invalid(Reason.INVALID_EVENT, f"unknown spec kind {spec.kind!r}")
@@ -103,12 +64,11 @@ def check_announcement(spec: GroupSpec, current: Spec | None) -> Invalid | None:
             Reason.INVALID_EVENT,
             f"block size {spec.block_size} is not a multiple of hash size {spec.hash_block_size}",
         )
-    if current is not None and not current.same_shape(spec):
+    if current is not None and not current.spec.same_shape(spec):
         return Invalid(
             Reason.SPEC_CONFLICT,
-            f"announced {spec.kind}/{spec.block_size}/{spec.hash_block_size}/"
-            f"{spec.sliding_window} but the {current.origin} spec is {current.kind}/"
-            f"{current.block_size}/{current.hash_block_size}/{current.sliding_window}",
+            f"announced {spec.describe()} but the {current.origin} spec is "
+            f"{current.spec.describe()}",
         )
     return None
 
@@ -132,9 +92,9 @@ def _check_medium(medium: str | None) -> Invalid | None:
     return None
 
 
-def check_stored(event: BlockStored, spec: Spec | None) -> Invalid | None:
+def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:
     """Shape checks of a BlockStored against its group spec (no index state needed)."""
-    if spec is None:
+    if held is None:
         return Invalid(
             Reason.UNKNOWN_GROUP,
             f"group {event.group_idx} has no declared or announced spec",
@@ -148,6 +108,7 @@ def check_stored(event: BlockStored, spec: Spec | None) -> Invalid | None:
         )
     if event.token_start is not None and event.token_start < 0:
         return Invalid(Reason.INVALID_EVENT, f"negative token_start {event.token_start}")
+    spec = held.spec
     if event.is_placeholder:
         if spec.kind in FULL_ATTENTION_KINDS:
             return Invalid(
@@ -160,7 +121,7 @@ def check_stored(event: BlockStored, spec: Spec | None) -> Invalid | None:
         what = " (hash size, partial tail)" if event.partial else ""
         return Invalid(
             Reason.BLOCK_SIZE_MISMATCH,
-            f"block_size {event.block_size} but the {spec.origin} spec of group "
+            f"block_size {event.block_size} but the {held.origin} spec of group "
             f"{event.group_idx} says {expected}{what}",
         )
     if len(event.token_ids) != len(event.block_hashes) * event.block_size:
@@ -172,8 +133,8 @@ def check_stored(event: BlockStored, spec: Spec | None) -> Invalid | None:
     return None
 
 
-def check_removed(event: BlockRemoved, spec: Spec | None) -> Invalid | None:
-    if spec is None:
+def check_removed(event: BlockRemoved, held: HeldSpec | None) -> Invalid | None:
+    if held is None:
         return Invalid(
             Reason.UNKNOWN_GROUP, f"group {event.group_idx} has no declared or announced spec"
         )

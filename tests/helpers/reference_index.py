@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from schemas.codec import Codec
-from schemas.errors import DecodeError
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.errors import DecodeError
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
 
 FULL = {
     "full_attention",

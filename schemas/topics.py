@@ -1,4 +1,9 @@
-"""Topic creation and verification."""
+"""The topic layout both sides rely on: message keys, and topic creation and verification.
+
+Every message of one (source, group) carries the key ``<source>/<group>``, so it lands on one
+partition and stays in publish order. The events topic and the dead-letter topic are created
+(or checked) by :func:`ensure_topic`.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,16 @@ import logging
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from producer.errors import TopicMismatchError
+from kvledger.schemas.errors import TopicMismatchError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PARTITIONS = 12
+
+
+def message_key(source: str, group_idx: int) -> bytes:
+    """The key of every message of one source's group."""
+    return f"{source}/{group_idx}".encode()
 
 
 def ensure_topic(
@@ -21,11 +31,13 @@ def ensure_topic(
     retention_ms: int | None = None,
     replication_factor: int = 1,
     timeout: float = 30.0,
+    exact_partitions: bool = True,
 ) -> bool:
     """Create ``name`` if missing; verify an existing one. Returns True when it was created.
 
-    Raises :class:`TopicMismatchError` when the topic exists with another partition count or
-    retention.
+    Raises :class:`TopicMismatchError` when the topic exists with another retention, or with
+    another partition count while ``exact_partitions`` (any count does for a topic whose
+    order does not matter, such as the dead-letter topic).
     """
     metadata = admin.list_topics(topic=name, timeout=timeout)
     topic = metadata.topics.get(name)
@@ -47,7 +59,7 @@ def ensure_topic(
         topic = metadata.topics[name]
     assert topic is not None
     have = len(topic.partitions)
-    if have != partitions:
+    if exact_partitions and have != partitions:
         raise TopicMismatchError(
             f"topic {name!r} has {have} partitions, expected {partitions}; use the existing "
             "count or another topic (Kafka cannot shrink a topic)"

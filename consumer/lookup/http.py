@@ -17,11 +17,10 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
-from datetime import datetime
 from typing import Any
 
 import psycopg
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import ConnectionPool
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -29,25 +28,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from consumer.db import conninfo
-from consumer.lookup import DEFAULT_TIER_WEIGHTS, GRANULARITIES, PrefixIndex, rank
-from consumer.metrics import REGISTRY
-
-MAX_BODY_BYTES = 1 << 20
-MAX_HASHES = 8192
-MAX_TOKENS = 262_144
-
-REQUESTS = Counter(
-    "kvledger_http_requests_total", "Lookup requests by route and status", ["route", "status"],
-    registry=REGISTRY,
-)  # fmt: skip
-LATENCY = Histogram(
-    "kvledger_http_seconds", "Lookup request latency by route", ["route"], registry=REGISTRY
+from kvledger.consumer.db import conninfo
+from kvledger.consumer.lookup.api import PrefixIndex, rank
+from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
+from kvledger.consumer.lookup.requests import (
+    MAX_BODY_BYTES,
+    BadRequestError,
+    parse_hash,
+    parse_match,
 )
-
-
-class BadRequestError(ValueError):
-    pass
+from kvledger.consumer.metrics import REGISTRY
 
 
 def _configure(conn: psycopg.Connection) -> None:
@@ -58,17 +48,6 @@ def _configure(conn: psycopg.Connection) -> None:
     ).fetchone()
     if has_role and has_role[0]:
         conn.execute("SET ROLE kvledger_reader")
-
-
-def _hash(value: object) -> bytes:
-    if isinstance(value, str):
-        try:
-            return bytes.fromhex(value.removeprefix("0x"))
-        except ValueError:
-            raise BadRequestError(f"not a hex hash: {value[:80]!r}") from None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64:
-        return value.to_bytes(8, "big")
-    raise BadRequestError("hashes are hex strings or unsigned 64-bit integers")
 
 
 def _holder_json(h: Any) -> dict[str, Any]:
@@ -122,55 +101,19 @@ def create_app(database_url: str, pool_size: int = 8) -> Starlette:
         return data
 
     def match(request: Request, data: dict[str, Any]) -> Response:
-        model = data.get("model")
-        group = data.get("group_idx", 0)
-        if not isinstance(model, str) or not model:
-            raise BadRequestError("model (string) is required")
-        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
-            raise BadRequestError("group_idx must be a non-negative integer")
-        weights = data.get("weights", dict(DEFAULT_TIER_WEIGHTS))
-        if not isinstance(weights, dict) or not all(
-            isinstance(v, int | float) for v in weights.values()
-        ):
-            raise BadRequestError("weights must map medium to a number")
-        hashes, tokens = data.get("hashes"), data.get("token_ids")
-        if (hashes is None) == (tokens is None):
-            raise BadRequestError("give exactly one of hashes or token_ids")
-        at = data.get("at")
-        granularity = data.get("granularity", "block")
-        if granularity not in GRANULARITIES:
-            raise BadRequestError(f"granularity must be one of {', '.join(GRANULARITIES)}")
-        if tokens is not None and granularity != "block":
-            raise BadRequestError("granularity applies to hashes, not token_ids")
+        req = parse_match(data)
         with index() as idx:
-            if hashes is not None:
-                if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
-                    raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
-                parsed = [_hash(h) for h in hashes]
-                if at is not None:
-                    try:
-                        when = datetime.fromisoformat(str(at))
-                    except ValueError:
-                        raise BadRequestError("at must be an ISO 8601 time") from None
-                    if when.tzinfo is None:
-                        raise BadRequestError("at needs a time zone")
-                    holders = idx.match_at(model, group, parsed, when, granularity)
-                else:
-                    holders = idx.match(model, group, parsed, granularity)
+            if req.token_ids is not None:
+                holders = idx.match_tokens(req.model, req.group_idx, req.token_ids, req.lora_name)
+            elif req.at is not None:
+                assert req.hashes is not None
+                holders = idx.match_at(
+                    req.model, req.group_idx, req.hashes, req.at, req.granularity
+                )
             else:
-                if (
-                    not isinstance(tokens, list)
-                    or not tokens
-                    or len(tokens) > MAX_TOKENS
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
-                    or not all(-(2**31) <= t < 2**31 for t in tokens)
-                ):
-                    raise BadRequestError(f"token_ids must be a list of 1..{MAX_TOKENS} int32")
-                lora = data.get("lora_name")
-                if lora is not None and not isinstance(lora, str):
-                    raise BadRequestError("lora_name must be a string")
-                holders = idx.match_tokens(model, group, tokens, lora)
-        ranked = rank(holders, weights)
+                assert req.hashes is not None
+                holders = idx.match(req.model, req.group_idx, req.hashes, req.granularity)
+        ranked = rank(holders, req.weights)
         return JSONResponse(
             {
                 "holders": [_holder_json(h) for h in holders],
@@ -179,7 +122,7 @@ def create_app(database_url: str, pool_size: int = 8) -> Starlette:
         )
 
     def block(request: Request, _: None) -> Response:
-        h = _hash(request.path_params["block_hash"])
+        h = parse_hash(request.path_params["block_hash"])
         with index() as idx:
             rows = idx.blocks(h)
         if not rows:

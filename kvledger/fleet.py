@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producer.tracker import (
+from kvledger.producer.tracker import (
     GroupOffloadConfig,
     Locality,
     Medium,
@@ -41,8 +41,8 @@ from producer.tracker import (
     group_announcement,
     make_offload_key,
 )
-from schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
-from schemas.hashing import prompt_block_hashes
+from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
+from kvledger.schemas.hashing import prompt_block_hashes
 
 TOKENS_PER_HASH = 16
 FULL_GROUP = GroupOffloadConfig(

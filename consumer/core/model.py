@@ -1,0 +1,260 @@
+"""The values the pure core reads and writes: keys, the state a batch touches, and the plan.
+
+Nothing here does I/O. A store loads a :class:`Snapshot` for the :class:`Needs` of a batch;
+:func:`~kvledger.consumer.core.plan.make_plan` turns the batch and the snapshot into a
+:class:`Plan`; the store writes the plan. Snapshot values are never mutated by the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import NamedTuple
+
+from kvledger.consumer.inbound import Inbound
+from kvledger.schemas.events import GroupSpec
+
+
+class GroupKey(NamedTuple):
+    model: str
+    group_idx: int
+
+
+class BlockKey(NamedTuple):
+    model: str
+    group_idx: int
+    block_hash: bytes
+
+
+class HolderKey(NamedTuple):
+    """Who holds blocks of one group: an instance (source), on a medium, with an ownership."""
+
+    model: str
+    group_idx: int
+    instance: str
+    medium: str
+    ownership: str
+
+
+class ResidencyKey(NamedTuple):
+    """One block held by one holder (the residencies table's primary key, in its order)."""
+
+    model: str
+    group_idx: int
+    block_hash: bytes
+    instance: str
+    medium: str
+    ownership: str
+
+    @property
+    def holder(self) -> HolderKey:
+        return HolderKey(self.model, self.group_idx, self.instance, self.medium, self.ownership)
+
+
+class SourceKey(NamedTuple):
+    """A source's sequence stream: sequence numbers count per (source, model, group)."""
+
+    source: str
+    model: str
+    group_idx: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSpec:
+    """A group spec as the index holds it: the contract's shape and who set it."""
+
+    spec: GroupSpec
+    origin: str  # declared | announced
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRow:
+    """What the index knows of one block hash's content (for conflict checks)."""
+
+    parent_hash: bytes | None
+    token_start: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    partial: bool
+
+    @property
+    def placeholder(self) -> bool:
+        return self.block_size == 0
+
+    @property
+    def token_end(self) -> int | None:
+        if self.token_start is None:
+            return None
+        return self.token_start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """A live residency: its reference count and the message that opened it."""
+
+    refcount: int
+    locality: str | None
+    since: datetime
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(slots=True)
+class SourceState:
+    """A source stream's sequence position and counters (the source_health row)."""
+
+    epoch: int
+    last_seq: int
+    gap_count: int = 0
+    missing_events: int = 0
+    epoch_changes: int = 0
+    duplicates: int = 0
+    last_event_time: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClearedHolder:
+    """Every block of an instance on one medium and ownership, in one group or (None) all."""
+
+    model: str
+    group_idx: int | None
+    instance: str
+    medium: str
+    ownership: str
+
+
+@dataclass(slots=True)
+class Needs:
+    """What a batch touches, for the store to load (see :func:`plan.needs`)."""
+
+    blocks: dict[GroupKey, set[bytes]] = field(default_factory=dict)
+    residencies: dict[HolderKey, set[bytes]] = field(default_factory=dict)
+    cleared: set[ClearedHolder] = field(default_factory=set)
+    sources: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """The state a batch touches, as the store held it before the batch.
+
+    ``residencies`` holds at least every live residency named in ``Needs.residencies``;
+    ``held`` maps each holder of a ``Needs.cleared`` entry to all of its live hashes.
+    A store may hand over more than was asked (the memory store hands over everything).
+    """
+
+    specs: Mapping[GroupKey, HeldSpec]
+    blocks: Mapping[BlockKey, BlockRow]
+    residencies: Mapping[ResidencyKey, Residency]
+    held: Mapping[HolderKey, Collection[bytes]]
+    sources: Mapping[SourceKey, SourceState]
+
+
+# ---------------------------------------------------------------------- the plan
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A poison message: its coordinates, raw bytes and why (for the DLQ and the table)."""
+
+    message: Inbound
+    reason: str
+    detail: str
+    source: str | None
+
+
+@dataclass(slots=True)
+class BlockWrite:
+    """A block row to merge: content (upgraded only over placeholders and partial tails),
+    metadata kept from the first writer, and the times it was seen in this batch."""
+
+    row: BlockRow
+    lora_name: str | None
+    extra_keys: str | None
+    first_seen: datetime
+    last_seen: datetime
+
+
+@dataclass(slots=True)
+class Interval:
+    """A residency history interval opened by this batch (closed too, when it ended)."""
+
+    stored_at: datetime
+    locality: str | None
+    partition: int
+    offset: int
+    removed_at: datetime | None = None
+    removed_by: str | None = None
+
+
+@dataclass(slots=True)
+class ResidencyDelta:
+    """How one residency changed in the batch.
+
+    ``before`` and ``refcount`` are the reference counts at the batch's start and end; a
+    0→1 transition opens an :class:`Interval`, a 1→0 transition closes it, or (when the
+    interval was opened by an earlier batch) sets ``close_existing_at``. ``existed`` says
+    whether the store held the row at the batch's start (so a 0 at the end deletes it).
+    """
+
+    key: ResidencyKey
+    before: int
+    refcount: int
+    existed: bool
+    locality: str | None = None
+    since: datetime | None = None
+    topic: str = ""
+    partition: int = 0
+    offset: int = 0
+    close_existing_at: datetime | None = None
+    close_existing_by: str | None = None
+    intervals: list[Interval] = field(default_factory=list)
+    touched: bool = False
+
+
+class AuditRow(NamedTuple):
+    """One row of the audit log (kvledger.events), one per message, in its column order."""
+
+    kafka_topic: str
+    kafka_partition: int
+    kafka_offset: int
+    source: str | None
+    model: str | None
+    epoch: int | None
+    seq: int | None
+    event_type: str | None
+    group_idx: int | None
+    medium: str | None
+    ownership: str | None
+    hash_count: int
+    noop_count: int
+    status: str  # applied | duplicate | rejected
+    reason: str | None
+    event_time: datetime | None
+
+
+@dataclass(slots=True)
+class Plan:
+    """Everything one batch changes, for a store to write in one transaction.
+
+    ``replay`` plans come from re-applying rejected messages: no sequence checks, and the
+    audit rows update the existing ones instead of being inserted.
+    """
+
+    replay: bool = False
+    new_specs: list[tuple[GroupSpec, str]] = field(default_factory=list)  # (spec, announced_by)
+    blocks: dict[BlockKey, BlockWrite] = field(default_factory=dict)
+    residencies: list[ResidencyDelta] = field(default_factory=list)
+    sources: dict[SourceKey, SourceState] = field(default_factory=dict)
+    audit: list[AuditRow] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    messages: int = 0
+    applied: int = 0
+    duplicates: int = 0
+    block_events: int = 0  # hashes applied (stores + removals)
+    noop_removals: int = 0
+    gaps: int = 0
+
+    @property
+    def replayed(self) -> int:
+        """Messages a replay plan applied (its audit rows that are not rejections)."""
+        return sum(1 for row in self.audit if row.status == "applied") if self.replay else 0

@@ -1,0 +1,356 @@
+"""The index rules: decoded messages + the state they touch → a plan (pure, no I/O).
+
+:func:`needs` says what a batch touches (for the store to load); :func:`make_plan` walks
+the batch in order over a :class:`~.model.Snapshot` and returns a :class:`~.model.Plan`.
+Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`), then:
+
+- GroupSpec: a new group's shape is recorded (declared specs win; a different shape is a
+  ``spec_conflict``);
+- BlockStored: one block row per hash (content kept from the first writer, upgraded only
+  over a placeholder or partial-tail row; a different content is a ``hash_conflict``, which
+  rejects the whole event), and one holder reference per hash;
+- BlockRemoved: one reference less per hash; a removal with no reference left is a
+  recorded no-op, never a negative count;
+- AllBlocksCleared: every reference of the instance on that medium (primary ownership) in
+  that group, or in every group of the model when the event names none, ends "cleared".
+
+A residency exists while its reference count is above zero: a history interval opens at
+0→1 and closes at 1→0 (never before it opened).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from kvledger.consumer.core.model import (
+    AuditRow,
+    BlockKey,
+    BlockRow,
+    BlockWrite,
+    ClearedHolder,
+    GroupKey,
+    HeldSpec,
+    HolderKey,
+    Interval,
+    Needs,
+    Plan,
+    Rejection,
+    ResidencyDelta,
+    ResidencyKey,
+    Snapshot,
+    SourceKey,
+    SourceState,
+)
+from kvledger.consumer.core.sequence import Verdict, advance
+from kvledger.consumer.core.validate import (
+    Invalid,
+    Reason,
+    check_announcement,
+    check_cleared,
+    check_removed,
+    check_stored,
+    conflicts,
+    explode,
+)
+from kvledger.consumer.inbound import Decoded, Inbound
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    GroupSpec,
+    group_of,
+    medium_of,
+)
+
+PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
+
+
+def event_time(env: Envelope) -> datetime:
+    return datetime.fromtimestamp(env.event_time_ms / 1000, tz=UTC)
+
+
+def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
+    """What ``batch`` touches: the block rows, residencies, whole holders and sources."""
+    out = Needs()
+    for d in batch:
+        env = d.envelope
+        if env is None:
+            continue
+        out.sources.add(env.source)
+        ev = env.event
+        if isinstance(ev, BlockStored | BlockRemoved):
+            group = group_of(ev)
+            holder = HolderKey(
+                env.model, group, env.source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP
+            )
+            out.residencies.setdefault(holder, set()).update(ev.block_hashes)
+            if isinstance(ev, BlockStored):
+                out.blocks.setdefault(GroupKey(env.model, group), set()).update(ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            out.cleared.add(
+                ClearedHolder(env.model, ev.group_idx, env.source, medium_of(ev), PRIMARY_OWNERSHIP)
+            )
+    if not check_sequence:
+        out.sources.clear()
+    return out
+
+
+def make_plan(batch: Sequence[Decoded], snapshot: Snapshot, replay: bool = False) -> Plan:
+    """Apply the index rules to ``batch`` (in order) over ``snapshot``.
+
+    ``replay``: re-applying rejected messages, without sequence checks.
+    """
+    planner = _Planner(snapshot, replay)
+    for d in batch:
+        planner.message(d)
+    return planner.finish()
+
+
+class _Planner:
+    """The walk over one batch: the snapshot, overlaid with the batch's changes."""
+
+    def __init__(self, snapshot: Snapshot, replay: bool) -> None:
+        self.snap = snapshot
+        self.plan = Plan(replay=replay)
+        self.specs: dict[GroupKey, HeldSpec] = dict(snapshot.specs)
+        self.blocks: dict[BlockKey, BlockRow] = {}  # rows this batch wrote (over the snapshot)
+        self.res: dict[ResidencyKey, ResidencyDelta] = {}
+        self.sources: dict[SourceKey, SourceState] = {}
+
+    def finish(self) -> Plan:
+        plan = self.plan
+        plan.residencies = [d for d in self.res.values() if d.touched]
+        plan.sources = self.sources
+        return plan
+
+    # ------------------------------------------------------------------ per message
+    def message(self, d: Decoded) -> None:
+        plan = self.plan
+        plan.messages += 1
+        env = d.envelope
+        if env is None:
+            assert d.error is not None
+            self._reject(d, Reason(d.error.reason), d.error.detail, None)
+            return
+        when = event_time(env)  # once per message
+        if not plan.replay:
+            key = SourceKey(env.source, env.model, group_of(env.event))
+            state = self.sources.get(key) or self.snap.sources.get(key)
+            verdict, nxt = advance(state, env.epoch, env.seq, when)
+            if nxt is not None:
+                self.sources[key] = nxt
+            if verdict is Verdict.STALE:
+                detail = f"epoch {env.epoch} is older than the source's current epoch"
+                self._reject(d, Reason.STALE_EPOCH, detail, when)
+                return
+            if verdict is Verdict.DUPLICATE:
+                plan.duplicates += 1
+                self._audit(d, "duplicate", None, 0, 0, when)
+                return
+            if verdict is Verdict.GAP:
+                plan.gaps += 1
+        invalid, hashes, noop = self._event(env, d.message, when)
+        if invalid is not None:
+            self._reject(d, invalid.reason, invalid.detail, when)
+        else:
+            plan.applied += 1
+            self._audit(d, "applied", "noop_removal" if noop else None, hashes, noop, when)
+
+    def _event(
+        self, env: Envelope, msg: Inbound, when: datetime
+    ) -> tuple[Invalid | None, int, int]:
+        """Validate and apply one event: (why it is invalid, hashes applied, no-op removals)."""
+        ev = env.event
+        if isinstance(ev, GroupSpec):
+            return self._announce(env, ev), 0, 0
+        if isinstance(ev, BlockStored):
+            return self._stored(env, ev, msg, when)
+        if isinstance(ev, BlockRemoved):
+            return self._removed(env, ev, msg, when)
+        return self._cleared(env, ev, msg, when)
+
+    def _announce(self, env: Envelope, ev: GroupSpec) -> Invalid | None:
+        if ev.model != env.model:
+            return Invalid(
+                Reason.INVALID_EVENT, f"announcement for model {ev.model} from {env.model}"
+            )
+        key = GroupKey(ev.model, ev.group_idx)
+        invalid = check_announcement(ev, self.specs.get(key))
+        if invalid is None and key not in self.specs:
+            self.specs[key] = HeldSpec(ev, "announced")
+            self.plan.new_specs.append((ev, env.source))
+        return invalid
+
+    def _known(self, key: BlockKey) -> BlockRow | None:
+        row = self.blocks.get(key)
+        return row if row is not None else self.snap.blocks.get(key)
+
+    def _stored(
+        self, env: Envelope, ev: BlockStored, msg: Inbound, when: datetime
+    ) -> tuple[Invalid | None, int, int]:
+        group = group_of(ev)
+        invalid = check_stored(ev, self.specs.get(GroupKey(env.model, group)))
+        rows = explode(ev) if invalid is None else []
+        for h, row in rows:
+            known = self._known(BlockKey(env.model, group, h))
+            if known is not None and (why := conflicts(known, row)) is not None:
+                invalid = Invalid(Reason.HASH_CONFLICT, f"{why}: hash {h.hex()}")
+                break
+        if invalid is not None:
+            return invalid, 0, 0
+        medium = medium_of(ev)
+        ownership = ev.ownership or PRIMARY_OWNERSHIP
+        extra_by_block = ev.extra_keys or ()
+        writes = self.plan.blocks
+        for i, (h, row) in enumerate(rows):
+            bkey = BlockKey(env.model, group, h)
+            known = self._known(bkey)
+            if known is None or upgrades(known, row):
+                self.blocks[bkey] = known = row
+            write = writes.get(bkey)
+            if write is None:
+                extra = extra_by_block[i] if i < len(extra_by_block) else None
+                writes[bkey] = BlockWrite(known, ev.lora_name, extra, when, when)
+            else:
+                write.row = known
+                write.first_seen = min(write.first_seen, when)
+                write.last_seen = max(write.last_seen, when)
+            key = ResidencyKey(env.model, group, h, env.source, medium, ownership)
+            self._ref(key, +1, when, ev.locality, msg)
+        self.plan.block_events += len(rows)
+        return None, len(rows), 0
+
+    def _removed(
+        self, env: Envelope, ev: BlockRemoved, msg: Inbound, when: datetime
+    ) -> tuple[Invalid | None, int, int]:
+        group = group_of(ev)
+        invalid = check_removed(ev, self.specs.get(GroupKey(env.model, group)))
+        if invalid is not None:
+            return invalid, 0, 0
+        medium = medium_of(ev)
+        ownership = ev.ownership or PRIMARY_OWNERSHIP
+        noop = 0
+        for h in ev.block_hashes:
+            key = ResidencyKey(env.model, group, h, env.source, medium, ownership)
+            if not self._ref(key, -1, when, ev.locality, msg):
+                noop += 1
+        self.plan.noop_removals += noop
+        self.plan.block_events += len(ev.block_hashes)
+        return None, len(ev.block_hashes), noop
+
+    def _cleared(
+        self, env: Envelope, ev: AllBlocksCleared, msg: Inbound, when: datetime
+    ) -> tuple[Invalid | None, int, int]:
+        invalid = check_cleared(ev)
+        if invalid is not None:
+            return invalid, 0, 0
+        medium = medium_of(ev)
+        groups = (
+            [ev.group_idx]
+            if ev.group_idx is not None
+            else sorted({k.group_idx for k in self.specs if k.model == env.model})
+        )
+        cleared = 0
+        for group in groups:
+            holder = HolderKey(env.model, group, env.source, medium, PRIMARY_OWNERSHIP)
+            keys = {
+                ResidencyKey(env.model, group, h, env.source, medium, PRIMARY_OWNERSHIP)
+                for h in self.snap.held.get(holder, ())
+            }
+            keys.update(k for k in self.res if k[:2] == holder[:2] and k[3:] == holder[2:])
+            for key in sorted(keys):
+                count = self._refcount(key)
+                if count > 0:
+                    cleared += 1
+                    self._ref(key, -count, when, None, msg, how="cleared")
+        return None, cleared, 0
+
+    # ------------------------------------------------------------------ reference counts
+    def _delta(self, key: ResidencyKey) -> ResidencyDelta:
+        delta = self.res.get(key)
+        if delta is None:
+            held = self.snap.residencies.get(key)
+            if held is None:
+                delta = ResidencyDelta(key, 0, 0, False)
+            else:
+                delta = ResidencyDelta(
+                    key, held.refcount, held.refcount, True, held.locality, held.since,
+                    held.topic, held.partition, held.offset,
+                )  # fmt: skip
+            self.res[key] = delta
+        return delta
+
+    def _refcount(self, key: ResidencyKey) -> int:
+        delta = self.res.get(key)
+        if delta is not None:
+            return delta.refcount
+        held = self.snap.residencies.get(key)
+        return held.refcount if held is not None else 0
+
+    def _ref(
+        self,
+        key: ResidencyKey,
+        change: int,
+        when: datetime,
+        locality: str | None,
+        msg: Inbound,
+        how: str = "removed",
+    ) -> bool:
+        """Change a holder's reference count; False for a removal with no reference left."""
+        state = self._delta(key)
+        if change < 0 and state.refcount == 0:
+            return False
+        before = state.refcount
+        state.refcount = before + change
+        state.touched = True
+        if before == 0 and state.refcount > 0:
+            state.locality, state.since = locality, when
+            state.topic, state.partition, state.offset = msg.topic, msg.partition, msg.offset
+            state.intervals.append(Interval(when, locality, msg.partition, msg.offset))
+        elif before > 0 and state.refcount == 0:
+            opened = next((i for i in state.intervals if i.removed_at is None), None)
+            if opened is not None:
+                opened.removed_at = max(when, opened.stored_at)
+                opened.removed_by = how
+            else:  # the interval was opened by an earlier batch
+                state.close_existing_at = when
+                state.close_existing_by = how
+        return True
+
+    # ------------------------------------------------------------------ audit
+    def _audit(
+        self, d: Decoded, status: str, reason: str | None, hashes: int, noop: int,
+        when: datetime | None,
+    ) -> None:  # fmt: skip
+        """One audit row; ``when`` is the event time (None for an undecodable message)."""
+        msg, env = d.message, d.envelope
+        if env is None:
+            row = AuditRow(
+                msg.topic, msg.partition, msg.offset, None, None, None, None, None, None,
+                None, None, hashes, 0, status, reason, None,
+            )  # fmt: skip
+        else:
+            ev = env.event
+            medium = None if isinstance(ev, GroupSpec) else ev.medium
+            row = AuditRow(
+                msg.topic, msg.partition, msg.offset, env.source, env.model, env.epoch,
+                env.seq, type(ev).__name__, group_of(ev), medium,
+                getattr(ev, "ownership", None), hashes, noop, status, reason, when,
+            )  # fmt: skip
+        self.plan.audit.append(row)
+
+    def _reject(self, d: Decoded, reason: Reason, detail: str, when: datetime | None) -> None:
+        env = d.envelope
+        source = env.source if env is not None else None
+        self.plan.rejected.append(Rejection(d.message, reason.value, detail, source))
+        hashes = len(getattr(env.event, "block_hashes", ())) if env is not None else 0
+        self._audit(d, "rejected", reason.value, hashes, 0, when)
+
+
+def upgrades(known: BlockRow, new: BlockRow) -> bool:
+    """A full-size or real row replaces a placeholder or partial-tail row of the same hash."""
+    if new.placeholder:
+        return False
+    return known.placeholder or (known.partial and not new.partial)

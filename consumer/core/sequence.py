@@ -1,0 +1,63 @@
+"""The sequence rule: where a message stands in its source's stream (pure).
+
+Sequence numbers count per (source, model, group) within one producer epoch; a new epoch
+restarts them at 0. For each message, against the stream's state:
+
+- no state yet: the first message; a first seq above 0 is a gap of that many messages;
+- an older epoch: ``stale`` (the source has restarted since; rejected, kept replayable);
+- a newer epoch: a restart (counted); a first seq above 0 is a gap;
+- same epoch, seq at or below the last: ``duplicate`` (a re-delivery; skipped, audited);
+- same epoch, seq past last + 1: a gap of the numbers in between (counted, applied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime
+from enum import StrEnum
+
+from kvledger.consumer.core.model import SourceState
+
+
+class Verdict(StrEnum):
+    OK = "ok"
+    GAP = "gap"  # applied; the state counts the missing messages
+    DUPLICATE = "duplicate"
+    STALE = "stale"
+
+
+def advance(
+    state: SourceState | None, epoch: int, seq: int, when: datetime
+) -> tuple[Verdict, SourceState | None]:
+    """The verdict for one message and the stream's next state (None: unchanged).
+
+    ``state`` is never mutated: a changed state is a new value.
+    """
+    if state is None:
+        first = SourceState(epoch=epoch, last_seq=seq, last_event_time=when)
+        if seq != 0:
+            first.gap_count, first.missing_events = 1, seq
+            return Verdict.GAP, first
+        return Verdict.OK, first
+    if epoch < state.epoch:
+        return Verdict.STALE, None
+    nxt = replace(state)
+    verdict = Verdict.OK
+    if epoch > state.epoch:
+        nxt.epoch_changes += 1
+        nxt.epoch = epoch
+        if seq != 0:
+            nxt.gap_count += 1
+            nxt.missing_events += seq
+            verdict = Verdict.GAP
+    elif seq <= state.last_seq:
+        nxt.duplicates += 1
+        return Verdict.DUPLICATE, nxt
+    elif seq > state.last_seq + 1:
+        nxt.gap_count += 1
+        nxt.missing_events += seq - state.last_seq - 1
+        verdict = Verdict.GAP
+    nxt.last_seq = seq
+    last = nxt.last_event_time
+    nxt.last_event_time = when if last is None else max(last, when)
+    return verdict, nxt

@@ -1,0 +1,29 @@
+"""The read side: prefix lookups over the index (see README.md beside this file).
+
+api (Python API over the SQL functions), requests (pure parsing of HTTP bodies), http (the
+lookup service), metrics; sql/ holds the current SQL function definitions.
+"""
+
+from kvledger.consumer.lookup.api import (
+    DEFAULT_TIER_WEIGHTS,
+    GRANULARITIES,
+    Block,
+    Granularity,
+    Holder,
+    PrefixIndex,
+    Ranked,
+    Residency,
+    rank,
+)
+
+__all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "GRANULARITIES",
+    "Block",
+    "Granularity",
+    "Holder",
+    "PrefixIndex",
+    "Ranked",
+    "Residency",
+    "rank",
+]

@@ -1,0 +1,81 @@
+"""The consumer's pipeline for one batch, on one page.
+
+    Kafka messages ─▶ decode ─▶ (one store transaction:) fence ─▶ load what the batch
+    touches ─▶ plan: sequence → validate → index rules (pure core) ─▶ write plan + offsets
+    ─▶ dead-letter the rejections, acknowledged ─▶ commit ─▶ (caller) offsets hint to Kafka
+
+:func:`run_batch` is that wiring; :mod:`.service` only keeps the Kafka client alive around
+it (assignment, polling, error triage, retries), and :func:`replay_batch` re-applies
+rejected messages through the same core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvledger.consumer.core.model import Plan, Rejection
+from kvledger.consumer.core.plan import make_plan, needs
+from kvledger.consumer.inbound import Decoded, Inbound, decode
+from kvledger.consumer.store.base import IndexStore, TopicPartition, batch_offsets
+from kvledger.schemas.codec import Codec
+
+
+class DeadLetterSink(Protocol):
+    def send(self, rejections: Sequence[Rejection]) -> None:
+        """Deliver every rejection, or raise (the batch's transaction is then undone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    plan: Plan
+    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+
+
+def run_batch(
+    messages: Sequence[Inbound],
+    codec: Codec,
+    store: IndexStore,
+    consumer_group: str,
+    dead_letters: DeadLetterSink | None = None,
+) -> BatchResult:
+    """Apply one batch of consumed messages, exactly once.
+
+    Commit order (the reason a crash at any instant neither loses nor repeats an effect):
+
+    1. decode every message (pure: an undecodable one becomes a value, later rejected);
+    2. open one store transaction and fence: each partition's stored next offset must be
+       the batch's first offset, else another consumer owns it (:class:`FencedError`, the
+       batch is abandoned and the caller re-seeks);
+    3. load the state the batch touches and plan the batch with the pure core (sequence,
+       validation, reference counts, history, audit rows, rejections);
+    4. write the plan and the partitions' next offsets in that same transaction;
+    5. produce the rejections to the dead-letter topic and wait for their acknowledgement
+       (a failure raises and undoes the transaction: the batch is retried, nothing lost;
+       a crash after this and before the commit can repeat a dead letter, never lose one);
+    6. commit. Only then may the caller commit the offsets to Kafka, as a hint for lag
+       tools (the store's offsets are the truth the consumer seeks to on assignment).
+    """
+    batch = [decode(m, codec) for m in messages]
+    starts, next_offsets = batch_offsets(
+        (d.message.topic, d.message.partition, d.message.offset) for d in batch
+    )
+    with store.transaction():
+        store.fence(consumer_group, starts)
+        plan = make_plan(batch, store.load(needs(batch)))
+        store.write(plan, consumer_group, next_offsets)
+        if dead_letters is not None:
+            dead_letters.send(plan.rejected)
+    return BatchResult(plan, next_offsets)
+
+
+def replay_batch(batch: Sequence[Decoded], store: IndexStore) -> Plan:
+    """Re-apply rejected messages (no sequence checks, no offsets) in the caller's order.
+
+    Applied ones update their audit rows and leave the reject list; the others stay.
+    """
+    with store.transaction():
+        plan = make_plan(batch, store.load(needs(batch, check_sequence=False)), replay=True)
+        store.write(plan)
+    return plan

@@ -1,0 +1,393 @@
+"""The PostgreSQL store: the durable index (schema ``kvledger``, built by the migrations).
+
+Inside one transaction per batch: :meth:`fence` locks the batch's offset rows and compares;
+:meth:`load` reads only what the batch touches (joins of hash arrays to the primary keys);
+:meth:`write` merges the plan with a few bulk statements (binary COPY into temporary tables,
+then one merge per table) and stores the next offsets, so the index and its cursor commit
+together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Literal
+
+import psycopg
+
+from kvledger.consumer.core.model import (
+    BlockKey,
+    BlockRow,
+    GroupKey,
+    HeldSpec,
+    HolderKey,
+    Needs,
+    Plan,
+    Residency,
+    ResidencyKey,
+    Snapshot,
+    SourceKey,
+    SourceState,
+)
+from kvledger.consumer.store.base import FencedError, TopicPartition
+from kvledger.consumer.store.copy import copy_rows, int4_array
+from kvledger.consumer.store.tables import (
+    BLOCKS,
+    EVENTS,
+    HISTORY_CLOSE,
+    REJECTED_EVENTS,
+    RESIDENCIES,
+    RESIDENCY_HISTORY,
+)
+from kvledger.schemas.events import GroupSpec
+
+_TEMP_TABLES = f"""
+CREATE TEMP TABLE IF NOT EXISTS tmp_blocks (LIKE kvledger.blocks) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS tmp_res (LIKE kvledger.residencies) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS tmp_close (
+    {", ".join(f"{name} {kind}" for name, kind in HISTORY_CLOSE)}
+) ON COMMIT DELETE ROWS;
+"""
+
+
+def upsert_group_specs(
+    conn: psycopg.Connection | psycopg.Cursor,
+    specs: Iterable[tuple[GroupSpec, str | None]],
+    origin: Literal["declared", "announced"],
+) -> None:
+    """Write group specs. A declared spec replaces whatever is held (an operator's word
+    wins); an announced one is written only for a group with no spec yet."""
+    conflict = (
+        "DO UPDATE SET kind = EXCLUDED.kind, block_size = EXCLUDED.block_size, "
+        "hash_block_size = EXCLUDED.hash_block_size, sliding_window = "
+        "EXCLUDED.sliding_window, origin = 'declared', announced_by = NULL, updated_at = now()"
+        if origin == "declared"
+        else "DO NOTHING"
+    )
+    rows = [
+        (s.model, s.group_idx, s.kind, s.block_size, s.hash_block_size, s.sliding_window,
+         origin, by)
+        for s, by in specs
+    ]  # fmt: skip
+    if not rows:
+        return
+    cur = conn.cursor() if isinstance(conn, psycopg.Connection) else conn
+    cur.executemany(
+        "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
+        "hash_block_size, sliding_window, origin, announced_by) "
+        f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (model, group_idx) {conflict}",
+        rows,
+    )
+
+
+def load_specs(conn: psycopg.Connection | psycopg.Cursor) -> dict[GroupKey, HeldSpec]:
+    cur = conn.cursor() if isinstance(conn, psycopg.Connection) else conn
+    cur.execute(
+        "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window, origin "
+        "FROM kvledger.group_specs"
+    )
+    return {
+        GroupKey(model, group): HeldSpec(GroupSpec(model, group, kind, bs, hbs, sw), origin)
+        for model, group, kind, bs, hbs, sw, origin in cur.fetchall()
+    }
+
+
+class PostgresStore:
+    """The index in PostgreSQL, on one connection (autocommit off between transactions)."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+        self._cur: psycopg.Cursor | None = None
+        self._prepared = False  # the session's temporary tables exist
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        try:
+            with self.conn.transaction(), self.conn.cursor() as cur:
+                if not self._prepared:
+                    cur.execute(_TEMP_TABLES)
+                    self._prepared = True
+                self._cur = cur
+                yield
+        except BaseException:
+            # A rolled-back transaction may have taken the temp tables' creation with it.
+            self._prepared = False
+            raise
+        finally:
+            self._cur = None
+
+    @property
+    def cur(self) -> psycopg.Cursor:
+        if self._cur is None:
+            raise RuntimeError("PostgresStore: call inside transaction()")
+        return self._cur
+
+    # ------------------------------------------------------------------ offsets
+    def fence(self, consumer_group: str, starts: Mapping[TopicPartition, int]) -> None:
+        if not starts:
+            return
+        cur = self.cur
+        topics = [t for t, _ in starts]
+        parts = [p for _, p in starts]
+        # A partition never written before gets its row now, at this batch's start: a second
+        # consumer holding the same first batch then waits on that row and is fenced when
+        # it sees the advanced offset (with no row, both would insert and apply).
+        cur.execute(
+            """
+            INSERT INTO kvledger.consumer_offsets
+                (consumer_group, kafka_topic, kafka_partition, next_offset)
+            SELECT %s, t, p, n FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS k(t, p, n)
+            ON CONFLICT (consumer_group, kafka_topic, kafka_partition) DO NOTHING
+            """,
+            (consumer_group, topics, parts, list(starts.values())),
+        )
+        cur.execute(
+            """
+            SELECT o.kafka_topic, o.kafka_partition, o.next_offset
+            FROM kvledger.consumer_offsets o
+            JOIN unnest(%s::text[], %s::int[]) AS k(kafka_topic, kafka_partition)
+              USING (kafka_topic, kafka_partition)
+            WHERE o.consumer_group = %s
+            ORDER BY o.kafka_topic, o.kafka_partition
+            FOR UPDATE OF o
+            """,
+            (topics, parts, consumer_group),
+        )
+        fenced = {}
+        for topic, partition, stored in cur.fetchall():
+            start = starts[(topic, partition)]
+            if stored != start:
+                fenced[partition] = (stored, start)
+        if fenced:
+            raise FencedError(fenced)
+
+    def stored_offsets(self, consumer_group: str, topic: str) -> dict[int, int]:
+        rows = self.conn.execute(
+            "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
+            "WHERE consumer_group = %s AND kafka_topic = %s",
+            (consumer_group, topic),
+        ).fetchall()
+        return {int(p): int(o) for p, o in rows}
+
+    def _write_offsets(self, consumer_group: str, nxt: Mapping[TopicPartition, int]) -> None:
+        if not nxt:
+            return
+        self.cur.execute(
+            """
+            INSERT INTO kvledger.consumer_offsets AS o
+                (consumer_group, kafka_topic, kafka_partition, next_offset)
+            SELECT %s, t, p, n FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS k(t, p, n)
+            ON CONFLICT (consumer_group, kafka_topic, kafka_partition)
+            DO UPDATE SET next_offset = EXCLUDED.next_offset, updated_at = now()
+            """,
+            (consumer_group, [t for t, _ in nxt], [p for _, p in nxt], list(nxt.values())),
+        )
+
+    # ------------------------------------------------------------------ load
+    def load(self, needs: Needs) -> Snapshot:
+        cur = self.cur
+        blocks: dict[BlockKey, BlockRow] = {}
+        for (model, group), hashes in needs.blocks.items():
+            cur.execute(
+                "SELECT b.block_hash, b.parent_hash, b.token_start, b.token_ids, b.block_size, "
+                "b.partial FROM unnest(%b::bytea[]) AS q(h) JOIN kvledger.blocks b "
+                "ON b.model = %s AND b.group_idx = %s AND b.block_hash = q.h",
+                (list(hashes), model, group),
+            )
+            for h, parent, start, tokens, size, partial in cur.fetchall():
+                blocks[BlockKey(model, group, h)] = BlockRow(
+                    parent, start, tuple(tokens), size, partial
+                )
+        residencies: dict[ResidencyKey, Residency] = {}
+        for holder, hashes in needs.residencies.items():
+            model, group, instance, medium, ownership = holder
+            cur.execute(
+                f"SELECT {_RESIDENCY_SELECT} FROM unnest(%b::bytea[]) AS q(h) "
+                "JOIN kvledger.residencies r ON r.block_hash = q.h AND r.model = %s "
+                "AND r.group_idx = %s AND r.instance = %s AND r.medium = %s AND r.ownership = %s",
+                (list(hashes), model, group, instance, medium, ownership),
+            )
+            for row in cur.fetchall():
+                key = ResidencyKey(model, group, row[1], instance, medium, ownership)
+                residencies[key] = Residency(*row[2:])
+        held: dict[HolderKey, set[bytes]] = {}
+        for c in needs.cleared:
+            cur.execute(
+                f"SELECT {_RESIDENCY_SELECT} FROM kvledger.residencies r WHERE r.model = %s "
+                "AND r.instance = %s AND r.medium = %s AND r.ownership = %s "
+                "AND (%s::int IS NULL OR r.group_idx = %s::int)",
+                (c.model, c.instance, c.medium, c.ownership, c.group_idx, c.group_idx),
+            )
+            for row in cur.fetchall():
+                key = ResidencyKey(c.model, row[0], row[1], c.instance, c.medium, c.ownership)
+                residencies[key] = Residency(*row[2:])
+                held.setdefault(key.holder, set()).add(key.block_hash)
+        sources: dict[SourceKey, SourceState] = {}
+        if needs.sources:
+            cur.execute(
+                "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
+                "epoch_changes, duplicates, last_event_time FROM kvledger.source_health "
+                "WHERE source = ANY(%s)",
+                (list(needs.sources),),
+            )
+            for row in cur.fetchall():
+                sources[SourceKey(*row[:3])] = SourceState(*row[3:])
+        return Snapshot(load_specs(cur), blocks, residencies, held, sources)
+
+    # ------------------------------------------------------------------ write
+    def write(
+        self,
+        plan: Plan,
+        consumer_group: str | None = None,
+        next_offsets: Mapping[TopicPartition, int] | None = None,
+    ) -> None:
+        cur = self.cur
+        upsert_group_specs(cur, plan.new_specs, "announced")
+        if plan.blocks:
+            rows = []
+            for (model, group, h), w in sorted(plan.blocks.items()):
+                r = w.row
+                rows.append(
+                    (model, group, h, r.parent_hash, r.token_start, r.token_end,
+                     int4_array(r.token_ids), r.block_size, r.partial, w.lora_name,
+                     w.extra_keys, w.first_seen, w.last_seen)
+                )  # fmt: skip
+            copy_rows(cur, "tmp_blocks", BLOCKS.columns, rows)
+            cur.execute(_MERGE_BLOCKS)
+        if plan.residencies:
+            self._write_residencies(plan)
+        if plan.sources:
+            cur.executemany(
+                _UPSERT_SOURCE, [(*k, *_source_row(s)) for k, s in plan.sources.items()]
+            )
+        if plan.replay:
+            self._write_replay_updates(plan)
+        else:
+            copy_rows(cur, EVENTS.qualified, EVENTS.columns, plan.audit)
+            if plan.rejected:
+                cur.executemany(
+                    f"INSERT INTO {REJECTED_EVENTS.qualified} ({REJECTED_EVENTS.names()}) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (kafka_topic, kafka_partition, kafka_offset) DO NOTHING",
+                    [
+                        (r.message.topic, r.message.partition, r.message.offset,
+                         r.message.key, r.message.value, r.reason, r.detail, r.source)
+                        for r in plan.rejected
+                    ],
+                )  # fmt: skip
+        if consumer_group is not None and next_offsets:
+            self._write_offsets(consumer_group, next_offsets)
+
+    def _write_residencies(self, plan: Plan) -> None:
+        cur = self.cur
+        deltas = sorted(plan.residencies, key=lambda d: d.key)
+        closes = [
+            (*d.key, d.close_existing_at, d.close_existing_by)
+            for d in deltas
+            if d.close_existing_at is not None
+        ]
+        if closes:
+            copy_rows(cur, "tmp_close", HISTORY_CLOSE, closes)
+            cur.execute(_CLOSE_HISTORY)
+        intervals = [
+            (*d.key, i.locality, i.stored_at, i.removed_at, i.removed_by, i.partition, i.offset)
+            for d in deltas
+            for i in d.intervals
+        ]
+        copy_rows(cur, RESIDENCY_HISTORY.qualified, RESIDENCY_HISTORY.columns, intervals)
+        holders = [
+            (*d.key, d.locality, d.since, d.topic, d.partition, d.offset, d.refcount)
+            for d in deltas
+            if d.refcount > 0 or d.existed
+        ]
+        copy_rows(cur, "tmp_res", RESIDENCIES.columns, holders)
+        cur.execute(_MERGE_RESIDENCIES)
+
+    def _write_replay_updates(self, plan: Plan) -> None:
+        """After a replay: applied rows leave the reject list and the audit log says so."""
+        applied = [row for row in plan.audit if row.status == "applied"]
+        if not applied:
+            return
+        self.cur.executemany(
+            """
+            UPDATE kvledger.events SET status = 'applied', reason = 'replayed',
+                hash_count = %s, noop_count = %s, applied_at = now()
+            WHERE kafka_topic = %s AND kafka_partition = %s AND kafka_offset = %s
+            """,
+            [(r.hash_count, r.noop_count, r.kafka_topic, r.kafka_partition, r.kafka_offset)
+             for r in applied],
+        )  # fmt: skip
+        self.cur.executemany(
+            """
+            UPDATE kvledger.rejected_events SET replayed_at = now()
+            WHERE kafka_topic = %s AND kafka_partition = %s AND kafka_offset = %s
+            """,
+            [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in applied],
+        )
+
+
+def _source_row(s: SourceState) -> tuple[object, ...]:
+    return (s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes, s.duplicates,
+            s.last_event_time)  # fmt: skip
+
+
+_RESIDENCY_SELECT = (
+    "r.group_idx, r.block_hash, r.refcount, r.locality, r.since, r.kafka_topic, "
+    "r.kafka_partition, r.kafka_offset"
+)
+
+# Content is replaced only over a placeholder, or a partial tail by a full block (the
+# core's upgrades()); metadata is kept from the first writer; seen times widen.
+_CONTENT_SWAP = (
+    "blocks.block_size = 0 OR (blocks.partial AND NOT EXCLUDED.partial AND EXCLUDED.block_size > 0)"
+)
+_MERGE_BLOCKS = f"""
+INSERT INTO kvledger.blocks AS blocks
+SELECT * FROM tmp_blocks
+ON CONFLICT (model, group_idx, block_hash) DO UPDATE SET
+    parent_hash = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.parent_hash ELSE blocks.parent_hash END,
+    token_start = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.token_start ELSE blocks.token_start END,
+    token_end = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.token_end ELSE blocks.token_end END,
+    token_ids = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.token_ids ELSE blocks.token_ids END,
+    partial = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.partial ELSE blocks.partial END,
+    block_size = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.block_size ELSE blocks.block_size END,
+    lora_name = COALESCE(blocks.lora_name, EXCLUDED.lora_name),
+    extra_keys = COALESCE(blocks.extra_keys, EXCLUDED.extra_keys),
+    first_seen = LEAST(blocks.first_seen, EXCLUDED.first_seen),
+    last_seen = GREATEST(blocks.last_seen, EXCLUDED.last_seen)
+"""
+
+_CLOSE_HISTORY = """
+UPDATE kvledger.residency_history h
+SET removed_at = GREATEST(c.removed_at, h.stored_at), removed_by = c.removed_by
+FROM tmp_close c
+WHERE h.model = c.model AND h.group_idx = c.group_idx AND h.block_hash = c.block_hash
+  AND h.instance = c.instance AND h.medium = c.medium AND h.ownership = c.ownership
+  AND h.removed_at IS NULL
+"""
+
+_MERGE_RESIDENCIES = """
+DELETE FROM kvledger.residencies r USING tmp_res t
+WHERE t.refcount = 0 AND r.model = t.model AND r.group_idx = t.group_idx
+  AND r.block_hash = t.block_hash AND r.instance = t.instance AND r.medium = t.medium
+  AND r.ownership = t.ownership;
+INSERT INTO kvledger.residencies AS r (model, group_idx, block_hash, instance, medium,
+    ownership, locality, since, kafka_topic, kafka_partition, kafka_offset, refcount)
+SELECT model, group_idx, block_hash, instance, medium, ownership, locality, since,
+    kafka_topic, kafka_partition, kafka_offset, refcount
+FROM tmp_res WHERE refcount > 0
+ON CONFLICT (model, group_idx, block_hash, instance, medium, ownership) DO UPDATE SET
+    refcount = EXCLUDED.refcount, locality = EXCLUDED.locality, since = EXCLUDED.since,
+    kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
+    kafka_offset = EXCLUDED.kafka_offset
+"""
+
+_UPSERT_SOURCE = """
+INSERT INTO kvledger.source_health AS s (source, model, group_idx, epoch, last_seq, gap_count,
+    missing_events, epoch_changes, duplicates, last_event_time)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (source, model, group_idx) DO UPDATE SET
+    epoch = EXCLUDED.epoch, last_seq = EXCLUDED.last_seq, gap_count = EXCLUDED.gap_count,
+    missing_events = EXCLUDED.missing_events, epoch_changes = EXCLUDED.epoch_changes,
+    duplicates = EXCLUDED.duplicates, last_event_time = EXCLUDED.last_event_time
+"""

@@ -1,0 +1,134 @@
+"""Event streams as a topic would hold them, built in memory (no broker needed).
+
+:class:`Stream` numbers each (source, group)'s messages as a publisher does and places them
+on partitions by key; :func:`fleet_stream` is the simulated fleet's whole output.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvledger.consumer.inbound import Inbound
+from kvledger.fleet import CollectingSink, Fleet, FleetConfig
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    GroupSpec,
+    KVEvent,
+    group_of,
+)
+
+T0_MS = 1_764_000_000_000
+MODEL = "m"
+
+
+@dataclass
+class Stream:
+    """Messages in topic order per partition (``messages`` in the order they were sent)."""
+
+    topic: str = "events"
+    partitions: int = 1
+    codec: Codec = field(default_factory=Codec)
+    messages: list[Inbound] = field(default_factory=list)
+    _seq: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    _offsets: dict[int, int] = field(default_factory=dict)
+    _clock: int = T0_MS
+
+    def send(
+        self,
+        source: str,
+        event: KVEvent,
+        *,
+        model: str = MODEL,
+        epoch: int = 1,
+        seq: int | None = None,
+        time_ms: int | None = None,
+    ) -> Inbound:
+        """One envelope; ``seq`` defaults to the next number of its (source, group, epoch)."""
+        group = group_of(event)
+        if seq is None:
+            seq = self._seq.get((source, group, epoch), 0)
+        self._seq[(source, group, epoch)] = seq + 1
+        self._clock += 1
+        env = Envelope(source, model, 0, epoch, seq, time_ms or self._clock, event)
+        return self.raw(self.codec.encode(env), f"{source}/{group}".encode())
+
+    def raw(self, value: bytes, key: bytes = b"raw/0") -> Inbound:
+        partition = zlib.crc32(key) % self.partitions
+        offset = self._offsets.get(partition, 0)
+        self._offsets[partition] = offset + 1
+        message = Inbound(self.topic, partition, offset, key, value)
+        self.messages.append(message)
+        return message
+
+
+def spec(
+    group: int = 0, kind: str = "full_attention", block: int = 4, hash_size: int = 4
+) -> GroupSpec:
+    return GroupSpec(MODEL, group, kind, block, hash_size)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def stored(
+    hashes: Sequence[int],
+    *,
+    start: int = 0,
+    size: int = 4,
+    parent: int | None = None,
+    medium: str | None = "CPU",
+    group: int | None = 0,
+    ownership: str | None = None,
+    partial: bool = False,
+    salt: int = 0,
+    lora: str | None = None,
+) -> BlockStored:
+    """A BlockStored whose token ids are derived from the hash numbers (and ``salt``)."""
+    tokens = tuple(x * 100 + j + salt for x in hashes for j in range(size))
+    return BlockStored(
+        tuple(h(x) for x in hashes), h(parent) if parent is not None else None, tokens, size,
+        None, medium, lora, group_idx=group, ownership=ownership, token_start=start,
+        partial=partial,
+    )  # fmt: skip
+
+
+def removed(
+    hashes: Sequence[int], medium: str | None = "CPU", group: int | None = 0,
+    ownership: str | None = None,
+) -> BlockRemoved:  # fmt: skip
+    return BlockRemoved(tuple(h(x) for x in hashes), medium, group, ownership=ownership)
+
+
+def cleared(medium: str | None = "CPU", group: int | None = None) -> AllBlocksCleared:
+    return AllBlocksCleared(group_idx=group, medium=medium)
+
+
+def partition_order(messages: Sequence[Inbound]) -> list[Inbound]:
+    """The messages partition after partition (another valid interleaving of the topic)."""
+    return sorted(messages, key=lambda m: (m.partition, m.offset))
+
+
+def fleet_stream(config: FleetConfig, partitions: int = 3, topic: str = "fleet") -> Stream:
+    """Everything a simulated fleet publishes, each instance's events in its order."""
+    sinks: dict[str, CollectingSink] = {}
+
+    def sink(instance: str) -> CollectingSink:
+        sinks[instance] = CollectingSink(config.model)
+        return sinks[instance]
+
+    Fleet(config, sink).run()
+    stream = Stream(topic, partitions)
+    # Interleave instances round-robin, as concurrent engines would.
+    queues = {source: list(s.events) for source, s in sinks.items()}
+    while any(queues.values()):
+        for source, queue in queues.items():
+            if queue:
+                stream.send(source, queue.pop(0), model=config.model)
+    return stream

@@ -1,0 +1,65 @@
+"""Parsing of lookup requests (consumer.lookup.requests): typed values or a 400's reason."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from kvledger.consumer.lookup.requests import (
+    MAX_HASHES,
+    BadRequestError,
+    MatchRequest,
+    parse_hash,
+    parse_match,
+)
+
+
+def test_hashes_as_hex_or_unsigned_64_bit_integers() -> None:
+    assert parse_hash("0x00ff") == b"\x00\xff" == parse_hash("00ff")
+    assert parse_hash(2**64 - 1) == b"\xff" * 8
+    assert parse_hash(5) == (5).to_bytes(8, "big")
+    for bad in ("zz", -1, 2**64, True, 1.5, None):
+        with pytest.raises(BadRequestError):
+            parse_hash(bad)
+
+
+def test_a_hash_request_with_defaults_and_an_instant() -> None:
+    req = parse_match({"model": "m", "hashes": ["01", 2], "at": "2026-11-30T00:00:00+00:00"})
+    assert req == MatchRequest(
+        "m", 0, req.weights, [b"\x01", (2).to_bytes(8, "big")], "block",
+        datetime(2026, 11, 30, tzinfo=UTC),
+    )  # fmt: skip
+    assert req.weights["GPU"] == 1.0
+
+
+def test_a_token_request() -> None:
+    req = parse_match({"model": "m", "group_idx": 2, "token_ids": [1, 2], "lora_name": "x"})
+    assert (req.token_ids, req.lora_name, req.hashes, req.group_idx) == ([1, 2], "x", None, 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"hashes": ["01"]}, "model"),
+        ({"model": "m", "group_idx": -1, "hashes": ["01"]}, "group_idx"),
+        ({"model": "m", "group_idx": True, "hashes": ["01"]}, "group_idx"),
+        ({"model": "m"}, "exactly one"),
+        ({"model": "m", "hashes": ["01"], "token_ids": [1]}, "exactly one"),
+        ({"model": "m", "hashes": []}, "hashes must be"),
+        ({"model": "m", "hashes": ["01"] * (MAX_HASHES + 1)}, "hashes must be"),
+        ({"model": "m", "hashes": ["01"], "granularity": "page"}, "granularity"),
+        ({"model": "m", "token_ids": [1], "granularity": "hash"}, "granularity"),
+        ({"model": "m", "token_ids": [1], "at": "2026-11-30T00:00:00+00:00"}, "at applies"),
+        ({"model": "m", "token_ids": [2**31]}, "int32"),
+        ({"model": "m", "token_ids": [True]}, "int32"),
+        ({"model": "m", "token_ids": [1], "lora_name": 3}, "lora_name"),
+        ({"model": "m", "hashes": ["01"], "at": "yesterday"}, "ISO 8601"),
+        ({"model": "m", "hashes": ["01"], "at": "2026-11-30T00:00:00"}, "time zone"),
+        ({"model": "m", "hashes": ["01"], "weights": {"GPU": "high"}}, "weights"),
+    ],
+)
+def test_malformed_requests_say_why(body: dict[str, Any], reason: str) -> None:
+    with pytest.raises(BadRequestError, match=reason):
+        parse_match(body)

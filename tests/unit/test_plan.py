@@ -1,0 +1,297 @@
+"""The index rules of the pure core (consumer.core.plan), run through the memory store.
+
+No broker, no database: messages are built in memory, planned by the core, and applied by
+the memory store (which the store suite checks against PostgreSQL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvledger.consumer.core.model import BlockKey, ResidencyKey, SourceKey
+from kvledger.consumer.core.plan import make_plan, needs
+from kvledger.consumer.inbound import Inbound, decode
+from kvledger.consumer.pipeline import BatchResult, replay_batch, run_batch
+from kvledger.consumer.store.memory import MemoryStore
+from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
+from kvledger.schemas.events import GroupSpec, KVEvent
+from tests.helpers.streams import MODEL, Stream, cleared, h, removed, spec, stored
+
+A, B = "engine-a", "engine-b"
+
+
+def run(
+    messages: Sequence[Inbound], store: MemoryStore | None = None, batch: int = 1000
+) -> tuple[MemoryStore, list[BatchResult]]:
+    store = store or MemoryStore()
+    results = [
+        run_batch(messages[i : i + batch], Stream().codec, store, "g")
+        for i in range(0, len(messages), batch)
+    ]
+    return store, results
+
+
+def res(
+    x: int, source: str = A, medium: str = "CPU", group: int = 0, own: str = ""
+) -> ResidencyKey:
+    return ResidencyKey(MODEL, group, h(x), source, medium, own)
+
+
+def statuses(store: MemoryStore) -> list[tuple[str, str | None]]:
+    return [(row.status, row.reason) for row in store.events.values()]
+
+
+def history(store: MemoryStore, key: ResidencyKey) -> list[tuple[object, ...]]:
+    return [(r.stored_at, r.removed_at, r.removed_by) for r in store.history if r.key == key]
+
+
+@pytest.fixture
+def s() -> Stream:
+    stream = Stream()
+    stream.send(A, spec(0))
+    stream.send(B, spec(0))
+    return stream
+
+
+# ---------------------------------------------------------------------- reference counting
+@pytest.mark.parametrize("batch", [1, 2, 1000])
+def test_references_count_and_history_opens_at_one_and_closes_at_zero(
+    s: Stream, batch: int
+) -> None:
+    s.send(A, stored([1]))
+    s.send(A, stored([1]))  # the same hash announced again: a second reference
+    s.send(A, removed([1]))
+    store, _ = run(s.messages, batch=batch)
+    assert store.residencies[res(1)].refcount == 1
+    last = s.send(A, removed([1]))
+    noop = s.send(A, removed([1]))  # nothing left: a recorded no-op, never a negative count
+    store, _ = run(s.messages, batch=batch)
+    assert res(1) not in store.residencies
+    [(stored_at, removed_at, how)] = history(store, res(1))
+    assert how == "removed" and stored_at < removed_at
+    assert store.events[(last.topic, 0, last.offset)].noop_count == 0
+    assert store.events[(noop.topic, 0, noop.offset)][12:15] == (1, "applied", "noop_removal")
+    assert store.blocks[BlockKey(MODEL, 0, h(1))].token_ids == (100, 101, 102, 103)
+
+
+def test_a_residency_keeps_the_message_that_opened_it(s: Stream) -> None:
+    opened = s.send(A, stored([1]))
+    s.send(A, stored([1]))
+    store, _ = run(s.messages)
+    held = store.residencies[res(1)]
+    assert (held.refcount, held.offset) == (2, opened.offset)
+
+
+def test_holders_are_counted_per_medium_and_ownership(s: Stream) -> None:
+    s.send(A, stored([1], medium="CPU"))
+    s.send(A, stored([1], medium="STORAGE", ownership="disk"))
+    s.send(B, stored([1], medium=None))  # absent medium means GPU
+    s.send(A, removed([1], medium="CPU"))
+    store, _ = run(s.messages)
+    assert set(store.residencies) == {res(1, A, "STORAGE", own="disk"), res(1, B, "GPU")}
+
+
+# ---------------------------------------------------------------------- sequence
+def test_a_redelivered_message_is_a_duplicate_and_changes_nothing(s: Stream) -> None:
+    s.send(A, stored([1]), seq=1)  # seq 0 was the group announcement
+    s.send(A, stored([1]), seq=1)
+    store, results = run(s.messages)
+    assert store.residencies[res(1)].refcount == 1
+    assert statuses(store)[-1] == ("duplicate", None)
+    assert store.sources[SourceKey(A, MODEL, 0)].duplicates == 1
+    assert results[0].plan.duplicates == 1
+
+
+def test_gaps_are_counted_and_applied(s: Stream) -> None:
+    s.send(A, stored([1]), seq=1)
+    s.send(A, stored([2]), seq=5)
+    store, results = run(s.messages)
+    state = store.sources[SourceKey(A, MODEL, 0)]
+    assert (state.gap_count, state.missing_events, state.last_seq) == (1, 3, 5)
+    assert results[0].plan.gaps == 1
+    assert {res(1), res(2)} <= set(store.residencies)
+
+
+def test_a_new_epoch_restarts_the_count_and_an_older_one_is_stale(s: Stream) -> None:
+    s.send(A, stored([1]), epoch=1)
+    s.send(A, stored([2]), epoch=2, seq=0)
+    stale = s.send(A, stored([3]), epoch=1, seq=1)
+    store, _ = run(s.messages)
+    state = store.sources[SourceKey(A, MODEL, 0)]
+    assert (state.epoch, state.epoch_changes, state.last_seq) == (2, 1, 0)
+    assert res(3) not in store.residencies
+    rejection, _ = store.rejected[(stale.topic, stale.partition, stale.offset)]
+    assert rejection.reason == "stale_epoch" and rejection.message.value == stale.value
+
+
+def test_a_first_message_after_zero_is_a_gap(s: Stream) -> None:
+    s.send("engine-c", stored([1]), seq=4)
+    store, _ = run(s.messages)
+    state = store.sources[SourceKey("engine-c", MODEL, 0)]
+    assert (state.gap_count, state.missing_events) == (1, 4)
+
+
+# ---------------------------------------------------------------------- rejections
+def rejected(store: MemoryStore) -> list[str]:
+    return [r.reason for r, _ in store.rejected.values()]
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (stored([1], group=7), "unknown_group"),
+        (removed([1], group=7), "unknown_group"),
+        (stored([1], size=8), "block_size_mismatch"),
+        (stored([1], size=2, partial=True), "block_size_mismatch"),
+        (stored([1], medium="TAPE"), "invalid_event"),
+        (removed([], medium="CPU"), "invalid_event"),
+        (cleared(medium="TAPE"), "invalid_event"),
+    ],
+)
+def test_each_shape_rejection_has_its_reason(s: Stream, event: KVEvent, reason: str) -> None:
+    s.send(A, event)
+    store, _ = run(s.messages)
+    assert rejected(store) == [reason]
+    assert statuses(store)[-1] == ("rejected", reason)
+    assert not store.residencies
+
+
+def test_token_count_and_placeholder_rejections(s: Stream) -> None:
+    bad_count = stored([1, 2])
+    bad_count = type(bad_count)(**{**_fields(bad_count), "token_ids": bad_count.token_ids[:5]})
+    placeholder = type(bad_count)((h(9),), None, (), 0, None, "CPU", None, group_idx=0)
+    s.send(A, bad_count)
+    s.send(A, placeholder)
+    store, _ = run(s.messages)
+    assert rejected(store) == ["token_count_mismatch", "placeholder_for_full_attention"]
+
+
+def _fields(event: object) -> dict[str, object]:
+    return {name: getattr(event, name) for name in event.__slots__}  # type: ignore[attr-defined]
+
+
+def test_undecodable_and_unknown_schema_are_rejected_with_their_bytes(s: Stream) -> None:
+    garbage = s.raw(b"\x01\x02garbage")
+    unknown = s.raw(SINGLE_OBJECT_MAGIC + b"\x00" * 8 + b"\x02")
+    store, _ = run(s.messages)
+    assert rejected(store) == ["undecodable", "unknown_schema"]
+    assert store.rejected[(garbage.topic, 0, garbage.offset)][0].message.value == garbage.value
+    assert store.events[(unknown.topic, 0, unknown.offset)].source is None
+
+
+def test_announcements_conflicting_with_a_declared_spec_are_rejected() -> None:
+    s = Stream()
+    s.send(A, spec(0, block=8, hash_size=4))
+    s.send(A, GroupSpec("other-model", 0, "full_attention", 4, 4))  # not its model
+    s.send(A, stored([1], size=4))
+    store = MemoryStore()
+    store.declare(spec(0, block=4, hash_size=4))
+    run(s.messages, store)
+    assert rejected(store) == ["spec_conflict", "invalid_event"]
+    assert store.residencies[res(1)].refcount == 1
+
+
+# ---------------------------------------------------------------------- conflicts
+def test_a_hash_conflict_rejects_the_whole_event_and_keeps_the_first_content(s: Stream) -> None:
+    s.send(A, stored([1]))
+    s.send(B, stored([5, 1], salt=1))  # hash 1 again, with other tokens
+    s.send(B, stored([1], start=4))  # same tokens at another position
+    store, _ = run(s.messages)
+    assert rejected(store) == ["hash_conflict", "hash_conflict"]
+    assert set(store.residencies) == {res(1)}
+    assert BlockKey(MODEL, 0, h(5)) not in store.blocks
+    assert store.blocks[BlockKey(MODEL, 0, h(1))].token_ids == (100, 101, 102, 103)
+
+
+# ---------------------------------------------------------------------- placeholders, tails
+def test_placeholders_are_upgraded_by_real_rows() -> None:
+    s = Stream()
+    s.send(A, spec(1, kind="sliding_window"))
+    placeholder = stored([1], group=1)
+    placeholder = type(placeholder)((h(1),), None, (), 0, None, "CPU", None, group_idx=1)
+    s.send(A, placeholder)
+    s.send(B, stored([1], group=1, start=8))
+    store, _ = run(s.messages)
+    row = store.blocks[BlockKey(MODEL, 1, h(1))]
+    assert (row.block_size, row.token_start) == (4, 8)
+    assert store.residencies[res(1, A, group=1)].refcount == 1
+
+
+def test_partial_tails_use_the_hash_size_and_give_way_to_full_blocks() -> None:
+    s = Stream()
+    s.send(A, spec(0, block=8, hash_size=4))
+    tail = stored([1], size=4, partial=True, start=4)
+    s.send(A, tail)  # a tail hash that ends at token 8, as the full block does
+    full = stored([1], size=8, start=0)
+    full = type(full)(**{**_fields(full), "token_ids": (0, 0, 0, 0, *tail.token_ids)})
+    s.send(B, full)
+    s.send(B, stored([1], size=4, partial=True, start=8))  # ends elsewhere: a conflict
+    store, _ = run(s.messages)
+    row = store.blocks[BlockKey(MODEL, 0, h(1))]
+    assert (row.block_size, row.partial, row.token_start) == (8, False, 0)
+    assert rejected(store) == ["hash_conflict"]
+    assert {res(1, A), res(1, B)} == set(store.residencies)
+
+
+# ---------------------------------------------------------------------- AllBlocksCleared
+def test_all_blocks_cleared_ends_every_reference_of_that_medium(s: Stream) -> None:
+    s.send(A, spec(1, kind="full_attention"))
+    s.send(A, stored([1, 2]))
+    s.send(A, stored([1]))
+    s.send(A, stored([3], group=1))
+    s.send(A, stored([4], medium="GPU"))
+    s.send(A, stored([5], ownership="disk"))
+    s.send(B, stored([1]))
+    s.send(A, cleared(medium="CPU"))  # every group of the model
+    store, _ = run(s.messages)
+    assert set(store.residencies) == {res(4, medium="GPU"), res(5, own="disk"), res(1, B)}
+    assert history(store, res(1))[0][2] == "cleared"
+    assert store.events[max(store.events)].hash_count == 3
+
+
+def test_a_clear_of_one_group_leaves_the_others_and_covers_earlier_batches(s: Stream) -> None:
+    s.send(A, spec(1))
+    s.send(A, stored([1]))
+    s.send(A, stored([3], group=1))
+    store, _ = run(s.messages)
+    run([s.send(A, cleared(group=0, medium="CPU"))], store)
+    assert set(store.residencies) == {res(3, group=1)}
+    [(_, removed_at, how)] = history(store, res(1))
+    assert how == "cleared" and removed_at is not None
+
+
+# ---------------------------------------------------------------------- batches and replay
+def test_the_index_does_not_depend_on_batch_boundaries(s: Stream) -> None:
+    for i in range(12):
+        s.send(A if i % 2 else B, stored([i % 5, i % 5 + 10], salt=0))
+        s.send(A, removed([i % 3]))
+        if i == 7:
+            s.send(B, cleared())
+    dumps = [run(s.messages, batch=size)[0].dump() for size in (1, 3, 1000)]
+    assert dumps[0] == dumps[1] == dumps[2]
+
+
+def test_the_snapshot_is_never_changed_by_planning(s: Stream) -> None:
+    s.send(A, stored([1]))
+    store, _ = run(s.messages)
+    more = [s.send(A, stored([1])), s.send(A, removed([1])), s.send(A, removed([1]))]
+    before = store.dump()
+    batch = [decode(m, s.codec) for m in more]
+    plan = make_plan(batch, store.load(needs(batch)))
+    assert store.dump() == before
+    assert [(d.before, d.refcount, d.existed) for d in plan.residencies] == [(1, 0, True)]
+    assert plan.residencies[0].close_existing_by == "removed"
+
+
+def test_a_fixed_rejection_replays_once(s: Stream) -> None:
+    store = MemoryStore()
+    early = s.send(A, stored([1], group=3))  # unknown group until declared
+    run(s.messages, store)
+    store.declare(spec(3))
+    batch = [decode(early, s.codec)]
+    assert replay_batch(batch, store).replayed == 1
+    assert store.events[(early.topic, 0, early.offset)].reason == "replayed"
+    assert store.rejected[(early.topic, 0, early.offset)][1] is True
+    assert store.residencies[res(1, group=3)].refcount == 1

@@ -113,6 +113,12 @@ class SourceState:
     duplicates: int = 0
     last_event_time: datetime | None = None
 
+    def copy(self) -> SourceState:
+        return SourceState(
+            self.epoch, self.last_seq, self.gap_count, self.missing_events, self.epoch_changes,
+            self.duplicates, self.last_event_time,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class ClearedHolder:

@@ -193,8 +193,9 @@ class _Planner:
         group = group_of(ev)
         invalid = check_stored(ev, self.specs.get(GroupKey(env.model, group)))
         rows = explode(ev) if invalid is None else []
-        for h, row in rows:
-            known = self._known(BlockKey(env.model, group, h))
+        keys = [BlockKey(env.model, group, h) for h, _ in rows]
+        known_rows = [self._known(k) for k in keys]
+        for (h, row), known in zip(rows, known_rows, strict=True):
             if known is not None and (why := conflicts(known, row)) is not None:
                 invalid = Invalid(Reason.HASH_CONFLICT, f"{why}: hash {h.hex()}")
                 break
@@ -205,8 +206,8 @@ class _Planner:
         extra_by_block = ev.extra_keys or ()
         writes = self.plan.blocks
         for i, (h, row) in enumerate(rows):
-            bkey = BlockKey(env.model, group, h)
-            known = self._known(bkey)
+            bkey = keys[i]
+            known = self._known(bkey)  # this event may have written it already
             if known is None or upgrades(known, row):
                 self.blocks[bkey] = known = row
             write = writes.get(bkey)

@@ -12,7 +12,6 @@ restarts them at 0. For each message, against the stream's state:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import datetime
 from enum import StrEnum
 
@@ -41,7 +40,7 @@ def advance(
         return Verdict.OK, first
     if epoch < state.epoch:
         return Verdict.STALE, None
-    nxt = replace(state)
+    nxt = state.copy()
     verdict = Verdict.OK
     if epoch > state.epoch:
         nxt.epoch_changes += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import psycopg
 
@@ -106,3 +107,47 @@ def replay(
         for r in plan.rejected:
             still[r.reason] = still.get(r.reason, 0) + 1
     return ReplayResult(considered, replayed, still)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStatus:
+    """One source as ``kvledger sources`` shows it (kvledger.source_status, with a window)."""
+
+    source: str
+    model: str
+    state: str  # live | silent | closed (restarted: live, with a restart inside the window)
+    epoch: int
+    last_seen: datetime
+    restarts: int
+    last_restart: datetime | None
+    gaps: int
+    missing_events: int
+    held: dict[str, int]
+
+
+def list_sources(
+    conn: psycopg.Connection, silent_after: timedelta | None = None
+) -> list[SourceStatus]:
+    """Every source with its state under ``silent_after`` (else the database's window)."""
+    rows = conn.execute(
+        """
+        SELECT s.source, s.model, kvledger.source_state(s.source, %(w)s), s.epoch, s.last_seen,
+               s.restarts, s.last_restart, s.gaps, s.missing_events, s.held_gpu, s.held_cpu,
+               s.held_storage,
+               s.last_restart > now() - coalesce(%(w)s, kvledger.silent_after())
+        FROM kvledger.source_status s ORDER BY s.source
+        """,
+        {"w": silent_after},
+    ).fetchall()
+    out = []
+    for row in rows:
+        source, model, state, epoch, seen, restarts, last_restart, gaps, missing = row[:9]
+        if state == "live" and row[12]:
+            state = "restarted"
+        held = {"GPU": int(row[9]), "CPU": int(row[10]), "STORAGE": int(row[11])}
+        out.append(
+            SourceStatus(
+                source, model, state, epoch, seen, restarts, last_restart, gaps, missing, held
+            )
+        )
+    return out

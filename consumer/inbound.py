@@ -18,6 +18,9 @@ class Inbound:
     offset: int
     key: bytes | None
     value: bytes
+    # The record's log time in ms (the broker's append time on a LogAppendTime topic, else
+    # the producer's create time); None when the client had none.
+    timestamp_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import psycopg
 from confluent_kafka import (
     OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
     Consumer,
     KafkaError,
     KafkaException,
@@ -72,7 +73,9 @@ def stored_offsets(conn: psycopg.Connection, group: str, topic: str) -> dict[int
 def _inbound(m: Message) -> Inbound:
     topic, partition, offset = m.topic(), m.partition(), m.offset()
     assert topic is not None and partition is not None and offset is not None
-    return Inbound(topic, partition, offset, m.key(), m.value() or b"")
+    kind, timestamp = m.timestamp()
+    log_time = timestamp if kind != TIMESTAMP_NOT_AVAILABLE else None
+    return Inbound(topic, partition, offset, m.key(), m.value() or b"", log_time)
 
 
 class IndexConsumer:

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvledger import __version__, consumer_cmds, demo, lookup_cmds, simulate_cmd
+from kvledger import __version__, consumer_cmds, demo, lookup_cmds, simulate_cmd, sources_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     consumer_cmds.add_reliability_parsers(subparsers)
     demo.add_parser(subparsers)
     lookup_cmds.add_parsers(subparsers)
+    sources_cmd.add_parser(subparsers)
     return parser
 
 

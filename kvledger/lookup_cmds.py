@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,12 @@ def add_parsers(subparsers: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--pool-size", type=int, default=8)
+    p.add_argument(
+        "--silent-after",
+        type=float,
+        help="seconds after which a silent source leaves routing answers (else the "
+        "database's kvledger.silent_after, 30 s by default)",
+    )
     p.set_defaults(run=_serve)
 
     p = subparsers.add_parser("lookup", help="which instances hold a prompt's prefix")
@@ -35,6 +42,14 @@ def add_parsers(subparsers: Subparsers) -> None:
         help="comma-separated token ids, or @FILE with whitespace/comma-separated ids",
     )
     p.add_argument("--lora-name")
+    p.add_argument(
+        "--include-silent", action="store_true", help="also holders whose source is not live"
+    )
+    p.add_argument(
+        "--silent-after",
+        type=float,
+        help="seconds after which a silent source is left out (else the database's window)",
+    )
     p.set_defaults(run=_lookup)
 
 
@@ -53,7 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvledger.consumer.lookup.http import create_app
 
-    app = create_app(settings.database_url(args.database_url), args.pool_size)
+    window = timedelta(seconds=args.silent_after) if args.silent_after else None
+    app = create_app(settings.database_url(args.database_url), args.pool_size, window)
     freeze_startup_objects()
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
     return 0
@@ -65,15 +81,18 @@ def _lookup(args: argparse.Namespace) -> int:
         print("kvledger: no token ids given", file=sys.stderr)
         return 2
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
-        holders = PrefixIndex(conn).match_tokens(args.model, args.group, tokens, args.lora_name)
+        window = timedelta(seconds=args.silent_after) if args.silent_after else None
+        holders = PrefixIndex(conn).match_tokens(
+            args.model, args.group, tokens, args.lora_name, args.include_silent, window
+        )
     print(f"prompt of {len(tokens)} tokens, model {args.model}, group {args.group}")
     if not holders:
         print("no instance holds any prefix of this prompt")
         return 0
     print_table(
-        ("instance", "medium", "ownership", "blocks", "tokens"),
-        [(h.instance, h.medium, h.ownership or "-", h.matched_blocks, h.matched_tokens)
-         for h in holders],
+        ("instance", "medium", "ownership", "blocks", "tokens", "source"),
+        [(h.instance, h.medium, h.ownership or "-", h.matched_blocks, h.matched_tokens,
+          h.source_state) for h in holders],
     )  # fmt: skip
     best = rank(holders)[0]
     print(f"route to {best.instance} (score {best.score:,.0f})")

@@ -52,7 +52,8 @@ def run_simulation(
     start = time.perf_counter()
     summary = Fleet(fleet, sink).run(Progress("publishing") if show_progress else None, rate)
     for publisher in publishers.values():
-        publisher.close(timeout=60)
+        # The simulated engines go on running: the publishing process leaves without a goodbye.
+        publisher.close(timeout=60, goodbye=False)
     seconds = time.perf_counter() - start
     by_type: dict[str, int] = {}
     for publisher in publishers.values():

@@ -31,6 +31,9 @@ class PublisherConfig:
 
     ``hash_format``: ``"int64"`` publishes the digest's last 8 bytes (vLLM's default wire
     form), ``"digest"`` the whole digest. ``kafka`` holds extra librdkafka settings.
+    ``heartbeat_interval_s``: a Heartbeat after this long without a message (0: never).
+    ``surviving_media``: the media whose blocks outlive a restart of this engine, announced
+    with each group (None: the contract's default, STORAGE only).
     """
 
     bootstrap_servers: str
@@ -40,6 +43,8 @@ class PublisherConfig:
     dp_rank: int = 0
     hash_format: HashFormat = "int64"
     kafka: Mapping[str, object] = field(default_factory=dict)
+    heartbeat_interval_s: float = 5.0
+    surviving_media: tuple[str, ...] | None = None
 
     def producer_settings(self) -> dict[str, object]:
         settings = dict(PRODUCER_DEFAULTS)

@@ -6,7 +6,11 @@ An engine integration needs three calls::
     publisher.announce_groups(group_configs)                # once, at start-up
     publisher.tracker.record_store(...)                     # as the scheduler works
     publisher.publish(manager.take_events())                # every scheduler step
-    publisher.close(timeout=30)                             # on shutdown: flush or raise
+    publisher.close(timeout=30)                             # on shutdown: goodbye, flush
+
+Liveness: while the engine publishes nothing for ``heartbeat_interval_s``, a background
+thread sends a Heartbeat, so the index can tell an idle engine from a dead one; ``close``
+says Goodbye (a planned shutdown, not a silence) unless told not to.
 
 Ordering: every message of one (source, group) has the same key, hence one partition, and is
 produced in publish order by an idempotent producer, so consumers see it in order with
@@ -19,6 +23,7 @@ several threads are serialized; the tracker itself belongs to the scheduler thre
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -40,11 +45,14 @@ from kvledger.producer.tracker import (
 from kvledger.producer.vllm import from_vllm_event
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
+    DEFAULT_GROUP_IDX,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Envelope,
+    Goodbye,
     GroupSpec,
+    Heartbeat,
     KVEvent,
     group_of,
 )
@@ -93,6 +101,14 @@ class KVEventPublisher:
         settings = config.producer_settings()
         settings["error_cb"] = self._on_error
         self._producer = Producer(settings)
+        self._last_produce = time.monotonic()
+        self._stopping = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        if config.heartbeat_interval_s > 0:
+            self._heartbeat = threading.Thread(
+                target=self._beat, name=f"kvledger-heartbeat-{config.source_id}", daemon=True
+            )
+            self._heartbeat.start()
 
     # ------------------------------------------------------------------ public API
     def announce_groups(self, group_configs: Iterable[GroupConfigLike]) -> None:
@@ -102,7 +118,7 @@ class KVEventPublisher:
                 if cfg.group_idx in self._announced:
                     continue
                 self.tracker.set_group_spec(cfg.group_idx, cfg.kv_event_group_spec)
-                announcement = group_announcement(self.config.model, cfg)
+                announcement = self._with_policy(group_announcement(self.config.model, cfg))
                 self._announced[cfg.group_idx] = announcement
                 self._produce(cfg.group_idx, announcement)
 
@@ -110,6 +126,7 @@ class KVEventPublisher:
         """Announce a group from an explicit spec (for engines without group configs)."""
         with self._lock:
             if spec.group_idx not in self._announced:
+                spec = self._with_policy(spec)
                 self._announced[spec.group_idx] = spec
                 self.tracker.set_group_spec(
                     spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
@@ -137,6 +154,8 @@ class KVEventPublisher:
                     self._produce(event.group_idx, event)
                 elif isinstance(event, AllBlocksCleared):
                     self._clear_all_locked(event.medium)
+                elif isinstance(event, Heartbeat | Goodbye):
+                    self._produce(group_of(event), event)
                 else:
                     self._produce(group_of(event), self._wire_form(event))
                 count += 1
@@ -167,11 +186,22 @@ class KVEventPublisher:
                 f"(bootstrap {self.config.bootstrap_servers})"
             )
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Flush within ``timeout`` and stop; raises if anything is still unacked or failed."""
+    def close(self, timeout: float = 30.0, goodbye: bool = True) -> None:
+        """Say goodbye (unless told not to), flush within ``timeout`` and stop; raises if
+        anything is still unacked or failed.
+
+        ``goodbye=False`` for a process that stops publishing for engines that go on (the
+        index keeps their blocks and treats them as silent once they stay quiet).
+        """
         if self._closed:
             return
-        self._closed = True
+        self._stopping.set()
+        with self._lock:
+            if goodbye and self._fatal is None and (self._seq or self._announced):
+                self._produce(self._home_group(), Goodbye(group_idx=self._home_group()))
+            self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
         self.flush(timeout)
 
     def __enter__(self) -> KVEventPublisher:
@@ -187,6 +217,32 @@ class KVEventPublisher:
                 logger.error("while closing after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
+    def _with_policy(self, spec: GroupSpec) -> GroupSpec:
+        if self.config.surviving_media is None or spec.surviving_media is not None:
+            return spec
+        return dataclasses.replace(spec, surviving_media=self.config.surviving_media)
+
+    def _home_group(self) -> int:
+        """The stream that carries the source's own messages (heartbeats, goodbye)."""
+        groups = set(self._seq) | set(self._announced)
+        return min(groups) if groups else DEFAULT_GROUP_IDX
+
+    def _beat(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        beat = Heartbeat(interval_ms=int(interval * 1000))
+        while not self._stopping.wait(min(interval, 1.0)):
+            with self._lock:
+                if self._closed or self._fatal is not None:
+                    return
+                if time.monotonic() - self._last_produce < interval:
+                    continue
+                group = self._home_group()
+                try:
+                    self._produce(group, dataclasses.replace(beat, group_idx=group))
+                    self._producer.poll(0)
+                except PublishError as exc:  # reported by the next publish or close
+                    logger.warning("heartbeat not sent: %s", exc)
+
     def _clear_all_locked(self, medium: str | None) -> int:
         groups = sorted(set(self._seq) | set(self._announced))
         for group in groups:
@@ -260,6 +316,7 @@ class KVEventPublisher:
             except KafkaException as exc:
                 raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
         self.stats.produced += 1
+        self._last_produce = time.monotonic()
         name = type(event).__name__
         self.stats.by_type[name] = self.stats.by_type.get(name, 0) + 1
 

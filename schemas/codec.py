@@ -30,13 +30,17 @@ from kvledger.schemas.events import (
     BlockRemoved,
     BlockStored,
     Envelope,
+    Goodbye,
     GroupSpec,
+    Heartbeat,
     KVEvent,
 )
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
-EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "GroupSpec")
+EVENT_TYPES = (
+    "BlockStored", "BlockRemoved", "AllBlocksCleared", "GroupSpec", "Heartbeat", "Goodbye",
+)  # fmt: skip
 NAMESPACE = "kvledger"
 _FP = struct.Struct("<Q")
 _CONFLUENT_ID = struct.Struct(">I")
@@ -59,6 +63,18 @@ def envelope_schema_json() -> str:
     return json.dumps(envelope)
 
 
+@cache
+def released_schemas() -> tuple[str, ...]:
+    """Every envelope schema an earlier release wrote (avro/released/): a reader accepts
+    them all, so producers of an older release keep feeding a newer consumer."""
+    folder = resources.files("kvledger.schemas").joinpath("avro", "released")
+    return tuple(
+        json.dumps(json.loads(entry.read_text("utf-8")))
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".json")
+    )
+
+
 def schema_fingerprint(schema_json: str) -> int:
     """CRC-64-AVRO fingerprint of a schema's Parsing Canonical Form, as an unsigned int."""
     canonical = to_parsing_canonical_form(fastavro.parse_schema(json.loads(schema_json)))
@@ -77,14 +93,15 @@ class Codec:
     """Encodes and decodes envelopes. Schemas are parsed once; instances are thread-safe.
 
     ``schema_json`` is the writer (and reader) schema, the current one by default.
-    ``known_writers`` adds older or newer writer schemas a reader must accept.
+    ``known_writers`` adds older or newer writer schemas a reader must accept (default:
+    every released one, :func:`released_schemas`).
     ``registry``/``subject`` switch to Confluent Schema Registry framing.
     """
 
     def __init__(
         self,
         schema_json: str | None = None,
-        known_writers: Iterable[str] = (),
+        known_writers: Iterable[str] | None = None,
         registry: SchemaRegistry | None = None,
         subject: str = "kv-events-value",
     ) -> None:
@@ -93,7 +110,7 @@ class Codec:
         self.fingerprint = schema_fingerprint(self.schema_json)
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
-        for writer in known_writers:
+        for writer in released_schemas() if known_writers is None else known_writers:
             self._writers[schema_fingerprint(writer)] = fastavro.parse_schema(json.loads(writer))
         self._registry = registry
         self._registry_writers: dict[int, Any] = {}
@@ -233,8 +250,18 @@ def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
                 "block_size": event.block_size,
                 "hash_block_size": event.hash_block_size,
                 "sliding_window": event.sliding_window,
+                "surviving_media": (
+                    list(event.surviving_media) if event.surviving_media is not None else None
+                ),
             },
         )
+    if isinstance(event, Heartbeat):
+        return (
+            "kvledger.Heartbeat",
+            {"group_idx": event.group_idx, "interval_ms": event.interval_ms},
+        )
+    if isinstance(event, Goodbye):
+        return ("kvledger.Goodbye", {"group_idx": event.group_idx})
     raise TypeError(f"not a kvledger event: {type(event).__name__}")
 
 
@@ -278,7 +305,12 @@ def record_to_envelope(record: dict[str, Any]) -> Envelope:
             block_size=body["block_size"],
             hash_block_size=body["hash_block_size"],
             sliding_window=body.get("sliding_window"),
+            surviving_media=tuple(m) if (m := body.get("surviving_media")) is not None else None,
         )
+    elif name == "kvledger.Heartbeat":
+        event = Heartbeat(group_idx=body.get("group_idx"), interval_ms=body.get("interval_ms"))
+    elif name == "kvledger.Goodbye":
+        event = Goodbye(group_idx=body.get("group_idx"))
     else:
         raise DecodeError("unknown_schema", f"unknown event type {name}")
     return Envelope(

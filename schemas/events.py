@@ -18,6 +18,10 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
 
+# The media whose blocks outlive a restart of their engine unless the source says otherwise
+# (GroupSpec.surviving_media): GPU and CPU memory die with the process, storage does not.
+DEFAULT_SURVIVING_MEDIA = (MEDIUM_STORAGE,)
+
 # Wire defaults, defined once for both sides: vLLM's GPU block pool events predate the
 # group_idx and medium fields, so an absent group is group 0 and an absent medium is GPU.
 DEFAULT_GROUP_IDX = 0
@@ -102,6 +106,8 @@ class GroupSpec:
     block_size: int
     hash_block_size: int
     sliding_window: int | None = None
+    # The source's restart policy (None: DEFAULT_SURVIVING_MEDIA); not part of the shape.
+    surviving_media: tuple[str, ...] | None = None
 
     def same_shape(self, other: GroupSpec) -> bool:
         """Two specs that describe one group alike (whatever model or index they name)."""
@@ -116,7 +122,22 @@ class GroupSpec:
         return f"{self.kind}/{self.block_size}/{self.hash_block_size}/{self.sliding_window}"
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | GroupSpec
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The source is alive; sent while it is idle (``interval_ms``: its cadence)."""
+
+    group_idx: int | None = None
+    interval_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """The source is shutting down cleanly (for all its groups)."""
+
+    group_idx: int | None = None
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | GroupSpec | Heartbeat | Goodbye
 
 
 @dataclass(frozen=True, slots=True)

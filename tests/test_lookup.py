@@ -14,7 +14,7 @@ from kvledger.consumer.lookup.http import create_app
 from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_prompts
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.brute_force import MODEL, brute_force, held_at, held_now
-from tests.helpers.consuming import by_partition, consume
+from tests.helpers.consuming import by_partition, consume, with_session_setting
 from tests.helpers.reference_index import Reference, build
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,9 @@ def filled(request: pytest.FixtureRequest) -> tuple[str, FleetConfig, Reference]
     group = f"lookup-{uuid.uuid4().hex[:8]}"
     consume(kafka_bootstrap, url, topic, group)
     ref = build(by_partition(kafka_bootstrap, topic, group + "-read", sim.produced))
-    yield url, fleet, ref
+    # These tests check matching over a fleet that has stopped publishing by the time they
+    # ask: their sessions get a liveness window that outlasts them (liveness has its own).
+    yield with_session_setting(url, "kvledger.silent_after", "1d"), fleet, ref
     admin.delete_topics([topic, f"{topic}.dlq"])
     drop_database(database_url, name)
 
@@ -244,8 +246,10 @@ def test_http_endpoints(filled) -> None:
         with connect(url, autocommit=True) as conn:
             want = PrefixIndex(conn).match(MODEL, 0, hashes)
         assert {tuple(h.values()) for h in by_hash.json()["holders"]} == {
-            (h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens) for h in want
+            (h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens, "live")
+            for h in want
         }
+        assert by_hash.json()["left_out"] == []
         assert by_hash.json()["ranked"][0]["instance"] == rank(want)[0].instance
         raw = prompt_hashes(tokens, fleet, per_hash=True)
         by_raw = client.post(

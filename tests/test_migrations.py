@@ -32,7 +32,18 @@ def _objects(url: str) -> tuple[set[str], set[str]]:
 def test_downgrade_each_revision_and_upgrade_again(fresh_database: str) -> None:
     head_tables, head_functions = _objects(fresh_database)
     assert {"blocks", "residencies", "events", "instance_footprint"} <= head_tables
-    assert "match_prefix(text, integer, bytea[], text)" in head_functions
+    assert "match_prefix(text, integer, bytea[], text, boolean, interval)" in head_functions
+    assert {"sources", "lifecycle_events", "restarts", "source_status"} <= head_tables
+
+    downgrade(fresh_database, "0007")
+    tables, functions = _objects(fresh_database)
+    assert "match_prefix(text, integer, bytea[], text)" in functions
+    assert not {"sources", "lifecycle_events", "restarts", "source_status"} & tables
+    with connect(fresh_database, autocommit=True) as conn:  # 0007's match_tokens runs again
+        assert (
+            conn.execute("SELECT * FROM kvledger.match_tokens('m', 0, ARRAY[1, 2, 3])").fetchall()
+            == []
+        )
 
     downgrade(fresh_database, "0003")
     _, functions = _objects(fresh_database)

@@ -8,6 +8,7 @@ batch boundaries, so the comparison also shows the index does not depend on them
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -24,7 +25,7 @@ from kvledger.consumer.verify import diff
 from kvledger.consumer.verify import dump as dump_postgres
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
-from kvledger.schemas.events import GroupSpec
+from kvledger.schemas.events import Goodbye, GroupSpec, Heartbeat
 from tests.helpers.streams import Stream, cleared, fleet_stream, h, removed, spec, stored
 
 pytestmark = pytest.mark.integration
@@ -62,6 +63,13 @@ def edge_stream() -> Stream:
     s.raw(SINGLE_OBJECT_MAGIC + bytes(8) + b"\x02")  # unknown_schema
     s.send(a, stored([5, 6], size=8, start=80))
     s.send(a, removed([5], medium="CPU"))
+    s.send(a, Heartbeat(group_idx=0, interval_ms=5000))
+    s.send(b, stored([30], size=8, start=0, medium="GPU"))
+    s.send(b, stored([31], size=8, start=0, medium="STORAGE", ownership="disk"))
+    s.send(b, Goodbye(group_idx=0))  # GPU and CPU end "closed" in every group
+    s.send(b, stored([32], size=8, start=8, medium="GPU"))  # back after its goodbye
+    keep_cpu = dataclasses.replace(spec(0, block=8, hash_size=4), surviving_media=("CPU",))
+    s.send(a, keep_cpu, epoch=3, seq=0)  # a restart that keeps CPU (and ends STORAGE)
     return s
 
 
@@ -108,5 +116,9 @@ def test_postgres_and_memory_stores_build_the_same_index(fresh_database: str, na
     assert not diff(postgres, memory.dump())
     assert len(postgres["residencies"]) >= 8 and len(postgres["residency_history"]) >= 8
     assert len(postgres["rejected_events"]) >= (8 if name == "edge cases" else 1)
+    if name == "edge cases":
+        kinds = {(row[0], row[3]) for row in postgres["lifecycle_events"]}
+        assert kinds == {("engine-c", "restart"), ("engine-b", "closed"), ("engine-a", "restart")}
+        assert len(postgres["sources"]) == 3
     statuses = {row[13] for row in postgres["events"]}
     assert statuses == ({"applied", "rejected", "duplicate"} if name == "edge cases" else statuses)

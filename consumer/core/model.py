@@ -112,32 +112,66 @@ class SourceState:
     epoch_changes: int = 0
     duplicates: int = 0
     last_event_time: datetime | None = None
+    # What the source said outlives its restart (GroupSpec.surviving_media); None: default.
+    surviving_media: tuple[str, ...] | None = None
 
     def copy(self) -> SourceState:
         return SourceState(
             self.epoch, self.last_seq, self.gap_count, self.missing_events, self.epoch_changes,
-            self.duplicates, self.last_event_time,
+            self.duplicates, self.last_event_time, self.surviving_media,
         )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
-class ClearedHolder:
-    """Every block of an instance on one medium and ownership, in one group or (None) all."""
+class SourceLife:
+    """One source's life as the index follows it (the sources row).
+
+    ``last_seen`` is the log time of its latest message (the broker's append time on a topic
+    with LogAppendTime, else the producer's create time); ``closed_at`` is set by a goodbye
+    and cleared by any later message.
+    """
+
+    model: str
+    epoch: int
+    last_seen: datetime
+    closed_at: datetime | None = None
+    heartbeat_ms: int | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HolderScope:
+    """Every block of an instance in one group or (None) all, on one medium and ownership
+    or (None) any."""
 
     model: str
     group_idx: int | None
     instance: str
-    medium: str
-    ownership: str
+    medium: str | None
+    ownership: str | None
+
+    def covers(self, holder: HolderKey) -> bool:
+        return (
+            holder.model == self.model
+            and holder.instance == self.instance
+            and (self.group_idx is None or holder.group_idx == self.group_idx)
+            and (self.medium is None or holder.medium == self.medium)
+            and (self.ownership is None or holder.ownership == self.ownership)
+        )
 
 
 @dataclass(slots=True)
 class Needs:
-    """What a batch touches, for the store to load (see :func:`plan.needs`)."""
+    """What a batch touches, for the store to load (see :func:`plan.needs`).
+
+    ``restarts``: each source stream's newest epoch in the batch; the store loads every
+    residency of the streams whose stored epoch is older (the restart rule ends them).
+    """
 
     blocks: dict[GroupKey, set[bytes]] = field(default_factory=dict)
     residencies: dict[HolderKey, set[bytes]] = field(default_factory=dict)
-    cleared: set[ClearedHolder] = field(default_factory=set)
+    scopes: set[HolderScope] = field(default_factory=set)
+    restarts: dict[SourceKey, int] = field(default_factory=dict)
     sources: set[str] = field(default_factory=set)
 
 
@@ -146,8 +180,9 @@ class Snapshot:
     """The state a batch touches, as the store held it before the batch.
 
     ``residencies`` holds at least every live residency named in ``Needs.residencies``;
-    ``held`` maps each holder of a ``Needs.cleared`` entry to all of its live hashes.
-    A store may hand over more than was asked (the memory store hands over everything).
+    ``held`` maps each holder in a ``Needs.scopes`` entry or in a restarting stream to all
+    of its live hashes (their residencies are in ``residencies`` too). A store may hand over
+    more than was asked (the memory store hands over everything).
     """
 
     specs: Mapping[GroupKey, HeldSpec]
@@ -155,6 +190,7 @@ class Snapshot:
     residencies: Mapping[ResidencyKey, Residency]
     held: Mapping[HolderKey, Collection[bytes]]
     sources: Mapping[SourceKey, SourceState]
+    lives: Mapping[str, SourceLife]
 
 
 # ---------------------------------------------------------------------- the plan
@@ -217,6 +253,25 @@ class ResidencyDelta:
     touched: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    """A source stream restarted (a new epoch) or said goodbye, and what ended with it."""
+
+    source: str
+    model: str
+    group_idx: int | None  # None: a goodbye, for every group
+    kind: str  # restart | closed
+    epoch: int
+    previous_epoch: int | None
+    event_time: datetime
+    kafka_topic: str
+    kafka_partition: int
+    kafka_offset: int
+    ended_gpu: int
+    ended_cpu: int
+    ended_storage: int
+
+
 class AuditRow(NamedTuple):
     """One row of the audit log (kvledger.events), one per message, in its column order."""
 
@@ -251,6 +306,8 @@ class Plan:
     blocks: dict[BlockKey, BlockWrite] = field(default_factory=dict)
     residencies: list[ResidencyDelta] = field(default_factory=list)
     sources: dict[SourceKey, SourceState] = field(default_factory=dict)
+    lives: dict[str, SourceLife] = field(default_factory=dict)
+    lifecycle: list[LifecycleEvent] = field(default_factory=list)
     audit: list[AuditRow] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     messages: int = 0

@@ -12,7 +12,8 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
 - BlockRemoved: one reference less per hash; a removal with no reference left is a
   recorded no-op, never a negative count;
 - AllBlocksCleared: every reference of the instance on that medium (primary ownership) in
-  that group, or in every group of the model when the event names none, ends "cleared".
+  that group, or in every group of the model when the event names none, ends "cleared";
+- Heartbeat: nothing but liveness; Goodbye and a new epoch: see :mod:`.lifecycle`.
 
 A residency exists while its reference count is above zero: a history interval opens at
 0→1 and closes at 1→0 (never before it opened).
@@ -23,16 +24,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from kvledger.consumer.core.lifecycle import log_time, restart_policy, seen, surviving
 from kvledger.consumer.core.model import (
     AuditRow,
     BlockKey,
     BlockRow,
     BlockWrite,
-    ClearedHolder,
     GroupKey,
     HeldSpec,
     HolderKey,
+    HolderScope,
     Interval,
+    LifecycleEvent,
     Needs,
     Plan,
     Rejection,
@@ -40,6 +43,7 @@ from kvledger.consumer.core.model import (
     ResidencyKey,
     Snapshot,
     SourceKey,
+    SourceLife,
     SourceState,
 )
 from kvledger.consumer.core.sequence import Verdict, advance
@@ -59,7 +63,9 @@ from kvledger.schemas.events import (
     BlockRemoved,
     BlockStored,
     Envelope,
+    Goodbye,
     GroupSpec,
+    Heartbeat,
     group_of,
     medium_of,
 )
@@ -74,12 +80,16 @@ def event_time(env: Envelope) -> datetime:
 def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
     """What ``batch`` touches: the block rows, residencies, whole holders and sources."""
     out = Needs()
+    restarts = out.restarts
     for d in batch:
         env = d.envelope
         if env is None:
             continue
         out.sources.add(env.source)
         ev = env.event
+        stream = SourceKey(env.source, env.model, group_of(ev))
+        if restarts.get(stream, -1) < env.epoch:
+            restarts[stream] = env.epoch
         if isinstance(ev, BlockStored | BlockRemoved):
             group = group_of(ev)
             holder = HolderKey(
@@ -89,11 +99,14 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
             if isinstance(ev, BlockStored):
                 out.blocks.setdefault(GroupKey(env.model, group), set()).update(ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
-            out.cleared.add(
-                ClearedHolder(env.model, ev.group_idx, env.source, medium_of(ev), PRIMARY_OWNERSHIP)
+            out.scopes.add(
+                HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), PRIMARY_OWNERSHIP)
             )
-    if not check_sequence:
+        elif isinstance(ev, Goodbye):
+            out.scopes.add(HolderScope(env.model, None, env.source, None, None))
+    if not check_sequence:  # a replay: no sequence, no restarts
         out.sources.clear()
+        out.restarts.clear()
     return out
 
 
@@ -118,11 +131,13 @@ class _Planner:
         self.blocks: dict[BlockKey, BlockRow] = {}  # rows this batch wrote (over the snapshot)
         self.res: dict[ResidencyKey, ResidencyDelta] = {}
         self.sources: dict[SourceKey, SourceState] = {}
+        self.lives: dict[str, SourceLife] = {}
 
     def finish(self) -> Plan:
         plan = self.plan
         plan.residencies = [d for d in self.res.values() if d.touched]
         plan.sources = self.sources
+        plan.lives = self.lives
         return plan
 
     # ------------------------------------------------------------------ per message
@@ -151,6 +166,10 @@ class _Planner:
                 return
             if verdict is Verdict.GAP:
                 plan.gaps += 1
+            life = self.lives.get(env.source) or self.snap.lives.get(env.source)
+            self.lives[env.source] = seen(life, env, log_time(d.message, env))
+            if state is not None and env.epoch > state.epoch:
+                self._restart(env, key, state, d.message, when)
         invalid, hashes, noop = self._event(env, d.message, when)
         if invalid is not None:
             self._reject(d, invalid.reason, invalid.detail, when)
@@ -165,6 +184,10 @@ class _Planner:
         ev = env.event
         if isinstance(ev, GroupSpec):
             return self._announce(env, ev), 0, 0
+        if isinstance(ev, Heartbeat):
+            return None, 0, 0
+        if isinstance(ev, Goodbye):
+            return None, self._goodbye(env, msg, when), 0
         if isinstance(ev, BlockStored):
             return self._stored(env, ev, msg, when)
         if isinstance(ev, BlockRemoved):
@@ -181,6 +204,9 @@ class _Planner:
         if invalid is None and key not in self.specs:
             self.specs[key] = HeldSpec(ev, "announced")
             self.plan.new_specs.append((ev, env.source))
+        stream = self.sources.get(SourceKey(env.source, env.model, ev.group_idx))
+        if invalid is None and stream is not None:  # the source's restart policy
+            stream.surviving_media = ev.surviving_media
         return invalid
 
     def _known(self, key: BlockKey) -> BlockRow | None:
@@ -268,6 +294,66 @@ class _Planner:
                     self._ref(key, -count, when, None, msg, how="cleared")
         return None, cleared, 0
 
+    # ------------------------------------------------------------------ lifecycle
+    def _live_keys(self, model: str, instance: str, group: int | None) -> list[ResidencyKey]:
+        """Every live residency of an instance (in one group, or all), in key order."""
+        scope = HolderScope(model, group, instance, None, None)
+        keys = {
+            ResidencyKey(holder.model, holder.group_idx, h, holder.instance, holder.medium,
+                         holder.ownership)
+            for holder, hashes in self.snap.held.items()
+            if scope.covers(holder)
+            for h in hashes
+        }  # fmt: skip
+        keys.update(k for k in self.res if scope.covers(k.holder))
+        return sorted(k for k in keys if self._refcount(k) > 0)
+
+    def _end(
+        self, keys: list[ResidencyKey], how: str, msg: Inbound, when: datetime
+    ) -> dict[str, int]:
+        ended: dict[str, int] = {}
+        for key in keys:
+            self._ref(key, -self._refcount(key), when, None, msg, how=how)
+            ended[key.medium] = ended.get(key.medium, 0) + 1
+        return ended
+
+    def _policy(self, stream: SourceKey) -> frozenset[str]:
+        state = self.sources.get(stream) or self.snap.sources.get(stream)
+        return surviving(state.surviving_media if state is not None else None)
+
+    def _restart(
+        self, env: Envelope, stream: SourceKey, previous: SourceState, msg: Inbound, when: datetime
+    ) -> None:
+        """A newer epoch of a stream: its residencies on non-surviving media end."""
+        keep = surviving(restart_policy(env, previous))
+        keys = [
+            k for k in self._live_keys(env.model, env.source, stream.group_idx)
+            if k.medium not in keep
+        ]  # fmt: skip
+        ended = self._end(keys, "restart", msg, when)
+        self._lifecycle(env, stream.group_idx, "restart", previous.epoch, msg, when, ended)
+
+    def _goodbye(self, env: Envelope, msg: Inbound, when: datetime) -> int:
+        """A clean shutdown: the source's residencies on non-surviving media end, every group."""
+        keys = [
+            k for k in self._live_keys(env.model, env.source, None)
+            if k.medium not in self._policy(SourceKey(env.source, env.model, k.group_idx))
+        ]  # fmt: skip
+        ended = self._end(keys, "closed", msg, when)
+        self._lifecycle(env, None, "closed", None, msg, when, ended)
+        return len(keys)
+
+    def _lifecycle(
+        self, env: Envelope, group: int | None, kind: str, previous: int | None, msg: Inbound,
+        when: datetime, ended: dict[str, int],
+    ) -> None:  # fmt: skip
+        counts = (ended.get("GPU", 0), ended.get("CPU", 0), ended.get("STORAGE", 0))
+        where = (msg.topic, msg.partition, msg.offset)
+        event = LifecycleEvent(
+            env.source, env.model, group, kind, env.epoch, previous, when, *where, *counts
+        )
+        self.plan.lifecycle.append(event)
+
     # ------------------------------------------------------------------ reference counts
     def _delta(self, key: ResidencyKey) -> ResidencyDelta:
         delta = self.res.get(key)
@@ -334,7 +420,9 @@ class _Planner:
             )  # fmt: skip
         else:
             ev = env.event
-            medium = None if isinstance(ev, GroupSpec) else ev.medium
+            medium = (
+                ev.medium if isinstance(ev, BlockStored | BlockRemoved | AllBlocksCleared) else None
+            )
             row = AuditRow(
                 msg.topic, msg.partition, msg.offset, env.source, env.model, env.epoch,
                 env.seq, type(ev).__name__, group_of(ev), medium,

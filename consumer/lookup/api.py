@@ -2,13 +2,17 @@
 
 A thin, typed layer over the SQL functions the migrations create (kvledger.match_prefix,
 match_prefix_at and match_tokens), so that any language can ask the same questions in SQL.
+
+Answers "now" leave out holders whose source is not live (silent longer than the window,
+closed by a goodbye, or unknown) unless ``include_silent`` is set; every holder carries its
+source's state, so a caller that includes them sees why they would have been left out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Literal, get_args
 
@@ -38,6 +42,15 @@ class Holder:
     ownership: str
     matched_blocks: int
     matched_tokens: int
+    # live | silent | closed | unknown (as_of for match_at): an annotation of the match, not
+    # part of it (holders compare by what they hold).
+    source_state: str = field(default="live", compare=False)
+
+
+def split_live(holders: Sequence[Holder]) -> tuple[list[Holder], list[Holder]]:
+    """(holders whose source is live, the others)."""
+    live = [h for h in holders if h.source_state == "live"]
+    return live, [h for h in holders if h.source_state != "live"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,18 +96,20 @@ class PrefixIndex:
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
 
-    def _holders(self, function: str, params: tuple[object, ...]) -> list[Holder]:
+    def _holders(
+        self, function: str, params: tuple[object, ...], state: str = "'live'"
+    ) -> list[Holder]:
         # Hash arrays travel in binary: text-escaping 128 bytea values costs more than the
         # lookup's index probes.
         placeholders = ", ".join("%b" if isinstance(p, list) else "%s" for p in params)
         rows = self.conn.execute(
-            "SELECT instance, medium, ownership, matched_blocks, matched_tokens "
+            f"SELECT instance, medium, ownership, matched_blocks, matched_tokens, {state} "
             f"FROM kvledger.{function}({placeholders}) "
             "ORDER BY matched_tokens DESC NULLS LAST, matched_blocks DESC, "
             "instance, medium, ownership",
             params,
         ).fetchall()
-        return [Holder(i, m, o, b, int(t or 0)) for i, m, o, b, t in rows]
+        return [Holder(i, m, o, b, int(t or 0), st) for i, m, o, b, t, st in rows]
 
     def match(
         self,
@@ -102,15 +117,20 @@ class PrefixIndex:
         group_idx: int,
         hashes: Sequence[bytes],
         granularity: Granularity = "block",
+        include_silent: bool = False,
+        silent_after: timedelta | None = None,
     ) -> list[Holder]:
         """Holders of the longest run of ``hashes`` from the start, now.
 
         ``granularity="block"``: one hash per block, as the events announce them.
         ``"hash"``: the prompt's hashes at the group's hash size (what the engine computes);
         partial tails then extend a match past the last full block, in tokens.
+        Holders whose source is not live are left out unless ``include_silent``;
+        ``silent_after`` overrides the database's window (kvledger.silent_after, 30 s).
         """
         _check(granularity)
-        return self._holders("match_prefix", (model, group_idx, list(hashes), granularity))
+        params = (model, group_idx, list(hashes), granularity, include_silent, silent_after)
+        return self._holders("match_prefix", params, "source_state")
 
     def match_at(
         self,
@@ -120,15 +140,24 @@ class PrefixIndex:
         at: datetime,
         granularity: Granularity = "block",
     ) -> list[Holder]:
-        """The same answer as of ``at``, from the residency history."""
+        """The same answer as of ``at``, from the residency history (no liveness filter:
+        every holder's ``source_state`` is ``as_of``)."""
         _check(granularity)
-        return self._holders("match_prefix_at", (model, group_idx, list(hashes), at, granularity))
+        params = (model, group_idx, list(hashes), at, granularity)
+        return self._holders("match_prefix_at", params, "'as_of'")
 
     def match_tokens(
-        self, model: str, group_idx: int, token_ids: Sequence[int], lora_name: str | None = None
+        self,
+        model: str,
+        group_idx: int,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        include_silent: bool = False,
+        silent_after: timedelta | None = None,
     ) -> list[Holder]:
         """The same answer found by walking the hash chain by token content."""
-        return self._holders("match_tokens", (model, group_idx, list(token_ids), lora_name))
+        params = (model, group_idx, list(token_ids), lora_name, include_silent, silent_after)
+        return self._holders("match_tokens", params, "source_state")
 
     def holders(self, model: str, group_idx: int, block_hash: bytes) -> list[Residency]:
         rows = self.conn.execute(

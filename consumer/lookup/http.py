@@ -2,7 +2,8 @@
 
 POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...],
                    "granularity"? ("block" | "hash", with hashes), "lora_name"?, "at"?,
-                   "weights"?} → holders and a routing rank
+                   "weights"?, "include_silent"?, "silent_after_s"?} → holders, a routing
+                   rank, and the holders left out because their source is not live
 GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
 GET  /healthz            the database answers
 GET  /metrics            Prometheus metrics
@@ -17,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -29,11 +31,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvledger.consumer.db import conninfo
-from kvledger.consumer.lookup.api import PrefixIndex, rank
+from kvledger.consumer.lookup.api import Holder, PrefixIndex, rank, split_live
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.requests import (
     MAX_BODY_BYTES,
     BadRequestError,
+    MatchRequest,
     parse_hash,
     parse_match,
 )
@@ -54,7 +57,14 @@ def _holder_json(h: Any) -> dict[str, Any]:
     return asdict(h)
 
 
-def create_app(database_url: str, pool_size: int = 8) -> Starlette:
+def create_app(
+    database_url: str, pool_size: int = 8, silent_after: timedelta | None = None
+) -> Starlette:
+    """The lookup service; ``silent_after``: the liveness window (else the database's)."""
+
+    def window(req: MatchRequest) -> timedelta | None:
+        return req.silent_after if req.silent_after is not None else silent_after
+
     pool = ConnectionPool(
         conninfo(database_url),
         min_size=1,
@@ -102,9 +112,12 @@ def create_app(database_url: str, pool_size: int = 8) -> Starlette:
 
     def match(request: Request, data: dict[str, Any]) -> Response:
         req = parse_match(data)
+        left_out: list[Holder] = []
         with index() as idx:
             if req.token_ids is not None:
-                holders = idx.match_tokens(req.model, req.group_idx, req.token_ids, req.lora_name)
+                holders = idx.match_tokens(
+                    req.model, req.group_idx, req.token_ids, req.lora_name, True, window(req)
+                )
             elif req.at is not None:
                 assert req.hashes is not None
                 holders = idx.match_at(
@@ -112,12 +125,17 @@ def create_app(database_url: str, pool_size: int = 8) -> Starlette:
                 )
             else:
                 assert req.hashes is not None
-                holders = idx.match(req.model, req.group_idx, req.hashes, req.granularity)
+                holders = idx.match(
+                    req.model, req.group_idx, req.hashes, req.granularity, True, window(req)
+                )
+        if req.at is None and not req.include_silent:
+            holders, left_out = split_live(holders)
         ranked = rank(holders, req.weights)
         return JSONResponse(
             {
                 "holders": [_holder_json(h) for h in holders],
                 "ranked": [_holder_json(r) for r in ranked],
+                "left_out": [_holder_json(h) for h in left_out],
             }
         )
 

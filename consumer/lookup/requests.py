@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from kvledger.consumer.lookup.api import DEFAULT_TIER_WEIGHTS, GRANULARITIES, Granularity
@@ -35,6 +35,8 @@ class MatchRequest:
     at: datetime | None = None
     token_ids: list[int] | None = None
     lora_name: str | None = None
+    include_silent: bool = False
+    silent_after: timedelta | None = None
 
 
 def parse_hash(value: object) -> bytes:
@@ -64,6 +66,10 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     hashes, tokens = data.get("hashes"), data.get("token_ids")
     if (hashes is None) == (tokens is None):
         raise BadRequestError("give exactly one of hashes or token_ids")
+    include_silent = data.get("include_silent", False)
+    if not isinstance(include_silent, bool):
+        raise BadRequestError("include_silent must be true or false")
+    silent_after = _seconds(data.get("silent_after_s"))
     granularity = data.get("granularity", "block")
     if granularity not in GRANULARITIES:
         raise BadRequestError(f"granularity must be one of {', '.join(GRANULARITIES)}")
@@ -76,8 +82,17 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
         raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
     return MatchRequest(
-        model, group, weights, [parse_hash(h) for h in hashes], granularity, _at(data.get("at"))
-    )
+        model, group, weights, [parse_hash(h) for h in hashes], granularity, _at(data.get("at")),
+        include_silent=include_silent, silent_after=silent_after,
+    )  # fmt: skip
+
+
+def _seconds(value: object) -> timedelta | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+        raise BadRequestError("silent_after_s must be a positive number of seconds")
+    return timedelta(seconds=value)
 
 
 def _tokens(tokens: object) -> list[int]:

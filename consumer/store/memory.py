@@ -23,6 +23,7 @@ from kvledger.consumer.core.model import (
     GroupKey,
     HeldSpec,
     HolderKey,
+    LifecycleEvent,
     Needs,
     Plan,
     Rejection,
@@ -30,6 +31,7 @@ from kvledger.consumer.core.model import (
     ResidencyKey,
     Snapshot,
     SourceKey,
+    SourceLife,
     SourceState,
 )
 from kvledger.consumer.core.plan import upgrades
@@ -71,6 +73,8 @@ class MemoryStore:
         self.history: list[_HistoryRow] = []
         self.open_history: dict[ResidencyKey, _HistoryRow] = {}
         self.sources: dict[SourceKey, SourceState] = {}
+        self.lives: dict[str, SourceLife] = {}
+        self.lifecycle: list[LifecycleEvent] = []
         self.events: dict[Coordinates, AuditRow] = {}
         self.rejected: dict[Coordinates, tuple[Rejection, bool]] = {}  # (rejection, replayed)
         self.offsets: dict[tuple[str, str, int], int] = {}  # (group, topic, partition)
@@ -108,7 +112,9 @@ class MemoryStore:
     def load(self, needs: Needs) -> Snapshot:
         # The committed state itself: the core never mutates a snapshot, and this
         # transaction's writes are staged until it ends.
-        return Snapshot(self.specs, self.blocks, self.residencies, self.held, self.sources)
+        return Snapshot(
+            self.specs, self.blocks, self.residencies, self.held, self.sources, self.lives
+        )
 
     def write(
         self,
@@ -142,6 +148,8 @@ class MemoryStore:
             self._merge_block(bkey, write)
         self._apply_residencies(plan)
         self.sources.update(plan.sources)
+        self.lives.update(plan.lives)
+        self.lifecycle.extend(plan.lifecycle)
         if plan.replay:
             for row in plan.audit:
                 if row.status != "applied":
@@ -246,7 +254,18 @@ class MemoryStore:
         )  # fmt: skip
         out["source_health"] = Counter(
             (*k, s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes,
-             s.duplicates, s.last_event_time)
+             s.duplicates, s.last_event_time, s.surviving_media)
             for k, s in self.sources.items()
+        )  # fmt: skip
+        out["sources"] = Counter(
+            (source, life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
+             life.restarts)
+            for source, life in self.lives.items()
+        )  # fmt: skip
+        out["lifecycle_events"] = Counter(
+            (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
+             e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
+             e.ended_storage)
+            for e in self.lifecycle
         )  # fmt: skip
         return out

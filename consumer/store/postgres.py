@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import psycopg
 
@@ -21,12 +21,14 @@ from kvledger.consumer.core.model import (
     GroupKey,
     HeldSpec,
     HolderKey,
+    LifecycleEvent,
     Needs,
     Plan,
     Residency,
     ResidencyKey,
     Snapshot,
     SourceKey,
+    SourceLife,
     SourceState,
 )
 from kvledger.consumer.store.base import FencedError, TopicPartition
@@ -35,6 +37,7 @@ from kvledger.consumer.store.tables import (
     BLOCKS,
     EVENTS,
     HISTORY_CLOSE,
+    LIFECYCLE_EVENTS,
     REJECTED_EVENTS,
     RESIDENCIES,
     RESIDENCY_HISTORY,
@@ -211,28 +214,71 @@ class PostgresStore:
                 key = ResidencyKey(model, group, row[1], instance, medium, ownership)
                 residencies[key] = Residency(*row[2:])
         held: dict[HolderKey, set[bytes]] = {}
-        for c in needs.cleared:
+        for c in needs.scopes:
             cur.execute(
-                f"SELECT {_RESIDENCY_SELECT} FROM kvledger.residencies r WHERE r.model = %s "
-                "AND r.instance = %s AND r.medium = %s AND r.ownership = %s "
-                "AND (%s::int IS NULL OR r.group_idx = %s::int)",
-                (c.model, c.instance, c.medium, c.ownership, c.group_idx, c.group_idx),
-            )
+                f"SELECT {_RESIDENCY_SELECT}, r.medium, r.ownership FROM kvledger.residencies r "
+                "WHERE r.model = %s AND r.instance = %s "
+                "AND (%s::int IS NULL OR r.group_idx = %s::int) "
+                "AND (%s::text IS NULL OR r.medium = %s::text) "
+                "AND (%s::text IS NULL OR r.ownership = %s::text)",
+                (c.model, c.instance, c.group_idx, c.group_idx, c.medium, c.medium,
+                 c.ownership, c.ownership),
+            )  # fmt: skip
+            self._hold(cur.fetchall(), c.model, c.instance, residencies, held)
+        if needs.restarts:
+            # Every residency of the streams this batch moves to a newer epoch.
+            streams = list(needs.restarts.items())
+            cur.execute(
+                f"SELECT {_RESIDENCY_SELECT}, r.medium, r.ownership, r.model, r.instance "
+                "FROM unnest(%s::text[], %s::text[], %s::int[], %s::bigint[]) "
+                "AS q(source, model, group_idx, epoch) "
+                "JOIN kvledger.source_health s ON s.source = q.source AND s.model = q.model "
+                "AND s.group_idx = q.group_idx AND s.epoch < q.epoch "
+                "JOIN kvledger.residencies r ON r.instance = q.source AND r.model = q.model "
+                "AND r.group_idx = q.group_idx",
+                ([k.source for k, _ in streams], [k.model for k, _ in streams],
+                 [k.group_idx for k, _ in streams], [e for _, e in streams]),
+            )  # fmt: skip
             for row in cur.fetchall():
-                key = ResidencyKey(c.model, row[0], row[1], c.instance, c.medium, c.ownership)
-                residencies[key] = Residency(*row[2:])
-                held.setdefault(key.holder, set()).add(key.block_hash)
+                self._hold([row[:10]], row[10], row[11], residencies, held)
         sources: dict[SourceKey, SourceState] = {}
         if needs.sources:
             cur.execute(
                 "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-                "epoch_changes, duplicates, last_event_time FROM kvledger.source_health "
+                "epoch_changes, duplicates, last_event_time, surviving_media "
+                "FROM kvledger.source_health "
                 "WHERE source = ANY(%s)",
                 (list(needs.sources),),
             )
             for row in cur.fetchall():
-                sources[SourceKey(*row[:3])] = SourceState(*row[3:])
-        return Snapshot(load_specs(cur), blocks, residencies, held, sources)
+                epoch, last, gaps, missing, changes, dups, when, media = row[3:]
+                sources[SourceKey(*row[:3])] = SourceState(
+                    epoch, last, gaps, missing, changes, dups, when,
+                    tuple(media) if media is not None else None,
+                )  # fmt: skip
+        lives: dict[str, SourceLife] = {}
+        if needs.sources:
+            cur.execute(
+                "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
+                "FROM kvledger.sources WHERE source = ANY(%s)",
+                (list(needs.sources),),
+            )
+            lives = {row[0]: SourceLife(*row[1:]) for row in cur.fetchall()}
+        return Snapshot(load_specs(cur), blocks, residencies, held, sources, lives)
+
+    @staticmethod
+    def _hold(
+        rows: list[tuple[Any, ...]],
+        model: str,
+        instance: str,
+        residencies: dict[ResidencyKey, Residency],
+        held: dict[HolderKey, set[bytes]],
+    ) -> None:
+        """Rows of _RESIDENCY_SELECT + (medium, ownership) into the snapshot's maps."""
+        for row in rows:
+            key = ResidencyKey(model, row[0], row[1], instance, row[8], row[9])
+            residencies[key] = Residency(*row[2:8])
+            held.setdefault(key.holder, set()).add(key.block_hash)
 
     # ------------------------------------------------------------------ write
     def write(
@@ -256,6 +302,16 @@ class PostgresStore:
             cur.execute(_MERGE_BLOCKS)
         if plan.residencies:
             self._write_residencies(plan)
+        if plan.lives:
+            cur.executemany(
+                _UPSERT_LIFE,
+                [(source, *_life_row(life)) for source, life in plan.lives.items()],
+            )
+        if plan.lifecycle:
+            copy_rows(
+                cur, LIFECYCLE_EVENTS.qualified, LIFECYCLE_EVENTS.columns,
+                [_lifecycle_row(e) for e in plan.lifecycle],
+            )  # fmt: skip
         if plan.sources:
             cur.executemany(
                 _UPSERT_SOURCE, [(*k, *_source_row(s)) for k, s in plan.sources.items()]
@@ -327,8 +383,20 @@ class PostgresStore:
 
 
 def _source_row(s: SourceState) -> tuple[object, ...]:
+    media = list(s.surviving_media) if s.surviving_media is not None else None
     return (s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes, s.duplicates,
-            s.last_event_time)  # fmt: skip
+            s.last_event_time, media)  # fmt: skip
+
+
+def _life_row(life: SourceLife) -> tuple[object, ...]:
+    return (life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
+            life.restarts)  # fmt: skip
+
+
+def _lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:
+    return (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
+            e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
+            e.ended_storage)  # fmt: skip
 
 
 _RESIDENCY_SELECT = (
@@ -384,10 +452,21 @@ ON CONFLICT (model, group_idx, block_hash, instance, medium, ownership) DO UPDAT
 
 _UPSERT_SOURCE = """
 INSERT INTO kvledger.source_health AS s (source, model, group_idx, epoch, last_seq, gap_count,
-    missing_events, epoch_changes, duplicates, last_event_time)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+    missing_events, epoch_changes, duplicates, last_event_time, surviving_media)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (source, model, group_idx) DO UPDATE SET
     epoch = EXCLUDED.epoch, last_seq = EXCLUDED.last_seq, gap_count = EXCLUDED.gap_count,
     missing_events = EXCLUDED.missing_events, epoch_changes = EXCLUDED.epoch_changes,
-    duplicates = EXCLUDED.duplicates, last_event_time = EXCLUDED.last_event_time
+    duplicates = EXCLUDED.duplicates, last_event_time = EXCLUDED.last_event_time,
+    surviving_media = EXCLUDED.surviving_media
+"""
+
+_UPSERT_LIFE = """
+INSERT INTO kvledger.sources AS s (source, model, epoch, last_seen, closed_at, heartbeat_ms,
+    restarts)
+VALUES (%s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (source) DO UPDATE SET
+    model = EXCLUDED.model, epoch = EXCLUDED.epoch, last_seen = EXCLUDED.last_seen,
+    closed_at = EXCLUDED.closed_at, heartbeat_ms = EXCLUDED.heartbeat_ms,
+    restarts = EXCLUDED.restarts
 """

@@ -171,10 +171,47 @@ SOURCE_HEALTH = Table(
         ("epoch_changes", "int8"),
         ("duplicates", "int8"),
         ("last_event_time", "timestamptz"),
+        ("surviving_media", "text[]"),
     ),
     (
         "source", "model", "group_idx", "epoch", "last_seq", "gap_count", "missing_events",
-        "epoch_changes", "duplicates", "last_event_time",
+        "epoch_changes", "duplicates", "last_event_time", "surviving_media",
+    ),
+)  # fmt: skip
+SOURCES = Table(
+    "sources",
+    (
+        ("source", "text"),
+        ("model", "text"),
+        ("epoch", "int8"),
+        ("last_seen", "timestamptz"),
+        ("closed_at", "timestamptz"),
+        ("heartbeat_ms", "int8"),
+        ("restarts", "int8"),
+    ),
+    ("source", "model", "epoch", "last_seen", "closed_at", "heartbeat_ms", "restarts"),
+)
+LIFECYCLE_EVENTS = Table(
+    "lifecycle_events",
+    (
+        ("source", "text"),
+        ("model", "text"),
+        ("group_idx", "int4"),
+        ("kind", "text"),
+        ("epoch", "int8"),
+        ("previous_epoch", "int8"),
+        ("event_time", "timestamptz"),
+        ("kafka_topic", "text"),
+        ("kafka_partition", "int4"),
+        ("kafka_offset", "int8"),
+        ("ended_gpu", "int4"),
+        ("ended_cpu", "int4"),
+        ("ended_storage", "int4"),
+    ),
+    (
+        "source", "model", "group_idx", "kind", "epoch", "previous_epoch", "event_time",
+        "kafka_topic", "kafka_partition", "kafka_offset", "ended_gpu", "ended_cpu",
+        "ended_storage",
     ),
 )  # fmt: skip
 
@@ -189,5 +226,7 @@ COMPARED: Mapping[str, Table] = {
         EVENTS,
         REJECTED_EVENTS,
         SOURCE_HEALTH,
+        SOURCES,
+        LIFECYCLE_EVENTS,
     )
 }

@@ -72,7 +72,7 @@ def test_simulate_consume_lookup(
     tokens_file.write_text(" ".join(map(str, prompt)))
     out = kvledger(
         "lookup", "--database-url", fresh_database, "--model", fleet.model,
-        "--token-ids", f"@{tokens_file}",
+        "--token-ids", f"@{tokens_file}", "--silent-after", "3600",  # the fleet has stopped
     )  # fmt: skip
     want = brute_force(ref, prompt_hashes(prompt, fleet), set(ref.residencies()))
     assert want, "the prompt's system prefix is held somewhere"

@@ -10,6 +10,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import sqlalchemy as sa
+
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
 from kvledger.consumer.service import IndexConsumer, RunSummary, stored_offsets
@@ -96,3 +98,12 @@ def wait_caught_up(bootstrap: str, db: str, topic: str, group: str, timeout: flo
             return
         time.sleep(0.3)
     raise AssertionError(f"not caught up within {timeout} s: {stored} vs {ends}")
+
+
+def with_session_setting(url: str, name: str, value: str) -> str:
+    """The database URL with a setting every session it opens starts with."""
+    parsed = sa.engine.make_url(url)
+    # No spaces: a URL's query encodes them as '+', which libpq would keep.
+    assert "options" not in parsed.query
+    options = f"-c{name}={value}"
+    return parsed.update_query_dict({"options": options}).render_as_string(hide_password=False)

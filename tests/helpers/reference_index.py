@@ -14,7 +14,15 @@ import psycopg
 
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import DecodeError
-from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    Goodbye,
+    GroupSpec,
+    Heartbeat,
+)
 
 FULL = {
     "full_attention",
@@ -34,6 +42,15 @@ class Reference:
     open_at: dict[tuple[object, ...], datetime] = field(default_factory=dict)
     status: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
+    # (source, model, group) -> (epoch, media that survive its restart)
+    streams: dict[tuple[object, ...], tuple[int, frozenset[str]]] = field(default_factory=dict)
+
+    def end(self, keep: object, when: datetime) -> None:
+        """End every held residency for which ``keep(key)`` is false."""
+        for res in list(self.refs):
+            if self.refs[res] > 0 and not keep(res):  # type: ignore[operator]
+                self.refs[res] = 0
+                self.history.append((*res, self.open_at.pop(res), when))
 
     def residencies(self) -> dict[tuple[object, ...], int]:
         return {k: v for k, v in self.refs.items() if v > 0}
@@ -65,7 +82,21 @@ def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
             when = datetime.fromtimestamp(env.event_time_ms / 1000, tz=UTC)
             group = getattr(ev, "group_idx", None) or 0
             reason = None
-            if isinstance(ev, GroupSpec):
+            stream = (env.source, env.model, group)
+            epoch, keep = ref.streams.get(stream, (env.epoch, frozenset({"STORAGE"})))
+            if isinstance(ev, GroupSpec):  # the source's word on what outlives a restart
+                keep = frozenset(
+                    ev.surviving_media if ev.surviving_media is not None else ("STORAGE",)
+                )
+            if env.epoch > epoch:  # a restart: this stream's blocks that did not survive end
+                ref.end(lambda r, s=stream, k=keep: (r[3], r[0], r[1]) != s or r[4] in k, when)
+            ref.streams[stream] = (max(epoch, env.epoch), keep)
+            if isinstance(ev, Heartbeat):
+                pass
+            elif isinstance(ev, Goodbye):
+                kept = {s[2]: k for s, (_, k) in ref.streams.items() if s[:2] == stream[:2]}
+                ref.end(lambda r, s=stream, k=kept: (r[3], r[0]) != s[:2] or r[4] in k[r[1]], when)
+            elif isinstance(ev, GroupSpec):
                 ref.specs.setdefault(
                     (ev.model, ev.group_idx), (ev.kind, ev.block_size, ev.hash_block_size)
                 )

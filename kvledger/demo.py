@@ -1,8 +1,9 @@
 """`kvledger demo`: the whole system on a simulated fleet, with a report a person can read.
 
-simulate (several engines, shared system prompts, CPU + STORAGE tiers, evictions, partial
-tails, a sliding-window group, one misconfigured source) → tracker → publisher → Kafka →
-consumer → PostgreSQL index → a routing decision and audit answers in SQL.
+simulate (several engines, shared system prompts, GPU + CPU + STORAGE tiers, evictions,
+partial tails, a sliding-window group, one misconfigured source, one engine that crashes
+and restarts mid-run) → tracker → publisher → Kafka → consumer → PostgreSQL index → what
+the restart dropped, a routing decision and audit answers in SQL.
 
 The demo works in its own database (``<database>_demo``) and its own topic
 (``kv-events-demo``), both recreated on every run, so a second run starts clean.
@@ -41,6 +42,10 @@ from kvledger.tables import print_table
 
 TOPIC = "kv-events-demo"
 GROUP = "kvledger-demo"
+RESTARTED = "engine-0"
+# The simulated engines stop publishing when the simulation ends; the demo's lookups count
+# them as live for this long (the default window is 30 s).
+DEMO_WINDOW = timedelta(minutes=10)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -89,12 +94,18 @@ def _run(args: argparse.Namespace) -> int:
     bootstrap = settings.kafka_bootstrap(args.bootstrap)
     server = settings.database_url(args.database_url)
     fleet = FleetConfig(
-        instances=args.instances, requests=args.requests, seed=args.seed, misconfigured_source=True
+        instances=args.instances,
+        requests=args.requests,
+        seed=args.seed,
+        misconfigured_source=True,
+        gpu_capacity_blocks=256,
+        restart=(RESTARTED, args.requests // 2),
     )
     print("kvledger demo: a simulated fleet → Kafka → consumer → PostgreSQL prefix-cache index")
     print(
         f"   broker {bootstrap}; {fleet.instances} engines + 1 misconfigured, "
-        f"{fleet.requests} requests each, seed {fleet.seed}"
+        f"{fleet.requests} requests each, seed {fleet.seed}; {RESTARTED} crashes and "
+        f"restarts after {fleet.requests // 2}"
     )
 
     _section("set-up")
@@ -182,6 +193,7 @@ WHERE group_idx = 0
 ORDER BY instances DESC, token_end DESC LIMIT 5
 """,
         )
+        _restart(conn)
         _routing(conn, fleet)
         _audits(conn)
     _section("explore")
@@ -190,7 +202,7 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
         f"   psql -h {url.host} -p {url.port} -U {url.username} {url.database}   "
         f"(password {url.password})"
     )
-    print("   kvledger dlq list / kvledger groups list  (with --database-url above)")
+    print("   kvledger sources / dlq list / groups list  (with --database-url above)")
     if args.keep:
         print("   services left running; stop them with: scripts/services down")
     else:
@@ -205,7 +217,7 @@ def _routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
     prompt = prompts[0] + random_tokens(random.Random("router"), 300)
     hashes = prompt_hashes(prompt, fleet)
     index = PrefixIndex(conn)
-    holders = index.match(fleet.model, FULL_GROUP.group_idx, hashes)
+    holders = index.match(fleet.model, FULL_GROUP.group_idx, hashes, silent_after=DEMO_WINDOW)
     _section("one routing decision")
     print(
         f"   prompt: system prompt 0 ({len(prompts[0])} tokens) + a new 300-token question = "
@@ -233,6 +245,34 @@ def _routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
         )
     else:
         print("   → no instance holds this prefix: route by load")
+
+
+def _restart(conn: psycopg.Connection) -> None:
+    _sql(
+        conn,
+        f"{RESTARTED} crashed and restarted: what the index dropped (view kvledger.restarts)",
+        """
+SELECT source, previous_epoch, epoch, restarted_at, ended_gpu, ended_cpu, ended_storage
+FROM kvledger.restarts
+""",
+    )
+    _sql(
+        conn,
+        f"{RESTARTED}'s blocks now, by tier and by incarnation",
+        """
+SELECT r.medium, count(*) FILTER (WHERE r.since < x.restarted_at) AS from_before_restart,
+       count(*) FILTER (WHERE r.since >= x.restarted_at) AS since_restart
+FROM kvledger.residencies r
+JOIN kvledger.restarts x ON x.source = r.instance
+WHERE r.instance = %(source)s
+GROUP BY r.medium ORDER BY r.medium
+""",
+        {"source": RESTARTED},  # type: ignore[arg-type]
+    )
+    print(
+        "   GPU and CPU blocks of the old process ended with reason 'restart' in the history;"
+        "\n   its STORAGE blocks stayed (storage outlives a process unless the engine says not)."
+    )
 
 
 def _audits(conn: psycopg.Connection) -> None:

@@ -75,6 +75,7 @@ class EventSink(Protocol):
     def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None: ...
     def announce_group_spec(self, spec: GroupSpec) -> None: ...
     def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int: ...
+    def publish_events(self, events: Iterable[KVEvent]) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,12 @@ class FleetConfig:
     demote_fraction: float = 0.5
     misconfigured_source: bool = False
     hash_algorithm: str = "sha256"
+    # GPU block-pool events (as vLLM's pool publishes them) for each request's full blocks,
+    # with an LRU bound of this many blocks per engine; 0: no GPU tier.
+    gpu_capacity_blocks: int = 0
+    # (instance, requests): that engine restarts after serving that many requests (a crash:
+    # a new publisher epoch, empty GPU and CPU tiers, STORAGE kept).
+    restart: tuple[str, int] | None = None
 
 
 @dataclass
@@ -100,6 +107,7 @@ class FleetSummary:
     lookup_hits: int = 0
     promotions: int = 0
     partial_tails: int = 0
+    restarts: int = 0
     instances: list[str] = field(default_factory=list)
 
 
@@ -128,13 +136,60 @@ class SimulatedEngine:
         self.prompts = prompts
         self.rng = rng
         self.full = MISCONFIGURED_FULL_GROUP if misconfigured else FULL_GROUP
+        self.misconfigured = misconfigured
         self.cpu: OrderedDict[OffloadKey, None] = OrderedDict()
         self.storage: OrderedDict[OffloadKey, None] = OrderedDict()
-        if misconfigured:
-            sink.announce_group_spec(group_announcement(config.model, FULL_GROUP))
-            sink.announce_groups([SLIDING_GROUP])
+        self.gpu: OrderedDict[bytes, None] = OrderedDict()
+        self.served = 0
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.misconfigured:
+            self.sink.announce_group_spec(group_announcement(self.config.model, FULL_GROUP))
+            self.sink.announce_groups([SLIDING_GROUP])
         else:
-            sink.announce_groups([FULL_GROUP, SLIDING_GROUP])
+            self.sink.announce_groups([FULL_GROUP, SLIDING_GROUP])
+
+    def restart(self, sink: EventSink) -> None:
+        """The engine process died and came back: a new sink (a new epoch), empty GPU and
+        CPU tiers; its STORAGE tier is still there."""
+        close = getattr(self.sink, "close", None)
+        if close is not None:
+            close(goodbye=False)  # a crash says nothing
+        self.sink = sink
+        self.cpu.clear()
+        self.gpu.clear()
+        self._announce()
+
+    def _gpu_blocks(self, raw: list[bytes], tokens: list[int]) -> list[KVEvent]:
+        """The GPU pool computes the prompt's full blocks: new ones are stored, the least
+        recently used leave past the bound."""
+        size = self.full.tokens_per_block
+        per = size // TOKENS_PER_HASH
+        stored, parents = [], []
+        for j in range(len(raw) // per):
+            block = raw[(j + 1) * per - 1]
+            if block in self.gpu:
+                self.gpu.move_to_end(block)
+                continue
+            self.gpu[block] = None
+            stored.append(j)
+            parents.append(raw[j * per - 1] if j else None)
+        events: list[KVEvent] = []
+        for j, parent in zip(stored, parents, strict=True):
+            block_tokens = tuple(tokens[j * size : (j + 1) * size])
+            block = raw[(j + 1) * per - 1]
+            stored_event = BlockStored(
+                (block,), parent, block_tokens, size, None, "GPU", None,
+                group_idx=self.full.group_idx, token_start=j * size,
+            )  # fmt: skip
+            events.append(stored_event)
+        evicted = []
+        while len(self.gpu) > self.config.gpu_capacity_blocks:
+            evicted.append(self.gpu.popitem(last=False)[0])
+        if evicted:
+            events.append(BlockRemoved(tuple(evicted), "GPU", self.full.group_idx))
+        return events
 
     def step(self, summary: FleetSummary) -> None:
         """Serve one request: lookups, stores, partial tail, sliding window, evictions."""
@@ -240,7 +295,10 @@ class SimulatedEngine:
                 )
             )
         summary.messages += self.sink.publish(events)
+        if cfg.gpu_capacity_blocks and not self.misconfigured:
+            summary.messages += self.sink.publish_events(self._gpu_blocks(raw, tokens))
         summary.requests += 1
+        self.served += 1
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
@@ -278,6 +336,7 @@ class Fleet:
 
     def __init__(self, config: FleetConfig, sink_factory: Callable[[str], EventSink]) -> None:
         self.config = config
+        self.sink_factory = sink_factory
         prompts = system_prompts(config)
         self.engines = [
             SimulatedEngine(
@@ -301,8 +360,12 @@ class Fleet:
         total = self.config.requests * len(self.engines)
         done = 0
         start = time.monotonic()
+        restart = self.config.restart
         for _ in range(self.config.requests):
             for engine in self.engines:
+                if restart == (engine.instance_id, engine.served):
+                    engine.restart(self.sink_factory(engine.instance_id))
+                    summary.restarts += 1
                 engine.step(summary)
                 done += 1
                 if progress is not None:
@@ -340,3 +403,8 @@ class CollectingSink:
         out: list[BlockStored | BlockRemoved] = self._tracker.take_events(offloading_events)
         self.events.extend(out)
         return len(out)
+
+    def publish_events(self, events: Iterable[KVEvent]) -> int:
+        before = len(self.events)
+        self.events.extend(events)
+        return len(self.events) - before

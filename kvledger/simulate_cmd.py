@@ -38,7 +38,7 @@ def run_simulation(
 ) -> SimulationResult:
     """simulate → tracker → publisher → Kafka, one publisher per simulated instance."""
     ensure_topic(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, partitions)
-    publishers: dict[str, KVEventPublisher] = {}
+    publishers: list[KVEventPublisher] = []  # a restarted engine has had two
 
     def sink(instance_id: str) -> KVEventPublisher:
         publisher = KVEventPublisher(
@@ -46,23 +46,23 @@ def run_simulation(
                 bootstrap_servers=bootstrap, source_id=instance_id, model=fleet.model, topic=topic
             )
         )
-        publishers[instance_id] = publisher
+        publishers.append(publisher)
         return publisher
 
     start = time.perf_counter()
     summary = Fleet(fleet, sink).run(Progress("publishing") if show_progress else None, rate)
-    for publisher in publishers.values():
+    for publisher in publishers:
         # The simulated engines go on running: the publishing process leaves without a goodbye.
         publisher.close(timeout=60, goodbye=False)
     seconds = time.perf_counter() - start
     by_type: dict[str, int] = {}
-    for publisher in publishers.values():
+    for publisher in publishers:
         for name, count in publisher.stats.by_type.items():
             by_type[name] = by_type.get(name, 0) + count
     return SimulationResult(
         summary=summary,
-        produced=sum(p.stats.produced for p in publishers.values()),
-        acked=sum(p.stats.acked for p in publishers.values()),
+        produced=sum(p.stats.produced for p in publishers),
+        acked=sum(p.stats.acked for p in publishers),
         by_type=by_type,
         seconds=seconds,
     )

@@ -18,7 +18,7 @@ from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.tracker import Medium, OffloadingEvent, make_offload_key
 from kvledger.schemas import events
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Goodbye, GroupSpec
 from tests.helpers.kafka import consume_all
 from tests.helpers.procs import free_port
 
@@ -65,7 +65,7 @@ def test_order_and_contiguous_sequence_per_key(
         sent[f"{pub.config.source_id}/{event.group_idx}"].append(event)
     for pub in publishers:
         pub.close(30)
-    messages = consume_all(kafka_bootstrap, topic, group_id, 400 + 8)
+    messages = consume_all(kafka_bootstrap, topic, group_id, 400 + 8 + 4)  # + 4 goodbyes
     codec = Codec()
     got: dict[str, list[BlockStored]] = defaultdict(list)
     seqs: dict[str, list[int]] = defaultdict(list)
@@ -78,6 +78,8 @@ def test_order_and_contiguous_sequence_per_key(
         partitions[key].add(msg.partition())
         if isinstance(env.event, BlockStored):
             got[key].append(env.event)
+        elif isinstance(env.event, Goodbye):  # the last word, on the source's first group
+            assert key.endswith("/0") and env.seq == len(sent[key]) + 1
         else:
             assert isinstance(env.event, GroupSpec) and env.seq == 0
     assert got == sent
@@ -114,11 +116,12 @@ def test_no_loss_50000_events_every_field(kafka_bootstrap: str, make_topic, grou
             )
         pubs[source].publish_events([event])  # type: ignore[list-item]
         expected[(source, group)].append(event)
-    for pub in pubs.values():
+    for source, pub in pubs.items():
         pub.close(60)
         assert pub.stats.acked == pub.stats.produced
-    messages = consume_all(kafka_bootstrap, topic, group_id, total, timeout=120)
-    assert len(messages) == total
+        expected[(source, 0)].append(Goodbye(group_idx=0))
+    messages = consume_all(kafka_bootstrap, topic, group_id, total + 4, timeout=120)
+    assert len(messages) == total + 4
     codec = Codec()
     got: dict[tuple[str, int], list[object]] = defaultdict(list)
     for msg in messages:
@@ -141,10 +144,11 @@ def test_restart_starts_new_epoch(kafka_bootstrap: str, make_topic, group_id: st
     second.close()
     assert second.epoch > first.epoch
     codec = Codec()
-    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 8)]
-    assert [(e.epoch, e.seq) for e in envs] == [(first.epoch, i) for i in range(5)] + [
-        (second.epoch, i) for i in range(3)
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 10)]
+    assert [(e.epoch, e.seq) for e in envs] == [(first.epoch, i) for i in range(6)] + [
+        (second.epoch, i) for i in range(4)
     ]
+    assert isinstance(envs[5].event, Goodbye) and isinstance(envs[9].event, Goodbye)
 
 
 def test_tracker_events_and_int64_hashes(kafka_bootstrap: str, make_topic, group_id: str) -> None:
@@ -165,10 +169,10 @@ def test_tracker_events_and_int64_hashes(kafka_bootstrap: str, make_topic, group
     assert pub.clear_all() == 1
     pub.close()
     codec = Codec()
-    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 4)]
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 5)]
     kinds = [type(e.event).__name__ for e in envs]
-    assert kinds == ["GroupSpec", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
-    assert [e.seq for e in envs] == [0, 1, 2, 3]
+    assert kinds == ["GroupSpec", "BlockStored", "BlockRemoved", "AllBlocksCleared", "Goodbye"]
+    assert [e.seq for e in envs] == [0, 1, 2, 3, 4]
     spec = envs[0].event
     assert spec == GroupSpec("m", 0, "full_attention", 32, 16, None)
     block = envs[1].event
@@ -205,7 +209,8 @@ def test_vllm_style_batch(kafka_bootstrap: str, make_topic, group_id: str) -> No
     assert pub.publish_vllm_batch(Batch()) == 2
     pub.close()
     codec = Codec()
-    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 2)]
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, group_id, 3)]
+    assert envs[2].event == Goodbye(group_idx=0)
     ev = envs[0].event
     assert ev == type(ev)(
         block_hashes=(b"\xff" * 8, (5).to_bytes(8, "big")),
@@ -229,7 +234,7 @@ def test_message_too_large_is_reported(kafka_bootstrap: str, make_topic) -> None
     pub.flush(30)  # its own batch: the broker rejects a whole batch over the limit
     pub.publish_events([stored(rng, 0, n_blocks=64, block_size=16)])  # ~5 KB of tokens
     with pytest.raises(DeliveryError, match="MSG_SIZE_TOO_LARGE") as info:
-        pub.close(30)
+        pub.close(30, goodbye=False)  # a goodbye in the same batch would be refused with it
     assert pub.stats.failed == 1 and pub.stats.acked == 1
     assert info.value.errors
 

@@ -32,18 +32,22 @@ def ensure_topic(
     replication_factor: int = 1,
     timeout: float = 30.0,
     exact_partitions: bool = True,
+    log_append_time: bool = True,
 ) -> bool:
     """Create ``name`` if missing; verify an existing one. Returns True when it was created.
 
     Raises :class:`TopicMismatchError` when the topic exists with another retention, or with
     another partition count while ``exact_partitions`` (any count does for a topic whose
-    order does not matter, such as the dead-letter topic).
+    order does not matter, such as the dead-letter topic). A topic it creates stamps each
+    record with the broker's clock (``log_append_time``): the index's liveness clock.
     """
     metadata = admin.list_topics(topic=name, timeout=timeout)
     topic = metadata.topics.get(name)
     exists = topic is not None and topic.error is None
     if not exists:
         config = {"retention.ms": str(retention_ms)} if retention_ms is not None else {}
+        if log_append_time:
+            config["message.timestamp.type"] = "LogAppendTime"
         futures = admin.create_topics(
             [NewTopic(name, partitions, replication_factor, config=config)],
             operation_timeout=timeout,

@@ -9,7 +9,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Producer
 from starlette.testclient import TestClient
 
 from kvledger.cli import main as cli
@@ -21,8 +21,9 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.codec import Codec, released_schemas
 from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
-from kvledger.schemas.topics import message_key
+from kvledger.schemas.topics import ensure_topic, message_key
 from tests.helpers.consuming import consume
+from tests.helpers.kafka import consume_all
 
 pytestmark = pytest.mark.integration
 MODEL = "m"
@@ -182,3 +183,24 @@ def test_an_old_contract_producer_applies_as_before(
     with connect(fresh_database, autocommit=True) as conn:
         holders = PrefixIndex(conn).match(MODEL, 0, [h(1), h(2)])
     assert [(x.instance, x.matched_blocks) for x in holders] == [("engine-o", 2)]
+
+
+def test_a_topic_kvledger_creates_stamps_records_with_the_broker_clock(
+    kafka_bootstrap, kafka_admin, fresh_database, group_id
+) -> None:
+    topic = f"logtime-{group_id}"
+    ensure_topic(kafka_admin, topic, 1)
+    try:
+        pub = publisher(kafka_bootstrap, topic, "engine-t", heartbeat_interval_s=0)
+        pub.close(goodbye=False)
+        [record] = consume_all(kafka_bootstrap, topic, group_id + "-read", 1)
+        kind, stamp = record.timestamp()
+        assert kind == TIMESTAMP_LOG_APPEND_TIME
+        consume(kafka_bootstrap, fresh_database, topic, group_id)
+        with connect(fresh_database, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT last_seen FROM kvledger.sources WHERE source = 'engine-t'"
+            ).fetchone()
+        assert row is not None and row[0].timestamp() * 1000 == stamp
+    finally:
+        kafka_admin.delete_topics([topic, f"{topic}.dlq"])

@@ -15,8 +15,7 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
   that group, or in every group of the model when the event names none, ends "cleared";
 - Heartbeat: nothing but liveness; Goodbye and a new epoch: see :mod:`.lifecycle`.
 
-A residency exists while its reference count is above zero: a history interval opens at
-0→1 and closes at 1→0 (never before it opened).
+Reference counts and history intervals: :mod:`.refs`.
 """
 
 from __future__ import annotations
@@ -34,18 +33,17 @@ from kvledger.consumer.core.model import (
     HeldSpec,
     HolderKey,
     HolderScope,
-    Interval,
     LifecycleEvent,
     Needs,
     Plan,
     Rejection,
-    ResidencyDelta,
     ResidencyKey,
     Snapshot,
     SourceKey,
     SourceLife,
     SourceState,
 )
+from kvledger.consumer.core.refs import References
 from kvledger.consumer.core.sequence import Verdict, advance
 from kvledger.consumer.core.validate import (
     Invalid,
@@ -129,13 +127,13 @@ class _Planner:
         self.plan = Plan(replay=replay)
         self.specs: dict[GroupKey, HeldSpec] = dict(snapshot.specs)
         self.blocks: dict[BlockKey, BlockRow] = {}  # rows this batch wrote (over the snapshot)
-        self.res: dict[ResidencyKey, ResidencyDelta] = {}
+        self.refs = References(snapshot)
         self.sources: dict[SourceKey, SourceState] = {}
         self.lives: dict[str, SourceLife] = {}
 
     def finish(self) -> Plan:
         plan = self.plan
-        plan.residencies = [d for d in self.res.values() if d.touched]
+        plan.residencies = self.refs.touched()
         plan.sources = self.sources
         plan.lives = self.lives
         return plan
@@ -245,7 +243,7 @@ class _Planner:
                 write.first_seen = min(write.first_seen, when)
                 write.last_seen = max(write.last_seen, when)
             key = ResidencyKey(env.model, group, h, env.source, medium, ownership)
-            self._ref(key, +1, when, ev.locality, msg)
+            self.refs.change(key, +1, when, ev.locality, msg)
         self.plan.block_events += len(rows)
         return None, len(rows), 0
 
@@ -261,7 +259,7 @@ class _Planner:
         noop = 0
         for h in ev.block_hashes:
             key = ResidencyKey(env.model, group, h, env.source, medium, ownership)
-            if not self._ref(key, -1, when, ev.locality, msg):
+            if not self.refs.change(key, -1, when, ev.locality, msg):
                 noop += 1
         self.plan.noop_removals += noop
         self.plan.block_events += len(ev.block_hashes)
@@ -281,42 +279,11 @@ class _Planner:
         )
         cleared = 0
         for group in groups:
-            holder = HolderKey(env.model, group, env.source, medium, PRIMARY_OWNERSHIP)
-            keys = {
-                ResidencyKey(env.model, group, h, env.source, medium, PRIMARY_OWNERSHIP)
-                for h in self.snap.held.get(holder, ())
-            }
-            keys.update(k for k in self.res if k[:2] == holder[:2] and k[3:] == holder[2:])
-            for key in sorted(keys):
-                count = self._refcount(key)
-                if count > 0:
-                    cleared += 1
-                    self._ref(key, -count, when, None, msg, how="cleared")
+            scope = HolderScope(env.model, group, env.source, medium, PRIMARY_OWNERSHIP)
+            cleared += sum(self.refs.end(self.refs.live(scope), "cleared", when, msg).values())
         return None, cleared, 0
 
     # ------------------------------------------------------------------ lifecycle
-    def _live_keys(self, model: str, instance: str, group: int | None) -> list[ResidencyKey]:
-        """Every live residency of an instance (in one group, or all), in key order."""
-        scope = HolderScope(model, group, instance, None, None)
-        keys = {
-            ResidencyKey(holder.model, holder.group_idx, h, holder.instance, holder.medium,
-                         holder.ownership)
-            for holder, hashes in self.snap.held.items()
-            if scope.covers(holder)
-            for h in hashes
-        }  # fmt: skip
-        keys.update(k for k in self.res if scope.covers(k.holder))
-        return sorted(k for k in keys if self._refcount(k) > 0)
-
-    def _end(
-        self, keys: list[ResidencyKey], how: str, msg: Inbound, when: datetime
-    ) -> dict[str, int]:
-        ended: dict[str, int] = {}
-        for key in keys:
-            self._ref(key, -self._refcount(key), when, None, msg, how=how)
-            ended[key.medium] = ended.get(key.medium, 0) + 1
-        return ended
-
     def _policy(self, stream: SourceKey) -> frozenset[str]:
         state = self.sources.get(stream) or self.snap.sources.get(stream)
         return surviving(state.surviving_media if state is not None else None)
@@ -326,20 +293,18 @@ class _Planner:
     ) -> None:
         """A newer epoch of a stream: its residencies on non-surviving media end."""
         keep = surviving(restart_policy(env, previous))
-        keys = [
-            k for k in self._live_keys(env.model, env.source, stream.group_idx)
-            if k.medium not in keep
-        ]  # fmt: skip
-        ended = self._end(keys, "restart", msg, when)
+        scope = HolderScope(env.model, stream.group_idx, env.source, None, None)
+        keys = [k for k in self.refs.live(scope) if k.medium not in keep]
+        ended = self.refs.end(keys, "restart", when, msg)
         self._lifecycle(env, stream.group_idx, "restart", previous.epoch, msg, when, ended)
 
     def _goodbye(self, env: Envelope, msg: Inbound, when: datetime) -> int:
         """A clean shutdown: the source's residencies on non-surviving media end, every group."""
         keys = [
-            k for k in self._live_keys(env.model, env.source, None)
+            k for k in self.refs.live(HolderScope(env.model, None, env.source, None, None))
             if k.medium not in self._policy(SourceKey(env.source, env.model, k.group_idx))
         ]  # fmt: skip
-        ended = self._end(keys, "closed", msg, when)
+        ended = self.refs.end(keys, "closed", when, msg)
         self._lifecycle(env, None, "closed", None, msg, when, ended)
         return len(keys)
 
@@ -353,58 +318,6 @@ class _Planner:
             env.source, env.model, group, kind, env.epoch, previous, when, *where, *counts
         )
         self.plan.lifecycle.append(event)
-
-    # ------------------------------------------------------------------ reference counts
-    def _delta(self, key: ResidencyKey) -> ResidencyDelta:
-        delta = self.res.get(key)
-        if delta is None:
-            held = self.snap.residencies.get(key)
-            if held is None:
-                delta = ResidencyDelta(key, 0, 0, False)
-            else:
-                delta = ResidencyDelta(
-                    key, held.refcount, held.refcount, True, held.locality, held.since,
-                    held.topic, held.partition, held.offset,
-                )  # fmt: skip
-            self.res[key] = delta
-        return delta
-
-    def _refcount(self, key: ResidencyKey) -> int:
-        delta = self.res.get(key)
-        if delta is not None:
-            return delta.refcount
-        held = self.snap.residencies.get(key)
-        return held.refcount if held is not None else 0
-
-    def _ref(
-        self,
-        key: ResidencyKey,
-        change: int,
-        when: datetime,
-        locality: str | None,
-        msg: Inbound,
-        how: str = "removed",
-    ) -> bool:
-        """Change a holder's reference count; False for a removal with no reference left."""
-        state = self._delta(key)
-        if change < 0 and state.refcount == 0:
-            return False
-        before = state.refcount
-        state.refcount = before + change
-        state.touched = True
-        if before == 0 and state.refcount > 0:
-            state.locality, state.since = locality, when
-            state.topic, state.partition, state.offset = msg.topic, msg.partition, msg.offset
-            state.intervals.append(Interval(when, locality, msg.partition, msg.offset))
-        elif before > 0 and state.refcount == 0:
-            opened = next((i for i in state.intervals if i.removed_at is None), None)
-            if opened is not None:
-                opened.removed_at = max(when, opened.stored_at)
-                opened.removed_by = how
-            else:  # the interval was opened by an earlier batch
-                state.close_existing_at = when
-                state.close_existing_by = how
-        return True
 
     # ------------------------------------------------------------------ audit
     def _audit(

@@ -17,10 +17,19 @@ from kvledger.schemas.codec import (
     SINGLE_OBJECT_MAGIC,
     Codec,
     envelope_schema_json,
+    released_schemas,
     schema_fingerprint,
 )
 from kvledger.schemas.errors import DecodeError
-from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Envelope, GroupSpec
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    Goodbye,
+    GroupSpec,
+    Heartbeat,
+)
 
 EVENTS = [
     BlockStored(
@@ -237,3 +246,25 @@ def test_confluent_framing_with_mock_registry() -> None:
     with pytest.raises(DecodeError) as info:
         reader.decode(b"\x00" + struct.pack(">I", 999_999) + data[5:])
     assert info.value.reason == "unknown_schema"
+
+
+def test_the_lifecycle_contract_both_ways() -> None:
+    """0.1.0 → now: an old producer's announcement reads with the default policy (None);
+    now → 0.1.0: an old consumer that knows the new schema reads the announcement without
+    the new field, and cannot read the new event types (upgrade consumers first)."""
+    released = released_schemas()[0]
+    old_writer, old_reader = (
+        Codec(schema_json=released),
+        Codec(schema_json=released, known_writers=[envelope_schema_json()]),
+    )
+    announced = GroupSpec("m", 0, "full_attention", 32, 16, None, ("CPU", "STORAGE"))
+    assert Codec().decode(old_writer.encode(envelope(GroupSpec("m", 0, "mamba", 4, 4)))).event == (
+        GroupSpec("m", 0, "mamba", 4, 4, None, None)
+    )
+    new_bytes = Codec().encode(envelope(announced))
+    assert Codec().decode(new_bytes).event == announced
+    assert old_reader.decode(new_bytes).event == GroupSpec("m", 0, "full_attention", 32, 16)
+    with pytest.raises(DecodeError):
+        old_reader.decode(Codec().encode(envelope(Heartbeat(0, 5000))))
+    for event in (Heartbeat(1, 5000), Goodbye(2), Goodbye()):
+        assert Codec().decode(Codec().encode(envelope(event))).event == event

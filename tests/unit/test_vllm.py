@@ -1,0 +1,70 @@
+"""The vLLM adapter (producer.vllm): vLLM's event objects to kvledger's events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvledger.producer.vllm import from_vllm_event
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+@dataclass
+class VllmBlockStored:  # vLLM's names; the fields a stock engine may leave at their defaults
+    block_hashes: list[object]
+    parent_block_hash: object
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+    lora_name: str | None = None
+    extra_keys: list[object] | None = None
+    group_idx: int | None = None
+
+
+@dataclass
+class VllmBlockRemoved:
+    block_hashes: list[object]
+    medium: str | None = None
+    group_idx: int | None = None
+    ownership: str | None = None
+
+
+@dataclass
+class VllmAllBlocksCleared:
+    extra: list[object] = field(default_factory=list)
+
+
+VllmBlockStored.__name__ = "BlockStored"
+VllmBlockRemoved.__name__ = "BlockRemoved"
+VllmAllBlocksCleared.__name__ = "AllBlocksCleared"
+
+
+def test_int_hashes_take_the_int64_form_and_bytes_stay() -> None:
+    ev = from_vllm_event(VllmBlockStored([2**64 - 1, b"\x01" * 32], 7, [1, 2, 3, 4], 2))
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == (b"\xff" * 8, b"\x01" * 32)
+    assert ev.parent_block_hash == (7).to_bytes(8, "big")
+    assert (ev.token_ids, ev.block_size, ev.medium, ev.group_idx) == ((1, 2, 3, 4), 2, "GPU", None)
+    assert (ev.token_start, ev.partial, ev.ownership, ev.locality) == (None, False, None, None)
+
+
+def test_extra_keys_become_canonical_json_per_block() -> None:
+    ev = from_vllm_event(
+        VllmBlockStored([1, 2], None, [0] * 4, 2, extra_keys=[("lora", b"\x0a", 3), None])
+    )
+    assert isinstance(ev, BlockStored) and ev.extra_keys == ('["lora", "0a", 3]', None)
+
+
+def test_removals_and_clears() -> None:
+    ev = from_vllm_event(VllmBlockRemoved([5], "CPU", 1, "disk"))
+    assert ev == BlockRemoved(((5).to_bytes(8, "big"),), "CPU", 1, None, "disk")
+    assert from_vllm_event(VllmAllBlocksCleared()) == AllBlocksCleared(medium="GPU")
+
+
+def test_anything_else_is_refused() -> None:
+    with pytest.raises(TypeError, match="not a vLLM KV cache event"):
+        from_vllm_event(object())
+    with pytest.raises(TypeError, match="int or bytes"):
+        from_vllm_event(VllmBlockStored(["x"], None, [1, 2], 2))

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from kvledger.consumer.core.model import SourceLife, SourceState
@@ -41,7 +43,7 @@ def restart_policy(env: Envelope, previous: SourceState) -> tuple[str, ...] | No
 def log_time(message: Inbound, env: Envelope) -> datetime:
     """When the log received the message (its event time when the record has none)."""
     ms = message.timestamp_ms if message.timestamp_ms is not None else env.event_time_ms
-    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+    return _utc(ms)
 
 
 def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
@@ -60,3 +62,41 @@ def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
         heartbeat_ms=heartbeat if heartbeat is not None else life.heartbeat_ms,
         restarts=life.restarts + (1 if newer else 0),
     )
+
+
+class Lives:
+    """The sources' lives through one batch: :func:`seen` for every message that changes
+    more than the last-seen time, and the newest log time per source (cheap per message)."""
+
+    def __init__(self, snapshot: Mapping[str, SourceLife]) -> None:
+        self.snap = snapshot
+        self.changed: dict[str, SourceLife] = {}
+        self.last_ms: dict[str, int] = {}
+
+    def observe(self, message: Inbound, env: Envelope) -> None:
+        ms = message.timestamp_ms if message.timestamp_ms is not None else env.event_time_ms
+        source = env.source
+        if self.last_ms.get(source, -1) < ms:
+            self.last_ms[source] = ms
+        life = self.changed.get(source) or self.snap.get(source)
+        if (
+            life is None
+            or env.epoch > life.epoch
+            or life.closed_at is not None
+            or env.model != life.model
+            or isinstance(env.event, Heartbeat | Goodbye)
+        ):
+            self.changed[source] = seen(life, env, _utc(ms))
+        elif source not in self.changed:
+            self.changed[source] = life
+
+    def result(self) -> dict[str, SourceLife]:
+        out = {}
+        for source, life in self.changed.items():
+            last = _utc(self.last_ms[source])
+            out[source] = replace(life, last_seen=last) if last > life.last_seen else life
+        return out
+
+
+def _utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)

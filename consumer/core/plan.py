@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from kvledger.consumer.core.lifecycle import log_time, restart_policy, seen, surviving
+from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving
 from kvledger.consumer.core.model import (
     AuditRow,
     BlockKey,
@@ -40,7 +40,6 @@ from kvledger.consumer.core.model import (
     ResidencyKey,
     Snapshot,
     SourceKey,
-    SourceLife,
     SourceState,
 )
 from kvledger.consumer.core.refs import References
@@ -129,13 +128,13 @@ class _Planner:
         self.blocks: dict[BlockKey, BlockRow] = {}  # rows this batch wrote (over the snapshot)
         self.refs = References(snapshot)
         self.sources: dict[SourceKey, SourceState] = {}
-        self.lives: dict[str, SourceLife] = {}
+        self.lives = Lives(snapshot.lives)
 
     def finish(self) -> Plan:
         plan = self.plan
         plan.residencies = self.refs.touched()
         plan.sources = self.sources
-        plan.lives = self.lives
+        plan.lives = self.lives.result()
         return plan
 
     # ------------------------------------------------------------------ per message
@@ -164,8 +163,7 @@ class _Planner:
                 return
             if verdict is Verdict.GAP:
                 plan.gaps += 1
-            life = self.lives.get(env.source) or self.snap.lives.get(env.source)
-            self.lives[env.source] = seen(life, env, log_time(d.message, env))
+            self.lives.observe(d.message, env)
             if state is not None and env.epoch > state.epoch:
                 self._restart(env, key, state, d.message, when)
         invalid, hashes, noop = self._event(env, d.message, when)

@@ -40,12 +40,6 @@ def restart_policy(env: Envelope, previous: SourceState) -> tuple[str, ...] | No
     return previous.surviving_media
 
 
-def log_time(message: Inbound, env: Envelope) -> datetime:
-    """When the log received the message (its event time when the record has none)."""
-    ms = message.timestamp_ms if message.timestamp_ms is not None else env.event_time_ms
-    return _utc(ms)
-
-
 def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
     """The source's life after one more message (never mutates ``life``)."""
     ev = env.event

@@ -100,14 +100,15 @@ def test_a_silent_source_leaves_the_answers_and_comes_back(
     quiet.publish_events([block(1, "CPU")])
     beating.publish_events([block(1, "CPU")])
     quiet.flush()
-    window = timedelta(seconds=2)
+    beating.flush()
+    window = timedelta(seconds=4)
     consume(kafka_bootstrap, fresh_database, topic, group_id)
     with connect(fresh_database, autocommit=True) as conn:
         index = PrefixIndex(conn)
         assert {x.instance for x in index.match(MODEL, 0, [h(1)], silent_after=window)} == {
             "engine-q", "engine-b",
         }  # fmt: skip
-    time.sleep(3)  # engine-q says nothing; engine-b's heartbeats keep it live
+    time.sleep(5)  # engine-q says nothing; engine-b's heartbeats keep it live
     consume(kafka_bootstrap, fresh_database, topic, group_id)
     with connect(fresh_database, autocommit=True) as conn:
         index = PrefixIndex(conn)

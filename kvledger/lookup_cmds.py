@@ -21,6 +21,21 @@ if TYPE_CHECKING:
 def add_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve prefix lookups over HTTP")
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="answer from an in-memory router index: bootstrapped from the database, then "
+        "following the topic (as-of lookups and block rows stay with the SQL mode)",
+    )
+    p.add_argument(
+        "--bootstrap", help="with --memory: Kafka servers (else $KVLEDGER_KAFKA_BOOTSTRAP)"
+    )
+    p.add_argument("--topic", default="kv-events", help="with --memory: the events topic")
+    p.add_argument(
+        "--consumer-group",
+        default="kvledger-index",
+        help="with --memory: the consumer group whose stored offsets the snapshot is at",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--pool-size", type=int, default=8)
@@ -69,9 +84,24 @@ def _serve(args: argparse.Namespace) -> int:
     from kvledger.consumer.lookup.http import create_app
 
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
-    app = create_app(settings.database_url(args.database_url), args.pool_size, window)
+    database = settings.database_url(args.database_url)
+    if not args.memory:
+        app = create_app(database, args.pool_size, window)
+        freeze_startup_objects()
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+        return 0
+    from kvledger.consumer.router.index import RouterIndex
+
+    router = RouterIndex(settings.kafka_bootstrap(args.bootstrap), args.topic, args.consumer_group)
+    with connect(database) as conn:
+        router.bootstrap(conn)
+    router.start()
     freeze_startup_objects()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    try:
+        app = create_app(silent_after=window, router=router)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    finally:
+        router.stop()
     return 0
 
 

@@ -8,7 +8,6 @@ batch boundaries, so the comparison also shows the index does not depend on them
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -24,53 +23,11 @@ from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.verify import diff
 from kvledger.consumer.verify import dump as dump_postgres
 from kvledger.fleet import FleetConfig
-from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
-from kvledger.schemas.events import Goodbye, GroupSpec, Heartbeat
-from tests.helpers.streams import Stream, cleared, fleet_stream, h, removed, spec, stored
+from tests.helpers.streams import Stream, edge_stream, fleet_stream, spec
 
 pytestmark = pytest.mark.integration
 
 LATE_GROUP = spec(7)  # declared only after the stream: its events are rejected, then replayed
-
-
-def edge_stream() -> Stream:
-    s = Stream(partitions=3)
-    a, b, c = "engine-a", "engine-b", "engine-c"
-    for source in (a, b, c):
-        s.send(source, spec(0, block=8, hash_size=4))
-        s.send(source, spec(1, kind="sliding_window"))
-    s.send(a, GroupSpec("m", 0, "full_attention", 16, 4))  # spec_conflict
-    for i in range(6):
-        s.send(a, stored([i, i + 1], size=8, start=16 * i))
-        s.send(b, stored([i], size=8, start=16 * i, medium="GPU"))
-        s.send(b, stored([i + 100], size=4, start=8, partial=True))
-        s.send(c, stored([i], size=8, start=16 * i, medium="STORAGE", ownership="disk"))
-    placeholder = stored([50], group=1)
-    s.send(a, type(placeholder)((h(50),), None, (), 0, None, "CPU", None, group_idx=1))
-    s.send(b, stored([50], group=1, start=4))  # upgrades the placeholder row
-    s.send(a, stored([1], size=8, start=16, salt=3))  # hash_conflict
-    s.send(a, stored([9], size=16))  # block_size_mismatch
-    s.send(a, stored([9], group=7, size=4))  # unknown_group (until declared)
-    s.send(b, removed([9], group=7))  # unknown_group (until declared)
-    s.send(a, removed([0, 1, 1, 1]))  # the third and fourth are no-ops
-    s.send(a, stored([3], size=8, start=48), seq=3)  # a duplicate
-    s.send(a, stored([4], size=8, start=64), seq=40)  # a gap
-    s.send(b, cleared(medium="GPU"))  # every group
-    s.send(c, stored([20], size=8, start=0, medium="STORAGE", ownership="disk"), epoch=2, seq=0)
-    s.send(c, stored([21], size=8, start=8), epoch=1, seq=99)  # stale_epoch
-    s.send(b, cleared(medium="CPU", group=0))
-    s.raw(b"\x00\x01 not avro")  # undecodable
-    s.raw(SINGLE_OBJECT_MAGIC + bytes(8) + b"\x02")  # unknown_schema
-    s.send(a, stored([5, 6], size=8, start=80))
-    s.send(a, removed([5], medium="CPU"))
-    s.send(a, Heartbeat(group_idx=0, interval_ms=5000))
-    s.send(b, stored([30], size=8, start=0, medium="GPU"))
-    s.send(b, stored([31], size=8, start=0, medium="STORAGE", ownership="disk"))
-    s.send(b, Goodbye(group_idx=0))  # GPU and CPU end "closed" in every group
-    s.send(b, stored([32], size=8, start=8, medium="GPU"))  # back after its goodbye
-    keep_cpu = dataclasses.replace(spec(0, block=8, hash_size=4), surviving_media=("CPU",))
-    s.send(a, keep_cpu, epoch=3, seq=0)  # a restart that keeps CPU (and ends STORAGE)
-    return s
 
 
 def consume(messages: Sequence[Inbound], store: IndexStore, codec: object, batch: int) -> None:

@@ -5,10 +5,12 @@ POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...]
                    "weights"?, "include_silent"?, "silent_after_s"?} → holders, a routing
                    rank, and the holders left out because their source is not live
 GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
-GET  /healthz            the database answers
+GET  /healthz            the database answers (memory mode: the router's log position)
 GET  /metrics            Prometheus metrics
 
-Every request runs in a read-only transaction as the kvledger_reader role when it exists.
+SQL mode: every request runs in a read-only transaction as the kvledger_reader role when it
+exists. Memory mode (``router=``, `kvledger serve --memory`): /v1/match is answered by a
+RouterIndex; as-of lookups and block rows need the SQL-backed service (400).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -42,6 +44,9 @@ from kvledger.consumer.lookup.requests import (
 )
 from kvledger.consumer.metrics import REGISTRY
 
+if TYPE_CHECKING:
+    from kvledger.consumer.router.index import RouterIndex
+
 
 def _configure(conn: psycopg.Connection) -> None:
     conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
@@ -57,25 +62,54 @@ def _holder_json(h: Any) -> dict[str, Any]:
     return asdict(h)
 
 
+class _MemoryLookups:
+    """The lookup API's shape over a RouterIndex (no history, no block rows)."""
+
+    def __init__(self, router: RouterIndex) -> None:
+        self.router = router
+        self.match = router.match
+        self.match_tokens = router.match_tokens
+
+    def match_at(self, *args: object) -> list[Holder]:
+        raise BadRequestError("as-of lookups are served by the SQL-backed service")
+
+    def blocks(self, block_hash: bytes) -> list[Any]:
+        raise BadRequestError("block rows are served by the SQL-backed service")
+
+
 def create_app(
-    database_url: str, pool_size: int = 8, silent_after: timedelta | None = None
+    database_url: str | None = None,
+    pool_size: int = 8,
+    silent_after: timedelta | None = None,
+    router: RouterIndex | None = None,
 ) -> Starlette:
-    """The lookup service; ``silent_after``: the liveness window (else the database's)."""
+    """The lookup service over the database (or, given ``router``, from memory);
+    ``silent_after``: the liveness window (else the database's, or 30 s in memory)."""
 
     def window(req: MatchRequest) -> timedelta | None:
         return req.silent_after if req.silent_after is not None else silent_after
 
-    pool = ConnectionPool(
-        conninfo(database_url),
-        min_size=1,
-        max_size=pool_size,
-        configure=_configure,
-        kwargs={"autocommit": True},
-        open=False,
+    pool = (
+        ConnectionPool(
+            conninfo(database_url),
+            min_size=1,
+            max_size=pool_size,
+            configure=_configure,
+            kwargs={"autocommit": True},
+            open=False,
+        )
+        if database_url is not None
+        else None
     )
+    if pool is None and router is None:
+        raise ValueError("create_app needs a database URL or a router")
 
     @contextmanager
-    def index() -> Iterator[PrefixIndex]:
+    def index() -> Iterator[Any]:
+        if router is not None:
+            yield _MemoryLookups(router)
+            return
+        assert pool is not None
         with pool.connection() as conn:
             yield PrefixIndex(conn)
 
@@ -148,6 +182,9 @@ def create_app(
         return JSONResponse([_block_json(b) for b in rows])
 
     def healthz(request: Request, _: None) -> Response:
+        if router is not None:
+            position = asdict(router.position())
+            return JSONResponse({"status": "ok", "mode": "memory", "position": position})
         with index() as idx:
             idx.conn.execute("SELECT 1 FROM kvledger.group_specs LIMIT 1")
         return JSONResponse({"status": "ok"})
@@ -157,6 +194,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if pool is None:
+            yield
+            return
         pool.open()
         try:
             yield

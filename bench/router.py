@@ -1,0 +1,173 @@
+"""The router index beside the SQL index, in the same run, on the lookup benchmark's index
+(1,024,000 blocks, 64 instances, 128-hash prompts with mixed hit depths).
+
+Figures: bootstrap time and memory (RSS growth, per block and per residency), in-process
+lookup p50/p99 and lookups/s on one thread beside SQL's on the same prompts, HTTP p50/p99
+from a `kvledger serve --memory` process, and the tail's apply rate (pre-encoded fleet
+messages through the pipeline into the router's store) beside decoding alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import httpx
+from confluent_kafka.admin import AdminClient
+
+from bench import lookup
+from bench.common import record, settle
+from bench.consume import _messages
+from kvledger.consumer.db import connect
+from kvledger.consumer.inbound import Inbound, decode
+from kvledger.consumer.lookup import PrefixIndex
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.router.store import RouterStore
+from kvledger.fleet import FleetConfig
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.topics import ensure_topic
+
+WIDE = timedelta(days=1)  # the generated instances publish nothing
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _timed(fn: object, prompts: list[list[bytes]]) -> tuple[float, float, float]:
+    times = []
+    start = time.perf_counter()
+    for p in prompts:
+        t = time.perf_counter()
+        fn(p)  # type: ignore[operator]
+        times.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    p50, p99 = lookup._percentiles(times)
+    return p50 * 1000, p99 * 1000, len(prompts) / total  # µs, µs, lookups/s
+
+
+def tail_rate() -> dict[str, float]:
+    messages = [
+        Inbound("bench", 0, i, k, v)
+        for i, (k, v) in enumerate(_messages(FleetConfig(instances=4, requests=500, seed=21)))
+    ]
+    codec = Codec()
+    gc.collect()
+    start = time.perf_counter()
+    for m in messages:
+        decode(m, codec)
+    decode_s = time.perf_counter() - start
+    store = RouterStore()
+    events = 0
+    start = time.perf_counter()
+    for i in range(0, len(messages), 5000):
+        events += run_batch(messages[i : i + 5000], codec, store, "bench").plan.block_events
+    apply_s = time.perf_counter() - start
+    return {
+        "tail block events": float(events),
+        "tail apply block-events/s (decode+plan+store)": events / apply_s,
+        "decode alone, block-events/s": events / decode_s,
+    }
+
+
+def main(lookups: int = 2000) -> dict[str, float]:
+    bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
+    url = lookup._database(os.environ["KVLEDGER_DATABASE_URL"])
+    blocks = lookup.populate(url)
+    settle(url)
+    topic = f"bench-router-{uuid.uuid4().hex[:8]}"  # nothing to tail: the index is generated
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
+    ensure_topic(admin, topic, 3)
+    figures: dict[str, float] = {"blocks": float(blocks)}
+    gc.collect()
+    before = _rss()
+    router = RouterIndex(bootstrap, topic, "bench-router")
+    start = time.perf_counter()
+    with connect(url) as conn:
+        router.bootstrap(conn)
+        (residencies,) = conn.execute("SELECT count(*) FROM kvledger.residencies").fetchone() or (
+            0,
+        )
+    figures["bootstrap s"] = time.perf_counter() - start
+    gc.collect()
+    grown = _rss() - before
+    figures["memory MB (RSS growth)"] = grown / 2**20
+    figures["bytes per block"] = grown / blocks
+    figures["bytes per residency"] = grown / residencies
+    rng = random.Random(1)
+    prompts = [lookup._prompt(rng) for _ in range(lookups)]
+    gc.freeze()
+    in_memory = lambda p: router.match("bench", 0, p, "block", False, WIDE)  # noqa: E731
+    _timed(in_memory, prompts[:200])
+    p50, p99, rate = _timed(in_memory, prompts)
+    figures |= {"memory p50 us": p50, "memory p99 us": p99, "memory lookups/s": rate}
+    with connect(url, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        sql = lambda p: index.match("bench", 0, p)  # noqa: E731
+        _timed(sql, prompts[:200])
+        p50, p99, rate = _timed(sql, prompts)
+        same = all(index.match("bench", 0, p) == router.match("bench", 0, p, silent_after=WIDE)
+                   for p in prompts[:200])  # fmt: skip
+    figures |= {"SQL p50 us": p50, "SQL p99 us": p99, "SQL lookups/s": rate}
+    figures["same answers (200 prompts)"] = float(same)
+    figures |= _http(url, bootstrap, topic, prompts)
+    figures |= tail_rate()
+    gc.unfreeze()
+    admin.delete_topics([topic])
+    record("router", figures)
+    return figures
+
+
+def _http(url: str, bootstrap: str, topic: str, prompts: list[list[bytes]]) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", "serve", "--memory", "--database-url", url,
+         "--bootstrap", bootstrap, "--topic", topic, "--consumer-group", "bench-router",
+         "--silent-after", "86400", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvledger serve --memory did not start")
+            time.sleep(0.5)
+        bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
+        times = []
+        with httpx.Client(base_url=base) as client:
+            for body in bodies[:200]:
+                client.post("/v1/match", json=body)
+            for body in bodies:
+                start = time.perf_counter()
+                response = client.post("/v1/match", json=body)
+                times.append(time.perf_counter() - start)
+                assert response.status_code == 200
+    finally:
+        server.terminate()
+        server.wait(30)
+    p50, p99 = lookup._percentiles(times)
+    return {"HTTP from memory p50 ms": p50, "HTTP from memory p99 ms": p99}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""RouterIndex: prefix lookups from memory, with the durable index's answers.
+
+1. :meth:`RouterIndex.bootstrap` reads one consistent snapshot of the PostgreSQL index —
+   group specs, the blocks lookups need, live residencies, source states and lives, and the
+   consumer group's stored offsets — in one REPEATABLE READ transaction.
+2. :meth:`RouterIndex.start` tails the topic from exactly those offsets (its own
+   assignment of every partition, no consumer-group commits) through the same pipeline and
+   pure core as the consumer, into the :class:`RouterStore`: no gap, no double count, the
+   same rejections.
+3. :meth:`match`, :meth:`match_tokens` (and :func:`~kvledger.consumer.lookup.rank`) answer
+   as the SQL functions do at the same log position; :meth:`position` says which.
+
+Any number of routers can run: each is an independent reader of the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+from kvledger.consumer.core.model import (
+    GroupKey,
+    HeldSpec,
+    ResidencyKey,
+    SourceKey,
+    SourceLife,
+    SourceState,
+)
+from kvledger.consumer.lookup.api import Granularity, Holder
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router import match as m
+from kvledger.consumer.router.store import RouterStore, Row, pack
+from kvledger.consumer.service import _inbound
+from kvledger.consumer.store.base import FencedError
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import GroupSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where the router stands in the log."""
+
+    applied: dict[int, int]  # partition -> next offset applied
+    log_end: dict[int, int]  # partition -> end offset (last known)
+    behind_messages: int
+    seconds_behind: float | None  # now minus the log time of the newest applied message
+    bootstrapped_in_s: float
+
+
+class RouterIndex:
+    """The in-memory router index (see the module docstring)."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str = "kv-events",
+        consumer_group: str = "kvledger-index",
+        kafka: dict[str, object] | None = None,
+        batch_size: int = 5000,
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.consumer_group = consumer_group  # whose stored offsets the snapshot carries
+        self.kafka = dict(kafka or {})
+        self.batch_size = batch_size
+        self.store = RouterStore()
+        self.codec = Codec()
+        self.lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._consumer: Consumer | None = None
+        self._ends: dict[int, int] = {}
+        self._admin: AdminClient | None = None
+        self._newest_ms: int | None = None
+        self._bootstrap_s = 0.0
+        self.applied_messages = 0
+        self.block_events = 0
+
+    # ------------------------------------------------------------------ bootstrap
+    def bootstrap(self, conn: psycopg.Connection) -> None:
+        """Load one consistent snapshot of the PostgreSQL index (and its offsets)."""
+        started = time.perf_counter()
+        store = RouterStore()
+        with conn.transaction(), conn.cursor() as cur:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            cur.execute(
+                "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window, "
+                "origin FROM kvledger.group_specs"
+            )
+            for model, group, kind, bs, hbs, sw, origin in cur.fetchall():
+                spec = GroupSpec(model, group, kind, bs, hbs, sw)
+                store.specs[GroupKey(model, group)] = HeldSpec(spec, origin)
+            cur.execute(
+                "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
+                "WHERE consumer_group = %s AND kafka_topic = %s",
+                (self.consumer_group, self.topic),
+            )
+            for partition, offset in cur.fetchall():
+                store.offsets[(self.consumer_group, self.topic, partition)] = offset
+            self._load_blocks(cur, store)
+            with cur.copy(
+                "COPY (SELECT model, group_idx, block_hash, instance, medium, ownership, "
+                "refcount FROM kvledger.residencies) TO STDOUT (FORMAT BINARY)"
+            ) as copy:
+                copy.set_types(["text", "int4", "bytea", "text", "text", "text", "int4"])
+                for model, group, h, instance, medium, own, refcount in copy.rows():
+                    store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
+            cur.execute(
+                "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
+                "epoch_changes, duplicates, last_event_time, surviving_media "
+                "FROM kvledger.source_health"
+            )
+            for row in cur.fetchall():
+                epoch, last, gaps, missing, changes, dups, when, media = row[3:]
+                store.sources[SourceKey(*row[:3])] = SourceState(
+                    epoch, last, gaps, missing, changes, dups, when,
+                    tuple(media) if media is not None else None,
+                )  # fmt: skip
+            cur.execute(
+                "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
+                "FROM kvledger.sources"
+            )
+            for row in cur.fetchall():
+                store.lives[row[0]] = SourceLife(*row[1:])
+        with self.lock:
+            self.store = store
+        self._bootstrap_s = time.perf_counter() - started
+        logger.info(
+            "router bootstrapped in %.1f s: %d blocks, %d holders, offsets %s",
+            self._bootstrap_s,
+            sum(len(g.rows) for g in store.groups.values()),
+            len(store.holders),
+            self.store.stored_offsets(self.consumer_group, self.topic),
+        )
+
+    @staticmethod
+    def _load_blocks(cur: psycopg.Cursor, store: RouterStore) -> None:
+        with cur.copy(
+            "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
+            "partial, lora_name, extra_keys IS NULL, token_ids FROM kvledger.blocks) "
+            "TO STDOUT (FORMAT BINARY)"
+        ) as copy:
+            copy.set_types(
+                ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "bool", "int4[]"]
+            )
+            for model, group, h, parent, start, size, partial, lora, plain, tokens in copy.rows():
+                store.group(GroupKey(model, group)).add_row(
+                    h, Row(parent, start, pack(tokens), size, partial, lora, plain)
+                )
+
+    # ------------------------------------------------------------------ tailing
+    def start(self) -> None:
+        """Tail the topic from the bootstrapped offsets in a background thread."""
+        settings: dict[str, object] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "group.id": f"kvledger-router-{uuid.uuid4().hex[:12]}",  # never joins a group
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "client.id": "kvledger-router",
+            "log_level": 4,
+        }
+        settings.update(self.kafka)
+        consumer = Consumer(settings)
+        metadata = consumer.list_topics(self.topic, timeout=30)
+        partitions = sorted(metadata.topics[self.topic].partitions)
+        stored = self.store.stored_offsets(self.consumer_group, self.topic)
+        consumer.assign(
+            [TopicPartition(self.topic, p, stored.get(p, OFFSET_BEGINNING)) for p in partitions]
+        )
+        self._consumer = consumer
+        self._thread = threading.Thread(target=self._tail, name="kvledger-router", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._consumer is not None:
+            self._consumer.close()
+
+    def _tail(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        while not self._stop.is_set():
+            messages = consumer.consume(self.batch_size, timeout=0.2)
+            batch = []
+            for msg in messages:
+                err = msg.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        logger.warning("router consumer: %s", err)
+                    continue
+                batch.append(_inbound(msg))
+            if not batch:
+                continue
+            try:
+                with self.lock:
+                    result = run_batch(batch, self.codec, self.store, self.consumer_group)
+            except FencedError as exc:  # cannot happen on its own assignment; re-seek
+                logger.warning("router batch out of place (%s); re-seeking", exc)
+                self._reseek()
+                continue
+            self.applied_messages += result.plan.messages
+            self.block_events += result.plan.block_events
+            stamps = [x.timestamp_ms for x in batch if x.timestamp_ms is not None]
+            if stamps:
+                self._newest_ms = max(stamps + ([self._newest_ms] if self._newest_ms else []))
+
+    def _reseek(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        stored = self.store.stored_offsets(self.consumer_group, self.topic)
+        for tp in consumer.assignment():
+            offset = stored.get(tp.partition, OFFSET_BEGINNING)
+            consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+
+    def position(self) -> Position:
+        """Offsets applied, the log's end (asked of the broker; the last known one if it
+        does not answer), and how far behind that is."""
+        applied = self.store.stored_offsets(self.consumer_group, self.topic)
+        try:
+            self._ends = self._log_end()
+        except KafkaException as exc:
+            logger.debug("log end unknown: %s", exc)
+        behind = sum(max(0, end - applied.get(p, 0)) for p, end in self._ends.items())
+        seconds = None
+        if self._newest_ms is not None:
+            seconds = max(0.0, time.time() - self._newest_ms / 1000)
+        return Position(applied, dict(self._ends), behind, seconds, self._bootstrap_s)
+
+    def _log_end(self) -> dict[int, int]:
+        admin = self._admin
+        if admin is None:
+            settings: dict[str, object] = {"bootstrap.servers": self.bootstrap_servers}
+            settings.update(self.kafka)
+            admin = self._admin = AdminClient(settings)
+        metadata = admin.list_topics(self.topic, timeout=10)
+        request = {
+            TopicPartition(self.topic, p): OffsetSpec.latest()  # type: ignore[no-untyped-call]
+            for p in metadata.topics[self.topic].partitions
+        }
+        futures = admin.list_offsets(request, request_timeout=10)
+        return {tp.partition: f.result().offset for tp, f in futures.items()}
+
+    def wait_for(self, offsets: dict[int, int], timeout: float = 60.0) -> None:
+        """Block until every partition has applied at least ``offsets`` (tests, tools)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            applied = self.store.stored_offsets(self.consumer_group, self.topic)
+            if all(applied.get(p, 0) >= o for p, o in offsets.items() if o > 0):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"router did not reach {offsets} within {timeout} s")
+
+    # ------------------------------------------------------------------ lookups
+    def match(
+        self,
+        model: str,
+        group_idx: int,
+        hashes: Sequence[bytes],
+        granularity: Granularity = "block",
+        include_silent: bool = False,
+        silent_after: timedelta | None = None,
+    ) -> list[Holder]:
+        """As :meth:`PrefixIndex.match`, from memory."""
+        with self.lock:
+            found = m.held_prefix(self.store, model, group_idx, hashes, granularity)
+            return m.answer(self.store, found, include_silent, silent_after, _now())
+
+    def match_tokens(
+        self,
+        model: str,
+        group_idx: int,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        include_silent: bool = False,
+        silent_after: timedelta | None = None,
+    ) -> list[Holder]:
+        """As :meth:`PrefixIndex.match_tokens`, from memory."""
+        with self.lock:
+            found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name)
+            return m.answer(self.store, found, include_silent, silent_after, _now())
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)

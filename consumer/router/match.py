@@ -1,0 +1,173 @@
+"""Prefix matches over the router's store: the SQL lookup functions' answers, in memory.
+
+Each mirrors its SQL twin (consumer/lookup/sql/): ``held_prefix`` (block and hash
+granularity), ``held_tokens`` (the token walk through full blocks, then partial tails) and
+the liveness filter of ``match_prefix`` / ``match_tokens``. A holder's run is the longest
+stretch of positions 1, 2, ... it covers; with holders as bits, each position costs one
+AND over everyone still running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from kvledger.consumer.core.model import GroupKey, SourceLife
+from kvledger.consumer.lookup.api import Holder
+from kvledger.consumer.router.store import Group, RouterStore, pack
+
+DEFAULT_SILENT_AFTER = timedelta(seconds=30)
+Run = tuple[int, int, int]  # (holder id, matched_blocks, matched_tokens)
+
+
+def runs(masks: Sequence[int]) -> list[tuple[int, int]]:
+    """(holder id, run length) for every holder covering position 1, from per-position
+    bitmasks of the holders covering it."""
+    if not masks:
+        return []
+    alive = masks[0]
+    out: list[tuple[int, int]] = []
+    n = 1
+    for mask in masks[1:]:
+        if not alive:
+            break
+        still = alive & mask
+        if still != alive:
+            out.extend((hid, n) for hid in _bits(alive & ~still))
+            alive = still
+        n += 1
+    out.extend((hid, n) for hid in _bits(alive))
+    return out
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def held_prefix(
+    store: RouterStore, model: str, group: int, hashes: Sequence[bytes], granularity: str
+) -> list[Run]:
+    g = store.groups.get(GroupKey(model, group))
+    if g is None or not hashes:
+        return []
+    masks = g.masks
+    if granularity == "block":
+        found = runs([masks.get(h, 0) for h in hashes])
+        return [(hid, n, _token_end(g, hashes[n - 1])) for hid, n in found]
+    if granularity != "hash":
+        raise ValueError(f"granularity must be block or hash, not {granularity!r}")
+    held = store.specs.get(GroupKey(model, group))
+    if held is None:
+        return []
+    spec = held.spec
+    if spec.hash_block_size <= 0 or spec.block_size <= 0 or spec.block_size % spec.hash_block_size:
+        return []
+    ratio = spec.block_size // spec.hash_block_size
+    size = len(hashes)
+    own = [masks.get(h, 0) for h in hashes]
+    covered = []
+    for i in range(size):  # position i + 1: its own hash, or the end of the block it is in
+        end = (i // ratio + 1) * ratio
+        covered.append(own[i] | (own[end - 1] if end <= size else 0))
+    return [(hid, n // ratio, n * spec.hash_block_size) for hid, n in runs(covered)]
+
+
+def _token_end(g: Group, block_hash: bytes) -> int:
+    row = g.rows.get(block_hash)
+    end = row.token_end if row is not None else None
+    return end or 0
+
+
+def held_tokens(
+    store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None
+) -> list[Run]:
+    """The token walk of ``held_tokens``: full blocks from the start, then partial tails."""
+    held = store.specs.get(GroupKey(model, group))
+    g = store.groups.get(GroupKey(model, group))
+    if held is None or g is None:
+        return []
+    bs, hbs = held.spec.block_size, held.spec.hash_block_size
+    levels: list[list[bytes]] = []
+    level: list[bytes | None] = [None]
+    i = 0
+    while True:  # chain level i + 1: children of level i holding the next block_size tokens
+        if i > 0 and (i + 1) * bs > len(tokens):
+            break
+        want = pack(tokens[i * bs : (i + 1) * bs])
+        found = sorted(
+            h for parent in level for h in g.children.get(parent, ())
+            if _fits(g, h, want, bs, False, lora, parent is None)
+        )  # fmt: skip
+        if not found:
+            break
+        levels.append(found)
+        level, i = list(found), i + 1
+    chain = [h for lv in levels for h in lv]
+    tip: bytes | None = levels[-1][0] if levels else None
+    pos = len(chain) * bs
+    tail: list[bytes] = []
+    parents: list[bytes | None] = [tip]
+    while pos + hbs <= len(tokens):
+        want = pack(tokens[pos : pos + hbs])
+        found = sorted(
+            h for parent in parents for h in g.children.get(parent, ())
+            if _fits(g, h, want, hbs, True, lora, parent is None)
+        )  # fmt: skip
+        if not found:
+            break
+        tail.extend(found)
+        parents, pos = list(found), pos + hbs
+    hashes = chain + tail
+    return [
+        (hid, min(b, len(chain)), t)
+        for hid, b, t in held_prefix(store, model, group, hashes, "block")
+    ]
+
+
+def _fits(
+    g: Group, h: bytes, want: bytes, size: int, partial: bool, lora: str | None, root: bool
+) -> bool:
+    row = g.rows[h]
+    return (
+        row.partial == partial
+        and row.block_size == size
+        and row.tokens == want
+        and row.lora_name == lora
+        and row.plain
+        and (row.parent is None) == root
+    )
+
+
+def state_of(life: SourceLife | None, now: datetime, silent_after: timedelta) -> str:
+    """live | silent | closed | unknown, as kvledger.source_state answers."""
+    if life is None:
+        return "unknown"
+    if life.closed_at is not None:
+        return "closed"
+    return "silent" if life.last_seen < now - silent_after else "live"
+
+
+def answer(
+    store: RouterStore,
+    found: list[Run],
+    include_silent: bool,
+    silent_after: timedelta | None,
+    now: datetime,
+) -> list[Holder]:
+    """Holders in the lookup API's order, with their source's state, filtered unless asked."""
+    window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
+    out = []
+    for hid, blocks, tokens in found:
+        instance, medium, ownership = store.holders[hid]
+        state = state_of(store.lives.get(instance), now, window)
+        if include_silent or state == "live":
+            out.append(Holder(instance, medium, ownership, blocks, tokens, state))
+    out.sort(
+        key=lambda h: (-h.matched_tokens, -h.matched_blocks, h.instance, h.medium, h.ownership)
+    )
+    return out

@@ -1,0 +1,309 @@
+"""The router's store: the index in memory, kept to what lookups and the rules need.
+
+It implements :class:`~kvledger.consumer.store.base.IndexStore`, so the router tails the
+topic through the same pipeline and pure core as the PostgreSQL consumer. It keeps, per
+(model, group): each block's content (tokens packed as int32 bytes), the holders of each
+block as a bitmask of holder ids (a prefix walk is then one AND per position), reference
+counts above one, and the chain's children for token walks; plus the group specs, the
+source streams' sequence states and the sources' lives. History, the audit log and the
+rejections stay in PostgreSQL: a router does not answer audits.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kvledger.consumer.core.model import (
+    BlockKey,
+    BlockRow,
+    BlockWrite,
+    GroupKey,
+    HeldSpec,
+    HolderKey,
+    Needs,
+    Plan,
+    Residency,
+    ResidencyKey,
+    Snapshot,
+    SourceKey,
+    SourceLife,
+    SourceState,
+)
+from kvledger.consumer.core.plan import upgrades
+from kvledger.consumer.store.base import FencedError, TopicPartition
+
+Holder = tuple[str, str, str]  # (instance, medium, ownership)
+_NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def pack(tokens: Iterable[int]) -> bytes:
+    """Token ids as int32 bytes (compact, and compared as bytes)."""
+    return array("i", tokens).tobytes()
+
+
+@dataclass(slots=True)
+class Row:
+    """One block's content as the router keeps it."""
+
+    parent: bytes | None
+    token_start: int | None
+    tokens: bytes  # int32
+    block_size: int
+    partial: bool
+    lora_name: str | None
+    plain: bool  # no extra keys: a token walk may use it
+
+    @property
+    def token_end(self) -> int | None:
+        return None if self.token_start is None else self.token_start + len(self.tokens) // 4
+
+    def block_row(self) -> BlockRow:
+        return BlockRow(
+            self.parent, self.token_start, tuple(array("i", self.tokens)), self.block_size,
+            self.partial,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Group:
+    """One (model, group)'s blocks and holders."""
+
+    rows: dict[bytes, Row] = field(default_factory=dict)
+    masks: dict[bytes, int] = field(default_factory=dict)  # hash -> holder-id bits
+    counts: dict[tuple[bytes, int], int] = field(default_factory=dict)  # refcounts above 1
+    children: dict[bytes | None, list[bytes]] = field(default_factory=dict)
+
+    def add_row(self, block_hash: bytes, row: Row) -> None:
+        old = self.rows.get(block_hash)
+        self.rows[block_hash] = row
+        if old is not None and old.parent == row.parent:
+            return
+        if old is not None:
+            siblings = self.children.get(old.parent)
+            if siblings is not None and block_hash in siblings:
+                siblings.remove(block_hash)
+        self.children.setdefault(row.parent, []).append(block_hash)
+
+
+class RouterStore:
+    """The router's in-memory index (see the module docstring). One writer; readers take
+    :attr:`lock`-free snapshots of single dictionaries (the router holds its own lock)."""
+
+    def __init__(self) -> None:
+        self.specs: dict[GroupKey, HeldSpec] = {}
+        self.groups: dict[GroupKey, Group] = {}
+        self.holder_ids: dict[Holder, int] = {}
+        self.holders: list[Holder] = []
+        self.sources: dict[SourceKey, SourceState] = {}
+        self.lives: dict[str, SourceLife] = {}
+        self.offsets: dict[tuple[str, str, int], int] = {}
+        self._staged: list[tuple[Plan, str | None, Mapping[TopicPartition, int] | None]] = []
+        self._open = False
+
+    # ------------------------------------------------------------------ building
+    def group(self, key: GroupKey) -> Group:
+        g = self.groups.get(key)
+        if g is None:
+            g = self.groups[key] = Group()
+        return g
+
+    def holder_id(self, holder: Holder) -> int:
+        hid = self.holder_ids.get(holder)
+        if hid is None:
+            hid = self.holder_ids[holder] = len(self.holders)
+            self.holders.append(holder)
+        return hid
+
+    def hold(self, key: ResidencyKey, refcount: int) -> None:
+        """Set one residency's reference count (0: it ends)."""
+        g = self.group(GroupKey(key.model, key.group_idx))
+        bit = 1 << self.holder_id((key.instance, key.medium, key.ownership))
+        h = key.block_hash
+        hid = bit.bit_length() - 1
+        if refcount > 0:
+            g.masks[h] = g.masks.get(h, 0) | bit
+            if refcount > 1:
+                g.counts[(h, hid)] = refcount
+            else:
+                g.counts.pop((h, hid), None)
+        else:
+            mask = g.masks.get(h, 0) & ~bit
+            if mask:
+                g.masks[h] = mask
+            else:
+                g.masks.pop(h, None)
+            g.counts.pop((h, hid), None)
+
+    def refcount(self, key: ResidencyKey) -> int:
+        g = self.groups.get(GroupKey(key.model, key.group_idx))
+        hid = self.holder_ids.get((key.instance, key.medium, key.ownership))
+        if g is None or hid is None or not (g.masks.get(key.block_hash, 0) >> hid) & 1:
+            return 0
+        return g.counts.get((key.block_hash, hid), 1)
+
+    # ------------------------------------------------------------------ IndexStore
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self._open:
+            raise RuntimeError("RouterStore: transactions do not nest")
+        self._open, self._staged = True, []
+        try:
+            yield
+            for plan, group, offsets in self._staged:
+                self._apply(plan, group, offsets)
+        finally:
+            self._open, self._staged = False, []
+
+    def fence(self, consumer_group: str, starts: Mapping[TopicPartition, int]) -> None:
+        fenced = {}
+        for (topic, partition), start in starts.items():
+            stored = self.offsets.get((consumer_group, topic, partition))
+            if stored is not None and stored != start:
+                fenced[partition] = (stored, start)
+        if fenced:
+            raise FencedError(fenced)
+
+    def load(self, needs: Needs) -> Snapshot:
+        return Snapshot(
+            self.specs, _Blocks(self), _Residencies(self), _Held(self), self.sources, self.lives
+        )
+
+    def write(
+        self,
+        plan: Plan,
+        consumer_group: str | None = None,
+        next_offsets: Mapping[TopicPartition, int] | None = None,
+    ) -> None:
+        if not self._open:
+            raise RuntimeError("RouterStore: call inside transaction()")
+        self._staged.append((plan, consumer_group, next_offsets))
+
+    def stored_offsets(self, consumer_group: str, topic: str) -> dict[int, int]:
+        return {p: o for (g, t, p), o in self.offsets.items() if g == consumer_group and t == topic}
+
+    def _apply(
+        self, plan: Plan, group: str | None, offsets: Mapping[TopicPartition, int] | None
+    ) -> None:
+        for spec, _ in plan.new_specs:
+            self.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(spec, "announced"))
+        for key, write in plan.blocks.items():
+            self._merge(key, write)
+        for d in plan.residencies:
+            self.hold(d.key, d.refcount)
+        self.sources.update(plan.sources)
+        self.lives.update(plan.lives)
+        if group is not None and offsets:
+            for (topic, partition), offset in offsets.items():
+                self.offsets[(group, topic, partition)] = offset
+
+    def _merge(self, key: BlockKey, write: BlockWrite) -> None:
+        """As the PostgreSQL store merges a block row (content upgrades, first metadata)."""
+        g = self.group(GroupKey(key.model, key.group_idx))
+        new = write.row
+        old = g.rows.get(key.block_hash)
+        plain = write.extra_keys is None
+        if old is None:
+            g.add_row(key.block_hash, _row(new, write.lora_name, plain))
+            return
+        known = old.block_row()
+        lora = old.lora_name if old.lora_name is not None else write.lora_name
+        if known.placeholder or upgrades(known, new):
+            g.add_row(key.block_hash, _row(new, lora, old.plain and plain))
+        else:
+            old.lora_name, old.plain = lora, old.plain and plain
+
+
+def _row(r: BlockRow, lora: str | None, plain: bool) -> Row:
+    return Row(
+        r.parent_hash, r.token_start, pack(r.token_ids), r.block_size, r.partial, lora, plain
+    )
+
+
+# ---------------------------------------------------------------------- snapshot views
+class _Blocks(Mapping[BlockKey, BlockRow]):
+    def __init__(self, store: RouterStore) -> None:
+        self.store = store
+
+    def __getitem__(self, key: BlockKey) -> BlockRow:
+        g = self.store.groups.get(GroupKey(key.model, key.group_idx))
+        row = g.rows.get(key.block_hash) if g is not None else None
+        if row is None:
+            raise KeyError(key)
+        return row.block_row()
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        for (model, group), g in self.store.groups.items():
+            for h in g.rows:
+                yield BlockKey(model, group, h)
+
+    def __len__(self) -> int:
+        return sum(len(g.rows) for g in self.store.groups.values())
+
+
+class _Residencies(Mapping[ResidencyKey, Residency]):
+    def __init__(self, store: RouterStore) -> None:
+        self.store = store
+
+    def __getitem__(self, key: ResidencyKey) -> Residency:
+        count = self.store.refcount(key)
+        if not count:
+            raise KeyError(key)
+        # The router keeps no history: the opening message is not needed for lookups.
+        return Residency(count, None, _NO_TIME, "", 0, 0)
+
+    def __iter__(self) -> Iterator[ResidencyKey]:
+        store = self.store
+        for (model, group), g in store.groups.items():
+            for h, mask in g.masks.items():
+                for hid, (instance, medium, own) in enumerate(store.holders):
+                    if (mask >> hid) & 1:
+                        yield ResidencyKey(model, group, h, instance, medium, own)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _Held(Mapping[HolderKey, Collection[bytes]]):
+    """Each holder's hashes, computed when asked (restarts and clears are rare)."""
+
+    def __init__(self, store: RouterStore) -> None:
+        self.store = store
+
+    def __getitem__(self, key: HolderKey) -> Collection[bytes]:
+        hid = self.store.holder_ids.get((key.instance, key.medium, key.ownership))
+        g = self.store.groups.get(GroupKey(key.model, key.group_idx))
+        if hid is None or g is None:
+            raise KeyError(key)
+        return _HeldHashes(g, hid)
+
+    def items(self) -> Iterator[tuple[HolderKey, Collection[bytes]]]:  # type: ignore[override]
+        """Lazily: a holder's hashes are found only when a caller iterates them."""
+        for key in self:
+            yield key, self[key]
+
+    def __iter__(self) -> Iterator[HolderKey]:
+        for model, group in self.store.groups:
+            for instance, medium, own in self.store.holders:
+                yield HolderKey(model, group, instance, medium, own)
+
+    def __len__(self) -> int:
+        return len(self.store.groups) * len(self.store.holders)
+
+
+class _HeldHashes(Collection[bytes]):
+    def __init__(self, group: Group, hid: int) -> None:
+        self.group, self.hid = group, hid
+
+    def __iter__(self) -> Iterator[bytes]:
+        hid = self.hid
+        return iter([h for h, mask in self.group.masks.items() if (mask >> hid) & 1])
+
+    def __contains__(self, h: object) -> bool:
+        return isinstance(h, bytes) and bool((self.group.masks.get(h, 0) >> self.hid) & 1)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -66,7 +66,7 @@ class RouterIndex:
         bootstrap_servers: str,
         topic: str = "kv-events",
         consumer_group: str = "kvledger-index",
-        kafka: dict[str, object] | None = None,
+        kafka: dict[str, str | int | float | bool] | None = None,
         batch_size: int = 5000,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
@@ -242,7 +242,9 @@ class RouterIndex:
     def _log_end(self) -> dict[int, int]:
         admin = self._admin
         if admin is None:
-            settings: dict[str, object] = {"bootstrap.servers": self.bootstrap_servers}
+            settings: dict[str, str | int | float | bool] = {
+                "bootstrap.servers": self.bootstrap_servers
+            }
             settings.update(self.kafka)
             admin = self._admin = AdminClient(settings)
         metadata = admin.list_topics(self.topic, timeout=10)

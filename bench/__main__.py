@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from bench import consume, lookup, produce, tracker_encode
+from bench import consume, lookup, produce, router, tracker_encode
 from bench.common import RESULTS
 
 
@@ -20,6 +20,7 @@ def main() -> None:
     # Read-only lookups first: the consumer benchmarks leave dead rows for autovacuum.
     tracker_encode.main()
     lookup.main()
+    router.main()  # on the lookup benchmark's index, beside SQL
     produce.main()
     consume.main()
     data = json.loads(RESULTS.read_text())

@@ -10,11 +10,13 @@ import time
 from datetime import timedelta
 
 import pytest
+from starlette.testclient import TestClient
 
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.core.model import GroupKey
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex
+from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.service import IndexConsumer, stored_offsets
 from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_prompts
@@ -144,6 +146,20 @@ def test_router_and_sql_give_the_same_answers(
         assert lora_mem == lora_sql and [h.instance for h in lora_mem] == ["engine-lora"]
         assert restarts == (1,) and seen["tail"] > 0
         assert router.store.specs.keys() >= {GroupKey(fleet.model, 0)}
+        # The HTTP service from memory: the same bodies as from SQL, its position in /healthz.
+        body = {"model": fleet.model, "token_ids": lora_prompt, "lora_name": LORA,
+                "silent_after_s": 86400}  # fmt: skip
+        with (
+            TestClient(create_app(router=router)) as mem,
+            TestClient(create_app(fresh_database, 2)) as sql_app,
+        ):
+            health = mem.get("/healthz").json()
+            assert health["mode"] == "memory" and health["position"]["behind_messages"] == 0
+            assert (
+                mem.post("/v1/match", json=body).json()
+                == sql_app.post("/v1/match", json=body).json()
+            )
+            assert mem.get(f"/v1/blocks/{'00' * 8}").status_code == 400
     finally:
         router.stop()
         consumer.stop()

@@ -9,7 +9,7 @@ AND over everyone still running.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
@@ -20,16 +20,16 @@ DEFAULT_SILENT_AFTER = timedelta(seconds=30)
 Run = tuple[int, int, int]  # (holder id, matched_blocks, matched_tokens)
 
 
-def runs(masks: Sequence[int]) -> list[tuple[int, int]]:
+def runs(masks: Iterable[int]) -> list[tuple[int, int]]:
     """(holder id, run length) for every holder covering position 1, from per-position
-    bitmasks of the holders covering it."""
-    if not masks:
-        return []
-    alive = masks[0]
+    bitmasks of the holders covering it (read lazily: the walk stops once no holder runs)."""
+    it = iter(masks)
+    alive = next(it, 0)
     out: list[tuple[int, int]] = []
     n = 1
-    for mask in masks[1:]:
-        if not alive:
+    while alive:
+        mask = next(it, None)
+        if mask is None:
             break
         still = alive & mask
         if still != alive:
@@ -57,7 +57,8 @@ def held_prefix(
         return []
     masks = g.masks
     if granularity == "block":
-        found = runs([masks.get(h, 0) for h in hashes])
+        get = masks.get
+        found = runs(get(h, 0) for h in hashes)
         return [(hid, n, _token_end(g, hashes[n - 1])) for hid, n in found]
     if granularity != "hash":
         raise ValueError(f"granularity must be block or hash, not {granularity!r}")
@@ -100,7 +101,7 @@ def held_tokens(
             break
         want = pack(tokens[i * bs : (i + 1) * bs])
         found = sorted(
-            h for parent in level for h in g.children.get(parent, ())
+            h for parent in level for h in g.child_hashes(parent)
             if _fits(g, h, want, bs, False, lora, parent is None)
         )  # fmt: skip
         if not found:
@@ -115,7 +116,7 @@ def held_tokens(
     while pos + hbs <= len(tokens):
         want = pack(tokens[pos : pos + hbs])
         found = sorted(
-            h for parent in parents for h in g.children.get(parent, ())
+            h for parent in parents for h in g.child_hashes(parent)
             if _fits(g, h, want, hbs, True, lora, parent is None)
         )  # fmt: skip
         if not found:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -34,7 +33,7 @@ from kvledger.consumer.core.model import (
     SourceState,
 )
 from kvledger.consumer.core.plan import upgrades
-from kvledger.consumer.store.base import FencedError, TopicPartition
+from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
 _NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
@@ -75,7 +74,8 @@ class Group:
     rows: dict[bytes, Row] = field(default_factory=dict)
     masks: dict[bytes, int] = field(default_factory=dict)  # hash -> holder-id bits
     counts: dict[tuple[bytes, int], int] = field(default_factory=dict)  # refcounts above 1
-    children: dict[bytes | None, list[bytes]] = field(default_factory=dict)
+    # parent -> its child's hash, or a list when it has several (most have one)
+    children: dict[bytes | None, bytes | list[bytes]] = field(default_factory=dict)
 
     def add_row(self, block_hash: bytes, row: Row) -> None:
         old = self.rows.get(block_hash)
@@ -83,26 +83,41 @@ class Group:
         if old is not None and old.parent == row.parent:
             return
         if old is not None:
-            siblings = self.children.get(old.parent)
-            if siblings is not None and block_hash in siblings:
-                siblings.remove(block_hash)
-        self.children.setdefault(row.parent, []).append(block_hash)
+            self._unlink(old.parent, block_hash)
+        kids = self.children.get(row.parent)
+        if kids is None:
+            self.children[row.parent] = block_hash
+        elif isinstance(kids, list):
+            kids.append(block_hash)
+        else:
+            self.children[row.parent] = [kids, block_hash]
+
+    def child_hashes(self, parent: bytes | None) -> list[bytes]:
+        kids = self.children.get(parent)
+        if kids is None:
+            return []
+        return kids if isinstance(kids, list) else [kids]
+
+    def _unlink(self, parent: bytes | None, block_hash: bytes) -> None:
+        kids = self.children.get(parent)
+        if kids == block_hash:
+            del self.children[parent]
+        elif isinstance(kids, list) and block_hash in kids:
+            kids.remove(block_hash)
 
 
-class RouterStore:
-    """The router's in-memory index (see the module docstring). One writer; readers take
-    :attr:`lock`-free snapshots of single dictionaries (the router holds its own lock)."""
+class RouterStore(StagedStore):
+    """The router's in-memory index (see the module docstring). One writer at a time; the
+    RouterIndex serializes writes and lookups with its lock."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.specs: dict[GroupKey, HeldSpec] = {}
         self.groups: dict[GroupKey, Group] = {}
         self.holder_ids: dict[Holder, int] = {}
         self.holders: list[Holder] = []
         self.sources: dict[SourceKey, SourceState] = {}
         self.lives: dict[str, SourceLife] = {}
-        self.offsets: dict[tuple[str, str, int], int] = {}
-        self._staged: list[tuple[Plan, str | None, Mapping[TopicPartition, int] | None]] = []
-        self._open = False
 
     # ------------------------------------------------------------------ building
     def group(self, key: GroupKey) -> Group:
@@ -146,48 +161,13 @@ class RouterStore:
         return g.counts.get((key.block_hash, hid), 1)
 
     # ------------------------------------------------------------------ IndexStore
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        if self._open:
-            raise RuntimeError("RouterStore: transactions do not nest")
-        self._open, self._staged = True, []
-        try:
-            yield
-            for plan, group, offsets in self._staged:
-                self._apply(plan, group, offsets)
-        finally:
-            self._open, self._staged = False, []
-
-    def fence(self, consumer_group: str, starts: Mapping[TopicPartition, int]) -> None:
-        fenced = {}
-        for (topic, partition), start in starts.items():
-            stored = self.offsets.get((consumer_group, topic, partition))
-            if stored is not None and stored != start:
-                fenced[partition] = (stored, start)
-        if fenced:
-            raise FencedError(fenced)
 
     def load(self, needs: Needs) -> Snapshot:
         return Snapshot(
             self.specs, _Blocks(self), _Residencies(self), _Held(self), self.sources, self.lives
         )
 
-    def write(
-        self,
-        plan: Plan,
-        consumer_group: str | None = None,
-        next_offsets: Mapping[TopicPartition, int] | None = None,
-    ) -> None:
-        if not self._open:
-            raise RuntimeError("RouterStore: call inside transaction()")
-        self._staged.append((plan, consumer_group, next_offsets))
-
-    def stored_offsets(self, consumer_group: str, topic: str) -> dict[int, int]:
-        return {p: o for (g, t, p), o in self.offsets.items() if g == consumer_group and t == topic}
-
-    def _apply(
-        self, plan: Plan, group: str | None, offsets: Mapping[TopicPartition, int] | None
-    ) -> None:
+    def _apply(self, plan: Plan) -> None:
         for spec, _ in plan.new_specs:
             self.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(spec, "announced"))
         for key, write in plan.blocks.items():
@@ -196,9 +176,6 @@ class RouterStore:
             self.hold(d.key, d.refcount)
         self.sources.update(plan.sources)
         self.lives.update(plan.lives)
-        if group is not None and offsets:
-            for (topic, partition), offset in offsets.items():
-                self.offsets[(group, topic, partition)] = offset
 
     def _merge(self, key: BlockKey, write: BlockWrite) -> None:
         """As the PostgreSQL store merges a block row (content upgrades, first metadata)."""

@@ -10,8 +10,6 @@ nothing. One writer at a time.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,7 +33,7 @@ from kvledger.consumer.core.model import (
     SourceState,
 )
 from kvledger.consumer.core.plan import upgrades
-from kvledger.consumer.store.base import FencedError, TopicPartition
+from kvledger.consumer.store.staged import StagedStore
 from kvledger.schemas.events import GroupSpec
 
 Coordinates = tuple[str, int, int]  # (topic, partition, offset)
@@ -60,10 +58,11 @@ class _HistoryRow:
     offset: int
 
 
-class MemoryStore:
+class MemoryStore(StagedStore):
     """The index in memory (see the module docstring)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.specs: dict[GroupKey, HeldSpec] = {}
         self.announced_by: dict[GroupKey, str | None] = {}
         self.blocks: dict[BlockKey, BlockRow] = {}
@@ -77,57 +76,14 @@ class MemoryStore:
         self.lifecycle: list[LifecycleEvent] = []
         self.events: dict[Coordinates, AuditRow] = {}
         self.rejected: dict[Coordinates, tuple[Rejection, bool]] = {}  # (rejection, replayed)
-        self.offsets: dict[tuple[str, str, int], int] = {}  # (group, topic, partition)
-        self._staged: list[tuple[Plan, str | None, Mapping[TopicPartition, int] | None]] = []
-        self._claims: dict[tuple[str, str, int], int] = {}
-        self._open = False
 
     # ------------------------------------------------------------------ the interface
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        if self._open:
-            raise RuntimeError("MemoryStore: transactions do not nest")
-        self._open, self._staged, self._claims = True, [], {}
-        try:
-            yield
-            for key, offset in self._claims.items():
-                self.offsets.setdefault(key, offset)
-            for plan, group, offsets in self._staged:
-                self._apply(plan, group, offsets)
-        finally:
-            self._open, self._staged, self._claims = False, [], {}
-
-    def fence(self, consumer_group: str, starts: Mapping[TopicPartition, int]) -> None:
-        fenced = {}
-        for (topic, partition), start in starts.items():
-            key = (consumer_group, topic, partition)
-            stored = self.offsets.get(key)
-            if stored is None:
-                self._claims[key] = start
-            elif stored != start:
-                fenced[partition] = (stored, start)
-        if fenced:
-            raise FencedError(fenced)
-
     def load(self, needs: Needs) -> Snapshot:
         # The committed state itself: the core never mutates a snapshot, and this
         # transaction's writes are staged until it ends.
         return Snapshot(
             self.specs, self.blocks, self.residencies, self.held, self.sources, self.lives
         )
-
-    def write(
-        self,
-        plan: Plan,
-        consumer_group: str | None = None,
-        next_offsets: Mapping[TopicPartition, int] | None = None,
-    ) -> None:
-        if not self._open:
-            raise RuntimeError("MemoryStore: call inside transaction()")
-        self._staged.append((plan, consumer_group, next_offsets))
-
-    def stored_offsets(self, consumer_group: str, topic: str) -> dict[int, int]:
-        return {p: o for (g, t, p), o in self.offsets.items() if g == consumer_group and t == topic}
 
     def declare(self, spec: GroupSpec) -> None:
         """An operator's spec (wins over announcements), as ``kvledger groups declare``."""
@@ -136,9 +92,7 @@ class MemoryStore:
         self.announced_by[key] = None
 
     # ------------------------------------------------------------------ applying a plan
-    def _apply(
-        self, plan: Plan, group: str | None, offsets: Mapping[TopicPartition, int] | None
-    ) -> None:
+    def _apply(self, plan: Plan) -> None:
         for spec, by in plan.new_specs:
             key = GroupKey(spec.model, spec.group_idx)
             if key not in self.specs:
@@ -169,9 +123,6 @@ class MemoryStore:
             for r in plan.rejected:
                 m = r.message
                 self.rejected.setdefault((m.topic, m.partition, m.offset), (r, False))
-        if group is not None and offsets:
-            for (topic, partition), offset in offsets.items():
-                self.offsets[(group, topic, partition)] = offset
 
     def _merge_block(self, key: BlockKey, write: BlockWrite) -> None:
         known = self.blocks.get(key)

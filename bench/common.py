@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,55 @@ def settle(database_url: str, timeout_s: float = 60.0) -> None:
             if not row or row[0] == 0:
                 return
             time.sleep(0.5)
+
+
+@contextmanager
+def lookup_service(args: list[str], start_timeout_s: float = 30.0) -> Iterator[str]:
+    """A `kvledger serve` process on a free loopback port; yields its base URL once
+    /healthz answers, and stops it afterwards."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", "serve", *args, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvledger serve {' '.join(args)} did not start")
+            time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def post_times(base: str, bodies: list[dict[str, Any]], warm: int = 200) -> list[float]:
+    """Seconds per POST /v1/match, one client, after ``warm`` untimed requests."""
+    import httpx
+
+    times = []
+    with httpx.Client(base_url=base) as client:
+        for body in bodies[:warm]:
+            client.post("/v1/match", json=body)
+        for body in bodies:
+            start = time.perf_counter()
+            response = client.post("/v1/match", json=body)
+            times.append(time.perf_counter() - start)
+            assert response.status_code == 200, response.text
+    return times

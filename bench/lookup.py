@@ -12,9 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +20,7 @@ import time
 import httpx
 import sqlalchemy as sa
 
-from bench.common import record, settle
+from bench.common import lookup_service, post_times, record, settle
 from kvledger.consumer.db import connect, migrate
 from kvledger.consumer.lookup import PrefixIndex
 
@@ -159,37 +157,9 @@ def main(lookups: int = 2000) -> dict[str, float]:
     )
     figures["Python API p50 ms"], figures["Python API p99 ms"] = _percentiles(api_times)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvledger.cli", "serve", "--database-url", url,
-         "--port", str(port), "--pool-size", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvledger serve did not start")
-            time.sleep(0.2)
-        bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
-        http_times = []
-        with httpx.Client(base_url=base) as client:
-            for body in bodies[:200]:
-                client.post("/v1/match", json=body)
-            for body in bodies:
-                start = time.perf_counter()
-                response = client.post("/v1/match", json=body)
-                http_times.append(time.perf_counter() - start)
-                assert response.status_code == 200
-        figures["HTTP p50 ms"], figures["HTTP p99 ms"] = _percentiles(http_times)
+    bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
+    with lookup_service(["--database-url", url, "--pool-size", "8"]) as base:
+        figures["HTTP p50 ms"], figures["HTTP p99 ms"] = _percentiles(post_times(base, bodies))
         done = [0]
         lock = threading.Lock()
 
@@ -207,9 +177,6 @@ def main(lookups: int = 2000) -> dict[str, float]:
         for t in threads:
             t.join()
         figures["HTTP lookups/s, 8 concurrent clients"] = done[0] / (time.perf_counter() - start)
-    finally:
-        server.terminate()
-        server.wait(30)
     record("lookup", figures)
     return figures
 

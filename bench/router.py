@@ -12,18 +12,14 @@ from __future__ import annotations
 import gc
 import os
 import random
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from datetime import timedelta
 
-import httpx
 from confluent_kafka.admin import AdminClient
 
 from bench import lookup
-from bench.common import record, settle
+from bench.common import lookup_service, post_times, record, settle
 from bench.consume import _messages
 from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound, decode
@@ -131,41 +127,11 @@ def main(lookups: int = 2000) -> dict[str, float]:
 
 
 def _http(url: str, bootstrap: str, topic: str, prompts: list[list[bytes]]) -> dict[str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvledger.cli", "serve", "--memory", "--database-url", url,
-         "--bootstrap", bootstrap, "--topic", topic, "--consumer-group", "bench-router",
-         "--silent-after", "86400", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvledger serve --memory did not start")
-            time.sleep(0.5)
-        bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
-        times = []
-        with httpx.Client(base_url=base) as client:
-            for body in bodies[:200]:
-                client.post("/v1/match", json=body)
-            for body in bodies:
-                start = time.perf_counter()
-                response = client.post("/v1/match", json=body)
-                times.append(time.perf_counter() - start)
-                assert response.status_code == 200
-    finally:
-        server.terminate()
-        server.wait(30)
-    p50, p99 = lookup._percentiles(times)
+    args = ["--memory", "--database-url", url, "--bootstrap", bootstrap, "--topic", topic,
+            "--consumer-group", "bench-router", "--silent-after", "86400"]  # fmt: skip
+    bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
+    with lookup_service(args, start_timeout_s=300) as base:  # it bootstraps first
+        p50, p99 = lookup._percentiles(post_times(base, bodies))
     return {"HTTP from memory p50 ms": p50, "HTTP from memory p99 ms": p99}
 
 

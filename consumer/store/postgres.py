@@ -31,6 +31,7 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
 )
+from kvledger.consumer.store import pg_sql as sql
 from kvledger.consumer.store.base import FencedError, TopicPartition
 from kvledger.consumer.store.copy import copy_rows, int4_array
 from kvledger.consumer.store.tables import (
@@ -43,14 +44,6 @@ from kvledger.consumer.store.tables import (
     RESIDENCY_HISTORY,
 )
 from kvledger.schemas.events import GroupSpec
-
-_TEMP_TABLES = f"""
-CREATE TEMP TABLE IF NOT EXISTS tmp_blocks (LIKE kvledger.blocks) ON COMMIT DELETE ROWS;
-CREATE TEMP TABLE IF NOT EXISTS tmp_res (LIKE kvledger.residencies) ON COMMIT DELETE ROWS;
-CREATE TEMP TABLE IF NOT EXISTS tmp_close (
-    {", ".join(f"{name} {kind}" for name, kind in HISTORY_CLOSE)}
-) ON COMMIT DELETE ROWS;
-"""
 
 
 def upsert_group_specs(
@@ -108,7 +101,7 @@ class PostgresStore:
         try:
             with self.conn.transaction(), self.conn.cursor() as cur:
                 if not self._prepared:
-                    cur.execute(_TEMP_TABLES)
+                    cur.execute(sql.TEMP_TABLES)
                     self._prepared = True
                 self._cur = cur
                 yield
@@ -205,7 +198,7 @@ class PostgresStore:
         for holder, hashes in needs.residencies.items():
             model, group, instance, medium, ownership = holder
             cur.execute(
-                f"SELECT {_RESIDENCY_SELECT} FROM unnest(%b::bytea[]) AS q(h) "
+                f"SELECT {sql.RESIDENCY_SELECT} FROM unnest(%b::bytea[]) AS q(h) "
                 "JOIN kvledger.residencies r ON r.block_hash = q.h AND r.model = %s "
                 "AND r.group_idx = %s AND r.instance = %s AND r.medium = %s AND r.ownership = %s",
                 (list(hashes), model, group, instance, medium, ownership),
@@ -216,7 +209,7 @@ class PostgresStore:
         held: dict[HolderKey, set[bytes]] = {}
         for c in needs.scopes:
             cur.execute(
-                f"SELECT {_RESIDENCY_SELECT}, r.medium, r.ownership FROM kvledger.residencies r "
+                f"SELECT {sql.RESIDENCY_SELECT}, r.medium, r.ownership FROM kvledger.residencies r "
                 "WHERE r.model = %s AND r.instance = %s "
                 "AND (%s::int IS NULL OR r.group_idx = %s::int) "
                 "AND (%s::text IS NULL OR r.medium = %s::text) "
@@ -229,7 +222,7 @@ class PostgresStore:
             # Every residency of the streams this batch moves to a newer epoch.
             streams = list(needs.restarts.items())
             cur.execute(
-                f"SELECT {_RESIDENCY_SELECT}, r.medium, r.ownership, r.model, r.instance "
+                f"SELECT {sql.RESIDENCY_SELECT}, r.medium, r.ownership, r.model, r.instance "
                 "FROM unnest(%s::text[], %s::text[], %s::int[], %s::bigint[]) "
                 "AS q(source, model, group_idx, epoch) "
                 "JOIN kvledger.source_health s ON s.source = q.source AND s.model = q.model "
@@ -274,7 +267,7 @@ class PostgresStore:
         residencies: dict[ResidencyKey, Residency],
         held: dict[HolderKey, set[bytes]],
     ) -> None:
-        """Rows of _RESIDENCY_SELECT + (medium, ownership) into the snapshot's maps."""
+        """Rows of sql.RESIDENCY_SELECT + (medium, ownership) into the snapshot's maps."""
         for row in rows:
             key = ResidencyKey(model, row[0], row[1], instance, row[8], row[9])
             residencies[key] = Residency(*row[2:8])
@@ -299,12 +292,12 @@ class PostgresStore:
                      w.extra_keys, w.first_seen, w.last_seen)
                 )  # fmt: skip
             copy_rows(cur, "tmp_blocks", BLOCKS.columns, rows)
-            cur.execute(_MERGE_BLOCKS)
+            cur.execute(sql.MERGE_BLOCKS)
         if plan.residencies:
             self._write_residencies(plan)
         if plan.lives:
             cur.executemany(
-                _UPSERT_LIFE,
+                sql.UPSERT_LIFE,
                 [(source, *_life_row(life)) for source, life in plan.lives.items()],
             )
         if plan.lifecycle:
@@ -314,7 +307,7 @@ class PostgresStore:
             )  # fmt: skip
         if plan.sources:
             cur.executemany(
-                _UPSERT_SOURCE, [(*k, *_source_row(s)) for k, s in plan.sources.items()]
+                sql.UPSERT_SOURCE, [(*k, *_source_row(s)) for k, s in plan.sources.items()]
             )
         if plan.replay:
             self._write_replay_updates(plan)
@@ -344,7 +337,7 @@ class PostgresStore:
         ]
         if closes:
             copy_rows(cur, "tmp_close", HISTORY_CLOSE, closes)
-            cur.execute(_CLOSE_HISTORY)
+            cur.execute(sql.CLOSE_HISTORY)
         intervals = [
             (*d.key, i.locality, i.stored_at, i.removed_at, i.removed_by, i.partition, i.offset)
             for d in deltas
@@ -357,7 +350,7 @@ class PostgresStore:
             if d.refcount > 0 or d.existed
         ]
         copy_rows(cur, "tmp_res", RESIDENCIES.columns, holders)
-        cur.execute(_MERGE_RESIDENCIES)
+        cur.execute(sql.MERGE_RESIDENCIES)
 
     def _write_replay_updates(self, plan: Plan) -> None:
         """After a replay: applied rows leave the reject list and the audit log says so."""
@@ -397,76 +390,3 @@ def _lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:
     return (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
             e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
             e.ended_storage)  # fmt: skip
-
-
-_RESIDENCY_SELECT = (
-    "r.group_idx, r.block_hash, r.refcount, r.locality, r.since, r.kafka_topic, "
-    "r.kafka_partition, r.kafka_offset"
-)
-
-# Content is replaced only over a placeholder, or a partial tail by a full block (the
-# core's upgrades()); metadata is kept from the first writer; seen times widen.
-_CONTENT_SWAP = (
-    "blocks.block_size = 0 OR (blocks.partial AND NOT EXCLUDED.partial AND EXCLUDED.block_size > 0)"
-)
-_MERGE_BLOCKS = f"""
-INSERT INTO kvledger.blocks AS blocks
-SELECT * FROM tmp_blocks
-ON CONFLICT (model, group_idx, block_hash) DO UPDATE SET
-    parent_hash = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.parent_hash ELSE blocks.parent_hash END,
-    token_start = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.token_start ELSE blocks.token_start END,
-    token_end = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.token_end ELSE blocks.token_end END,
-    token_ids = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.token_ids ELSE blocks.token_ids END,
-    partial = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.partial ELSE blocks.partial END,
-    block_size = CASE WHEN {_CONTENT_SWAP} THEN EXCLUDED.block_size ELSE blocks.block_size END,
-    lora_name = COALESCE(blocks.lora_name, EXCLUDED.lora_name),
-    extra_keys = COALESCE(blocks.extra_keys, EXCLUDED.extra_keys),
-    first_seen = LEAST(blocks.first_seen, EXCLUDED.first_seen),
-    last_seen = GREATEST(blocks.last_seen, EXCLUDED.last_seen)
-"""
-
-_CLOSE_HISTORY = """
-UPDATE kvledger.residency_history h
-SET removed_at = GREATEST(c.removed_at, h.stored_at), removed_by = c.removed_by
-FROM tmp_close c
-WHERE h.model = c.model AND h.group_idx = c.group_idx AND h.block_hash = c.block_hash
-  AND h.instance = c.instance AND h.medium = c.medium AND h.ownership = c.ownership
-  AND h.removed_at IS NULL
-"""
-
-_MERGE_RESIDENCIES = """
-DELETE FROM kvledger.residencies r USING tmp_res t
-WHERE t.refcount = 0 AND r.model = t.model AND r.group_idx = t.group_idx
-  AND r.block_hash = t.block_hash AND r.instance = t.instance AND r.medium = t.medium
-  AND r.ownership = t.ownership;
-INSERT INTO kvledger.residencies AS r (model, group_idx, block_hash, instance, medium,
-    ownership, locality, since, kafka_topic, kafka_partition, kafka_offset, refcount)
-SELECT model, group_idx, block_hash, instance, medium, ownership, locality, since,
-    kafka_topic, kafka_partition, kafka_offset, refcount
-FROM tmp_res WHERE refcount > 0
-ON CONFLICT (model, group_idx, block_hash, instance, medium, ownership) DO UPDATE SET
-    refcount = EXCLUDED.refcount, locality = EXCLUDED.locality, since = EXCLUDED.since,
-    kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
-    kafka_offset = EXCLUDED.kafka_offset
-"""
-
-_UPSERT_SOURCE = """
-INSERT INTO kvledger.source_health AS s (source, model, group_idx, epoch, last_seq, gap_count,
-    missing_events, epoch_changes, duplicates, last_event_time, surviving_media)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
-ON CONFLICT (source, model, group_idx) DO UPDATE SET
-    epoch = EXCLUDED.epoch, last_seq = EXCLUDED.last_seq, gap_count = EXCLUDED.gap_count,
-    missing_events = EXCLUDED.missing_events, epoch_changes = EXCLUDED.epoch_changes,
-    duplicates = EXCLUDED.duplicates, last_event_time = EXCLUDED.last_event_time,
-    surviving_media = EXCLUDED.surviving_media
-"""
-
-_UPSERT_LIFE = """
-INSERT INTO kvledger.sources AS s (source, model, epoch, last_seen, closed_at, heartbeat_ms,
-    restarts)
-VALUES (%s, %s, %s, %s, %s, %s, %s)
-ON CONFLICT (source) DO UPDATE SET
-    model = EXCLUDED.model, epoch = EXCLUDED.epoch, last_seen = EXCLUDED.last_seen,
-    closed_at = EXCLUDED.closed_at, heartbeat_ms = EXCLUDED.heartbeat_ms,
-    restarts = EXCLUDED.restarts
-"""

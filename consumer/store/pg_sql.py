@@ -1,0 +1,89 @@
+"""The PostgreSQL store's SQL: the session's temporary tables and one merge per table.
+
+Each merge states in SQL the rule its memory twin states in Python (store/memory.py), and
+the store test suite checks that they agree.
+"""
+
+from __future__ import annotations
+
+from kvledger.consumer.store.tables import HISTORY_CLOSE
+
+TEMP_TABLES = f"""
+CREATE TEMP TABLE IF NOT EXISTS tmp_blocks (LIKE kvledger.blocks) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS tmp_res (LIKE kvledger.residencies) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS tmp_close (
+    {", ".join(f"{name} {kind}" for name, kind in HISTORY_CLOSE)}
+) ON COMMIT DELETE ROWS;
+"""
+
+RESIDENCY_SELECT = (
+    "r.group_idx, r.block_hash, r.refcount, r.locality, r.since, r.kafka_topic, "
+    "r.kafka_partition, r.kafka_offset"
+)
+
+# Content is replaced only over a placeholder, or a partial tail by a full block (the
+# core's upgrades()); metadata is kept from the first writer; seen times widen.
+CONTENT_SWAP = (
+    "blocks.block_size = 0 OR (blocks.partial AND NOT EXCLUDED.partial AND EXCLUDED.block_size > 0)"
+)
+MERGE_BLOCKS = f"""
+INSERT INTO kvledger.blocks AS blocks
+SELECT * FROM tmp_blocks
+ON CONFLICT (model, group_idx, block_hash) DO UPDATE SET
+    parent_hash = CASE WHEN {CONTENT_SWAP} THEN EXCLUDED.parent_hash ELSE blocks.parent_hash END,
+    token_start = CASE WHEN {CONTENT_SWAP} THEN EXCLUDED.token_start ELSE blocks.token_start END,
+    token_end = CASE WHEN {CONTENT_SWAP} THEN EXCLUDED.token_end ELSE blocks.token_end END,
+    token_ids = CASE WHEN {CONTENT_SWAP} THEN EXCLUDED.token_ids ELSE blocks.token_ids END,
+    partial = CASE WHEN {CONTENT_SWAP} THEN EXCLUDED.partial ELSE blocks.partial END,
+    block_size = CASE WHEN {CONTENT_SWAP} THEN EXCLUDED.block_size ELSE blocks.block_size END,
+    lora_name = COALESCE(blocks.lora_name, EXCLUDED.lora_name),
+    extra_keys = COALESCE(blocks.extra_keys, EXCLUDED.extra_keys),
+    first_seen = LEAST(blocks.first_seen, EXCLUDED.first_seen),
+    last_seen = GREATEST(blocks.last_seen, EXCLUDED.last_seen)
+"""
+
+CLOSE_HISTORY = """
+UPDATE kvledger.residency_history h
+SET removed_at = GREATEST(c.removed_at, h.stored_at), removed_by = c.removed_by
+FROM tmp_close c
+WHERE h.model = c.model AND h.group_idx = c.group_idx AND h.block_hash = c.block_hash
+  AND h.instance = c.instance AND h.medium = c.medium AND h.ownership = c.ownership
+  AND h.removed_at IS NULL
+"""
+
+MERGE_RESIDENCIES = """
+DELETE FROM kvledger.residencies r USING tmp_res t
+WHERE t.refcount = 0 AND r.model = t.model AND r.group_idx = t.group_idx
+  AND r.block_hash = t.block_hash AND r.instance = t.instance AND r.medium = t.medium
+  AND r.ownership = t.ownership;
+INSERT INTO kvledger.residencies AS r (model, group_idx, block_hash, instance, medium,
+    ownership, locality, since, kafka_topic, kafka_partition, kafka_offset, refcount)
+SELECT model, group_idx, block_hash, instance, medium, ownership, locality, since,
+    kafka_topic, kafka_partition, kafka_offset, refcount
+FROM tmp_res WHERE refcount > 0
+ON CONFLICT (model, group_idx, block_hash, instance, medium, ownership) DO UPDATE SET
+    refcount = EXCLUDED.refcount, locality = EXCLUDED.locality, since = EXCLUDED.since,
+    kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
+    kafka_offset = EXCLUDED.kafka_offset
+"""
+
+UPSERT_SOURCE = """
+INSERT INTO kvledger.source_health AS s (source, model, group_idx, epoch, last_seq, gap_count,
+    missing_events, epoch_changes, duplicates, last_event_time, surviving_media)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (source, model, group_idx) DO UPDATE SET
+    epoch = EXCLUDED.epoch, last_seq = EXCLUDED.last_seq, gap_count = EXCLUDED.gap_count,
+    missing_events = EXCLUDED.missing_events, epoch_changes = EXCLUDED.epoch_changes,
+    duplicates = EXCLUDED.duplicates, last_event_time = EXCLUDED.last_event_time,
+    surviving_media = EXCLUDED.surviving_media
+"""
+
+UPSERT_LIFE = """
+INSERT INTO kvledger.sources AS s (source, model, epoch, last_seen, closed_at, heartbeat_ms,
+    restarts)
+VALUES (%s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (source) DO UPDATE SET
+    model = EXCLUDED.model, epoch = EXCLUDED.epoch, last_seen = EXCLUDED.last_seen,
+    closed_at = EXCLUDED.closed_at, heartbeat_ms = EXCLUDED.heartbeat_ms,
+    restarts = EXCLUDED.restarts
+"""

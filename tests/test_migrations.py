@@ -33,6 +33,7 @@ def test_downgrade_each_revision_and_upgrade_again(fresh_database: str) -> None:
     head_tables, head_functions = _objects(fresh_database)
     assert {"blocks", "residencies", "events", "instance_footprint"} <= head_tables
     assert "match_prefix(text, integer, bytea[], text, boolean, interval)" in head_functions
+    assert "source_states(interval)" in head_functions
     assert {"sources", "lifecycle_events", "restarts", "source_status"} <= head_tables
 
     downgrade(fresh_database, "0007")

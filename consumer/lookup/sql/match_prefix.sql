@@ -5,9 +5,10 @@ CREATE OR REPLACE FUNCTION kvledger.match_prefix(p_model text, p_group integer, 
  LANGUAGE sql
  STABLE
 AS $function$
-    SELECT h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens, s.state
+    SELECT h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens,
+           coalesce(s.state, 'unknown')
     FROM kvledger.held_prefix(p_model, p_group, p_hashes, p_granularity) h
-    CROSS JOIN LATERAL (SELECT kvledger.source_state(h.instance, p_silent_after) AS state) s
+    LEFT JOIN kvledger.source_states(p_silent_after) s ON s.source = h.instance
     WHERE p_include_silent OR s.state = 'live'
 $function$
 

@@ -6,13 +6,8 @@ CREATE OR REPLACE FUNCTION kvledger.source_state(p_source text, p_silent_after i
  STABLE
 AS $function$
     SELECT coalesce(
-        (SELECT CASE
-                    WHEN s.closed_at IS NOT NULL THEN 'closed'
-                    WHEN s.last_seen < now() - coalesce(p_silent_after, kvledger.silent_after())
-                        THEN 'silent'
-                    ELSE 'live'
-                END
-         FROM kvledger.sources s WHERE s.source = p_source),
+        (SELECT s.state FROM kvledger.source_states(p_silent_after) s
+         WHERE s.source = p_source),
         'unknown')
 $function$
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from kvledger.consumer.core.model import SourceLife, SourceState
+from kvledger.consumer.core.model import SourceLife
 from kvledger.consumer.inbound import Inbound
 from kvledger.schemas.events import (
     DEFAULT_SURVIVING_MEDIA,
@@ -33,11 +33,12 @@ def surviving(announced: tuple[str, ...] | None) -> frozenset[str]:
     return frozenset(DEFAULT_SURVIVING_MEDIA if announced is None else announced)
 
 
-def restart_policy(env: Envelope, previous: SourceState) -> tuple[str, ...] | None:
-    """What survives the restart ``env`` opens: its own announcement's word, else the last."""
+def restart_policy(env: Envelope, previous: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """What survives the restart ``env`` opens: its own announcement's word, else the last
+    one the stream announced (``previous``)."""
     if isinstance(env.event, GroupSpec):
         return env.event.surviving_media
-    return previous.surviving_media
+    return previous
 
 
 def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:

@@ -68,6 +68,8 @@ from kvledger.schemas.events import (
 )
 
 PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
+# Keys built in the per-hash loops skip the named constructor's extra call.
+_new = tuple.__new__
 
 
 def event_time(env: Envelope) -> datetime:
@@ -149,8 +151,11 @@ class _Planner:
         when = event_time(env)  # once per message
         if not plan.replay:
             key = SourceKey(env.source, env.model, group_of(env.event))
-            state = self.sources.get(key) or self.snap.sources.get(key)
-            verdict, nxt = advance(state, env.epoch, env.seq, when)
+            state = self.sources.get(key)
+            if state is None and (held := self.snap.sources.get(key)) is not None:
+                state = self.sources[key] = held.copy()  # the batch's own copy
+            previous = (state.epoch, state.surviving_media) if state is not None else None
+            verdict, nxt = advance(state, env.epoch, env.seq, when, in_place=True)
             if nxt is not None:
                 self.sources[key] = nxt
             if verdict is Verdict.STALE:
@@ -164,8 +169,8 @@ class _Planner:
             if verdict is Verdict.GAP:
                 plan.gaps += 1
             self.lives.observe(d.message, env)
-            if state is not None and env.epoch > state.epoch:
-                self._restart(env, key, state, d.message, when)
+            if previous is not None and env.epoch > previous[0]:
+                self._restart(env, key, previous, d.message, when)
         invalid, hashes, noop = self._event(env, d.message, when)
         if invalid is not None:
             self._reject(d, invalid.reason, invalid.detail, when)
@@ -215,7 +220,8 @@ class _Planner:
         group = group_of(ev)
         invalid = check_stored(ev, self.specs.get(GroupKey(env.model, group)))
         rows = explode(ev) if invalid is None else []
-        keys = [BlockKey(env.model, group, h) for h, _ in rows]
+        model = env.model
+        keys = [_new(BlockKey, (model, group, h)) for h, _ in rows]
         known_rows = [self._known(k) for k in keys]
         for (h, row), known in zip(rows, known_rows, strict=True):
             if known is not None and (why := conflicts(known, row)) is not None:
@@ -223,15 +229,16 @@ class _Planner:
                 break
         if invalid is not None:
             return invalid, 0, 0
-        medium = medium_of(ev)
+        source, medium = env.source, medium_of(ev)
         ownership = ev.ownership or PRIMARY_OWNERSHIP
         extra_by_block = ev.extra_keys or ()
-        writes = self.plan.blocks
+        writes, blocks, change = self.plan.blocks, self.blocks, self.refs.change
         for i, (h, row) in enumerate(rows):
             bkey = keys[i]
-            known = self._known(bkey)  # this event may have written it already
+            # This event may have written the row already (a hash twice in one event).
+            known = blocks.get(bkey) or known_rows[i]
             if known is None or upgrades(known, row):
-                self.blocks[bkey] = known = row
+                blocks[bkey] = known = row
             write = writes.get(bkey)
             if write is None:
                 extra = extra_by_block[i] if i < len(extra_by_block) else None
@@ -240,8 +247,8 @@ class _Planner:
                 write.row = known
                 write.first_seen = min(write.first_seen, when)
                 write.last_seen = max(write.last_seen, when)
-            key = ResidencyKey(env.model, group, h, env.source, medium, ownership)
-            self.refs.change(key, +1, when, ev.locality, msg)
+            change(_new(ResidencyKey, (model, group, h, source, medium, ownership)), 1, when,
+                   ev.locality, msg)  # fmt: skip
         self.plan.block_events += len(rows)
         return None, len(rows), 0
 
@@ -287,14 +294,21 @@ class _Planner:
         return surviving(state.surviving_media if state is not None else None)
 
     def _restart(
-        self, env: Envelope, stream: SourceKey, previous: SourceState, msg: Inbound, when: datetime
+        self,
+        env: Envelope,
+        stream: SourceKey,
+        previous: tuple[int, tuple[str, ...] | None],
+        msg: Inbound,
+        when: datetime,
     ) -> None:
-        """A newer epoch of a stream: its residencies on non-surviving media end."""
-        keep = surviving(restart_policy(env, previous))
+        """A newer epoch of a stream: its residencies on non-surviving media end.
+
+        ``previous``: the stream's epoch and announced survivors before this message."""
+        keep = surviving(restart_policy(env, previous[1]))
         scope = HolderScope(env.model, stream.group_idx, env.source, None, None)
         keys = [k for k in self.refs.live(scope) if k.medium not in keep]
         ended = self.refs.end(keys, "restart", when, msg)
-        self._lifecycle(env, stream.group_idx, "restart", previous.epoch, msg, when, ended)
+        self._lifecycle(env, stream.group_idx, "restart", previous[0], msg, when, ended)
 
     def _goodbye(self, env: Envelope, msg: Inbound, when: datetime) -> int:
         """A clean shutdown: the source's residencies on non-surviving media end, every group."""
@@ -325,7 +339,7 @@ class _Planner:
         """One audit row; ``when`` is the event time (None for an undecodable message)."""
         msg, env = d.message, d.envelope
         if env is None:
-            row = AuditRow(
+            values: tuple[object, ...] = (
                 msg.topic, msg.partition, msg.offset, None, None, None, None, None, None,
                 None, None, hashes, 0, status, reason, None,
             )  # fmt: skip
@@ -334,12 +348,12 @@ class _Planner:
             medium = (
                 ev.medium if isinstance(ev, BlockStored | BlockRemoved | AllBlocksCleared) else None
             )
-            row = AuditRow(
+            values = (
                 msg.topic, msg.partition, msg.offset, env.source, env.model, env.epoch,
                 env.seq, type(ev).__name__, group_of(ev), medium,
                 getattr(ev, "ownership", None), hashes, noop, status, reason, when,
             )  # fmt: skip
-        self.plan.audit.append(row)
+        self.plan.audit.append(_new(AuditRow, values))
 
     def _reject(self, d: Decoded, reason: Reason, detail: str, when: datetime | None) -> None:
         env = d.envelope

@@ -71,17 +71,19 @@ class References:
         how: str = "removed",
     ) -> bool:
         """Change a holder's reference count; False for a removal with no reference left."""
-        state = self._delta(key)
-        if change < 0 and state.refcount == 0:
-            return False
+        state = self.deltas.get(key)
+        if state is None:
+            state = self._delta(key)
         before = state.refcount
-        state.refcount = before + change
+        if change < 0 and before == 0:
+            return False
+        after = state.refcount = before + change
         state.touched = True
-        if before == 0 and state.refcount > 0:
+        if before == 0:  # 0 -> n: a residency and its history interval open
             state.locality, state.since = locality, when
             state.topic, state.partition, state.offset = msg.topic, msg.partition, msg.offset
             state.intervals.append(Interval(when, locality, msg.partition, msg.offset))
-        elif before > 0 and state.refcount == 0:
+        elif after == 0:  # n -> 0: they end
             opened = next((i for i in state.intervals if i.removed_at is None), None)
             if opened is not None:
                 opened.removed_at = max(when, opened.stored_at)
@@ -92,15 +94,14 @@ class References:
         return True
 
     def _delta(self, key: ResidencyKey) -> ResidencyDelta:
-        delta = self.deltas.get(key)
-        if delta is None:
-            held = self.snap.residencies.get(key)
-            if held is None:
-                delta = ResidencyDelta(key, 0, 0, False)
-            else:
-                delta = ResidencyDelta(
-                    key, held.refcount, held.refcount, True, held.locality, held.since,
-                    held.topic, held.partition, held.offset,
-                )  # fmt: skip
-            self.deltas[key] = delta
+        """The key's delta, created from the snapshot on first touch."""
+        held = self.snap.residencies.get(key)
+        if held is None:
+            delta = ResidencyDelta(key, 0, 0, False)
+        else:
+            delta = ResidencyDelta(
+                key, held.refcount, held.refcount, True, held.locality, held.since,
+                held.topic, held.partition, held.offset,
+            )  # fmt: skip
+        self.deltas[key] = delta
         return delta

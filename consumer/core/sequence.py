@@ -26,11 +26,12 @@ class Verdict(StrEnum):
 
 
 def advance(
-    state: SourceState | None, epoch: int, seq: int, when: datetime
+    state: SourceState | None, epoch: int, seq: int, when: datetime, in_place: bool = False
 ) -> tuple[Verdict, SourceState | None]:
     """The verdict for one message and the stream's next state (None: unchanged).
 
-    ``state`` is never mutated: a changed state is a new value.
+    ``state`` is not mutated unless ``in_place`` (for a caller that owns its copy, as the
+    planner does within a batch): a changed state is otherwise a new value.
     """
     if state is None:
         first = SourceState(epoch=epoch, last_seq=seq, last_event_time=when)
@@ -40,7 +41,7 @@ def advance(
         return Verdict.OK, first
     if epoch < state.epoch:
         return Verdict.STALE, None
-    nxt = state.copy()
+    nxt = state if in_place else state.copy()
     verdict = Verdict.OK
     if epoch > state.epoch:
         nxt.epoch_changes += 1

@@ -79,24 +79,26 @@ def event_time(env: Envelope) -> datetime:
 def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
     """What ``batch`` touches: the block rows, residencies, whole holders and sources."""
     out = Needs()
-    restarts = out.restarts
+    restarts, residencies, blocks = out.restarts, out.residencies, out.blocks
     for d in batch:
         env = d.envelope
         if env is None:
             continue
-        out.sources.add(env.source)
-        ev = env.event
-        stream = SourceKey(env.source, env.model, group_of(ev))
+        source, model, ev = env.source, env.model, env.event
+        out.sources.add(source)
+        group = group_of(ev)
+        stream = _new(SourceKey, (source, model, group))
         if restarts.get(stream, -1) < env.epoch:
             restarts[stream] = env.epoch
         if isinstance(ev, BlockStored | BlockRemoved):
-            group = group_of(ev)
-            holder = HolderKey(
-                env.model, group, env.source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP
-            )
-            out.residencies.setdefault(holder, set()).update(ev.block_hashes)
+            own = ev.ownership or PRIMARY_OWNERSHIP
+            holder = _new(HolderKey, (model, group, source, medium_of(ev), own))
+            hashes = residencies.get(holder)
+            if hashes is None:
+                hashes = residencies[holder] = set()
+            hashes.update(ev.block_hashes)
             if isinstance(ev, BlockStored):
-                out.blocks.setdefault(GroupKey(env.model, group), set()).update(ev.block_hashes)
+                blocks.setdefault(_new(GroupKey, (model, group)), set()).update(ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
             out.scopes.add(
                 HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), PRIMARY_OWNERSHIP)
@@ -150,7 +152,7 @@ class _Planner:
             return
         when = event_time(env)  # once per message
         if not plan.replay:
-            key = SourceKey(env.source, env.model, group_of(env.event))
+            key = _new(SourceKey, (env.source, env.model, group_of(env.event)))
             state = self.sources.get(key)
             if state is None and (held := self.snap.sources.get(key)) is not None:
                 state = self.sources[key] = held.copy()  # the batch's own copy

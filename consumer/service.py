@@ -70,7 +70,8 @@ def stored_offsets(conn: psycopg.Connection, group: str, topic: str) -> dict[int
     return PostgresStore(conn).stored_offsets(group, topic)
 
 
-def _inbound(m: Message) -> Inbound:
+def inbound(m: Message) -> Inbound:
+    """A consumed Kafka message as the pipeline takes it (coordinates, bytes, log time)."""
     topic, partition, offset = m.topic(), m.partition(), m.offset()
     assert topic is not None and partition is not None and offset is not None
     kind, timestamp = m.timestamp()
@@ -127,12 +128,12 @@ class IndexConsumer:
                         elif err.code() != KafkaError._PARTITION_EOF:
                             logger.warning("consumer error: %s", err)
                         continue
-                    inbound = _inbound(m)
-                    if cfg.stop_at is not None and inbound.offset >= cfg.stop_at.get(
-                        inbound.partition, 0
+                    message = inbound(m)
+                    if cfg.stop_at is not None and message.offset >= cfg.stop_at.get(
+                        message.partition, 0
                     ):
                         continue
-                    batch.append(inbound)
+                    batch.append(message)
                 if fatal is not None:
                     # The client cannot go on (e.g. a static member fenced after a broker
                     # restart). The offsets live in PostgreSQL: a new client resumes exactly.

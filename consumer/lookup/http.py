@@ -183,8 +183,12 @@ def create_app(
 
     def healthz(request: Request, _: None) -> Response:
         if router is not None:
-            position = asdict(router.position())
-            return JSONResponse({"status": "ok", "mode": "memory", "position": position})
+            position = router.position()
+            status = "ok" if position.error is None else "stopped"
+            return JSONResponse(
+                {"status": status, "mode": "memory", "position": asdict(position)},
+                status_code=200 if position.error is None else 503,
+            )
         with index() as idx:
             idx.conn.execute("SELECT 1 FROM kvledger.group_specs LIMIT 1")
         return JSONResponse({"status": "ok"})

@@ -39,7 +39,7 @@ from kvledger.consumer.lookup.api import Granularity, Holder
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import match as m
 from kvledger.consumer.router.store import RouterStore, Row, pack
-from kvledger.consumer.service import _inbound
+from kvledger.consumer.service import inbound
 from kvledger.consumer.store.base import FencedError
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import GroupSpec
@@ -56,6 +56,7 @@ class Position:
     behind_messages: int
     seconds_behind: float | None  # now minus the log time of the newest applied message
     bootstrapped_in_s: float
+    error: str | None = None  # set when the router stopped following the topic
 
 
 class RouterIndex:
@@ -86,6 +87,7 @@ class RouterIndex:
         self._bootstrap_s = 0.0
         self.applied_messages = 0
         self.block_events = 0
+        self.error: str | None = None  # why the tail stopped, if it did
 
     # ------------------------------------------------------------------ bootstrap
     def bootstrap(self, conn: psycopg.Connection) -> None:
@@ -201,7 +203,7 @@ class RouterIndex:
                     if err.code() != KafkaError._PARTITION_EOF:
                         logger.warning("router consumer: %s", err)
                     continue
-                batch.append(_inbound(msg))
+                batch.append(inbound(msg))
             if not batch:
                 continue
             try:
@@ -211,6 +213,10 @@ class RouterIndex:
                 logger.warning("router batch out of place (%s); re-seeking", exc)
                 self._reseek()
                 continue
+            except Exception as exc:  # a bug: stop following, and say so in position()
+                logger.exception("router stopped following the topic")
+                self.error = f"{type(exc).__name__}: {exc}"
+                return
             self.applied_messages += result.plan.messages
             self.block_events += result.plan.block_events
             stamps = [x.timestamp_ms for x in batch if x.timestamp_ms is not None]
@@ -237,7 +243,7 @@ class RouterIndex:
         seconds = None
         if self._newest_ms is not None:
             seconds = max(0.0, time.time() - self._newest_ms / 1000)
-        return Position(applied, dict(self._ends), behind, seconds, self._bootstrap_s)
+        return Position(applied, dict(self._ends), behind, seconds, self._bootstrap_s, self.error)
 
     def _log_end(self) -> dict[int, int]:
         admin = self._admin

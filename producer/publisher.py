@@ -279,7 +279,7 @@ class KVEventPublisher:
     def _produce(self, group: int, event: KVEvent) -> None:
         if (
             group not in self._announced
-            and not isinstance(event, GroupSpec)
+            and not isinstance(event, GroupSpec | Heartbeat | Goodbye)  # the source's own
             and group not in self._warned_unannounced
         ):
             self._warned_unannounced.add(group)

@@ -29,11 +29,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from kvledger.consumer.core.model import (
     GroupKey,
-    HeldSpec,
     ResidencyKey,
-    SourceKey,
-    SourceLife,
-    SourceState,
 )
 from kvledger.consumer.lookup.api import Granularity, Holder
 from kvledger.consumer.pipeline import run_batch
@@ -41,8 +37,13 @@ from kvledger.consumer.router import match as m
 from kvledger.consumer.router.store import RouterStore, Row, pack
 from kvledger.consumer.service import inbound
 from kvledger.consumer.store.base import FencedError
+from kvledger.consumer.store.postgres import (
+    PostgresStore,
+    load_source_lives,
+    load_source_states,
+    load_specs,
+)
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +97,9 @@ class RouterIndex:
         store = RouterStore()
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            cur.execute(
-                "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window, "
-                "origin FROM kvledger.group_specs"
-            )
-            for model, group, kind, bs, hbs, sw, origin in cur.fetchall():
-                spec = GroupSpec(model, group, kind, bs, hbs, sw)
-                store.specs[GroupKey(model, group)] = HeldSpec(spec, origin)
-            cur.execute(
-                "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
-                "WHERE consumer_group = %s AND kafka_topic = %s",
-                (self.consumer_group, self.topic),
-            )
-            for partition, offset in cur.fetchall():
+            store.specs.update(load_specs(cur))
+            stored = PostgresStore(conn).stored_offsets(self.consumer_group, self.topic)
+            for partition, offset in stored.items():
                 store.offsets[(self.consumer_group, self.topic, partition)] = offset
             self._load_blocks(cur, store)
             with cur.copy(
@@ -118,23 +109,8 @@ class RouterIndex:
                 copy.set_types(["text", "int4", "bytea", "text", "text", "text", "int4"])
                 for model, group, h, instance, medium, own, refcount in copy.rows():
                     store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
-            cur.execute(
-                "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-                "epoch_changes, duplicates, last_event_time, surviving_media "
-                "FROM kvledger.source_health"
-            )
-            for row in cur.fetchall():
-                epoch, last, gaps, missing, changes, dups, when, media = row[3:]
-                store.sources[SourceKey(*row[:3])] = SourceState(
-                    epoch, last, gaps, missing, changes, dups, when,
-                    tuple(media) if media is not None else None,
-                )  # fmt: skip
-            cur.execute(
-                "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
-                "FROM kvledger.sources"
-            )
-            for row in cur.fetchall():
-                store.lives[row[0]] = SourceLife(*row[1:])
+            store.sources.update(load_source_states(cur))
+            store.lives.update(load_source_lives(cur))
         with self.lock:
             self.store = store
         self._bootstrap_s = time.perf_counter() - started

@@ -88,6 +88,38 @@ def load_specs(conn: psycopg.Connection | psycopg.Cursor) -> dict[GroupKey, Held
     }
 
 
+def load_source_states(
+    cur: psycopg.Cursor, sources: list[str] | None = None
+) -> dict[SourceKey, SourceState]:
+    """The source streams' sequence states (``sources``: only theirs; None: all)."""
+    cur.execute(
+        "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
+        "epoch_changes, duplicates, last_event_time, surviving_media "
+        "FROM kvledger.source_health WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
+        (sources, sources),
+    )
+    out = {}
+    for row in cur.fetchall():
+        epoch, last, gaps, missing, changes, dups, when, media = row[3:]
+        out[SourceKey(*row[:3])] = SourceState(
+            epoch, last, gaps, missing, changes, dups, when,
+            tuple(media) if media is not None else None,
+        )  # fmt: skip
+    return out
+
+
+def load_source_lives(
+    cur: psycopg.Cursor, sources: list[str] | None = None
+) -> dict[str, SourceLife]:
+    """The sources' lives (``sources``: only theirs; None: all)."""
+    cur.execute(
+        "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
+        "FROM kvledger.sources WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
+        (sources, sources),
+    )
+    return {row[0]: SourceLife(*row[1:]) for row in cur.fetchall()}
+
+
 class PostgresStore:
     """The index in PostgreSQL, on one connection (autocommit off between transactions)."""
 
@@ -234,29 +266,9 @@ class PostgresStore:
             )  # fmt: skip
             for row in cur.fetchall():
                 self._hold([row[:10]], row[10], row[11], residencies, held)
-        sources: dict[SourceKey, SourceState] = {}
-        if needs.sources:
-            cur.execute(
-                "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-                "epoch_changes, duplicates, last_event_time, surviving_media "
-                "FROM kvledger.source_health "
-                "WHERE source = ANY(%s)",
-                (list(needs.sources),),
-            )
-            for row in cur.fetchall():
-                epoch, last, gaps, missing, changes, dups, when, media = row[3:]
-                sources[SourceKey(*row[:3])] = SourceState(
-                    epoch, last, gaps, missing, changes, dups, when,
-                    tuple(media) if media is not None else None,
-                )  # fmt: skip
-        lives: dict[str, SourceLife] = {}
-        if needs.sources:
-            cur.execute(
-                "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
-                "FROM kvledger.sources WHERE source = ANY(%s)",
-                (list(needs.sources),),
-            )
-            lives = {row[0]: SourceLife(*row[1:]) for row in cur.fetchall()}
+        wanted = list(needs.sources)
+        sources = load_source_states(cur, wanted) if wanted else {}
+        lives = load_source_lives(cur, wanted) if wanted else {}
         return Snapshot(load_specs(cur), blocks, residencies, held, sources, lives)
 
     @staticmethod

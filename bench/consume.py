@@ -30,11 +30,12 @@ from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.store.postgres import PostgresStore
-from kvledger.fleet import CollectingSink, Fleet, FleetConfig
+from kvledger.fleet import Fleet, FleetConfig
 from kvledger.process import freeze_startup_objects
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import Envelope
 from kvledger.schemas.topics import ensure_topic
+from kvledger.sinks import CollectingSink
 
 TABLES = ("blocks", "residencies", "residency_history", "events")
 

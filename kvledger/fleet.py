@@ -26,9 +26,8 @@ import random
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvledger.producer.tracker import (
     GroupOffloadConfig,
@@ -36,13 +35,13 @@ from kvledger.producer.tracker import (
     Medium,
     OffloadingEvent,
     OffloadingEventGroupSpec,
-    OffloadingEventsTracker,
     OffloadKey,
     group_announcement,
     make_offload_key,
 )
-from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
+from kvledger.schemas.events import BlockRemoved, BlockStored, KVEvent
 from kvledger.schemas.hashing import prompt_block_hashes
+from kvledger.sinks import EventSink
 
 TOKENS_PER_HASH = 16
 FULL_GROUP = GroupOffloadConfig(
@@ -65,17 +64,6 @@ SLIDING_CHUNKS_STORED = 2
 STORAGE_OWNER = "disk"
 VOCAB = 65536  # token ids are drawn as 16-bit values
 DEFAULT_MODEL = "sim-llama-8b"
-
-
-class EventSink(Protocol):
-    """Where an engine's events go: a publisher, or a local collector."""
-
-    @property
-    def tracker(self) -> OffloadingEventsTracker: ...
-    def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None: ...
-    def announce_group_spec(self, spec: GroupSpec) -> None: ...
-    def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int: ...
-    def publish_events(self, events: Iterable[KVEvent]) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,36 +363,3 @@ class Fleet:
                     if ahead > 0:
                         time.sleep(ahead)
         return summary
-
-
-class CollectingSink:
-    """An EventSink that keeps translated events in memory (tests, benchmarks)."""
-
-    def __init__(self, model: str = DEFAULT_MODEL) -> None:
-        self._tracker = OffloadingEventsTracker()
-        self.model = model
-        self.events: list[KVEvent] = []
-
-    @property
-    def tracker(self) -> OffloadingEventsTracker:
-        return self._tracker
-
-    def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None:
-        for cfg in group_configs:
-            self.announce_group_spec(group_announcement(self.model, cfg))
-
-    def announce_group_spec(self, spec: GroupSpec) -> None:
-        self._tracker.set_group_spec(
-            spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
-        )
-        self.events.append(spec)
-
-    def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int:
-        out: list[BlockStored | BlockRemoved] = self._tracker.take_events(offloading_events)
-        self.events.extend(out)
-        return len(out)
-
-    def publish_events(self, events: Iterable[KVEvent]) -> int:
-        before = len(self.events)
-        self.events.extend(events)
-        return len(self.events) - before

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvledger.consumer.inbound import Inbound
-from kvledger.fleet import CollectingSink, Fleet, FleetConfig
+from kvledger.fleet import Fleet, FleetConfig
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from kvledger.schemas.events import (
     AllBlocksCleared,
@@ -25,6 +25,7 @@ from kvledger.schemas.events import (
     KVEvent,
     group_of,
 )
+from kvledger.sinks import CollectingSink
 
 T0_MS = 1_764_000_000_000
 MODEL = "m"

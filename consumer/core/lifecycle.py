@@ -81,17 +81,18 @@ class Lives:
             or env.model != life.model
             or isinstance(env.event, Heartbeat | Goodbye)
         ):
-            self.changed[source] = seen(life, env, _utc(ms))
+            self.changed[source] = seen(life, env, utc(ms))
         elif source not in self.changed:
             self.changed[source] = life
 
     def result(self) -> dict[str, SourceLife]:
         out = {}
         for source, life in self.changed.items():
-            last = _utc(self.last_ms[source])
+            last = utc(self.last_ms[source])
             out[source] = replace(life, last_seen=last) if last > life.last_seen else life
         return out
 
 
-def _utc(ms: int) -> datetime:
+def utc(ms: int) -> datetime:
+    """A time in ms since the Unix epoch as an aware UTC datetime."""
     return datetime.fromtimestamp(ms / 1000, tz=UTC)

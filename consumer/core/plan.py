@@ -21,9 +21,9 @@ Reference counts and history intervals: :mod:`.refs`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 
-from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving
+from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving, utc
 from kvledger.consumer.core.model import (
     AuditRow,
     BlockKey,
@@ -73,7 +73,7 @@ _new = tuple.__new__
 
 
 def event_time(env: Envelope) -> datetime:
-    return datetime.fromtimestamp(env.event_time_ms / 1000, tz=UTC)
+    return utc(env.event_time_ms)
 
 
 def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:

@@ -30,6 +30,7 @@ from kvledger.schemas.events import (
     BlockRemoved,
     BlockStored,
     Envelope,
+    EventsLost,
     Goodbye,
     GroupSpec,
     Heartbeat,
@@ -40,6 +41,7 @@ SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
 EVENT_TYPES = (
     "BlockStored", "BlockRemoved", "AllBlocksCleared", "GroupSpec", "Heartbeat", "Goodbye",
+    "EventsLost",
 )  # fmt: skip
 NAMESPACE = "kvledger"
 _FP = struct.Struct("<Q")
@@ -201,6 +203,7 @@ def envelope_to_record(env: Envelope) -> dict[str, Any]:
         "seq": env.seq,
         "event_time_ms": env.event_time_ms,
         "event": _event_to_branch(env.event),
+        "engine_seq": env.engine_seq,
     }
 
 
@@ -225,6 +228,12 @@ def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
                 "ownership": event.ownership,
                 "token_start": event.token_start,
                 "partial": event.partial,
+                "session_id": event.session_id,
+                "lookahead_token_ids": (
+                    [list(t) for t in event.lookahead_token_ids]
+                    if event.lookahead_token_ids is not None
+                    else None
+                ),
             },
         )
     if isinstance(event, BlockRemoved):
@@ -262,6 +271,12 @@ def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
         )
     if isinstance(event, Goodbye):
         return ("kvledger.Goodbye", {"group_idx": event.group_idx})
+    if isinstance(event, EventsLost):
+        return (
+            "kvledger.EventsLost",
+            {"group_idx": event.group_idx, "first_seq": event.first_seq,
+             "last_seq": event.last_seq},
+        )  # fmt: skip
     raise TypeError(f"not a kvledger event: {type(event).__name__}")
 
 
@@ -286,6 +301,12 @@ def record_to_envelope(record: dict[str, Any]) -> Envelope:
             ownership=body.get("ownership"),
             token_start=body.get("token_start"),
             partial=bool(body.get("partial", False)),
+            session_id=body.get("session_id"),
+            lookahead_token_ids=(
+                tuple(tuple(t) for t in look)
+                if (look := body.get("lookahead_token_ids")) is not None
+                else None
+            ),
         )
     elif name == "kvledger.BlockRemoved":
         event = BlockRemoved(
@@ -311,6 +332,10 @@ def record_to_envelope(record: dict[str, Any]) -> Envelope:
         event = Heartbeat(group_idx=body.get("group_idx"), interval_ms=body.get("interval_ms"))
     elif name == "kvledger.Goodbye":
         event = Goodbye(group_idx=body.get("group_idx"))
+    elif name == "kvledger.EventsLost":
+        event = EventsLost(
+            first_seq=body["first_seq"], last_seq=body["last_seq"], group_idx=body.get("group_idx")
+        )
     else:
         raise DecodeError("unknown_schema", f"unknown event type {name}")
     return Envelope(
@@ -321,4 +346,5 @@ def record_to_envelope(record: dict[str, Any]) -> Envelope:
         seq=record["seq"],
         event_time_ms=record["event_time_ms"],
         event=event,
+        engine_seq=record.get("engine_seq"),
     )

@@ -70,6 +70,9 @@ class BlockStored:
     ownership: str | None = None
     token_start: int | None = None
     partial: bool = False
+    # vLLM's request context and hash look-ahead: carried on the wire, not indexed.
+    session_id: str | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def is_placeholder(self) -> bool:
@@ -137,7 +140,19 @@ class Goodbye:
     group_idx: int | None = None
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | GroupSpec | Heartbeat | Goodbye
+@dataclass(frozen=True, slots=True)
+class EventsLost:
+    """A relay could not recover engine batches ``first_seq..last_seq`` (the engine no longer
+    held them): the source's blocks in this group, every tier and ownership, are unknown."""
+
+    first_seq: int
+    last_seq: int
+    group_idx: int | None = None
+
+
+KVEvent = (
+    BlockStored | BlockRemoved | AllBlocksCleared | GroupSpec | Heartbeat | Goodbye | EventsLost
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +170,8 @@ class Envelope:
     seq: int
     event_time_ms: int
     event: KVEvent
+    # The engine's sequence number of the batch the event came in (relayed engines only).
+    engine_seq: int | None = None
 
 
 def group_of(event: KVEvent) -> int:

@@ -114,11 +114,15 @@ class SourceState:
     last_event_time: datetime | None = None
     # What the source said outlives its restart (GroupSpec.surviving_media); None: default.
     surviving_media: tuple[str, ...] | None = None
+    # Gaps a relay could not recover from its engine (EventsLost), and the batches lost.
+    lost_gaps: int = 0
+    lost_batches: int = 0
 
     def copy(self) -> SourceState:
         return SourceState(
             self.epoch, self.last_seq, self.gap_count, self.missing_events, self.epoch_changes,
-            self.duplicates, self.last_event_time, self.surviving_media,
+            self.duplicates, self.last_event_time, self.surviving_media, self.lost_gaps,
+            self.lost_batches,
         )  # fmt: skip
 
 
@@ -255,12 +259,13 @@ class ResidencyDelta:
 
 @dataclass(frozen=True, slots=True)
 class LifecycleEvent:
-    """A source stream restarted (a new epoch) or said goodbye, and what ended with it."""
+    """A source stream restarted (a new epoch), said goodbye, or lost engine batches its
+    relay could not recover (``lost``, with their range), and what ended with it."""
 
     source: str
     model: str
     group_idx: int | None  # None: a goodbye, for every group
-    kind: str  # restart | closed
+    kind: str  # restart | closed | lost
     epoch: int
     previous_epoch: int | None
     event_time: datetime
@@ -270,6 +275,8 @@ class LifecycleEvent:
     ended_gpu: int
     ended_cpu: int
     ended_storage: int
+    first_lost_seq: int | None = None
+    last_lost_seq: int | None = None
 
 
 class AuditRow(NamedTuple):

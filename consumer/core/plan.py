@@ -11,8 +11,11 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
   rejects the whole event), and one holder reference per hash;
 - BlockRemoved: one reference less per hash; a removal with no reference left is a
   recorded no-op, never a negative count;
-- AllBlocksCleared: every reference of the instance on that medium (primary ownership) in
+- AllBlocksCleared: every reference of the instance on that medium (every ownership) in
   that group, or in every group of the model when the event names none, ends "cleared";
+- EventsLost: a relay lost engine batches it could not recover; every reference of the
+  instance in that group, every medium and ownership, ends "lost" (a missed hit costs a
+  router little, a route to blocks that are gone costs a lot), and the range is recorded;
 - Heartbeat: nothing but liveness; Goodbye and a new epoch: see :mod:`.lifecycle`.
 
 Reference counts and history intervals: :mod:`.refs`.
@@ -49,6 +52,7 @@ from kvledger.consumer.core.validate import (
     Reason,
     check_announcement,
     check_cleared,
+    check_lost,
     check_removed,
     check_stored,
     conflicts,
@@ -60,6 +64,7 @@ from kvledger.schemas.events import (
     BlockRemoved,
     BlockStored,
     Envelope,
+    EventsLost,
     Goodbye,
     GroupSpec,
     Heartbeat,
@@ -100,9 +105,9 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
             if isinstance(ev, BlockStored):
                 blocks.setdefault(_new(GroupKey, (model, group)), set()).update(ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
-            out.scopes.add(
-                HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), PRIMARY_OWNERSHIP)
-            )
+            out.scopes.add(HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), None))
+        elif isinstance(ev, EventsLost):
+            out.scopes.add(HolderScope(env.model, group, env.source, None, None))
         elif isinstance(ev, Goodbye):
             out.scopes.add(HolderScope(env.model, None, env.source, None, None))
     if not check_sequence:  # a replay: no sequence, no restarts
@@ -195,6 +200,8 @@ class _Planner:
             return self._stored(env, ev, msg, when)
         if isinstance(ev, BlockRemoved):
             return self._removed(env, ev, msg, when)
+        if isinstance(ev, EventsLost):
+            return self._lost(env, ev, msg, when)
         return self._cleared(env, ev, msg, when)
 
     def _announce(self, env: Envelope, ev: GroupSpec) -> Invalid | None:
@@ -286,9 +293,25 @@ class _Planner:
         )
         cleared = 0
         for group in groups:
-            scope = HolderScope(env.model, group, env.source, medium, PRIMARY_OWNERSHIP)
+            scope = HolderScope(env.model, group, env.source, medium, None)
             cleared += sum(self.refs.end(self.refs.live(scope), "cleared", when, msg).values())
         return None, cleared, 0
+
+    def _lost(
+        self, env: Envelope, ev: EventsLost, msg: Inbound, when: datetime
+    ) -> tuple[Invalid | None, int, int]:
+        invalid = check_lost(ev)
+        if invalid is not None:
+            return invalid, 0, 0
+        group = group_of(ev)
+        scope = HolderScope(env.model, group, env.source, None, None)
+        ended = self.refs.end(self.refs.live(scope), "lost", when, msg)
+        state = self.sources.get(SourceKey(env.source, env.model, group))
+        if state is not None:  # None when replaying a rejected message
+            state.lost_gaps += 1
+            state.lost_batches += ev.last_seq - ev.first_seq + 1
+        self._lifecycle(env, group, "lost", None, msg, when, ended, (ev.first_seq, ev.last_seq))
+        return None, sum(ended.values()), 0
 
     # ------------------------------------------------------------------ lifecycle
     def _policy(self, stream: SourceKey) -> frozenset[str]:
@@ -324,12 +347,13 @@ class _Planner:
 
     def _lifecycle(
         self, env: Envelope, group: int | None, kind: str, previous: int | None, msg: Inbound,
-        when: datetime, ended: dict[str, int],
+        when: datetime, ended: dict[str, int], lost: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         counts = (ended.get("GPU", 0), ended.get("CPU", 0), ended.get("STORAGE", 0))
         where = (msg.topic, msg.partition, msg.offset)
         event = LifecycleEvent(
-            env.source, env.model, group, kind, env.epoch, previous, when, *where, *counts
+            env.source, env.model, group, kind, env.epoch, previous, when, *where, *counts,
+            *(lost or (None, None)),
         )
         self.plan.lifecycle.append(event)
 

@@ -18,6 +18,7 @@ from kvledger.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventsLost,
     GroupSpec,
 )
 
@@ -143,6 +144,16 @@ def check_removed(event: BlockRemoved, held: HeldSpec | None) -> Invalid | None:
 
 def check_cleared(event: AllBlocksCleared) -> Invalid | None:
     return _check_medium(event.medium)
+
+
+def check_lost(event: EventsLost) -> Invalid | None:
+    """A lost range names engine batch numbers: first >= 0, last >= first - 1 (unknown size)."""
+    if event.first_seq < 0 or event.last_seq < event.first_seq - 1:
+        return Invalid(
+            Reason.INVALID_EVENT,
+            f"lost range {event.first_seq}..{event.last_seq} is not a range of batch numbers",
+        )
+    return None
 
 
 def explode(event: BlockStored) -> list[tuple[bytes, BlockRow]]:

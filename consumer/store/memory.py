@@ -205,7 +205,7 @@ class MemoryStore(StagedStore):
         )  # fmt: skip
         out["source_health"] = Counter(
             (*k, s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes,
-             s.duplicates, s.last_event_time, s.surviving_media)
+             s.duplicates, s.last_event_time, s.surviving_media, s.lost_gaps, s.lost_batches)
             for k, s in self.sources.items()
         )  # fmt: skip
         out["sources"] = Counter(
@@ -216,7 +216,7 @@ class MemoryStore(StagedStore):
         out["lifecycle_events"] = Counter(
             (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
              e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
-             e.ended_storage)
+             e.ended_storage, e.first_lost_seq, e.last_lost_seq)
             for e in self.lifecycle
         )  # fmt: skip
         return out

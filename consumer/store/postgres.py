@@ -94,16 +94,16 @@ def load_source_states(
     """The source streams' sequence states (``sources``: only theirs; None: all)."""
     cur.execute(
         "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-        "epoch_changes, duplicates, last_event_time, surviving_media "
+        "epoch_changes, duplicates, last_event_time, surviving_media, lost_gaps, lost_batches "
         "FROM kvledger.source_health WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
         (sources, sources),
     )
     out = {}
     for row in cur.fetchall():
-        epoch, last, gaps, missing, changes, dups, when, media = row[3:]
+        epoch, last, gaps, missing, changes, dups, when, media, lost_gaps, lost = row[3:]
         out[SourceKey(*row[:3])] = SourceState(
             epoch, last, gaps, missing, changes, dups, when,
-            tuple(media) if media is not None else None,
+            tuple(media) if media is not None else None, lost_gaps, lost,
         )  # fmt: skip
     return out
 
@@ -390,7 +390,7 @@ class PostgresStore:
 def _source_row(s: SourceState) -> tuple[object, ...]:
     media = list(s.surviving_media) if s.surviving_media is not None else None
     return (s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes, s.duplicates,
-            s.last_event_time, media)  # fmt: skip
+            s.last_event_time, media, s.lost_gaps, s.lost_batches)  # fmt: skip
 
 
 def _life_row(life: SourceLife) -> tuple[object, ...]:
@@ -401,4 +401,4 @@ def _life_row(life: SourceLife) -> tuple[object, ...]:
 def _lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:
     return (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
             e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
-            e.ended_storage)  # fmt: skip
+            e.ended_storage, e.first_lost_seq, e.last_lost_seq)  # fmt: skip

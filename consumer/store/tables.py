@@ -172,10 +172,13 @@ SOURCE_HEALTH = Table(
         ("duplicates", "int8"),
         ("last_event_time", "timestamptz"),
         ("surviving_media", "text[]"),
+        ("lost_gaps", "int8"),
+        ("lost_batches", "int8"),
     ),
     (
         "source", "model", "group_idx", "epoch", "last_seq", "gap_count", "missing_events",
-        "epoch_changes", "duplicates", "last_event_time", "surviving_media",
+        "epoch_changes", "duplicates", "last_event_time", "surviving_media", "lost_gaps",
+        "lost_batches",
     ),
 )  # fmt: skip
 SOURCES = Table(
@@ -207,11 +210,13 @@ LIFECYCLE_EVENTS = Table(
         ("ended_gpu", "int4"),
         ("ended_cpu", "int4"),
         ("ended_storage", "int4"),
+        ("first_lost_seq", "int8"),
+        ("last_lost_seq", "int8"),
     ),
     (
         "source", "model", "group_idx", "kind", "epoch", "previous_epoch", "event_time",
         "kafka_topic", "kafka_partition", "kafka_offset", "ended_gpu", "ended_cpu",
-        "ended_storage",
+        "ended_storage", "first_lost_seq", "last_lost_seq",
     ),
 )  # fmt: skip
 

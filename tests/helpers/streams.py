@@ -19,6 +19,7 @@ from kvledger.schemas.events import (
     BlockRemoved,
     BlockStored,
     Envelope,
+    EventsLost,
     Goodbye,
     GroupSpec,
     Heartbeat,
@@ -164,6 +165,9 @@ def edge_stream() -> Stream:
     s.send(b, cleared(medium="GPU"))  # every group
     s.send(c, stored([20], size=8, start=0, medium="STORAGE", ownership="disk"), epoch=2, seq=0)
     s.send(c, stored([21], size=8, start=8), epoch=1, seq=99)  # stale_epoch
+    s.send(c, stored([22], size=8, start=0, medium="GPU"), epoch=2)
+    s.send(c, EventsLost(7, 9, group_idx=0), epoch=2)  # every tier and ownership of group 0
+    s.send(c, EventsLost(5, 2, group_idx=0), epoch=2)  # invalid_event: not a range
     s.send(b, cleared(medium="CPU", group=0))
     s.raw(b"\x00\x01 not avro")  # undecodable
     s.raw(SINGLE_OBJECT_MAGIC + bytes(8) + b"\x02")  # unknown_schema

@@ -16,7 +16,7 @@ from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.pipeline import BatchResult, replay_batch, run_batch
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
-from kvledger.schemas.events import GroupSpec, KVEvent
+from kvledger.schemas.events import EventsLost, GroupSpec, KVEvent
 from tests.helpers.streams import MODEL, Stream, cleared, h, removed, spec, stored
 
 A, B = "engine-a", "engine-b"
@@ -244,11 +244,36 @@ def test_all_blocks_cleared_ends_every_reference_of_that_medium(s: Stream) -> No
     s.send(A, stored([4], medium="GPU"))
     s.send(A, stored([5], ownership="disk"))
     s.send(B, stored([1]))
-    s.send(A, cleared(medium="CPU"))  # every group of the model
+    s.send(A, cleared(medium="CPU"))  # every group of the model, every ownership
     store, _ = run(s.messages)
-    assert set(store.residencies) == {res(4, medium="GPU"), res(5, own="disk"), res(1, B)}
+    assert set(store.residencies) == {res(4, medium="GPU"), res(1, B)}
     assert history(store, res(1))[0][2] == "cleared"
-    assert store.events[max(store.events)].hash_count == 3
+    assert history(store, res(5, own="disk"))[0][2] == "cleared"
+    assert store.events[max(store.events)].hash_count == 4
+
+
+def test_events_lost_ends_every_tier_and_ownership_of_the_group_and_records_the_range(
+    s: Stream,
+) -> None:
+    s.send(A, spec(1))
+    s.send(A, stored([1]))
+    s.send(A, stored([2], medium="GPU"))
+    s.send(A, stored([3], medium="STORAGE", ownership="disk"))
+    s.send(A, stored([4], group=1))
+    s.send(B, stored([1]))
+    store, _ = run(s.messages)
+    run([s.send(A, EventsLost(10, 14, group_idx=0))], store)
+    assert set(store.residencies) == {res(4, group=1), res(1, B)}
+    assert history(store, res(3, medium="STORAGE", own="disk"))[0][2] == "lost"
+    [event] = [e for e in store.lifecycle if e.kind == "lost"]
+    assert (event.group_idx, event.first_lost_seq, event.last_lost_seq) == (0, 10, 14)
+    assert (event.ended_gpu, event.ended_cpu, event.ended_storage) == (1, 1, 1)
+    state = store.sources[SourceKey(A, MODEL, 0)]
+    assert (state.lost_gaps, state.lost_batches) == (1, 5)
+    run([s.send(A, EventsLost(20, 19, group_idx=0))], store)  # a loss of unknown size
+    assert store.sources[SourceKey(A, MODEL, 0)].lost_gaps == 2
+    run([s.send(A, EventsLost(3, 1, group_idx=0))], store)
+    assert statuses(store)[-1] == ("rejected", "invalid_event")
 
 
 def test_a_clear_of_one_group_leaves_the_others_and_covers_earlier_batches(s: Stream) -> None:

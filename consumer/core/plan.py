@@ -7,8 +7,11 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
 - GroupSpec: a new group's shape is recorded (declared specs win; a different shape is a
   ``spec_conflict``);
 - BlockStored: one block row per hash (content kept from the first writer, upgraded only
-  over a placeholder or partial-tail row; a different content is a ``hash_conflict``, which
-  rejects the whole event), and one holder reference per hash;
+  over a placeholder, a partial-tail row or a row of unknown position; a different content
+  is a ``hash_conflict``, which rejects the whole event), and one holder reference per hash.
+  An event without ``token_start`` (vLLM sends none) starts at 0 when it has no parent, else
+  where its parent's row ends, when that is known. Lora name and extra keys are kept from
+  the first writer that has them;
 - BlockRemoved: one reference less per hash; a removal with no reference left is a
   recorded no-op, never a negative count;
 - AllBlocksCleared: every reference of the instance on that medium (every ownership) in
@@ -103,7 +106,10 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
                 hashes = residencies[holder] = set()
             hashes.update(ev.block_hashes)
             if isinstance(ev, BlockStored):
-                blocks.setdefault(_new(GroupKey, (model, group)), set()).update(ev.block_hashes)
+                wanted = blocks.setdefault(_new(GroupKey, (model, group)), set())
+                wanted.update(ev.block_hashes)
+                if ev.token_start is None and ev.parent_block_hash is not None:
+                    wanted.add(ev.parent_block_hash)  # its position follows the parent's
         elif isinstance(ev, AllBlocksCleared):
             out.scopes.add(HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), None))
         elif isinstance(ev, EventsLost):
@@ -228,7 +234,10 @@ class _Planner:
     ) -> tuple[Invalid | None, int, int]:
         group = group_of(ev)
         invalid = check_stored(ev, self.specs.get(GroupKey(env.model, group)))
-        rows = explode(ev) if invalid is None else []
+        start = ev.token_start
+        if start is None and invalid is None and not ev.is_placeholder:
+            start = self._start_after(env.model, group, ev.parent_block_hash)
+        rows = explode(ev, start) if invalid is None else []
         model = env.model
         keys = [_new(BlockKey, (model, group, h)) for h, _ in rows]
         known_rows = [self._known(k) for k in keys]
@@ -254,12 +263,24 @@ class _Planner:
                 writes[bkey] = BlockWrite(known, ev.lora_name, extra, when, when)
             else:
                 write.row = known
+                if write.lora_name is None:
+                    write.lora_name = ev.lora_name
+                if write.extra_keys is None and i < len(extra_by_block):
+                    write.extra_keys = extra_by_block[i]
                 write.first_seen = min(write.first_seen, when)
                 write.last_seen = max(write.last_seen, when)
             change(_new(ResidencyKey, (model, group, h, source, medium, ownership)), 1, when,
                    ev.locality, msg)  # fmt: skip
         self.plan.block_events += len(rows)
         return None, len(rows), 0
+
+    def _start_after(self, model: str, group: int, parent: bytes | None) -> int | None:
+        """Where a block chained to ``parent`` starts: 0 at the root, else where the
+        parent's row ends (None when the parent or its position is unknown)."""
+        if parent is None:
+            return 0
+        row = self._known(_new(BlockKey, (model, group, parent)))
+        return row.token_end if row is not None else None
 
     def _removed(
         self, env: Envelope, ev: BlockRemoved, msg: Inbound, when: datetime
@@ -390,7 +411,17 @@ class _Planner:
 
 
 def upgrades(known: BlockRow, new: BlockRow) -> bool:
-    """A full-size or real row replaces a placeholder or partial-tail row of the same hash."""
+    """A full-size or real row replaces a placeholder or partial-tail row of the same hash,
+    and a row that knows its position replaces one of the same size that does not."""
     if new.placeholder:
         return False
-    return known.placeholder or (known.partial and not new.partial)
+    return (
+        known.placeholder
+        or (known.partial and not new.partial)
+        or (
+            known.token_start is None
+            and new.token_start is not None
+            and known.block_size == new.block_size
+            and known.partial == new.partial
+        )
+    )

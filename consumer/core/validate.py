@@ -156,12 +156,15 @@ def check_lost(event: EventsLost) -> Invalid | None:
     return None
 
 
-def explode(event: BlockStored) -> list[tuple[bytes, BlockRow]]:
-    """One row per hash: hash i covers tokens [start + i*size, +size), parent hash i-1."""
+def explode(event: BlockStored, start: int | None = None) -> list[tuple[bytes, BlockRow]]:
+    """One row per hash: hash i covers tokens [start + i*size, +size), parent hash i-1.
+
+    ``start``: the first token's position when the event does not say (None: unknown)."""
     rows = []
     parent = event.parent_block_hash
     size = event.block_size
-    start = event.token_start
+    if event.token_start is not None:
+        start = event.token_start
     tokens = event.token_ids
     for i, h in enumerate(event.block_hashes):
         rows.append(

@@ -85,7 +85,7 @@ def h(i: int) -> bytes:
 def stored(
     hashes: Sequence[int],
     *,
-    start: int = 0,
+    start: int | None = 0,
     size: int = 4,
     parent: int | None = None,
     medium: str | None = "CPU",
@@ -172,6 +172,10 @@ def edge_stream() -> Stream:
     s.raw(b"\x00\x01 not avro")  # undecodable
     s.raw(SINGLE_OBJECT_MAGIC + bytes(8) + b"\x02")  # unknown_schema
     s.send(a, stored([5, 6], size=8, start=80))
+    s.send(a, stored([60, 61], size=8, start=None))  # vLLM: no position; the root starts at 0
+    s.send(a, stored([63], size=8, start=None, parent=62))  # parent unknown: position unknown
+    s.send(b, stored([62], size=8, start=None, parent=61))  # ends at 24
+    s.send(b, stored([63], size=8, start=24, parent=62))  # the unknown position becomes known
     s.send(a, removed([5], medium="CPU"))
     s.send(a, Heartbeat(group_idx=0, interval_ms=5000))
     s.send(b, stored([30], size=8, start=0, medium="GPU"))

@@ -235,6 +235,31 @@ def test_partial_tails_use_the_hash_size_and_give_way_to_full_blocks() -> None:
     assert {res(1, A), res(1, B)} == set(store.residencies)
 
 
+# ---------------------------------------------------------------------- positions (vLLM)
+def test_an_event_without_position_starts_at_the_root_or_where_its_parent_ends(
+    s: Stream,
+) -> None:
+    s.send(A, stored([1, 2], start=None))  # no parent: the sequence's start
+    s.send(A, stored([3], start=None, parent=2))  # after its parent's row
+    s.send(A, stored([8], start=None, parent=7))  # parent never seen: unknown
+    store, _ = run(s.messages, batch=1)
+    starts = {x: store.blocks[BlockKey(MODEL, 0, h(x))].token_start for x in (1, 2, 3, 8)}
+    assert starts == {1: 0, 2: 4, 3: 8, 8: None}
+    run([s.send(A, stored([8], start=12, parent=7))], store)  # a later event that knows it
+    assert store.blocks[BlockKey(MODEL, 0, h(8))].token_start == 12
+    assert rejected(store) == []
+
+
+@pytest.mark.parametrize("batch", [1, 1000])
+def test_lora_name_does_not_depend_on_which_events_share_a_batch(s: Stream, batch: int) -> None:
+    s.send(A, spec(1, kind="sliding_window"))
+    placeholder = stored([50], group=1)
+    s.send(A, type(placeholder)((h(50),), None, (), 0, None, "CPU", None, group_idx=1))
+    s.send(B, stored([50], group=1, lora="adapter-x"))
+    store, _ = run(s.messages, batch=batch)
+    assert store.block_meta[BlockKey(MODEL, 1, h(50))].lora_name == "adapter-x"
+
+
 # ---------------------------------------------------------------------- AllBlocksCleared
 def test_all_blocks_cleared_ends_every_reference_of_that_medium(s: Stream) -> None:
     s.send(A, spec(1, kind="full_attention"))

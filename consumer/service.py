@@ -329,7 +329,7 @@ class IndexConsumer:
             ends = self._end_offsets()
         except KafkaException:
             return -1
-        stored = self._stored()
+        stored = self._read_up_to()
         total = 0
         for partition, (low, high) in ends.items():
             lag = max(0, high - stored.get(partition, low))
@@ -337,8 +337,26 @@ class IndexConsumer:
             total += lag
         return total
 
-    def _reached(self, targets: Mapping[int, int]) -> bool:
+    def _read_up_to(self) -> dict[int, int]:
+        """The stored offsets, moved on to the consumer's position where it has read past
+        them: what lies between is no data (a transaction's commit marker, an aborted
+        transaction's messages), so a partition that ends with one is still caught up.
+        Called between batches, when every message read has been applied."""
         stored = self._stored()
+        consumer = self._consumer
+        if consumer is None:
+            return stored
+        try:
+            positions = consumer.position(consumer.assignment())
+        except KafkaException:
+            return stored
+        for tp in positions:
+            if tp.offset >= 0 and tp.offset > stored.get(tp.partition, -1):
+                stored[tp.partition] = tp.offset
+        return stored
+
+    def _reached(self, targets: Mapping[int, int]) -> bool:
+        stored = self._read_up_to()
         return all(stored.get(p, 0) >= offset for p, offset in targets.items() if offset > 0)
 
     def _caught_up(self) -> bool:

@@ -7,7 +7,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvledger import __version__, consumer_cmds, demo, lookup_cmds, simulate_cmd, sources_cmd
+from kvledger import (
+    __version__,
+    consumer_cmds,
+    demo,
+    lookup_cmds,
+    relay_cmd,
+    simulate_cmd,
+    sources_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(subparsers)
     lookup_cmds.add_parsers(subparsers)
     sources_cmd.add_parser(subparsers)
+    relay_cmd.add_parser(subparsers)
     return parser
 
 

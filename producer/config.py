@@ -45,10 +45,15 @@ class PublisherConfig:
     kafka: Mapping[str, object] = field(default_factory=dict)
     heartbeat_interval_s: float = 5.0
     surviving_media: tuple[str, ...] | None = None
+    # Set: every publish is inside a Kafka transaction the caller opens and commits (the
+    # relay, which must publish each engine batch whole or not at all).
+    transactional_id: str | None = None
 
     def producer_settings(self) -> dict[str, object]:
         settings = dict(PRODUCER_DEFAULTS)
         settings.update(self.kafka)
         settings["bootstrap.servers"] = self.bootstrap_servers
         settings.setdefault("client.id", f"kvledger-{self.source_id}")
+        if self.transactional_id is not None:
+            settings["transactional.id"] = self.transactional_id
         return settings

@@ -19,6 +19,11 @@ contiguous sequence numbers. Each publisher instance is a new epoch (ms at start
 Thread-safety: ``publish``/``announce_groups``/``clear_all`` take one lock, so calls from
 several threads are serialized; the tracker itself belongs to the scheduler thread that calls
 ``record_*``. ``stats`` may be read from any thread.
+
+Transactions (``PublisherConfig.transactional_id``, the relay's mode): the caller brackets
+its publishes with ``begin``/``commit`` (or ``abort``); readers that read committed messages
+(librdkafka's default) see each transaction whole or not at all. No heartbeat thread then:
+the caller sends its own.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from kvledger.producer.tracker import (
     OffloadingEventsTracker,
     group_announcement,
 )
-from kvledger.producer.vllm import from_vllm_event
+from kvledger.producer.vllm import fit_to_spec, from_vllm_event
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
     DEFAULT_GROUP_IDX,
@@ -62,6 +67,8 @@ from kvledger.schemas.topics import message_key
 logger = logging.getLogger(__name__)
 
 _MAX_ERRORS_KEPT = 20
+# An envelope's event time, engine batch and data-parallel rank when the caller knows them.
+_Stamp = tuple[int | None, int | None, int | None]
 
 
 @dataclass
@@ -84,11 +91,12 @@ class KVEventPublisher:
         tracker: OffloadingEventsTracker | None = None,
         codec: Codec | None = None,
         clock: Callable[[], float] = time.time,
+        epoch: int | None = None,
     ) -> None:
         self.config = config
         self.tracker = tracker if tracker is not None else OffloadingEventsTracker()
         self.codec = codec if codec is not None else Codec()
-        self.epoch = int(clock() * 1000)
+        self.epoch = epoch if epoch is not None else int(clock() * 1000)
         self.stats = PublisherStats()
         self._clock = clock
         self._lock = threading.Lock()
@@ -104,7 +112,8 @@ class KVEventPublisher:
         self._last_produce = time.monotonic()
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        if config.heartbeat_interval_s > 0:
+        self._transactional = config.transactional_id is not None
+        if config.heartbeat_interval_s > 0 and not self._transactional:
             self._heartbeat = threading.Thread(
                 target=self._beat, name=f"kvledger-heartbeat-{config.source_id}", daemon=True
             )
@@ -143,32 +152,120 @@ class KVEventPublisher:
             self._producer.poll(0)
             return len(events)
 
-    def publish_events(self, events: Iterable[KVEvent]) -> int:
-        """Produce events that are already self-describing (kvledger types)."""
+    def publish_events(
+        self,
+        events: Iterable[KVEvent],
+        *,
+        time_ms: int | None = None,
+        engine_seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> int:
+        """Produce events that are already self-describing (kvledger types).
+
+        ``time_ms``: their event time (default: now); ``engine_seq``: the engine batch they
+        came in (relayed engines); ``dp_rank``: the engine's data-parallel rank when it says
+        (default: the configured one).
+        """
+        stamp = (time_ms, engine_seq, dp_rank)
         with self._lock:
             self._check_healthy()
             count = 0
             for event in events:
                 if isinstance(event, GroupSpec):
                     self._announced.setdefault(event.group_idx, event)
-                    self._produce(event.group_idx, event)
+                    self._produce(event.group_idx, event, stamp)
                 elif isinstance(event, AllBlocksCleared):
-                    self._clear_all_locked(event.medium)
-                elif isinstance(event, Heartbeat | Goodbye):
-                    self._produce(group_of(event), event)
+                    self._clear_all_locked(event.medium, stamp)
+                elif isinstance(event, BlockStored | BlockRemoved):
+                    self._produce(group_of(event), self._wire_form(event), stamp)
                 else:
-                    self._produce(group_of(event), self._wire_form(event))
+                    self._produce(group_of(event), event, stamp)
                 count += 1
             self._producer.poll(0)
             return count
 
-    def publish_vllm_batch(self, batch: Any) -> int:
-        """vLLM-style entry point: a KVEventBatch-like object (``events``, ``ts`` optional).
+    def publish_vllm_batch(self, batch: Any, engine_seq: int | None = None) -> int:
+        """vLLM's entry point: a KVEventBatch (``events``; ``ts`` and ``data_parallel_rank``
+        when it has them), published with the batch's time and rank.
 
-        Events carry vLLM's field names; hashes may be ints (vLLM's default wire form) or
-        bytes. Extra keys are carried per block as canonical JSON text.
+        Events carry vLLM's field names (:mod:`.vllm`); partial recurrent tails are marked
+        from the group's announced spec. ``engine_seq``: the batch's number in the engine's
+        stream (the relay's position).
         """
-        return self.publish_events(from_vllm_event(ev) for ev in batch.events)
+        ts = getattr(batch, "ts", None)
+        rank = getattr(batch, "data_parallel_rank", None)
+        return self.publish_vllm_events(
+            [from_vllm_event(ev) for ev in batch.events],
+            time_ms=int(ts * 1000) if ts is not None else None,
+            engine_seq=engine_seq,
+            dp_rank=rank,
+        )
+
+    def publish_vllm_events(
+        self,
+        events: Iterable[KVEvent],
+        *,
+        time_ms: int | None = None,
+        engine_seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> int:
+        """Events read from a vLLM engine (already mapped by :mod:`.vllm`), fitted to the
+        announced specs (partial tails), then published as :meth:`publish_events` does."""
+        fitted = [fit_to_spec(ev, self._announced.get(group_of(ev))) for ev in events]
+        return self.publish_events(
+            fitted, time_ms=time_ms, engine_seq=engine_seq, dp_rank=dp_rank
+        )
+
+    # ------------------------------------------------------------------ transactions
+    def init_transactions(self, timeout: float = 30.0) -> None:
+        """Register the transactional id with the broker, fencing any earlier producer of
+        that id and aborting its open transaction."""
+        self._producer.init_transactions(timeout)
+
+    def begin(self) -> None:
+        self._producer.begin_transaction()
+
+    def commit(self, timeout: float = 30.0) -> None:
+        """Commit the open transaction: every message of it is acknowledged, or this raises
+        (``KafkaException``; ``txn_requires_abort()`` says whether to abort)."""
+        self._producer.commit_transaction(timeout)
+        self._raise_failures()
+
+    def abort(self, timeout: float = 30.0) -> None:
+        self._producer.abort_transaction(timeout)
+        with self._lock:  # the aborted messages' failures belong to the aborted transaction
+            self.stats.failed = 0
+            self._errors.clear()
+
+    # ------------------------------------------------------------------ epochs
+    def resume(self, epoch: int, next_seqs: dict[int, int]) -> None:
+        """Continue a stream another process wrote (a relay after its restart): its epoch
+        and each group's next sequence number."""
+        with self._lock:
+            self.epoch = epoch
+            self._seq = dict(next_seqs)
+
+    def new_epoch(self, epoch: int) -> None:
+        """Start a new epoch (an engine restart seen by its relay): sequences from 0, each
+        announced group announced again as the new epoch's first message."""
+        with self._lock:
+            self.epoch = epoch
+            self._seq = {}
+            for group, spec in sorted(self._announced.items()):
+                self._produce(group, spec)
+
+    def next_seqs(self) -> dict[int, int]:
+        """Each group's next sequence number in this epoch."""
+        with self._lock:
+            return dict(self._seq)
+
+    @property
+    def groups(self) -> list[int]:
+        """The groups this source has announced or published in."""
+        return sorted(set(self._seq) | set(self._announced))
+
+    def announced(self, group: int) -> GroupSpec | None:
+        return self._announced.get(group)
 
     def clear_all(self, medium: str = "GPU") -> int:
         """Write AllBlocksCleared once for every group this source has used."""
@@ -243,10 +340,10 @@ class KVEventPublisher:
                 except PublishError as exc:  # reported by the next publish or close
                     logger.warning("heartbeat not sent: %s", exc)
 
-    def _clear_all_locked(self, medium: str | None) -> int:
+    def _clear_all_locked(self, medium: str | None, stamp: _Stamp = (None, None, None)) -> int:
         groups = sorted(set(self._seq) | set(self._announced))
         for group in groups:
-            self._produce(group, AllBlocksCleared(group_idx=group, medium=medium))
+            self._produce(group, AllBlocksCleared(group_idx=group, medium=medium), stamp)
         return len(groups)
 
     def _wire_form(self, event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
@@ -276,7 +373,7 @@ class KVEventPublisher:
             partial=event.partial,
         )
 
-    def _produce(self, group: int, event: KVEvent) -> None:
+    def _produce(self, group: int, event: KVEvent, stamp: _Stamp = (None, None, None)) -> None:
         if (
             group not in self._announced
             and not isinstance(event, GroupSpec | Heartbeat | Goodbye)  # the source's own
@@ -291,14 +388,16 @@ class KVEventPublisher:
             )
         seq = self._seq.get(group, 0)
         self._seq[group] = seq + 1
+        time_ms, engine_seq, dp_rank = stamp
         envelope = Envelope(
             source=self.config.source_id,
             model=self.config.model,
-            dp_rank=self.config.dp_rank,
+            dp_rank=dp_rank if dp_rank is not None else self.config.dp_rank,
             epoch=self.epoch,
             seq=seq,
-            event_time_ms=int(self._clock() * 1000),
+            event_time_ms=time_ms if time_ms is not None else int(self._clock() * 1000),
             event=event,
+            engine_seq=engine_seq,
         )
         value = self.codec.encode(envelope)
         key = message_key(self.config.source_id, group)

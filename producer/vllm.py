@@ -1,33 +1,166 @@
-"""The vLLM adapter: vLLM's KV cache event objects (BlockStored, BlockRemoved,
-AllBlocksCleared, as its ``KVEventBatch.events`` hold them) mapped to kvledger's events.
+"""The vLLM adapter: vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) as
+kvledger's events — one mapping for vLLM's objects (an embedded engine's
+``KVEventBatch.events``) and for the fields a relay decodes from vLLM's ZMQ stream.
 
-Events are read by vLLM's field names (duck-typed: msgspec structs, dataclasses or any
-object with those attributes); fields an older engine lacks take the contract's defaults.
-Hashes may be ints (vLLM's default wire form) or bytes. Extra keys are carried per block as
-canonical JSON text.
+Fields are vLLM's names in vLLM's declaration order (``FIELDS``); a field an engine leaves
+at its default (or an older engine lacks) takes the contract's default. Hashes may be
+unsigned 64-bit ints (vLLM's default wire form) or bytes. Extra keys are carried per block as
+canonical JSON text. vLLM events say nothing of a block's position or of partial tails: the
+publisher infers ``partial`` from the group's spec (:func:`fit_to_spec`), the consumer the
+position from the parent's row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
+from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.events import (
     DEFAULT_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    GroupSpec,
     KVEvent,
 )
-from kvledger.schemas.hashing import int_to_hash_bytes
+
+# vLLM 0.33.0's fields per event type, in declaration order (positional encodings follow it).
+FIELDS: Mapping[str, tuple[str, ...]] = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+        "lookahead_token_ids",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+# Fields without a default: every engine sends them.
+REQUIRED: Mapping[str, int] = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
+# kvledger's extensions an engine that knows them may set on its objects.
+_EXTENSIONS = ("token_start", "partial")
+_MAX_U64 = 2**64 - 1
+
+
+class VllmEventError(KvledgerError, ValueError):
+    """A vLLM event that cannot be read (missing field, wrong type)."""
+
+
+def from_vllm_event(event: Any) -> KVEvent:
+    """Map one vLLM KV cache event object (msgspec struct, dataclass, anything with vLLM's
+    attribute names) to ours."""
+    kind = type(event).__name__
+    names = FIELDS.get(kind)
+    if names is None:
+        raise TypeError(f"not a vLLM KV cache event: {kind}")
+    fields = {n: getattr(event, n) for n in (*names, *_EXTENSIONS) if hasattr(event, n)}
+    return from_vllm_fields(kind, fields)
+
+
+def from_vllm_fields(kind: str, fields: Mapping[str, Any]) -> KVEvent:
+    """Map one event given as its type name and fields (absent fields: their defaults)."""
+    names = FIELDS.get(kind)
+    if names is None:
+        raise VllmEventError(f"unknown vLLM event type {kind!r}")
+    missing = [n for n in names[: REQUIRED[kind]] if n not in fields]
+    if missing and kind == "BlockStored" and set(missing) <= {"lora_id", "medium", "lora_name"}:
+        missing = []  # older engines predate these three
+    if missing:
+        raise VllmEventError(f"{kind} lacks {', '.join(missing)}")
+    get = fields.get
+    try:
+        if kind == "BlockStored":
+            parent = get("parent_block_hash")
+            return BlockStored(
+                block_hashes=_hashes(fields["block_hashes"]),
+                parent_block_hash=_hash_bytes(parent) if parent is not None else None,
+                token_ids=tuple(_int(t) for t in fields["token_ids"]),
+                block_size=_int(fields["block_size"]),
+                lora_id=_opt_int(get("lora_id")),
+                medium=_opt_str(get("medium")),
+                lora_name=_opt_str(get("lora_name")),
+                extra_keys=_extra_keys_json(get("extra_keys")),
+                group_idx=_opt_int(get("group_idx")),
+                kv_cache_spec_kind=_opt_str(get("kv_cache_spec_kind")),
+                kv_cache_spec_sliding_window=_opt_int(get("kv_cache_spec_sliding_window")),
+                locality=_opt_str(get("locality")),
+                ownership=_opt_str(get("ownership")),
+                token_start=_opt_int(get("token_start")),
+                partial=bool(get("partial", False)),
+                session_id=_opt_str(get("session_id")),
+                lookahead_token_ids=_lookahead(get("lookahead_token_ids")),
+            )
+        if kind == "BlockRemoved":
+            return BlockRemoved(
+                block_hashes=_hashes(fields["block_hashes"]),
+                medium=_opt_str(get("medium")),
+                group_idx=_opt_int(get("group_idx")),
+                locality=_opt_str(get("locality")),
+                ownership=_opt_str(get("ownership")),
+            )
+        return AllBlocksCleared(medium=_opt_str(get("medium")) or DEFAULT_MEDIUM)
+    except VllmEventError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise VllmEventError(f"{kind}: {exc}") from exc
+
+
+def fit_to_spec(event: KVEvent, spec: GroupSpec | None) -> KVEvent:
+    """vLLM's partial recurrent tails carry no ``partial`` flag: their block_size is the
+    group's hash size. Such an event is marked partial when the group's spec says so (a
+    block size that fits neither is left as it is, for the consumer to reject)."""
+    if (
+        isinstance(event, BlockStored)
+        and spec is not None
+        and not event.partial
+        and event.block_size
+        and event.block_size == spec.hash_block_size != spec.block_size
+    ):
+        return dataclasses.replace(event, partial=True)
+    return event
 
 
 def _hash_bytes(value: object) -> bytes:
     if isinstance(value, bytes | bytearray):
         return bytes(value)
-    if isinstance(value, int):
-        return int_to_hash_bytes(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value <= _MAX_U64:
+            raise VllmEventError(f"an int block hash must be unsigned 64-bit, got {value}")
+        return value.to_bytes(8, "big")
     raise TypeError(f"a block hash must be int or bytes, got {type(value).__name__}")
+
+
+def _hashes(values: object) -> tuple[bytes, ...]:
+    if not isinstance(values, list | tuple):
+        raise TypeError(f"block_hashes must be a list, got {type(values).__name__}")
+    return tuple(_hash_bytes(h) for h in values)
+
+
+def _int(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"expected an int, got {type(value).__name__}")
+
+
+def _opt_int(value: object) -> int | None:
+    return None if value is None else _int(value)
+
+
+def _opt_str(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"expected a string, got {type(value).__name__}")
+
+
+def _lookahead(value: object) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise TypeError("lookahead_token_ids must be a list of lists")
+    return tuple(tuple(_int(t) for t in block) for block in value)
 
 
 def _extra_keys_json(extra: object) -> tuple[str | None, ...] | None:
@@ -46,38 +179,3 @@ def _json_default(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     return str(value)
-
-
-def from_vllm_event(event: Any) -> KVEvent:
-    """Map one vLLM KV cache event (BlockStored/BlockRemoved/AllBlocksCleared) to ours."""
-    kind = type(event).__name__
-    if kind == "BlockStored":
-        parent = event.parent_block_hash
-        return BlockStored(
-            block_hashes=tuple(_hash_bytes(h) for h in event.block_hashes),
-            parent_block_hash=_hash_bytes(parent) if parent is not None else None,
-            token_ids=tuple(int(t) for t in event.token_ids),
-            block_size=int(event.block_size),
-            lora_id=getattr(event, "lora_id", None),
-            medium=getattr(event, "medium", None),
-            lora_name=getattr(event, "lora_name", None),
-            extra_keys=_extra_keys_json(getattr(event, "extra_keys", None)),
-            group_idx=getattr(event, "group_idx", None),
-            kv_cache_spec_kind=getattr(event, "kv_cache_spec_kind", None),
-            kv_cache_spec_sliding_window=getattr(event, "kv_cache_spec_sliding_window", None),
-            locality=getattr(event, "locality", None),
-            ownership=getattr(event, "ownership", None),
-            token_start=getattr(event, "token_start", None),
-            partial=bool(getattr(event, "partial", False)),
-        )
-    if kind == "BlockRemoved":
-        return BlockRemoved(
-            block_hashes=tuple(_hash_bytes(h) for h in event.block_hashes),
-            medium=getattr(event, "medium", None),
-            group_idx=getattr(event, "group_idx", None),
-            locality=getattr(event, "locality", None),
-            ownership=getattr(event, "ownership", None),
-        )
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared(medium=getattr(event, "medium", None) or DEFAULT_MEDIUM)
-    raise TypeError(f"not a vLLM KV cache event: {kind}")

@@ -83,6 +83,7 @@ class RouterIndex:
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
         self._ends: dict[int, int] = {}
+        self._read_to: dict[int, int] = {}  # the consumer's position when last idle
         self._admin: AdminClient | None = None
         self._newest_ms: int | None = None
         self._bootstrap_s = 0.0
@@ -181,6 +182,7 @@ class RouterIndex:
                     continue
                 batch.append(inbound(msg))
             if not batch:
+                self._note_read_to(consumer)
                 continue
             try:
                 with self.lock:
@@ -199,6 +201,23 @@ class RouterIndex:
             if stamps:
                 self._newest_ms = max(stamps + ([self._newest_ms] if self._newest_ms else []))
 
+    def _note_read_to(self, consumer: Consumer) -> None:
+        """Idle, everything read is applied: the consumer's position counts as applied
+        where it is past the stored offset (only transaction markers or aborted messages
+        lie between)."""
+        try:
+            positions = consumer.position(consumer.assignment())
+        except KafkaException:
+            return
+        self._read_to = {tp.partition: tp.offset for tp in positions if tp.offset >= 0}
+
+    def _applied(self) -> dict[int, int]:
+        applied = self.store.stored_offsets(self.consumer_group, self.topic)
+        for partition, offset in self._read_to.items():
+            if offset > applied.get(partition, -1):
+                applied[partition] = offset
+        return applied
+
     def _reseek(self) -> None:
         consumer = self._consumer
         assert consumer is not None
@@ -210,7 +229,7 @@ class RouterIndex:
     def position(self) -> Position:
         """Offsets applied, the log's end (asked of the broker; the last known one if it
         does not answer), and how far behind that is."""
-        applied = self.store.stored_offsets(self.consumer_group, self.topic)
+        applied = self._applied()
         try:
             self._ends = self._log_end()
         except KafkaException as exc:
@@ -241,7 +260,7 @@ class RouterIndex:
         """Block until every partition has applied at least ``offsets`` (tests, tools)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            applied = self.store.stored_offsets(self.consumer_group, self.topic)
+            applied = self._applied()
             if all(applied.get(p, 0) >= o for p, o in offsets.items() if o > 0):
                 return
             time.sleep(0.05)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvledger.producer.vllm import from_vllm_event
+from kvledger.producer.vllm import VllmEventError, from_vllm_event
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -66,5 +66,7 @@ def test_removals_and_clears() -> None:
 def test_anything_else_is_refused() -> None:
     with pytest.raises(TypeError, match="not a vLLM KV cache event"):
         from_vllm_event(object())
-    with pytest.raises(TypeError, match="int or bytes"):
+    with pytest.raises(VllmEventError, match="int or bytes"):
         from_vllm_event(VllmBlockStored(["x"], None, [1, 2], 2))
+    with pytest.raises(VllmEventError, match="unsigned 64-bit"):
+        from_vllm_event(VllmBlockStored([2**64], None, [1, 2], 2))

@@ -1,0 +1,61 @@
+"""Every metric the relay exports (per source stream), in one registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class RelayMetrics:
+    """The relay's metrics; one instance per process (its own registry, served on
+    ``--metrics-port``)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.batches_received = Counter(
+            "kvledger_relay_batches_received_total",
+            "Engine batches received (live and replayed, duplicates included)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.events_relayed = Counter(
+            "kvledger_relay_events_relayed_total",
+            "Kafka messages produced from engine events", ["source"], registry=r,
+        )  # fmt: skip
+        self.gaps = Counter(
+            "kvledger_relay_gaps_total",
+            "Gaps in the engine's batch numbers (each answered by a replay request)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.replays = Counter(
+            "kvledger_relay_replays_total",
+            "Replay requests sent to the engine (start-up, gaps, idle probes, after an abort)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.unrecoverable = Counter(
+            "kvledger_relay_unrecoverable_gaps_total",
+            "Gaps the engine could no longer replay (published as EventsLost)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.lost_batches = Counter(
+            "kvledger_relay_lost_batches_total",
+            "Engine batches lost in unrecoverable gaps", ["source"], registry=r,
+        )  # fmt: skip
+        self.undecodable = Counter(
+            "kvledger_relay_undecodable_batches_total",
+            "Engine batches that did not decode (recorded as lost)", ["source"], registry=r,
+        )  # fmt: skip
+        self.engine_restarts = Counter(
+            "kvledger_relay_engine_restarts_total",
+            "Engine restarts seen (batch numbers going back): each starts a new epoch",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.behind = Gauge(
+            "kvledger_relay_behind_seconds",
+            "Seconds between the engine's time of the last batch relayed and its relaying",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.kafka_paused = Gauge(
+            "kvledger_relay_kafka_paused",
+            "1 while Kafka does not take the relay's writes (the relay is not reading)",
+            ["source"], registry=r,
+        )  # fmt: skip

@@ -1,0 +1,557 @@
+"""The relay: one stock vLLM engine's ZMQ KV events into Kafka, nothing lost that the engine
+still buffers, and exactly what could not be recovered said out loud.
+
+One :class:`RankRelay` per data-parallel rank (its own source stream, sockets, producer and
+thread). Its loop:
+
+1. Start: open the rank's transactional producer (fencing an earlier relay of the same
+   source and aborting whatever it left half published), read back from the topic where the
+   source stands (:mod:`.position`), and resynchronise with the engine by replay:
+   - no history: a new epoch, replay from 0;
+   - history up to batch L: replay from L. Batch L with the time it was published with is
+     the same engine process (its epoch goes on from L + 1); another time, or nothing at or
+     after L, is a new process (a new epoch, replay from 0).
+2. Live batches (:mod:`.sequence`): the next one is published; a duplicate (replay and live
+   overlap) skipped; a gap asks the engine to replay from the last relayed + 1; a number
+   going backwards is an engine restart: a new epoch (the index drops what the previous
+   process held on tiers that die with it), then replay from 0.
+3. A range the engine no longer holds (a replay that starts later than asked, or no replay
+   at all) is published as ``EventsLost`` for every group the source uses: the index clears
+   the source's blocks there, every tier, and records the range.
+4. Publishing is transactional: each Kafka transaction holds whole engine batches (committed
+   every ``commit_interval_s`` or ``commit_batches``), each message carrying its engine
+   batch number. A relay killed at any instant leaves either whole batches or nothing, and
+   its successor resumes after the last whole one. When Kafka is unreachable the relay stops
+   reading (ZMQ's bounded queue then drops live batches), keeps retrying, and, once Kafka is
+   back, replays from the last committed batch. It never exits on a broker outage.
+5. Idle: every ``heartbeat_interval_s`` without batches it probes the engine's replay socket;
+   an answer (which would also bring any missed batch) is published as a Heartbeat, silence
+   is left silent. Stopping the relay is not the engine's goodbye: none is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaException
+
+from kvledger.producer.config import PublisherConfig
+from kvledger.producer.errors import PublishError
+from kvledger.producer.publisher import KVEventPublisher
+from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
+from kvledger.producer.relay.metrics import RelayMetrics
+from kvledger.producer.relay.position import PARTITIONER, StreamPosition, recover
+from kvledger.producer.relay.sequence import EngineSequence, Seen
+from kvledger.producer.relay.wire import EngineBatch, decode_batch
+from kvledger.producer.vllm import VllmEventError
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import EventsLost, GroupSpec, Heartbeat
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """One engine's relay. ``source``: the engine's source id (with ``dp_size`` > 1 each
+    rank is ``<source>-dp<rank>``); ``groups``: the group specs to announce."""
+
+    endpoint: str
+    source: str
+    model: str
+    bootstrap_servers: str
+    replay_endpoint: str | None = None
+    dp_size: int = 1
+    groups: Sequence[GroupSpec] = ()
+    topic: str = "kv-events"
+    engine_topic: bytes = b""
+    kafka: dict[str, object] = field(default_factory=dict)
+    commit_interval_s: float = 0.1
+    commit_batches: int = 2000
+    heartbeat_interval_s: float = 5.0
+    replay_timeout_ms: int = 2000
+    receive_hwm: int = 10_000
+    queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
+    surviving_media: tuple[str, ...] | None = None
+
+    def rank_source(self, rank: int) -> str:
+        return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"
+
+
+class RankRelay:
+    """One data-parallel rank's relay (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        rank: int = 0,
+        metrics: RelayMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.source = config.rank_source(rank)
+        self.metrics = metrics or RelayMetrics()
+        self._clock = clock
+        self._stop = threading.Event()
+        self.sequence = EngineSequence()
+        self.codec = Codec()
+        self.link: EngineLink | None = None
+        self.publisher: KVEventPublisher | None = None
+        # The transaction: open or not, batches in it, when it opened, the committed point.
+        self._open = False
+        self._in_txn = 0
+        self._opened_at = 0.0
+        self._committed_seq: int | None = None
+        self._committed_state: tuple[int, dict[int, int]] = (0, {})
+        self._announce = True
+        self._position: StreamPosition | None = None
+        self._last_activity = time.monotonic()
+        self.ready = threading.Event()  # set once resynchronised with the engine
+
+    @property
+    def committed_seq(self) -> int | None:
+        """The last engine batch whose transaction is committed (readers can see it)."""
+        return self._committed_seq
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Relay until :meth:`stop`; survives broker outages and engine restarts."""
+        cfg = self.config
+        self.link = EngineLink(
+            offset_endpoint(cfg.endpoint, self.rank),
+            offset_endpoint(cfg.replay_endpoint, self.rank) if cfg.replay_endpoint else None,
+            cfg.engine_topic,
+            cfg.receive_hwm,
+        )
+        try:
+            self._connect()
+            self._resync_at_start()
+            self.ready.set()
+            while not self._stop.is_set():
+                self._step()
+            self._commit()
+        finally:
+            self.link.close()
+            if self.publisher is not None:
+                try:
+                    self.publisher.close(timeout=10, goodbye=False)  # not the engine's goodbye
+                except PublishError as exc:
+                    logger.warning("relay %s: closing the producer: %s", self.source, exc)
+
+    def _connect(self) -> None:
+        """A transactional producer for this source; retried until the broker answers."""
+        cfg = self.config
+        settings = {
+            "message.timeout.ms": 30_000,  # within the transaction's timeout
+            "transaction.timeout.ms": 60_000,
+            **cfg.kafka,
+            "partitioner": PARTITIONER,
+            "queue.buffering.max.kbytes": cfg.queue_kbytes,
+        }
+        pub_config = PublisherConfig(
+            bootstrap_servers=cfg.bootstrap_servers,
+            source_id=self.source,
+            model=cfg.model,
+            topic=cfg.topic,
+            dp_rank=self.rank,
+            kafka=settings,
+            heartbeat_interval_s=0,
+            surviving_media=cfg.surviving_media,
+            transactional_id=f"kvledger-relay-{self.source}",
+        )
+        delay = 0.5
+        while not self._stop.is_set():
+            publisher = KVEventPublisher(pub_config, codec=self.codec)
+            try:
+                publisher.init_transactions(30)
+                recover_settings = {**cfg.kafka, "bootstrap.servers": cfg.bootstrap_servers}
+                groups = {g.group_idx for g in cfg.groups} | {0}
+                position = recover(recover_settings, cfg.topic, self.source, groups, self.codec)
+            except KafkaException as exc:
+                self.metrics.kafka_paused.labels(self.source).set(1)
+                logger.warning(
+                    "relay %s: Kafka not ready (%s); retrying in %.1f s", self.source, exc, delay
+                )
+                publisher.close(timeout=1, goodbye=False)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 10)
+                continue
+            self.metrics.kafka_paused.labels(self.source).set(0)
+            self.publisher = publisher
+            self._position = position
+            return
+        raise _StoppedError
+
+    # ------------------------------------------------------------------ resynchronising
+    def _resync_at_start(self) -> None:
+        position = self._position
+        pub = self._pub
+        if position is None or position.engine_seq is None:
+            epoch = position.epoch if position is not None else self._now_ms()
+            if position is not None:
+                pub.resume(position.epoch, position.next_seqs)
+            else:
+                pub.epoch = epoch
+            logger.info("relay %s: no engine history on the topic; replaying from 0", self.source)
+            self._committed_state = (pub.epoch, {})
+            self._replay_from(0, verify=None)
+            return
+        pub.resume(position.epoch, position.next_seqs)
+        self._committed_state = (position.epoch, dict(position.next_seqs))
+        self.sequence.relayed(position.engine_seq, position.engine_time_ms)
+        self.sequence.committed()
+        self._committed_seq = position.engine_seq
+        logger.info(
+            "relay %s: resuming epoch %d after engine batch %d",
+            self.source, position.epoch, position.engine_seq,
+        )  # fmt: skip
+        self._replay_from(position.engine_seq, verify=position)
+
+    def _replay_from(
+        self, start: int, verify: StreamPosition | None = None, upto: int | None = None
+    ) -> bool:
+        """Ask the engine for its batches from ``start`` and relay them; what it no longer
+        holds before ``upto`` (a live batch known to exist) is recorded lost.
+
+        ``verify``: the recovered position, whose last batch ``start`` the answer must show
+        with the same time for the engine process to be the same one. Returns whether the
+        engine answered."""
+        link = self._link
+        self.metrics.replays.labels(self.source).inc()
+        first = True
+        answered = False
+        tries = 3
+        while tries:
+            tries -= 1
+            try:
+                for seq, payload in link.replay(start, self.config.replay_timeout_ms):
+                    answered = True
+                    if first and verify is not None:
+                        first = False
+                        batch = self._decode(seq, payload)
+                        same = (
+                            batch is not None
+                            and seq == start
+                            and (_ms(batch.ts) == verify.engine_time_ms)
+                        )
+                        if same:
+                            continue  # batch L itself, already published
+                        if seq <= start:  # a new process has reached that number
+                            self._engine_restarted(seq)
+                            return self._replay_from(0)
+                    first = False
+                    self._offer(seq, payload, from_replay=True)
+                answered = True
+                break
+            except ReplayTimeoutError as exc:
+                if answered or not tries:
+                    logger.warning("relay %s: replay from %d: %s", self.source, start, exc)
+                    break
+        if verify is not None and answered and first:
+            # Nothing at or after the batch last published: a new engine process.
+            self._engine_restarted(None)
+            return self._replay_from(0)
+        last = self.sequence.last
+        if upto is not None and (last is None or last < upto - 1):
+            self._lost((last + 1) if last is not None else 0, upto - 1)
+        return answered
+
+    def _engine_restarted(self, seen: int | None) -> None:
+        pub = self._pub
+        epoch = max(self._now_ms(), pub.epoch + 1)
+        logger.warning(
+            "relay %s: the engine restarted (batch numbers went back%s); new epoch %d",
+            self.source, f" to {seen}" if seen is not None else "", epoch,
+        )  # fmt: skip
+        self.metrics.engine_restarts.labels(self.source).inc()
+        self._begin()
+        pub.new_epoch(epoch)
+        self.sequence.reset()
+
+    # ------------------------------------------------------------------ the live loop
+    def _step(self) -> None:
+        cfg = self.config
+        try:
+            got = self._link.receive(50)
+            if got is None:
+                self._commit_if_due(idle=True)
+                if time.monotonic() - self._last_activity >= cfg.heartbeat_interval_s:
+                    self._probe()
+                return
+            seq, payload = got
+            self._offer(seq, payload, from_replay=False)
+            self._commit_if_due(idle=False)
+        except (KafkaException, PublishError) as exc:  # a produce failed: start over
+            self._abort(exc)
+
+    def _offer(self, seq: int, payload: bytes, from_replay: bool) -> None:
+        """One batch from the engine, live or replayed."""
+        self._last_activity = time.monotonic()
+        self.metrics.batches_received.labels(self.source).inc()
+        batch = self._decode(seq, payload)
+        time_ms = _ms(batch.ts) if batch is not None else None
+        seen = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
+        if seen is Seen.DUPLICATE:
+            return
+        if seen is Seen.RESTART:
+            self._engine_restarted(seq)
+            self._replay_from(0, upto=seq)
+            seen = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
+            if seen is not Seen.NEXT:
+                return  # the replay brought it (or recorded it lost)
+        elif seen is Seen.GAP:
+            self.metrics.gaps.labels(self.source).inc()
+            last = self.sequence.last
+            start = last + 1 if last is not None else 0
+            if from_replay:  # the engine no longer holds what came before this one
+                self._lost(start, seq - 1)
+            else:
+                logger.info(
+                    "relay %s: batches %d..%d missed; asking for replay",
+                    self.source, start, seq - 1,
+                )  # fmt: skip
+                self._replay_from(start, upto=seq)
+                again = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
+                if again is not Seen.NEXT:
+                    return
+        self._publish(seq, batch, time_ms)
+
+    def _publish(self, seq: int, batch: EngineBatch | None, time_ms: int | None) -> None:
+        self._begin()
+        if batch is None:  # undecodable: what it changed is unknown, so it is lost
+            self._lost(seq, seq)
+            return
+        pub = self._pub
+        count = pub.publish_vllm_events(
+            batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
+        )
+        self.sequence.relayed(seq, time_ms)
+        self._in_txn += 1
+        self.metrics.events_relayed.labels(self.source).inc(count)
+        if time_ms is not None:
+            self.metrics.behind.labels(self.source).set(max(0.0, self._clock() - time_ms / 1000))
+
+    def _decode(self, seq: int, payload: bytes) -> EngineBatch | None:
+        try:
+            return decode_batch(payload)
+        except VllmEventError as exc:
+            self.metrics.undecodable.labels(self.source).inc()
+            logger.error(
+                "relay %s: engine batch %d does not decode (%s); recorded as lost",
+                self.source, seq, exc,
+            )  # fmt: skip
+            return None
+
+    def _lost(self, first: int, last: int) -> None:
+        """Engine batches first..last cannot be recovered: every group is cleared."""
+        self._begin()
+        pub = self._pub
+        groups = pub.groups or [0]
+        logger.error(
+            "relay %s: engine batches %d..%d are lost (the engine no longer holds them); "
+            "clearing the source's blocks in groups %s",
+            self.source, first, last, groups,
+        )  # fmt: skip
+        pub.publish_events([EventsLost(first, last, group_idx=g) for g in groups], engine_seq=None)
+        self.metrics.unrecoverable.labels(self.source).inc()
+        self.metrics.lost_batches.labels(self.source).inc(max(0, last - first + 1))
+        self.sequence.skip_to(last)
+        self._in_txn += 1
+
+    def _probe(self) -> None:
+        """Idle: is the engine there? Its answer also brings any batch the SUB missed."""
+        self._last_activity = time.monotonic()
+        last = self.sequence.last
+        if self.config.replay_endpoint is None:
+            return
+        if self._replay_from(last + 1 if last is not None else 0):
+            self._begin()
+            pub = self._pub
+            group = min(pub.groups) if pub.groups else 0
+            interval = int(self.config.heartbeat_interval_s * 1000)
+            pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
+            self._in_txn += 1
+            self.metrics.behind.labels(self.source).set(0)
+        self._commit()
+
+    # ------------------------------------------------------------------ transactions
+    def _begin(self) -> None:
+        if self._open:
+            return
+        pub = self._pub
+        pub.begin()
+        self._open = True
+        self._opened_at = time.monotonic()
+        if self._announce:  # at start and after an abort: the specs lead the transaction
+            for spec in self.config.groups:
+                held = pub.announced(spec.group_idx)
+                if held is None:
+                    pub.announce_group_spec(spec)
+                else:
+                    pub.publish_events([held])
+            self._announce = False
+
+    def _commit_if_due(self, idle: bool) -> None:
+        if not self._open:
+            return
+        cfg = self.config
+        if (
+            idle
+            or self._in_txn >= cfg.commit_batches
+            or time.monotonic() - self._opened_at >= cfg.commit_interval_s
+        ):
+            self._commit()
+
+    def _commit(self) -> None:
+        """Commit the open transaction; on failure abort it and replay from the last
+        committed batch once Kafka takes writes again."""
+        if not self._open:
+            return
+        pub = self._pub
+        delay = 0.5
+        while True:
+            try:
+                pub.commit(30)
+                break
+            except (KafkaException, PublishError) as exc:
+                retriable = (
+                    isinstance(exc, KafkaException)
+                    and exc.args
+                    and getattr(exc.args[0], "retriable", lambda: False)()
+                )
+                self.metrics.kafka_paused.labels(self.source).set(1)
+                if retriable and not self._stop.is_set():
+                    logger.warning(
+                        "relay %s: Kafka unreachable, not reading the engine (%s); retrying",
+                        self.source, exc,
+                    )  # fmt: skip
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5)
+                    continue
+                self._abort(exc)
+                return
+        self.metrics.kafka_paused.labels(self.source).set(0)
+        self._open = False
+        self._in_txn = 0
+        self._committed_seq = self.sequence.last
+        self._committed_state = (pub.epoch, pub.next_seqs())
+        self.sequence.committed()
+
+    def _abort(self, exc: BaseException) -> None:
+        logger.warning(
+            "relay %s: transaction failed (%s); it is aborted and batches after %s will be "
+            "replayed from the engine once Kafka is back",
+            self.source, exc, self._committed_seq,
+        )  # fmt: skip
+        pub = self._pub
+        try:
+            pub.abort(30)
+        except KafkaException as abort_error:  # a fenced or fatal producer: start over
+            logger.warning("relay %s: abort failed (%s); reconnecting", self.source, abort_error)
+            pub.close(timeout=1, goodbye=False)
+            self.publisher = None
+            self._open = False
+            self._connect()
+            self._open = False
+            self._announce = True
+            self._rewind_and_replay()
+            return
+        self._open = False
+        self._in_txn = 0
+        self._announce = True
+        epoch, seqs = self._committed_state
+        pub.resume(epoch, seqs)
+        self._rewind_and_replay()
+
+    def _rewind_and_replay(self) -> None:
+        self.sequence.rewind(self._committed_seq)
+        epoch, seqs = self._committed_state
+        self._pub.resume(epoch, seqs)
+        last = self.sequence.last
+        self._replay_from(last + 1 if last is not None else 0)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _pub(self) -> KVEventPublisher:
+        assert self.publisher is not None
+        return self.publisher
+
+    @property
+    def _link(self) -> EngineLink:
+        assert self.link is not None
+        return self.link
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+
+class _StoppedError(Exception):
+    """Stopped before the broker ever answered."""
+
+
+def _ms(ts: float) -> int:
+    return round(ts * 1000)
+
+
+class Relay:
+    """Every rank of one engine, one thread each."""
+
+    def __init__(self, config: RelayConfig, metrics: RelayMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or RelayMetrics()
+        self.ranks = [RankRelay(config, r, self.metrics) for r in range(config.dp_size)]
+        self._threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def start(self) -> None:
+        for rank in self.ranks:
+            thread = threading.Thread(
+                target=self._run, args=(rank,), name=f"kvledger-relay-{rank.source}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _run(self, rank: RankRelay) -> None:
+        try:
+            rank.run()
+        except _StoppedError:
+            pass
+        except BaseException as exc:  # reported by wait(); the other ranks go on
+            logger.exception("relay %s stopped on an error", rank.source)
+            self.errors.append(exc)
+
+    def ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(r.ready.wait(max(0.0, deadline - time.monotonic())) for r in self.ranks)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for rank in self.ranks:
+            rank.stop()
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def __iter__(self) -> Iterator[RankRelay]:
+        return iter(self.ranks)
+
+
+def parse_group(text: str, model: str) -> GroupSpec:
+    """``IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]`` as a group spec."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--group {text!r}: expected IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]")
+    try:
+        idx, size = int(parts[0]), int(parts[2])
+        hash_size = int(parts[3]) if len(parts) == 4 else size
+    except ValueError:
+        raise ValueError(f"--group {text!r}: IDX and sizes must be integers") from None
+    return GroupSpec(model, idx, parts[1], size, hash_size)

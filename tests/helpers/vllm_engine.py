@@ -1,0 +1,190 @@
+"""A test engine that speaks vLLM's KV-event protocol on real ZMQ sockets.
+
+PUB frames ``[topic, seq (8 bytes big-endian), payload]``, seq from 0 per process; a ROUTER
+replay socket that answers ``[empty, start seq]`` with ``[empty, topic, seq, payload]`` for
+each batch still in its bounded buffer, then ``[empty, empty, 0xff * 8, empty]``. Payloads are
+msgpack ``[ts, events, rank]`` with events as tagged maps (vLLM 0.33.0) or positional arrays
+(older engines), fields at their defaults left out. ``hide`` publishes a batch into the
+buffer without sending it live (a forced gap), ``restart`` is a new engine process.
+
+Written from the protocol's description (../shared/VLLM_FACTS.md); tests that need vLLM's own
+bytes drive vLLM's publisher instead (tests/test_relay.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvledger.producer.vllm import FIELDS
+
+END = b"\xff" * 8
+
+# The defaults vLLM leaves out (omit_defaults) per event type.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "BlockStored": {
+        "extra_keys": None, "group_idx": None, "kv_cache_spec_kind": None,
+        "kv_cache_spec_sliding_window": None, "locality": None, "ownership": None,
+        "session_id": None, "lookahead_token_ids": None,
+    },
+    "BlockRemoved": {"group_idx": None, "locality": None, "ownership": None},
+    "AllBlocksCleared": {},
+}  # fmt: skip
+
+
+@dataclass
+class Event:
+    """One vLLM event: its type and fields by vLLM's names."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def stored(hashes: Sequence[int], parent: int | None, tokens: Sequence[int], size: int,
+           medium: str | None = "GPU", **more: Any) -> Event:  # fmt: skip
+    return Event(
+        "BlockStored",
+        {"block_hashes": list(hashes), "parent_block_hash": parent, "token_ids": list(tokens),
+         "block_size": size, "lora_id": None, "medium": medium, "lora_name": None, **more},
+    )  # fmt: skip
+
+
+def removed(hashes: Sequence[int], medium: str | None = "GPU", **more: Any) -> Event:
+    return Event("BlockRemoved", {"block_hashes": list(hashes), "medium": medium, **more})
+
+
+def cleared() -> Event:
+    return Event("AllBlocksCleared")
+
+
+def encode_event(event: Event, positional: bool) -> Any:
+    names = FIELDS[event.kind]
+    defaults = _DEFAULTS[event.kind]
+    if positional:
+        values = [event.fields.get(n, defaults.get(n)) for n in names]
+        while values and len(values) > 7 and values[-1] is None:  # trailing defaults left out
+            values.pop()
+        return [event.kind, *values]
+    out: dict[str, Any] = {"type": event.kind}
+    for n in names:
+        value = event.fields.get(n, defaults.get(n))
+        if n in defaults and value == defaults[n]:
+            continue
+        out[n] = value
+    return out
+
+
+def encode_batch(ts: float, events: Sequence[Event], rank: int | None, positional: bool) -> bytes:
+    body: list[Any] = [ts, [encode_event(e, positional) for e in events]]
+    if rank is not None:
+        body.append(rank)
+    return msgspec.msgpack.encode(body)
+
+
+class TestEngine:
+    """One engine rank: PUB on ``port``, ROUTER replay on ``replay_port``."""
+
+    __test__ = False
+
+    def __init__(
+        self, port: int, replay_port: int, buffer_steps: int = 10_000, rank: int = 0,
+        positional: bool = False, topic: bytes = b"",
+    ) -> None:  # fmt: skip
+        self.port, self.replay_port = port, replay_port
+        self.buffer_steps = buffer_steps
+        self.rank = rank
+        self.positional = positional
+        self.topic = topic
+        self.ctx = zmq.Context()
+        self.published: list[tuple[int, float, list[Event]]] = []  # this process's batches
+        self.incarnations: list[list[tuple[int, float, list[Event]]]] = [self.published]
+        self._open()
+
+    def _open(self) -> None:
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        self.lock = threading.Lock()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.running = True
+        self.thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def publish(self, events: Sequence[Event], hide: bool = False, ts: float | None = None) -> int:
+        """One batch; ``hide``: buffered for replay but not sent live (a missed batch)."""
+        ts = ts if ts is not None else time.time()
+        payload = encode_batch(ts, events, self.rank, self.positional)
+        with self.lock:
+            seq = self.seq
+            self.seq += 1
+            self.buffer.append((seq, payload))
+        self.published.append((seq, ts, list(events)))
+        if not hide:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def _serve_replay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while self.running:
+            if not poller.poll(50):
+                continue
+            frames = self.router.recv_multipart()
+            if len(frames) != 3:
+                continue  # vLLM answers a malformed request with nothing
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self.lock:
+                held = [(s, p) for s, p in self.buffer if s >= first]
+            for seq, payload in held:
+                self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"),
+                                            payload])  # fmt: skip
+            self.router.send_multipart([client, b"", b"", END, b""])
+
+    def forget_before(self, seq: int) -> None:
+        """The buffer no longer holds batches before ``seq`` (as if it had rolled over)."""
+        with self.lock:
+            while self.buffer and self.buffer[0][0] < seq:
+                self.buffer.popleft()
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        self.pub.close(0)
+        self.router.close(0)
+
+    def restart(self) -> None:
+        """A new engine process on the same ports: seq from 0, empty buffer."""
+        self.stop()
+        self.published = []
+        self.incarnations.append(self.published)
+        self._open()
+
+    def close(self) -> None:
+        self.stop()
+        self.ctx.term()
+
+
+def wait_for_subscriber(engine: TestEngine, seconds: float = 0.5) -> None:
+    """ZMQ's slow joiner: a subscription takes a moment to reach the publisher."""
+    time.sleep(seconds)

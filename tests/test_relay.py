@@ -1,0 +1,392 @@
+"""`kvledger relay` against a real ZMQ engine speaking vLLM's protocol, a real Kafka broker and
+a real PostgreSQL index: each scenario ends with the index compared against a reference built
+from what the engine published."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvledger.consumer.db import connect
+from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
+from kvledger.producer.vllm import from_vllm_fields
+from kvledger.schemas.events import BlockRemoved, BlockStored
+from kvledger.schemas.topics import ensure_topic
+from tests.helpers.consuming import consume
+from tests.helpers.procs import free_port, spawn
+from tests.helpers.vllm_engine import Event, TestEngine, cleared, removed, stored
+
+pytestmark = pytest.mark.integration
+
+MODEL = "m"
+GROUPS = ("0:full_attention:4", "1:full_attention:16:4")
+Key = tuple[int, bytes, str, str]  # group, hash, medium, ownership
+
+
+# ---------------------------------------------------------------------- the engine's work
+class Workload:
+    """A deterministic stream of vLLM batches: chains stored on GPU and CPU, removals of
+    what is held, partial recurrent tails in group 1 (block 16, hash 4), rare clears."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.held: list[tuple[int, int, str]] = []  # (group, hash, medium)
+        self.next_hash = seed * 1_000_000 + 1
+
+    def _hash(self) -> int:
+        self.next_hash += 1
+        return (self.next_hash * 0x9E3779B97F4A7C15) % 2**64  # spread over 64 bits
+
+    def batch(self) -> list[Event]:
+        out = []
+        for _ in range(self.rng.randint(1, 3)):
+            roll = self.rng.random()
+            if roll < 0.55 or not self.held:
+                medium = self.rng.choice(["GPU", "CPU"])
+                n = self.rng.randint(1, 4)
+                hashes = [self._hash() for _ in range(n)]
+                tokens = [self.rng.randrange(50_000) for _ in range(4 * n)]
+                out.append(stored(hashes, None, tokens, 4, medium))
+                self.held += [(0, h, medium) for h in hashes]
+            elif roll < 0.65:
+                hashes = [self._hash() for _ in range(3)]  # a partial tail: hash size 4
+                out.append(stored(hashes, None, list(range(12)), 4, "CPU", group_idx=1))
+                self.held += [(1, h, "CPU") for h in hashes]
+            elif roll < 0.98:
+                group, h, medium = self.held.pop(self.rng.randrange(len(self.held)))
+                extra = {"group_idx": group} if group else {}
+                out.append(removed([h], medium, **extra))
+            else:
+                out.append(cleared())
+                self.held = [x for x in self.held if x[2] != "GPU"]
+        return out
+
+
+def reference(incarnations: Sequence[Sequence[tuple[int, float, list[Event]]]],
+              lost: Callable[[int, int], bool] = lambda i, s: False) -> dict[Key, int]:  # fmt: skip
+    """The source's residencies from the engine's batches: a restart ends GPU and CPU; a lost
+    batch (``lost(incarnation, seq)``) ends everything and is not applied."""
+    refs: Counter[Key] = Counter()
+    for i, batches in enumerate(incarnations):
+        if i:
+            refs = Counter({k: v for k, v in refs.items() if k[2] == "STORAGE"})
+        losing = False
+        for seq, _, events in batches:
+            if lost(i, seq):
+                if not losing:
+                    refs.clear()
+                losing = True
+                continue
+            losing = False
+            for e in events:
+                ev = from_vllm_fields(e.kind, e.fields)
+                if isinstance(ev, BlockStored):
+                    for h in ev.block_hashes:
+                        refs[(ev.group_idx or 0, h, ev.medium or "GPU", "")] += 1
+                elif isinstance(ev, BlockRemoved):
+                    for h in ev.block_hashes:
+                        key = (ev.group_idx or 0, h, ev.medium or "GPU", "")
+                        refs[key] = max(0, refs[key] - 1)
+                else:
+                    refs = Counter({k: v for k, v in refs.items() if k[2] != "GPU"})
+    return {k: v for k, v in refs.items() if v > 0}
+
+
+def index_of(db: str, source: str) -> dict[Key, int]:
+    with connect(db, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT group_idx, block_hash, medium, ownership, refcount "
+            "FROM kvledger.residencies WHERE instance = %s",
+            (source,),
+        ).fetchall()
+    return {(g, bytes(h), m, o): n for g, h, m, o, n in rows}
+
+
+def health(db: str, source: str) -> tuple[int, int, int, int]:
+    with connect(db, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(duplicates), 0), coalesce(sum(lost_gaps), 0), "
+            "coalesce(sum(lost_batches), 0), (SELECT count(*) FROM kvledger.rejected_events) "
+            "FROM kvledger.source_health WHERE source = %s",
+            (source,),
+        ).fetchone()
+    assert row is not None
+    return tuple(int(x) for x in row)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture
+def topic(make_topic: Callable[..., str]) -> str:
+    return make_topic("relay", partitions=3)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[TestEngine]]:
+    made: list[TestEngine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def engine_pair(engines: list[TestEngine], **kwargs: object) -> TestEngine:
+    """An engine rank on a free port and its replay port."""
+    engine = TestEngine(free_port(), free_port(), **kwargs)  # type: ignore[arg-type]
+    engines.append(engine)
+    return engine
+
+
+def relay_config(engine: TestEngine, bootstrap: str, topic: str, source: str,
+                 **kwargs: object) -> RelayConfig:  # fmt: skip
+    return RelayConfig(
+        endpoint=engine.endpoint,
+        replay_endpoint=engine.replay_endpoint,
+        source=source,
+        model=MODEL,
+        bootstrap_servers=bootstrap,
+        topic=topic,
+        groups=[parse_group(g, MODEL) for g in GROUPS],
+        heartbeat_interval_s=1.0,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def wait_relayed(relay: Relay, engines: Sequence[TestEngine], timeout: float = 60) -> None:
+    """Until every rank has committed its engine's last batch."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(
+            r.committed_seq == e.seq - 1 for r, e in zip(relay.ranks, engines, strict=True)
+        ):
+            return
+        assert not relay.errors, relay.errors
+        time.sleep(0.05)
+    where = [(r.committed_seq, e.seq - 1) for r, e in zip(relay, engines, strict=True)]
+    raise AssertionError(f"not relayed (committed, published): {where}")
+
+
+def run_relay(config: RelayConfig) -> Relay:
+    relay = Relay(config)
+    relay.start()
+    assert relay.ready(60), "the relay did not resynchronise with the engine"
+    return relay
+
+
+# ---------------------------------------------------------------------- scenarios
+def test_two_ranks_in_both_encodings_and_nothing_lost(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    engines: list[TestEngine],
+) -> None:  # fmt: skip
+    port, replay = free_port(), free_port()
+    ranks = [
+        TestEngine(port, replay, rank=0, positional=False),
+        TestEngine(port + 1, replay + 1, rank=1, positional=True),
+    ]
+    engines.extend(ranks)
+    work = [Workload(1), Workload(2)]
+    for engine, w in zip(ranks, work, strict=True):  # published before the relay listens
+        for _ in range(30):
+            engine.publish(w.batch())
+    config = relay_config(ranks[0], kafka_bootstrap, topic, "e2", dp_size=2)
+    relay = run_relay(config)
+    try:
+        for _ in range(200):
+            for engine, w in zip(ranks, work, strict=True):
+                engine.publish(w.batch())
+        wait_relayed(relay, ranks)
+    finally:
+        relay.stop()
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    for rank, engine in enumerate(ranks):
+        source = f"e2-dp{rank}"
+        want = reference(engine.incarnations)
+        assert want and index_of(fresh_database, source) == want
+        assert health(fresh_database, source) == (0, 0, 0, 0)
+    metrics = relay.metrics
+    assert metrics.unrecoverable.labels("e2-dp0")._value.get() == 0
+
+
+def test_a_missed_batch_is_replayed_and_an_old_gap_is_recorded_lost(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    engines: list[TestEngine],
+) -> None:  # fmt: skip
+    engine = engine_pair(engines, buffer_steps=50)
+    work = Workload(3)
+    relay = run_relay(relay_config(engine, kafka_bootstrap, topic, "gappy"))
+    try:
+        time.sleep(0.5)  # the subscription reaches the engine
+        for _ in range(20):
+            engine.publish(work.batch())
+        for _ in range(3):
+            engine.publish(work.batch(), hide=True)  # missed live, still buffered
+        for _ in range(20):
+            engine.publish(work.batch())
+        wait_relayed(relay, [engine])
+        assert relay.metrics.gaps.labels("gappy")._value.get() >= 1
+        assert relay.metrics.unrecoverable.labels("gappy")._value.get() == 0
+        # A gap the buffer no longer holds: ten hidden batches, then the buffer rolls on.
+        first_lost = engine.seq
+        for _ in range(10):
+            engine.publish(work.batch(), hide=True)
+        engine.forget_before(engine.seq)
+        for _ in range(20):
+            engine.publish(work.batch())
+        wait_relayed(relay, [engine])
+    finally:
+        relay.stop()
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    lost = range(first_lost, first_lost + 10)
+    want = reference(engine.incarnations, lambda i, s: s in lost)
+    assert index_of(fresh_database, "gappy") == want
+    assert health(fresh_database, "gappy") == (0, 1, 10, 0)
+    with connect(fresh_database, autocommit=True) as conn:
+        ranges = conn.execute(
+            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
+            "WHERE kind = 'lost'"
+        ).fetchall()
+    assert ranges == [(first_lost, first_lost + 9)]
+
+
+def test_engine_restart_starts_a_new_epoch(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    engines: list[TestEngine],
+) -> None:  # fmt: skip
+    engine = engine_pair(engines)
+    work = Workload(4)
+    relay = run_relay(relay_config(engine, kafka_bootstrap, topic, "phoenix"))
+    try:
+        for _ in range(40):
+            engine.publish(work.batch())
+        engine.publish([stored([77], None, [1, 2, 3, 4], 4, "STORAGE")])  # survives
+        wait_relayed(relay, [engine])
+        engine.restart()
+        work = Workload(5)
+        for _ in range(40):
+            engine.publish(work.batch())
+        wait_relayed(relay, [engine])
+    finally:
+        relay.stop()
+    assert relay.metrics.engine_restarts.labels("phoenix")._value.get() == 1
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    assert index_of(fresh_database, "phoenix") == reference(engine.incarnations)
+    with connect(fresh_database, autocommit=True) as conn:
+        restarts = conn.execute("SELECT restarts FROM kvledger.sources").fetchall()
+    assert restarts == [(1,)]
+
+
+def test_relay_killed_mid_stream_resumes_without_loss_or_duplicates(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    engines: list[TestEngine], tmp_path: Path,
+) -> None:  # fmt: skip
+    engine = engine_pair(engines)
+    work = Workload(6)
+    stop = False
+
+    def command() -> subprocess.Popen[bytes]:
+        args = [sys.executable, "-m", "kvledger.cli", "relay", "--endpoint", engine.endpoint,
+                "--replay-endpoint", engine.replay_endpoint, "--source", "lazarus",
+                "--model", MODEL, "--bootstrap", kafka_bootstrap, "--topic", topic]  # fmt: skip
+        for g in GROUPS:
+            args += ["--group", g]
+        return spawn(args, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "relay.log", "ab"))
+
+    proc = command()
+    try:
+        for round_ in range(3):
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not stop:
+                engine.publish(work.batch())
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGKILL)  # at whatever instant it is
+            proc.wait(10)
+            for _ in range(50):  # published while no relay listens
+                engine.publish(work.batch())
+            proc = command()
+            if round_ == 2:
+                break
+        time.sleep(2)
+        for _ in range(30):
+            engine.publish(work.batch())
+        _wait_for_index(kafka_bootstrap, fresh_database, topic, group_id, "lazarus", engine)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    log = (tmp_path / "relay.log").read_text()
+    assert index_of(fresh_database, "lazarus") == reference(engine.incarnations), log[-3000:]
+    assert health(fresh_database, "lazarus") == (0, 0, 0, 0), log[-3000:]
+    with connect(fresh_database, autocommit=True) as conn:
+        restarts = conn.execute(
+            "SELECT restarts, closed_at FROM kvledger.sources WHERE source = 'lazarus'"
+        ).fetchone()
+    assert restarts == (0, None)  # a relay's restart is neither a new epoch nor a goodbye
+
+
+def _wait_for_index(
+    bootstrap: str, db: str, topic: str, group: str, source: str, engine: TestEngine,
+    timeout: float = 90,
+) -> None:  # fmt: skip
+    """Consume until the index holds the engine's last batch (the relay runs elsewhere)."""
+    deadline = time.monotonic() + timeout
+    want = reference(engine.incarnations)
+    while time.monotonic() < deadline:
+        consume(bootstrap, db, topic, group)
+        if index_of(db, source) == want:
+            return
+        time.sleep(1)
+
+
+def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
+    fresh_database: str, engines: list[TestEngine], tmp_path: Path, group_id: str,
+) -> None:  # fmt: skip
+    """The broker stops mid-stream and comes back: the relay never exits, and the batches
+    published meanwhile reach the index (from the engine's buffer)."""
+    from confluent_kafka.admin import AdminClient
+
+    from tests.helpers.consuming import ROOT
+
+    services = str(ROOT / "scripts" / "services")
+    import os
+
+    env = dict(
+        os.environ,
+        KVLEDGER_KAFKA_PORT=str(free_port()),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
+        KVLEDGER_STATE_DIR=str(tmp_path / "state"),
+    )
+    bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
+    subprocess.run([services, "up", "kafka"], env=env, check=True)
+    try:
+        topic = "kv-events"
+        ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, 3)
+        engine = engine_pair(engines)
+        work = Workload(7)
+        relay = run_relay(relay_config(engine, bootstrap, topic, "patient"))
+        try:
+            for _ in range(50):
+                engine.publish(work.batch())
+            wait_relayed(relay, [engine])
+            subprocess.run([services, "down", "kafka"], env=env, check=True)
+            for _ in range(200):
+                engine.publish(work.batch())
+                time.sleep(0.005)
+            time.sleep(3)
+            assert relay.alive()
+            subprocess.run([services, "up", "kafka"], env=env, check=True)
+            for _ in range(20):
+                engine.publish(work.batch())
+            wait_relayed(relay, [engine], timeout=180)
+        finally:
+            relay.stop()
+        assert relay.metrics.unrecoverable.labels("patient")._value.get() == 0
+        consume(bootstrap, fresh_database, topic, group_id)
+        assert index_of(fresh_database, "patient") == reference(engine.incarnations)
+        assert health(fresh_database, "patient") == (0, 0, 0, 0)
+    finally:
+        subprocess.run([services, "down", "kafka"], env=env, check=False)

@@ -212,17 +212,17 @@ class RankRelay:
             "relay %s: resuming epoch %d after engine batch %d",
             self.source, position.epoch, position.engine_seq,
         )  # fmt: skip
-        self._replay_from(position.engine_seq, verify=position)
+        self._replay_from(position.engine_seq, verify=position.engine_time_ms)
 
     def _replay_from(
-        self, start: int, verify: StreamPosition | None = None, upto: int | None = None
+        self, start: int, verify: int | None = None, upto: int | None = None
     ) -> bool:
         """Ask the engine for its batches from ``start`` and relay them; what it no longer
         holds before ``upto`` (a live batch known to exist) is recorded lost.
 
-        ``verify``: the recovered position, whose last batch ``start`` the answer must show
-        with the same time for the engine process to be the same one. Returns whether the
-        engine answered."""
+        ``verify``: the time of batch ``start``, already relayed: the answer must show it with
+        that time for the engine process to be the same one (else it restarted). Returns
+        whether the engine answered."""
         link = self._link
         self.metrics.replays.labels(self.source).inc()
         first = True
@@ -239,7 +239,7 @@ class RankRelay:
                         same = (
                             batch is not None
                             and seq == start
-                            and (_ms(batch.ts) == verify.engine_time_ms)
+                            and (_ms(batch.ts) == verify)
                         )
                         if same:
                             continue  # batch L itself, already published
@@ -371,7 +371,13 @@ class RankRelay:
         last = self.sequence.last
         if self.config.replay_endpoint is None:
             return
-        if self._replay_from(last + 1 if last is not None else 0):
+        known = self.sequence.time_of(last) if last is not None else None
+        if last is not None and known is not None:
+            # The last batch too: is the engine still the process that sent it?
+            answered = self._replay_from(last, verify=known)
+        else:
+            answered = self._replay_from(last + 1 if last is not None else 0)
+        if answered:
             self._begin()
             pub = self._pub
             group = min(pub.groups) if pub.groups else 0

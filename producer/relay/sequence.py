@@ -43,6 +43,10 @@ class EngineSequence:
         known = self._times.get(seq)
         return Seen.DUPLICATE if known == time_ms else Seen.RESTART
 
+    def time_of(self, seq: int) -> int | None:
+        """The time of a batch relayed recently (None: not remembered)."""
+        return self._times.get(seq)
+
     def relayed(self, seq: int, time_ms: int | None) -> None:
         """``seq`` is relayed (its time None when unknown: never a duplicate's match)."""
         self.last = seq

@@ -102,7 +102,6 @@ class TestEngine:
         self.rank = rank
         self.positional = positional
         self.topic = topic
-        self.ctx = zmq.Context()
         self.published: list[tuple[int, float, list[Event]]] = []  # this process's batches
         self.incarnations: list[list[tuple[int, float, list[Event]]]] = [self.published]
         self._open()
@@ -111,13 +110,14 @@ class TestEngine:
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
         self.lock = threading.Lock()
+        self.ctx = zmq.Context()  # one per process: terminating it frees the ports
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        _bind(self.router, f"tcp://127.0.0.1:{self.replay_port}")
         self.running = True
         self.thread = threading.Thread(target=self._serve_replay, daemon=True)
         self.thread.start()
@@ -168,10 +168,13 @@ class TestEngine:
                 self.buffer.popleft()
 
     def stop(self) -> None:
+        if not self.running:
+            return
         self.running = False
         self.thread.join(5)
         self.pub.close(0)
         self.router.close(0)
+        self.ctx.term()
 
     def restart(self) -> None:
         """A new engine process on the same ports: seq from 0, empty buffer."""
@@ -182,7 +185,19 @@ class TestEngine:
 
     def close(self) -> None:
         self.stop()
-        self.ctx.term()
+
+
+def _bind(socket: zmq.Socket[bytes], endpoint: str) -> None:
+    """Bind, waiting a moment for a port the previous process is still releasing."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def wait_for_subscriber(engine: TestEngine, seconds: float = 0.5) -> None:

@@ -95,13 +95,14 @@ class TestEngine:
 
     def __init__(
         self, port: int, replay_port: int, buffer_steps: int = 10_000, rank: int = 0,
-        positional: bool = False, topic: bytes = b"",
+        positional: bool = False, topic: bytes = b"", send_hwm: int = 100_000,
     ) -> None:  # fmt: skip
         self.port, self.replay_port = port, replay_port
         self.buffer_steps = buffer_steps
         self.rank = rank
         self.positional = positional
         self.topic = topic
+        self.send_hwm = send_hwm
         self.published: list[tuple[int, float, list[Event]]] = []  # this process's batches
         self.incarnations: list[list[tuple[int, float, list[Event]]]] = [self.published]
         self._open()
@@ -113,7 +114,7 @@ class TestEngine:
         self.ctx = zmq.Context()  # one per process: terminating it frees the ports
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.SNDHWM, self.send_hwm)
         _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)

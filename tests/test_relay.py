@@ -4,6 +4,8 @@ from what the engine published."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import random
 import signal
 import subprocess
@@ -12,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -23,6 +26,7 @@ from kvledger.schemas.topics import ensure_topic
 from tests.helpers.consuming import consume
 from tests.helpers.procs import free_port, spawn
 from tests.helpers.vllm_engine import Event, TestEngine, cleared, removed, stored
+from tests.helpers.vllm_wheel import vllm_root
 
 pytestmark = pytest.mark.integration
 
@@ -162,9 +166,7 @@ def wait_relayed(relay: Relay, engines: Sequence[TestEngine], timeout: float = 6
     """Until every rank has committed its engine's last batch."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(
-            r.committed_seq == e.seq - 1 for r, e in zip(relay.ranks, engines, strict=True)
-        ):
+        if all(r.committed_seq == e.seq - 1 for r, e in zip(relay.ranks, engines, strict=True)):
             return
         assert not relay.errors, relay.errors
         time.sleep(0.05)
@@ -350,8 +352,6 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
     from tests.helpers.consuming import ROOT
 
     services = str(ROOT / "scripts" / "services")
-    import os
-
     env = dict(
         os.environ,
         KVLEDGER_KAFKA_PORT=str(free_port()),
@@ -390,3 +390,76 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
         assert health(fresh_database, "patient") == (0, 0, 0, 0)
     finally:
         subprocess.run([services, "down", "kafka"], env=env, check=False)
+
+
+# ---------------------------------------------------------------------- vLLM's own publisher
+@pytest.fixture
+def vllm_kv_events() -> Iterator[ModuleType]:
+    """vLLM 0.33.0's kv_events module from its wheel (see tests/helpers/vllm_wheel.py)."""
+    try:
+        root = vllm_root()
+    except (subprocess.SubprocessError, OSError, KeyError) as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the vLLM wheel could not be had: {exc!r}")
+    sys.path.insert(0, str(root))
+    try:
+        yield importlib.import_module("vllm.distributed.kv_events")
+    finally:
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+
+
+def test_vllms_own_publisher_feeds_the_index(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    vllm_kv_events: ModuleType,
+) -> None:  # fmt: skip
+    kv = vllm_kv_events
+    port, replay = free_port(), free_port()
+    publisher = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}"
+    )
+    work = Workload(8)
+    sent: list[tuple[int, float, list[Event]]] = []
+
+    def publish(count: int) -> None:
+        for _ in range(count):
+            events = work.batch()
+            ts = time.time()
+            batch = kv.KVEventBatch(ts=ts, events=[getattr(kv, e.kind)(**e.fields) for e in events])
+            publisher.publish(batch)
+            sent.append((len(sent), ts, events))
+
+    try:
+        publish(40)  # before the relay listens: it starts by replaying from 0
+        config = RelayConfig(
+            endpoint=f"tcp://127.0.0.1:{port}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            source="stock",
+            model=MODEL,
+            bootstrap_servers=kafka_bootstrap,
+            topic=topic,
+            groups=[parse_group(g, MODEL) for g in GROUPS],
+        )
+        relay = run_relay(config)
+        try:
+            publish(300)
+            deadline = time.monotonic() + 60
+            while relay.ranks[0].committed_seq != len(sent) - 1:
+                assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, len(sent))
+                time.sleep(0.05)
+        finally:
+            relay.stop()
+    finally:
+        publisher.shutdown()
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    want = reference([sent])
+    assert want and index_of(fresh_database, "stock") == want
+    assert health(fresh_database, "stock") == (0, 0, 0, 0)  # partial tails fit their spec
+    with connect(fresh_database, autocommit=True) as conn:
+        partial, known = conn.execute(
+            "SELECT count(*) FILTER (WHERE partial), count(*) FILTER (WHERE token_start = 0) "
+            "FROM kvledger.blocks"
+        ).fetchone()  # type: ignore[misc]
+    assert partial > 0 and known > 0  # vLLM's tails are partial; roots start at 0

@@ -1,0 +1,113 @@
+"""The relay's pure parts: vLLM's batch encodings, the engine sequence rule, spec fitting."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvledger.producer.relay.engine import offset_endpoint
+from kvledger.producer.relay.relay import parse_group
+from kvledger.producer.relay.sequence import EngineSequence, Seen
+from kvledger.producer.relay.wire import decode_batch, seq_of
+from kvledger.producer.vllm import VllmEventError, fit_to_spec
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
+from tests.helpers.vllm_engine import cleared, encode_batch, removed, stored
+
+STORED = stored(
+    [2**64 - 1, 5], 7, [1, 2, 3, 4], 2, "CPU", group_idx=1, extra_keys=[["lora-a"], None],
+    lookahead_token_ids=[[9], [10]], session_id="s1", ownership="disk", locality="LOCAL",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["tagged maps", "positional arrays"])
+def test_both_encodings_decode_to_the_same_events(positional: bool) -> None:
+    payload = encode_batch(12.5, [STORED, removed([5], "CPU", group_idx=1), cleared()], 3,
+                           positional)  # fmt: skip
+    batch = decode_batch(payload)
+    assert (batch.ts, batch.dp_rank) == (12.5, 3)
+    first, second, third = batch.events
+    assert first == BlockStored(
+        block_hashes=(b"\xff" * 8, (5).to_bytes(8, "big")),
+        parent_block_hash=(7).to_bytes(8, "big"),
+        token_ids=(1, 2, 3, 4), block_size=2, lora_id=None, medium="CPU", lora_name=None,
+        extra_keys=('["lora-a"]', None), group_idx=1, locality="LOCAL", ownership="disk",
+        session_id="s1", lookahead_token_ids=((9,), (10,)),
+    )  # fmt: skip
+    assert second == BlockRemoved(((5).to_bytes(8, "big"),), "CPU", 1)
+    assert third == AllBlocksCleared(medium="GPU")
+
+
+def test_fields_left_at_their_defaults_take_them_and_bytes_hashes_stay() -> None:
+    event = {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None,
+             "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": None,
+             "lora_name": None}  # fmt: skip
+    [ev] = decode_batch(msgspec.msgpack.encode([1.0, [event]])).events
+    assert isinstance(ev, BlockStored)
+    assert (ev.block_hashes, ev.group_idx, ev.medium, ev.token_start) == (
+        (b"\x01" * 32,), None, None, None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        (b"\xc1", "not msgpack"),
+        (msgspec.msgpack.encode({"ts": 1}), "an array"),
+        (msgspec.msgpack.encode(["x", []]), "ts is not a number"),
+        (msgspec.msgpack.encode([1.0, [{"type": "Nope"}]]), "unknown vLLM event type"),
+        (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved"}]]), "lacks block_hashes"),
+        (msgspec.msgpack.encode([1.0, [["BlockRemoved", [-1], "GPU"]]]), "unsigned 64-bit"),
+        (msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], "GPU", 0, 0, 0, 0]]]), "fields"),
+        (msgspec.msgpack.encode([1.0, [7]]), "map or a tagged array"),
+    ],
+)
+def test_a_batch_that_cannot_be_read_says_why(payload: bytes, why: str) -> None:
+    with pytest.raises(VllmEventError, match=why):
+        decode_batch(payload)
+
+
+def test_sequence_frames() -> None:
+    assert seq_of((258).to_bytes(8, "big")) == 258
+    with pytest.raises(VllmEventError):
+        seq_of(b"\x01")
+
+
+def test_the_engine_sequence_rule() -> None:
+    s = EngineSequence(remember=3)
+    assert s.classify(0, 10) is Seen.NEXT and s.classify(2, 10) is Seen.GAP
+    for seq in range(5):
+        s.relayed(seq, 100 + seq)
+    assert s.classify(5, 0) is Seen.NEXT
+    assert s.classify(9, 0) is Seen.GAP
+    assert s.classify(4, 104) is Seen.DUPLICATE  # replay and live overlap
+    assert s.classify(4, 999) is Seen.RESTART  # the same number at another time
+    assert s.classify(0, 100) is Seen.RESTART  # older than what it remembers
+    s.committed()
+    s.relayed(5, 105)
+    s.reset()  # a new process, then the transaction is aborted
+    s.relayed(0, 500)
+    s.rewind(4)
+    assert (s.last, s.time_of(4), s.time_of(5)) == (4, 104, None)
+
+
+def test_partial_tails_are_fitted_to_the_spec_and_nothing_else_is() -> None:
+    spec = GroupSpec("m", 1, "full_attention", 16, 4)
+    tail = BlockStored((b"a", b"b"), None, tuple(range(8)), 4, None, "CPU", None, group_idx=1)
+    assert fit_to_spec(tail, spec).partial  # type: ignore[union-attr]
+    full = BlockStored((b"a",), None, tuple(range(16)), 16, None, "CPU", None, group_idx=1)
+    assert fit_to_spec(full, spec) == full
+    odd = BlockStored((b"a",), None, tuple(range(8)), 8, None, "CPU", None, group_idx=1)
+    assert fit_to_spec(odd, spec) == odd  # neither size: left for the consumer to reject
+    assert fit_to_spec(tail, None) == tail
+    same = GroupSpec("m", 0, "full_attention", 4, 4)
+    assert not fit_to_spec(tail, same).partial  # type: ignore[union-attr]
+
+
+def test_endpoints_and_group_flags() -> None:
+    assert offset_endpoint("tcp://10.0.0.1:5557", 2) == "tcp://10.0.0.1:5559"
+    assert offset_endpoint("tcp://h:5557", 0) == "tcp://h:5557"
+    assert offset_endpoint("inproc://x", 1) == "inproc://x_dp1"
+    assert parse_group("1:mamba:16", "m") == GroupSpec("m", 1, "mamba", 16, 16)
+    assert parse_group("0:full_attention:16:4", "m").hash_block_size == 4
+    with pytest.raises(ValueError, match="IDX:KIND"):
+        parse_group("0:full", "m")

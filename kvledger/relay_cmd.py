@@ -26,8 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="relay a stock vLLM engine's ZMQ KV events into Kafka",
         description=(
             "Subscribe to a vLLM engine's KV-event publisher (started with --kv-events-config "
-            "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-            "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}') and publish its events "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+            '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\') and publish its events '
             "to Kafka, recovering missed batches from the engine's replay socket. One relay "
             "per engine; data-parallel ranks listen on consecutive ports."
         ),

@@ -23,9 +23,9 @@ from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
 from kvledger.producer.vllm import from_vllm_fields
 from kvledger.schemas.events import BlockRemoved, BlockStored
 from kvledger.schemas.topics import ensure_topic
+from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
 from tests.helpers.consuming import consume
 from tests.helpers.procs import free_port, spawn
-from tests.helpers.vllm_engine import Event, TestEngine, cleared, removed, stored
 from tests.helpers.vllm_wheel import vllm_root
 
 pytestmark = pytest.mark.integration
@@ -133,21 +133,21 @@ def topic(make_topic: Callable[..., str]) -> str:
 
 
 @pytest.fixture
-def engines() -> Iterator[list[TestEngine]]:
-    made: list[TestEngine] = []
+def engines() -> Iterator[list[ZmqEngine]]:
+    made: list[ZmqEngine] = []
     yield made
     for engine in made:
         engine.close()
 
 
-def engine_pair(engines: list[TestEngine], **kwargs: object) -> TestEngine:
+def engine_pair(engines: list[ZmqEngine], **kwargs: object) -> ZmqEngine:
     """An engine rank on a free port and its replay port."""
-    engine = TestEngine(free_port(), free_port(), **kwargs)  # type: ignore[arg-type]
+    engine = ZmqEngine(free_port(), free_port(), **kwargs)  # type: ignore[arg-type]
     engines.append(engine)
     return engine
 
 
-def relay_config(engine: TestEngine, bootstrap: str, topic: str, source: str,
+def relay_config(engine: ZmqEngine, bootstrap: str, topic: str, source: str,
                  **kwargs: object) -> RelayConfig:  # fmt: skip
     return RelayConfig(
         endpoint=engine.endpoint,
@@ -162,7 +162,7 @@ def relay_config(engine: TestEngine, bootstrap: str, topic: str, source: str,
     )
 
 
-def wait_relayed(relay: Relay, engines: Sequence[TestEngine], timeout: float = 60) -> None:
+def wait_relayed(relay: Relay, engines: Sequence[ZmqEngine], timeout: float = 60) -> None:
     """Until every rank has committed its engine's last batch."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -184,12 +184,12 @@ def run_relay(config: RelayConfig) -> Relay:
 # ---------------------------------------------------------------------- scenarios
 def test_two_ranks_in_both_encodings_and_nothing_lost(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
-    engines: list[TestEngine],
+    engines: list[ZmqEngine],
 ) -> None:  # fmt: skip
     port, replay = free_port(), free_port()
     ranks = [
-        TestEngine(port, replay, rank=0, positional=False),
-        TestEngine(port + 1, replay + 1, rank=1, positional=True),
+        ZmqEngine(port, replay, rank=0, positional=False),
+        ZmqEngine(port + 1, replay + 1, rank=1, positional=True),
     ]
     engines.extend(ranks)
     work = [Workload(1), Workload(2)]
@@ -217,7 +217,7 @@ def test_two_ranks_in_both_encodings_and_nothing_lost(
 
 def test_a_missed_batch_is_replayed_and_an_old_gap_is_recorded_lost(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
-    engines: list[TestEngine],
+    engines: list[ZmqEngine],
 ) -> None:  # fmt: skip
     engine = engine_pair(engines, buffer_steps=50)
     work = Workload(3)
@@ -258,7 +258,7 @@ def test_a_missed_batch_is_replayed_and_an_old_gap_is_recorded_lost(
 
 def test_engine_restart_starts_a_new_epoch(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
-    engines: list[TestEngine],
+    engines: list[ZmqEngine],
 ) -> None:  # fmt: skip
     engine = engine_pair(engines)
     work = Workload(4)
@@ -285,7 +285,7 @@ def test_engine_restart_starts_a_new_epoch(
 
 def test_relay_killed_mid_stream_resumes_without_loss_or_duplicates(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
-    engines: list[TestEngine], tmp_path: Path,
+    engines: list[ZmqEngine], tmp_path: Path,
 ) -> None:  # fmt: skip
     engine = engine_pair(engines)
     work = Workload(6)
@@ -329,7 +329,7 @@ def test_relay_killed_mid_stream_resumes_without_loss_or_duplicates(
 
 
 def _wait_for_index(
-    bootstrap: str, db: str, topic: str, group: str, source: str, engine: TestEngine,
+    bootstrap: str, db: str, topic: str, group: str, source: str, engine: ZmqEngine,
     timeout: float = 90,
 ) -> None:  # fmt: skip
     """Consume until the index holds the engine's last batch (the relay runs elsewhere)."""
@@ -343,7 +343,7 @@ def _wait_for_index(
 
 
 def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
-    fresh_database: str, engines: list[TestEngine], tmp_path: Path, group_id: str,
+    fresh_database: str, engines: list[ZmqEngine], tmp_path: Path, group_id: str,
 ) -> None:  # fmt: skip
     """The broker stops mid-stream and comes back: the relay never exits, and the batches
     published meanwhile reach the index (from the engine's buffer)."""

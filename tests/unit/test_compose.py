@@ -20,7 +20,8 @@ def _compose() -> dict[str, Any]:
 
 def test_services_and_images() -> None:
     services = _compose()["services"]
-    assert set(services) == {"kafka", "postgres", "migrate", "consumer", "lookup"}
+    assert set(services) == {"kafka", "postgres", "migrate", "consumer", "lookup", "relay"}
+    assert services["relay"]["profiles"] == ["relay"]  # only with an engine to relay
     kafka_image = services["kafka"]["image"]
     assert kafka_image.startswith("apache/kafka:4.")
     assert services["postgres"]["image"] == "postgres:16"
@@ -44,6 +45,10 @@ def test_app_services_use_the_codes_variables_and_commands() -> None:
         command = service["command"]
         assert command[0] == "kvledger"
         parser.parse_args(command[1:])  # exits (fails the test) on an unknown flag
+    relay = services["relay"]
+    assert set(relay["environment"]) == {ENV_KAFKA}
+    assert relay["command"][:2] == ["kvledger", "relay"]
+    parser.parse_args(relay["command"][1:])
     assert services["consumer"]["depends_on"]["migrate"]["condition"] == (
         "service_completed_successfully"
     )

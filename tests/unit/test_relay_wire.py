@@ -11,7 +11,7 @@ from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.wire import decode_batch, seq_of
 from kvledger.producer.vllm import VllmEventError, fit_to_spec
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec
-from tests.helpers.vllm_engine import cleared, encode_batch, removed, stored
+from kvledger.vllm_engine import cleared, encode_batch, removed, stored
 
 STORED = stored(
     [2**64 - 1, 5], 7, [1, 2, 3, 4], 2, "CPU", group_idx=1, extra_keys=[["lora-a"], None],

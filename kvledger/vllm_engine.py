@@ -1,29 +1,39 @@
-"""A test engine that speaks vLLM's KV-event protocol on real ZMQ sockets.
+"""A stock vLLM engine's KV-event stream, simulated on real ZMQ sockets (the demo's relayed
+engine, the relay's tests and its benchmark).
 
-PUB frames ``[topic, seq (8 bytes big-endian), payload]``, seq from 0 per process; a ROUTER
+:class:`ZmqEngine` speaks vLLM 0.33.0's protocol as ../shared/VLLM_FACTS.md describes it: PUB
+frames ``[topic, seq (8 bytes big-endian), payload]`` with seq from 0 per process; a ROUTER
 replay socket that answers ``[empty, start seq]`` with ``[empty, topic, seq, payload]`` for
-each batch still in its bounded buffer, then ``[empty, empty, 0xff * 8, empty]``. Payloads are
-msgpack ``[ts, events, rank]`` with events as tagged maps (vLLM 0.33.0) or positional arrays
-(older engines), fields at their defaults left out. ``hide`` publishes a batch into the
-buffer without sending it live (a forced gap), ``restart`` is a new engine process.
+each batch still in its bounded buffer, then ``[empty, empty, eight 0xff bytes, empty]``.
+Payloads are msgpack ``[ts, events, rank]``, events as tagged maps (vLLM 0.33.0) or
+positional arrays (older engines), fields at their defaults left out. ``hide`` puts a batch
+in the buffer without sending it live (a forced gap); ``restart`` is a new engine process.
 
-Written from the protocol's description (../shared/VLLM_FACTS.md); tests that need vLLM's own
-bytes drive vLLM's publisher instead (tests/test_relay.py).
+:class:`VllmWireSink` lets a simulated fleet engine (kvledger.fleet) publish through such a
+stream: its events leave in vLLM's shapes (int hashes, no position, no partial flag).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
 
+from kvledger.producer.tracker import (
+    GroupOffloadConfig,
+    OffloadingEvent,
+    OffloadingEventGroupSpec,
+    OffloadingEventsTracker,
+)
 from kvledger.producer.vllm import FIELDS
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec, KVEvent
 
 END = b"\xff" * 8
 
@@ -88,10 +98,8 @@ def encode_batch(ts: float, events: Sequence[Event], rank: int | None, positiona
     return msgspec.msgpack.encode(body)
 
 
-class TestEngine:
+class ZmqEngine:
     """One engine rank: PUB on ``port``, ROUTER replay on ``replay_port``."""
-
-    __test__ = False
 
     def __init__(
         self, port: int, replay_port: int, buffer_steps: int = 10_000, rank: int = 0,
@@ -201,6 +209,77 @@ def _bind(socket: zmq.Socket[bytes], endpoint: str) -> None:
             time.sleep(0.1)
 
 
-def wait_for_subscriber(engine: TestEngine, seconds: float = 0.5) -> None:
-    """ZMQ's slow joiner: a subscription takes a moment to reach the publisher."""
-    time.sleep(seconds)
+def to_vllm(event: KVEvent) -> Event | None:
+    """A kvledger event in the shape a stock vLLM engine sends it (None: not on its wire)."""
+    if isinstance(event, BlockStored):
+        extra = (
+            [None if e is None else json.loads(e) for e in event.extra_keys]
+            if event.extra_keys is not None
+            else None
+        )
+        parent = event.parent_block_hash
+        more = {
+            "group_idx": event.group_idx, "kv_cache_spec_kind": event.kv_cache_spec_kind,
+            "kv_cache_spec_sliding_window": event.kv_cache_spec_sliding_window,
+            "locality": event.locality, "ownership": event.ownership,
+            "lora_name": event.lora_name, "extra_keys": extra,
+        }  # fmt: skip
+        return stored(
+            [_int_hash(h) for h in event.block_hashes],
+            _int_hash(parent) if parent is not None else None,
+            event.token_ids, event.block_size, event.medium,
+            **{k: v for k, v in more.items() if v is not None},
+        )  # fmt: skip
+    if isinstance(event, BlockRemoved):
+        more = {"group_idx": event.group_idx, "locality": event.locality,
+                "ownership": event.ownership}  # fmt: skip
+        return removed(
+            [_int_hash(h) for h in event.block_hashes], event.medium,
+            **{k: v for k, v in more.items() if v is not None},
+        )  # fmt: skip
+    if isinstance(event, AllBlocksCleared):
+        return cleared()
+    return None  # announcements, heartbeats, goodbyes: a relay speaks for the engine
+
+
+def _int_hash(digest: bytes) -> int:
+    """vLLM's default wire form of a hash: the digest's last 8 bytes as an unsigned int."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+class VllmWireSink:
+    """An event sink (kvledger.sinks.EventSink) for a simulated fleet engine that publishes
+    through a :class:`ZmqEngine`: one engine batch per publish call, in vLLM's shapes.
+    ``hide(seq)`` says which batches are kept from the live stream (forced gaps)."""
+
+    def __init__(self, engine: ZmqEngine, hide: Callable[[int], bool] | None = None) -> None:
+        self._tracker = OffloadingEventsTracker()
+        self.engine = engine
+        self.hide = hide or (lambda seq: False)
+        self.hidden: list[int] = []
+
+    @property
+    def tracker(self) -> OffloadingEventsTracker:
+        return self._tracker
+
+    def announce_groups(self, group_configs: Iterable[GroupOffloadConfig]) -> None:
+        for cfg in group_configs:
+            self._tracker.set_group_spec(cfg.group_idx, cfg.kv_event_group_spec)
+
+    def announce_group_spec(self, spec: GroupSpec) -> None:
+        self._tracker.set_group_spec(
+            spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
+        )
+
+    def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int:
+        return self.publish_events(self._tracker.take_events(offloading_events))
+
+    def publish_events(self, events: Iterable[KVEvent]) -> int:
+        wire = [w for w in (to_vllm(e) for e in events) if w is not None]
+        if not wire:
+            return 0
+        hide = self.hide(self.engine.seq)
+        seq = self.engine.publish(wire, hide=hide)
+        if hide:
+            self.hidden.append(seq)
+        return len(wire)

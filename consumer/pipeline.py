@@ -11,7 +11,7 @@ rejected messages through the same core.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,15 +39,22 @@ def run_batch(
     store: IndexStore,
     consumer_group: str,
     dead_letters: DeadLetterSink | None = None,
+    read_from: Mapping[TopicPartition, int] | None = None,
 ) -> BatchResult:
     """Apply one batch of consumed messages, exactly once.
+
+    ``read_from``: where the caller's reading of each partition began (its seek, or the end
+    of its previous batch). A batch may start past it when only records that are no data
+    lie between (a transaction's commit marker, an aborted transaction's messages, which a
+    read-committed consumer skips); the fence then expects the stored offset there.
 
     Commit order (the reason a crash at any instant neither loses nor repeats an effect):
 
     1. decode every message (pure: an undecodable one becomes a value, later rejected);
     2. open one store transaction and fence: each partition's stored next offset must be
-       the batch's first offset, else another consumer owns it (:class:`FencedError`, the
-       batch is abandoned and the caller re-seeks);
+       the batch's first offset (or where the caller's reading began), else another
+       consumer owns it (:class:`FencedError`, the batch is abandoned and the caller
+       re-seeks);
     3. load the state the batch touches and plan the batch with the pure core (sequence,
        validation, reference counts, history, audit rows, rejections);
     4. write the plan and the partitions' next offsets in that same transaction;
@@ -61,6 +68,11 @@ def run_batch(
     starts, next_offsets = batch_offsets(
         (d.message.topic, d.message.partition, d.message.offset) for d in batch
     )
+    if read_from:
+        for tp, first in starts.items():
+            began = read_from.get(tp)
+            if began is not None and 0 <= began <= first:
+                starts[tp] = began
     with store.transaction():
         store.fence(consumer_group, starts)
         plan = make_plan(batch, store.load(needs(batch)))

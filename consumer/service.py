@@ -95,6 +95,9 @@ class IndexConsumer:
         self._stop = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._store: PostgresStore | None = None
+        # Where this consumer's reading of each partition began: its seek, then the end of
+        # each batch it applied (run_batch's read_from).
+        self._read_from: dict[tuple[str, int], int] = {}
         self._consumer: Consumer | None = None
         self._dlq: DeadLetterProducer | None = None
         self._admin = AdminClient({"bootstrap.servers": config.bootstrap_servers, "log_level": 4})
@@ -196,7 +199,10 @@ class IndexConsumer:
             if self._store is None or self._store.conn is not conn:
                 self._store = PostgresStore(conn)
             try:
-                result = run_batch(batch, self.codec, self._store, self.config.group_id, self._dlq)
+                result = run_batch(
+                    batch, self.codec, self._store, self.config.group_id, self._dlq,
+                    read_from=self._read_from,
+                )  # fmt: skip
                 break
             except FencedError as exc:
                 logger.warning("batch abandoned: %s", exc)
@@ -215,6 +221,7 @@ class IndexConsumer:
                 if conn.closed or conn.broken:
                     self._conn = self._connect()
         metrics.record_batch(result.plan, time.monotonic() - started)
+        self._read_from.update(result.next_offsets)
         self._account(result)
         if self._consumer is not None:
             hint = [TopicPartition(t, p, n) for (t, p), n in result.next_offsets.items()]
@@ -288,6 +295,9 @@ class IndexConsumer:
         stored = self._stored()
         for tp in partitions:
             tp.offset = stored.get(tp.partition, OFFSET_BEGINNING)
+            self._read_from.pop((tp.topic, tp.partition), None)
+            if tp.offset >= 0:
+                self._read_from[(tp.topic, tp.partition)] = tp.offset
         logger.info(
             "assigned partitions %s", ", ".join(f"{tp.partition}@{tp.offset}" for tp in partitions)
         )
@@ -295,6 +305,8 @@ class IndexConsumer:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))
+        for tp in partitions:
+            self._read_from.pop((tp.topic, tp.partition), None)
         consumer.unassign()
 
     def _reseek(self) -> None:
@@ -304,6 +316,9 @@ class IndexConsumer:
         stored = self._stored()
         for tp in consumer.assignment():
             offset = stored.get(tp.partition, OFFSET_BEGINNING)
+            self._read_from.pop((tp.topic, tp.partition), None)
+            if offset >= 0:
+                self._read_from[(tp.topic, tp.partition)] = offset
             try:
                 consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
             except KafkaException as exc:

@@ -3,7 +3,10 @@
 simulate (several engines, shared system prompts, GPU + CPU + STORAGE tiers, evictions,
 partial tails, a sliding-window group, one misconfigured source, one engine that crashes
 and restarts mid-run) → tracker → publisher → Kafka → consumer → PostgreSQL index → what
-the restart dropped, a routing decision and audit answers in SQL.
+the restart dropped, a routing decision and audit answers in SQL. One engine is a stock one:
+it speaks vLLM's ZMQ KV-event protocol (GPU block-pool events and CPU offloads, no kvledger
+code in it) and reaches Kafka through ``kvledger relay``, with one batch kept from its live
+stream that the relay gets back by replay.
 
 The demo works in its own database (``<database>_demo``) and its own topic
 (``kv-events-demo``), both recreated on every run, so a second run starts clean.
@@ -18,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import sqlalchemy as sa
@@ -31,18 +35,24 @@ from kvledger.consumer.lookup import PrefixIndex, rank
 from kvledger.consumer.service import IndexConsumer
 from kvledger.fleet import (
     FULL_GROUP,
+    SLIDING_GROUP,
     FleetConfig,
+    instance_ids,
     prompt_hashes,
     random_tokens,
     system_prompts,
 )
+from kvledger.producer.relay.relay import Relay, RelayConfig
+from kvledger.producer.tracker import group_announcement
 from kvledger.schemas.topics import ensure_topic
 from kvledger.simulate_cmd import run_simulation
 from kvledger.tables import print_table
+from kvledger.vllm_engine import VllmWireSink, ZmqEngine
 
 TOPIC = "kv-events-demo"
 GROUP = "kvledger-demo"
 RESTARTED = "engine-0"
+HIDDEN_BATCH = 40  # the relayed engine's batch kept from its live stream (a forced gap)
 # The simulated engines stop publishing when the simulation ends; the demo's lookups count
 # them as live for this long (the default window is 30 s).
 DEMO_WINDOW = timedelta(minutes=10)
@@ -93,6 +103,8 @@ def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
 def _run(args: argparse.Namespace) -> int:
     bootstrap = settings.kafka_bootstrap(args.bootstrap)
     server = settings.database_url(args.database_url)
+    if args.instances < 2:
+        raise SystemExit("kvledger demo: --instances must be at least 2")
     fleet = FleetConfig(
         instances=args.instances,
         requests=args.requests,
@@ -131,9 +143,33 @@ def _run(args: argparse.Namespace) -> int:
     consumer_thread = threading.Thread(target=consumer.run, name="consumer", daemon=True)
     consumer_thread.start()
     print("   consumer started (group kvledger-demo)")
+    relayed = instance_ids(fleet)[fleet.instances - 1]  # the last engine is a stock one
+    engine = ZmqEngine(0, 0)
+    wire = VllmWireSink(engine, hide=lambda seq: seq == HIDDEN_BATCH)
+    relay = Relay(
+        RelayConfig(
+            endpoint=engine.endpoint,
+            replay_endpoint=engine.replay_endpoint,
+            source=relayed,
+            model=fleet.model,
+            bootstrap_servers=bootstrap,
+            topic=TOPIC,
+            groups=[group_announcement(fleet.model, g) for g in (FULL_GROUP, SLIDING_GROUP)],
+        )
+    )
+    relay.start()
+    if not relay.ready(60):
+        print("kvledger demo: the relay did not start", file=sys.stderr)
+        return 1
+    time.sleep(0.5)  # the relay's subscription reaches the engine before it publishes
+    print(
+        f"   {relayed}: a stock engine on {engine.endpoint} (replay {engine.replay_endpoint}),"
+        f" relayed by `kvledger relay`"
+    )
 
     _section("publishing")
-    sim = run_simulation(bootstrap, TOPIC, fleet, partitions=12)
+    sim = run_simulation(bootstrap, TOPIC, fleet, partitions=12, sinks={relayed: wire})
+    all_relayed = _finish_relay(relay, engine)
     s = sim.summary
     print(
         f"   {s.requests} requests: {s.lookup_hits} chunk lookup hits, {s.promotions} "
@@ -194,6 +230,7 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
 """,
         )
         _restart(conn)
+        _relayed(conn, relayed, relay, engine, wire, all_relayed)
         _routing(conn, fleet)
         _audits(conn)
     _section("explore")
@@ -208,6 +245,56 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
     else:
         print("   (make demo KEEP=1 leaves the services running to explore this)")
     return 0
+
+
+def _finish_relay(relay: Relay, engine: ZmqEngine, timeout: float = 60) -> bool:
+    """Wait until the relay has committed the engine's last batch, then stop both."""
+    deadline = time.monotonic() + timeout
+    rank = relay.ranks[0]
+    while rank.committed_seq != engine.seq - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done = rank.committed_seq == engine.seq - 1
+    relay.stop()
+    engine.close()
+    return done
+
+
+def _relayed(
+    conn: psycopg.Connection, source: str, relay: Relay, engine: ZmqEngine, wire: VllmWireSink,
+    done: bool,
+) -> None:  # fmt: skip
+    m = relay.metrics
+
+    def count(metric: Any) -> int:
+        return int(metric.labels(source)._value.get())
+
+    _section(f"{source}: a stock vLLM engine through `kvledger relay`")
+    print(
+        f"   the engine published {engine.seq} batches on ZMQ (GPU block-pool events and CPU "
+        f"offloads, vLLM's shapes);\n   batch {', '.join(map(str, wire.hidden))} was kept "
+        f"from the live stream (only the replay buffer had it)"
+    )
+    print(
+        f"   relay: {count(m.batches_received)} batches received, "
+        f"{count(m.events_relayed)} messages relayed, {count(m.gaps)} gap(s) seen, "
+        f"{count(m.replays)} replay request(s), {count(m.unrecoverable)} unrecoverable "
+        f"({count(m.lost_batches)} batches lost); all committed: {'yes' if done else 'NO'}"
+    )
+    _sql(
+        conn,
+        f"{source}'s blocks by tier (from its relayed events)",
+        """
+SELECT r.medium, count(*) AS blocks, sum(r.refcount) AS refs
+FROM kvledger.residencies r WHERE r.instance = %(source)s
+GROUP BY r.medium ORDER BY r.medium
+""",
+        {"source": source},  # type: ignore[arg-type]
+    )
+    row = conn.execute(
+        "SELECT count(*) FROM kvledger.events WHERE source = %s AND status = 'applied'",
+        (source,),
+    ).fetchone()
+    print(f"   {row[0] if row else 0} of its messages applied; nothing recorded lost")
 
 
 def _routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from confluent_kafka.admin import AdminClient
@@ -15,6 +16,7 @@ from kvledger.producer.config import DEFAULT_TOPIC, PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.progress import Progress
 from kvledger.schemas.topics import DEFAULT_PARTITIONS, ensure_topic
+from kvledger.sinks import EventSink
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +37,16 @@ def run_simulation(
     partitions: int = DEFAULT_PARTITIONS,
     show_progress: bool = True,
     rate: float | None = None,
+    sinks: Mapping[str, EventSink] | None = None,
 ) -> SimulationResult:
-    """simulate → tracker → publisher → Kafka, one publisher per simulated instance."""
+    """simulate → tracker → publisher → Kafka, one publisher per simulated instance (or the
+    sink ``sinks`` gives for it, e.g. a stock engine's ZMQ stream that a relay carries)."""
     ensure_topic(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, partitions)
     publishers: list[KVEventPublisher] = []  # a restarted engine has had two
 
-    def sink(instance_id: str) -> KVEventPublisher:
+    def sink(instance_id: str) -> EventSink:
+        if sinks is not None and instance_id in sinks:
+            return sinks[instance_id]
         publisher = KVEventPublisher(
             PublisherConfig(
                 bootstrap_servers=bootstrap, source_id=instance_id, model=fleet.model, topic=topic

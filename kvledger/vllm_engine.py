@@ -123,10 +123,10 @@ class ZmqEngine:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, self.send_hwm)
-        _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
+        self.port = _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        _bind(self.router, f"tcp://127.0.0.1:{self.replay_port}")
+        self.replay_port = _bind(self.router, f"tcp://127.0.0.1:{self.replay_port}")
         self.running = True
         self.thread = threading.Thread(target=self._serve_replay, daemon=True)
         self.thread.start()
@@ -196,13 +196,17 @@ class ZmqEngine:
         self.stop()
 
 
-def _bind(socket: zmq.Socket[bytes], endpoint: str) -> None:
-    """Bind, waiting a moment for a port the previous process is still releasing."""
+def _bind(socket: zmq.Socket[bytes], endpoint: str) -> int:
+    """Bind (port 0: any free one), waiting a moment for a port the previous process is still
+    releasing; returns the port."""
     deadline = time.monotonic() + 10
+    if endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
     while True:
         try:
             socket.bind(endpoint)
-            return
+            bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            return int(bound.rpartition(":")[2])
         except zmq.ZMQError:
             if time.monotonic() > deadline:
                 raise

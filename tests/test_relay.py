@@ -205,7 +205,7 @@ def test_two_ranks_in_both_encodings_and_nothing_lost(
         wait_relayed(relay, ranks)
     finally:
         relay.stop()
-    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
     for rank, engine in enumerate(ranks):
         source = f"e2-dp{rank}"
         want = reference(engine.incarnations)
@@ -243,7 +243,7 @@ def test_a_missed_batch_is_replayed_and_an_old_gap_is_recorded_lost(
         wait_relayed(relay, [engine])
     finally:
         relay.stop()
-    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
     lost = range(first_lost, first_lost + 10)
     want = reference(engine.incarnations, lambda i, s: s in lost)
     assert index_of(fresh_database, "gappy") == want
@@ -276,7 +276,7 @@ def test_engine_restart_starts_a_new_epoch(
     finally:
         relay.stop()
     assert relay.metrics.engine_restarts.labels("phoenix")._value.get() == 1
-    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
     assert index_of(fresh_database, "phoenix") == reference(engine.incarnations)
     with connect(fresh_database, autocommit=True) as conn:
         restarts = conn.execute("SELECT restarts FROM kvledger.sources").fetchall()
@@ -385,7 +385,7 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
             relay.stop()
         assert relay.metrics.unrecoverable.labels("patient")._value.get() == 0
         assert relay.metrics.gaps.labels("patient")._value.get() >= 1  # dropped live
-        consume(bootstrap, fresh_database, topic, group_id)
+        consume(bootstrap, fresh_database, topic, group_id, batch=50)
         assert index_of(fresh_database, "patient") == reference(engine.incarnations)
         assert health(fresh_database, "patient") == (0, 0, 0, 0)
     finally:
@@ -453,7 +453,7 @@ def test_vllms_own_publisher_feeds_the_index(
             relay.stop()
     finally:
         publisher.shutdown()
-    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
     want = reference([sent])
     assert want and index_of(fresh_database, "stock") == want
     assert health(fresh_database, "stock") == (0, 0, 0, 0)  # partial tails fit their spec

@@ -373,7 +373,15 @@ class _Planner:
         counts = (ended.get("GPU", 0), ended.get("CPU", 0), ended.get("STORAGE", 0))
         where = (msg.topic, msg.partition, msg.offset)
         event = LifecycleEvent(
-            env.source, env.model, group, kind, env.epoch, previous, when, *where, *counts,
+            env.source,
+            env.model,
+            group,
+            kind,
+            env.epoch,
+            previous,
+            when,
+            *where,
+            *counts,
             *(lost or (None, None)),
         )
         self.plan.lifecycle.append(event)

@@ -186,7 +186,17 @@ class RouterIndex:
                 continue
             try:
                 with self.lock:
-                    result = run_batch(batch, self.codec, self.store, self.consumer_group)
+                    # The router is its store's only writer: its reading began where the
+                    # store's offsets stand (past any transaction marker between batches).
+                    read_from = {
+                        (self.topic, p): o
+                        for p, o in self.store.stored_offsets(
+                            self.consumer_group, self.topic
+                        ).items()
+                    }
+                    result = run_batch(
+                        batch, self.codec, self.store, self.consumer_group, read_from=read_from
+                    )
             except FencedError as exc:  # cannot happen on its own assignment; re-seek
                 logger.warning("router batch out of place (%s); re-seeking", exc)
                 self._reseek()

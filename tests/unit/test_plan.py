@@ -345,3 +345,26 @@ def test_a_fixed_rejection_replays_once(s: Stream) -> None:
     assert store.events[(early.topic, 0, early.offset)].reason == "replayed"
     assert store.rejected[(early.topic, 0, early.offset)][1] is True
     assert store.residencies[res(1, group=3)].refcount == 1
+
+
+# ---------------------------------------------------------------------- fencing
+def test_a_batch_may_start_past_where_its_reading_began_but_not_past_the_store(
+    s: Stream,
+) -> None:
+    """Between two batches a read-committed consumer skips records that are no data (a
+    transaction's commit marker): the fence then expects the stored offset where the reading
+    began; without that, or when another consumer moved the offset, the batch is fenced."""
+    from kvledger.consumer.store.base import FencedError
+
+    first = [s.send(A, stored([1])), s.send(A, stored([2]))]
+    store, _ = run(first)
+    s.raw(b"")  # offset 4: the commit marker the consumer never sees
+    s.messages.pop()
+    later = [s.send(A, stored([3]))]
+    with pytest.raises(FencedError):
+        run_batch(later, Stream().codec, store, "g")
+    run_batch(later, Stream().codec, store, "g", read_from={("events", 0): 4})
+    assert store.stored_offsets("g", "events") == {0: 6}
+    with pytest.raises(FencedError):  # reading began before what is stored: another wrote
+        run_batch([s.send(A, stored([4]))], Stream().codec, store, "g",
+                  read_from={("events", 0): 5})  # fmt: skip

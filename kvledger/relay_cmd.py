@@ -96,7 +96,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     try:
         admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
-        ensure_topic(admin, args.topic, args.partitions)
+        # Any existing partition count does: keys keep each stream on one partition.
+        ensure_topic(admin, args.topic, args.partitions, exact_partitions=False)
     except Exception as exc:  # the relay waits for the broker itself
         logger.warning("could not check topic %s yet: %s", args.topic, exc)
     metrics = RelayMetrics()

@@ -126,6 +126,8 @@ class ZmqEngine:
         self.port = _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        # As vLLM does: room for a whole replay and its end marker (ROUTER drops past it).
+        self.router.setsockopt(zmq.SNDHWM, 2 * (self.buffer_steps + 1))
         self.replay_port = _bind(self.router, f"tcp://127.0.0.1:{self.replay_port}")
         self.running = True
         self.thread = threading.Thread(target=self._serve_replay, daemon=True)

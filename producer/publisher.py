@@ -212,9 +212,7 @@ class KVEventPublisher:
         """Events read from a vLLM engine (already mapped by :mod:`.vllm`), fitted to the
         announced specs (partial tails), then published as :meth:`publish_events` does."""
         fitted = [fit_to_spec(ev, self._announced.get(group_of(ev))) for ev in events]
-        return self.publish_events(
-            fitted, time_ms=time_ms, engine_seq=engine_seq, dp_rank=dp_rank
-        )
+        return self.publish_events(fitted, time_ms=time_ms, engine_seq=engine_seq, dp_rank=dp_rank)
 
     # ------------------------------------------------------------------ transactions
     def init_transactions(self, timeout: float = 30.0) -> None:

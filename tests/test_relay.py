@@ -318,7 +318,10 @@ def test_relay_killed_mid_stream_resumes_without_loss_or_duplicates(
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     log = (tmp_path / "relay.log").read_text()
-    assert log.count("resuming epoch") == 3, log[-3000:]  # each restart found its place
+    # Once from nothing, then from the topic: a relay killed before it found its place is
+    # followed by one that does.
+    assert log.count("no engine history") == 1, log[-3000:]
+    assert log.count("resuming epoch") >= 2, log[-3000:]
     assert index_of(fresh_database, "lazarus") == reference(engine.incarnations), log[-3000:]
     assert health(fresh_database, "lazarus") == (0, 0, 0, 0), log[-3000:]
     with connect(fresh_database, autocommit=True) as conn:

@@ -214,9 +214,7 @@ class RankRelay:
         )  # fmt: skip
         self._replay_from(position.engine_seq, verify=position.engine_time_ms)
 
-    def _replay_from(
-        self, start: int, verify: int | None = None, upto: int | None = None
-    ) -> bool:
+    def _replay_from(self, start: int, verify: int | None = None, upto: int | None = None) -> bool:
         """Ask the engine for its batches from ``start`` and relay them; what it no longer
         holds before ``upto`` (a live batch known to exist) is recorded lost.
 
@@ -236,11 +234,7 @@ class RankRelay:
                     if first and verify is not None:
                         first = False
                         batch = self._decode(seq, payload)
-                        same = (
-                            batch is not None
-                            and seq == start
-                            and (_ms(batch.ts) == verify)
-                        )
+                        same = batch is not None and seq == start and (_ms(batch.ts) == verify)
                         if same:
                             continue  # batch L itself, already published
                         if seq <= start:  # a new process has reached that number

@@ -5,9 +5,11 @@ process, and replayed and live batches overlap. Against the last batch relayed, 
 
 - ``NEXT``: the one after it;
 - ``GAP``: further on (the batches between were missed: ask the engine to replay them);
-- ``DUPLICATE``: one already relayed, with the same time (a replay/live overlap);
-- ``RESTART``: a number already used but with another time, or older than anything the relay
-  still remembers: a new engine process, whose numbers started again at 0.
+- ``RESTART``: a number not beyond the last, with a time newer than every batch relayed
+  from this process: a new engine process, whose numbers started again at 0;
+- ``DUPLICATE``: any other number not beyond the last: one already relayed (a replay/live
+  overlap, same time) or a stale copy of one accounted for (live batches still queued from
+  before a replay, or from a range recorded lost).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class EngineSequence:
         self._times: OrderedDict[int, int] = OrderedDict()
         self._remember = remember
         self._before_reset: tuple[int | None, OrderedDict[int, int]] | None = None
+        self.newest_ms: int | None = None  # the newest time relayed from this process
 
     def classify(self, seq: int, time_ms: int) -> Seen:
         last = self.last
@@ -40,8 +43,10 @@ class EngineSequence:
             return Seen.NEXT
         if seq > last + 1:
             return Seen.GAP
-        known = self._times.get(seq)
-        return Seen.DUPLICATE if known == time_ms else Seen.RESTART
+        if self._times.get(seq) == time_ms:
+            return Seen.DUPLICATE
+        newest = self.newest_ms
+        return Seen.RESTART if newest is None or time_ms > newest else Seen.DUPLICATE
 
     def time_of(self, seq: int) -> int | None:
         """The time of a batch relayed recently (None: not remembered)."""
@@ -52,6 +57,8 @@ class EngineSequence:
         self.last = seq
         if time_ms is not None:
             self._times[seq] = time_ms
+            if self.newest_ms is None or time_ms > self.newest_ms:
+                self.newest_ms = time_ms
             while len(self._times) > self._remember:
                 self._times.popitem(last=False)
 
@@ -65,6 +72,7 @@ class EngineSequence:
             self._before_reset = (self.last, self._times)
         self.last = None
         self._times = OrderedDict()
+        self.newest_ms = None
 
     def committed(self) -> None:
         """What is relayed so far is committed: a later rewind goes no further back."""
@@ -78,3 +86,4 @@ class EngineSequence:
         while self._times and (seq is None or next(reversed(self._times)) > seq):
             self._times.popitem(last=True)
         self.last = seq
+        self.newest_ms = max(self._times.values(), default=None)

@@ -80,14 +80,15 @@ def test_the_engine_sequence_rule() -> None:
     assert s.classify(5, 0) is Seen.NEXT
     assert s.classify(9, 0) is Seen.GAP
     assert s.classify(4, 104) is Seen.DUPLICATE  # replay and live overlap
-    assert s.classify(4, 999) is Seen.RESTART  # the same number at another time
-    assert s.classify(0, 100) is Seen.RESTART  # older than what it remembers
+    assert s.classify(4, 999) is Seen.RESTART  # an old number, newer than anything relayed
+    assert s.classify(0, 100) is Seen.DUPLICATE  # a stale copy (not remembered, not newer)
+    assert s.classify(0, 105) is Seen.RESTART
     s.committed()
     s.relayed(5, 105)
     s.reset()  # a new process, then the transaction is aborted
     s.relayed(0, 500)
     s.rewind(4)
-    assert (s.last, s.time_of(4), s.time_of(5)) == (4, 104, None)
+    assert (s.last, s.time_of(4), s.time_of(5), s.newest_ms) == (4, 104, None, 104)
 
 
 def test_partial_tails_are_fitted_to_the_spec_and_nothing_else_is() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from bench import consume, lookup, produce, router, tracker_encode
+from bench import consume, lookup, produce, relay, router, tracker_encode
 from bench.common import RESULTS
 
 
@@ -22,6 +22,7 @@ def main() -> None:
     lookup.main()
     router.main()  # on the lookup benchmark's index, beside SQL
     produce.main()
+    relay.main()
     consume.main()
     data = json.loads(RESULTS.read_text())
     print(f"\nwrote {RESULTS}")

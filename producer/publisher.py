@@ -347,6 +347,9 @@ class KVEventPublisher:
     def _wire_form(self, event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
         if self.config.hash_format == "digest":
             return event
+        parent = event.parent_block_hash if isinstance(event, BlockStored) else None
+        if (parent is None or len(parent) == 8) and all(len(h) == 8 for h in event.block_hashes):
+            return event  # already in the int64 form (vLLM's int hashes)
         hashes = tuple(to_int64_bytes(h) for h in event.block_hashes)
         if isinstance(event, BlockRemoved):
             return BlockRemoved(

@@ -82,7 +82,7 @@ def from_vllm_fields(kind: str, fields: Mapping[str, Any]) -> KVEvent:
                 lora_id=_opt_int(get("lora_id")),
                 medium=_opt_str(get("medium")),
                 lora_name=_opt_str(get("lora_name")),
-                extra_keys=_extra_keys_json(get("extra_keys")),
+                extra_keys=extra_keys_json(get("extra_keys")),
                 group_idx=_opt_int(get("group_idx")),
                 kv_cache_spec_kind=_opt_str(get("kv_cache_spec_kind")),
                 kv_cache_spec_sliding_window=_opt_int(get("kv_cache_spec_sliding_window")),
@@ -163,9 +163,10 @@ def _lookahead(value: object) -> tuple[tuple[int, ...], ...] | None:
     return tuple(tuple(_int(t) for t in block) for block in value)
 
 
-def _extra_keys_json(extra: object) -> tuple[str | None, ...] | None:
+def extra_keys_json(extra: object) -> tuple[str | None, ...] | None:
     if extra is None:
         return None
+    """Per block: its extra keys as canonical JSON text (None where it has none)."""
     if not isinstance(extra, list | tuple):
         raise TypeError("extra_keys must be a list with one entry per block")
     return tuple(

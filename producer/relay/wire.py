@@ -15,8 +15,14 @@ from typing import Any
 
 import msgspec
 
-from kvledger.producer.vllm import FIELDS, VllmEventError, from_vllm_fields
-from kvledger.schemas.events import KVEvent
+from kvledger.producer.vllm import FIELDS, VllmEventError, extra_keys_json, from_vllm_fields
+from kvledger.schemas.events import (
+    DEFAULT_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 END_SEQ = b"\xff" * 8
 _decoder = msgspec.msgpack.Decoder()
@@ -39,7 +45,25 @@ def seq_of(frame: bytes) -> int:
 
 
 def decode_batch(payload: bytes) -> EngineBatch:
-    """Decode one batch payload; raises :class:`VllmEventError` with the reason."""
+    """Decode one batch payload; raises :class:`VllmEventError` with the reason.
+
+    The typed decoders (msgspec validates in C) read a well-formed batch in either encoding;
+    anything they refuse is read again field by field, which accepts what they cannot
+    express and says precisely what is wrong with the rest."""
+    for decoder in (_TAGGED, _POSITIONAL):
+        try:
+            typed = decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        try:
+            return EngineBatch(typed.ts, [_from_typed(e) for e in typed.events],
+                               typed.data_parallel_rank)  # fmt: skip
+        except (OverflowError, ValueError):
+            break  # e.g. a negative hash: the field-by-field reading names it
+    return _decode_fields(payload)
+
+
+def _decode_fields(payload: bytes) -> EngineBatch:
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -75,3 +99,90 @@ def decode_event(raw: Any) -> KVEvent:
             raise VllmEventError(f"{kind} has {len(values)} fields, vLLM defines {len(names)}")
         return from_vllm_fields(kind, dict(zip(names, values, strict=False)))
     raise VllmEventError(f"an event is a map or a tagged array, not {type(raw).__name__}")
+
+
+# ---------------------------------------------------------------------- typed decoding
+# vLLM's event structs as msgspec types (vLLM 0.33.0's fields and order; the fields older
+# engines lack take defaults). Tagged maps carry the type under "type"; positional arrays
+# carry it first.
+class _Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _StoredArray(_Stored, array_like=True):
+    pass
+
+
+class _RemovedArray(_Removed, array_like=True):
+    pass
+
+
+class _ClearedArray(_Cleared, array_like=True):
+    pass
+
+
+class _TaggedBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+class _PositionalBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredArray | _RemovedArray | _ClearedArray]
+    data_parallel_rank: int | None = None
+
+
+_TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
+_POSITIONAL = msgspec.msgpack.Decoder(_PositionalBatch)
+
+
+def _hash(value: int | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.to_bytes(8, "big")
+
+
+def _from_typed(ev: _Stored | _Removed | _Cleared) -> KVEvent:
+    """As :func:`~kvledger.producer.vllm.from_vllm_fields` maps the same fields."""
+    if isinstance(ev, _Stored):
+        parent = ev.parent_block_hash
+        look = ev.lookahead_token_ids
+        return BlockStored(
+            tuple(map(_hash, ev.block_hashes)),
+            _hash(parent) if parent is not None else None,
+            tuple(ev.token_ids), ev.block_size, ev.lora_id, ev.medium, ev.lora_name,
+            extra_keys_json(ev.extra_keys), ev.group_idx, ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership, None, False,
+            ev.session_id, tuple(map(tuple, look)) if look is not None else None,
+        )  # fmt: skip
+    if isinstance(ev, _Removed):
+        return BlockRemoved(
+            tuple(map(_hash, ev.block_hashes)), ev.medium, ev.group_idx, ev.locality,
+            ev.ownership,
+        )  # fmt: skip
+    return AllBlocksCleared(medium=DEFAULT_MEDIUM)

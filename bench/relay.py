@@ -1,0 +1,239 @@
+"""The relay and the vLLM publish path, each beside its baseline in the same run.
+
+1. Relay: one engine (a child process speaking vLLM's ZMQ protocol) publishes a stream of
+   batches as fast as it can; a raw ZMQ SUB receives the same stream (baseline), then the
+   relay carries it into Kafka (decode, map, Avro, transactional produce, committed). Block
+   events per second and the ratio relay / raw receive. Target: >= 20,000 block events/s and
+   >= 0.5 of the raw receive.
+2. Publish path shared with embedded engines: vLLM KVEventBatch objects in ->
+   ``publish_vllm_batch`` -> Avro -> Kafka, acknowledged, beside a raw produce of the same
+   bytes with the same settings (no simulator in the loop), and the cost per event on the
+   caller's thread (an engine pays it on its scheduler thread). Target: >= 0.5 of raw.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+
+from bench.common import record
+from kvledger.producer.config import PRODUCER_DEFAULTS, PublisherConfig
+from kvledger.producer.publisher import KVEventPublisher
+from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
+from kvledger.schemas.topics import ensure_topic
+from kvledger.vllm_engine import Event, ZmqEngine, removed, stored
+
+MODEL = "bench-model"
+BLOCK = 16
+HASHES_PER_STORE = 16
+
+
+def workload(batches: int, seed: int = 5) -> list[list[Event]]:
+    """A GPU block pool's steps: each stores a request's 16 new blocks and frees 16 older."""
+    rng = random.Random(seed)
+    live: list[int] = []
+    out = []
+    for _ in range(batches):
+        hashes = [rng.getrandbits(64) for _ in range(HASHES_PER_STORE)]
+        tokens = [rng.randrange(50_000) for _ in range(BLOCK * HASHES_PER_STORE)]
+        events = [stored(hashes, None, tokens, BLOCK, "GPU")]
+        live += hashes
+        if len(live) > 4 * HASHES_PER_STORE:
+            events.append(removed(live[:HASHES_PER_STORE], "GPU"))
+            del live[:HASHES_PER_STORE]
+        out.append(events)
+    return out
+
+
+def block_events(batches: list[list[Event]]) -> int:
+    return sum(len(e.fields["block_hashes"]) for events in batches for e in events)
+
+
+def _engine(ports: Any, go: Any, done: Any, batches: int) -> None:
+    """The child: bind, wait for the go, publish every batch as fast as it can, then keep
+    answering replays until told to stop."""
+    engine = ZmqEngine(0, 0)
+    ports.put((engine.port, engine.replay_port))
+    work = workload(batches)
+    go.wait()
+    for events in work:
+        engine.publish(events)
+    done.wait()
+    engine.close()
+
+
+class _EngineProcess:
+    def __init__(self, batches: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.ports: Any = ctx.Queue()
+        self.go, self.done = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=_engine, args=(self.ports, self.go, self.done, batches))
+        self.proc.start()
+        self.port, self.replay_port = self.ports.get(timeout=60)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.proc.join(30)
+
+
+def relay_vs_raw(bootstrap: str, batches: int = 6000) -> dict[str, float]:
+    events = block_events(workload(batches))
+    # Baseline: a raw SUB receives the whole stream.
+    engine = _EngineProcess(batches)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{engine.port}")
+    time.sleep(1.0)  # the subscription reaches the engine
+    start = time.perf_counter()
+    engine.go.set()
+    for _ in range(batches):
+        sub.recv_multipart()
+    raw_s = time.perf_counter() - start
+    sub.close(0)
+    ctx.term()
+    engine.stop()
+
+    # The relay: decode, map, Avro, transactional produce, committed.
+    topic = f"bench-relay-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    ensure_topic(admin, topic, 12)
+    engine = _EngineProcess(batches)
+    relay = Relay(
+        RelayConfig(
+            endpoint=f"tcp://127.0.0.1:{engine.port}",
+            replay_endpoint=f"tcp://127.0.0.1:{engine.replay_port}",
+            source="bench-engine",
+            model=MODEL,
+            bootstrap_servers=bootstrap,
+            topic=topic,
+            groups=[parse_group(f"0:full_attention:{BLOCK}", MODEL)],
+        )
+    )
+    relay.start()
+    assert relay.ready(60)
+    time.sleep(1.0)
+    rank = relay.ranks[0]
+    start = time.perf_counter()
+    engine.go.set()
+    while rank.committed_seq != batches - 1:
+        assert not relay.errors, relay.errors
+        time.sleep(0.01)
+    relay_s = time.perf_counter() - start
+    gaps = relay.metrics.gaps.labels("bench-engine")._value.get()
+    relay.stop()
+    engine.stop()
+    admin.delete_topics([topic])
+    raw_rate, relay_rate = events / raw_s, events / relay_s
+    return {
+        "batches": float(batches),
+        "block events": float(events),
+        "raw ZMQ receive block events/s": raw_rate,
+        "relay block events/s (committed in Kafka)": relay_rate,
+        "ratio relay / raw receive": relay_rate / raw_rate,
+        "gaps replayed during the run": float(gaps),
+    }
+
+
+@dataclass
+class _Batch:
+    """vLLM's KVEventBatch shape (ts, events, data_parallel_rank)."""
+
+    ts: float
+    events: list[Any] = field(default_factory=list)
+    data_parallel_rank: int | None = 0
+
+
+def _vllm_objects(batches: list[list[Event]]) -> list[_Batch]:
+    """The workload as objects with vLLM's class and attribute names."""
+    kinds = {
+        kind: type(kind, (), {"__init__": lambda self, **f: self.__dict__.update(f)})
+        for kind in ("BlockStored", "BlockRemoved")
+    }
+    return [
+        _Batch(1_764_000_000.0 + i, [kinds[e.kind](**e.fields) for e in events])
+        for i, events in enumerate(batches)
+    ]
+
+
+def publish_path(bootstrap: str, batches: int = 6000) -> dict[str, float]:
+    work = workload(batches, seed=9)
+    objects = _vllm_objects(work)
+    events = block_events(work)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    run = uuid.uuid4().hex[:8]
+    full_topic, raw_topic = f"bench-vllm-{run}", f"bench-vllm-raw-{run}"
+    ensure_topic(admin, full_topic, 12)
+    ensure_topic(admin, raw_topic, 12)
+    publisher = KVEventPublisher(
+        PublisherConfig(bootstrap, "bench-embedded", MODEL, full_topic, heartbeat_interval_s=0)
+    )
+    publisher.announce_group_spec(parse_group(f"0:full_attention:{BLOCK}", MODEL))
+    publisher.flush(30)
+    captured: list[tuple[bytes, bytes]] = []
+    inner = publisher._producer
+
+    class _Capture:
+        def produce(self, topic: str, value: bytes, key: bytes, on_delivery: object) -> None:
+            captured.append((key, value))
+            inner.produce(topic, value=value, key=key, on_delivery=on_delivery)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(inner, name)
+
+    publisher._producer = _Capture()  # type: ignore[assignment]
+    caller = 0.0
+    start = time.perf_counter()
+    for batch in objects:
+        t = time.perf_counter()
+        publisher.publish_vllm_batch(batch)
+        caller += time.perf_counter() - t
+    publisher.close(120, goodbye=False)
+    full_s = time.perf_counter() - start
+    messages = len(captured)
+
+    producer = Producer(dict(PRODUCER_DEFAULTS, **{"bootstrap.servers": bootstrap}))
+    start = time.perf_counter()
+    for key, value in captured:
+        while True:
+            try:
+                producer.produce(raw_topic, value=value, key=key)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    assert producer.flush(120) == 0
+    raw_s = time.perf_counter() - start
+    admin.delete_topics([full_topic, raw_topic])
+    return {
+        "messages": float(messages),
+        "block events": float(events),
+        "publish_vllm_batch msg/s (acked)": messages / full_s,
+        "raw produce msg/s (same bytes)": messages / raw_s,
+        "ratio vLLM path / raw": raw_s / full_s,
+        "caller-thread µs per message": caller / messages * 1e6,
+        "caller-thread µs per block event": caller / events * 1e6,
+    }
+
+
+def main() -> dict[str, float]:
+    bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
+    figures = relay_vs_raw(bootstrap)
+    record("relay", figures)
+    path = publish_path(bootstrap)
+    record("vllm_publish", path)
+    return {**figures, **path}
+
+
+if __name__ == "__main__":
+    main()

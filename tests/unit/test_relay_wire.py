@@ -112,3 +112,36 @@ def test_endpoints_and_group_flags() -> None:
     assert parse_group("0:full_attention:16:4", "m").hash_block_size == 4
     with pytest.raises(ValueError, match="IDX:KIND"):
         parse_group("0:full", "m")
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["tagged maps", "positional arrays"])
+def test_the_typed_reading_agrees_with_the_field_by_field_one(positional: bool) -> None:
+    import random
+
+    from kvledger.producer.relay.wire import _POSITIONAL, _TAGGED, _decode_fields
+
+    rng = random.Random(3)
+    for _ in range(200):
+        events = []
+        for _ in range(rng.randint(0, 4)):
+            n = rng.randint(1, 3)
+            hashes = [rng.choice([rng.getrandbits(64), rng.randbytes(32)]) for _ in range(n)]
+            optional = {
+                "group_idx": rng.choice([None, 0, 2]),
+                "ownership": rng.choice([None, "disk"]),
+                "extra_keys": rng.choice([None, [["salt", 1]] * n]),
+                "lora_name": rng.choice([None, "a"]),
+                "kv_cache_spec_kind": rng.choice([None, "mamba"]),
+            }
+            kind = rng.random()
+            if kind < 0.6:
+                parent = rng.choice([None, rng.getrandbits(64)])
+                events.append(stored(hashes, parent, list(range(4 * n)), 4, "CPU", **optional))
+            elif kind < 0.9:
+                events.append(removed(hashes, rng.choice(["GPU", None]),
+                                      group_idx=optional["group_idx"]))  # fmt: skip
+            else:
+                events.append(cleared())
+        payload = encode_batch(rng.random() * 1e9, events, rng.choice([None, 1]), positional)
+        (_POSITIONAL if positional else _TAGGED).decode(payload)  # the typed reading takes it
+        assert decode_batch(payload) == _decode_fields(payload)

@@ -7,18 +7,22 @@ from __future__ import annotations
 import importlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
+import httpx
 import pytest
 
 from kvledger.consumer.db import connect
+from kvledger.consumer.lookup import PrefixIndex
 from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
 from kvledger.producer.vllm import from_vllm_fields
 from kvledger.schemas.events import BlockRemoved, BlockStored
@@ -290,10 +294,13 @@ def test_relay_killed_mid_stream_resumes_without_loss_or_duplicates(
     engine = engine_pair(engines)
     work = Workload(6)
 
+    metrics_port = free_port()
+
     def command() -> subprocess.Popen[bytes]:
         args = [sys.executable, "-m", "kvledger.cli", "relay", "--endpoint", engine.endpoint,
                 "--replay-endpoint", engine.replay_endpoint, "--source", "lazarus",
-                "--model", MODEL, "--bootstrap", kafka_bootstrap, "--topic", topic]  # fmt: skip
+                "--model", MODEL, "--bootstrap", kafka_bootstrap, "--topic", topic,
+                "--metrics-port", str(metrics_port)]  # fmt: skip
         for g in GROUPS:
             args += ["--group", g]
         return spawn(args, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "relay.log", "ab"))
@@ -314,6 +321,11 @@ def test_relay_killed_mid_stream_resumes_without_loss_or_duplicates(
         for _ in range(30):
             engine.publish(work.batch())
         _wait_for_index(kafka_bootstrap, fresh_database, topic, group_id, "lazarus", engine)
+        scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        received = re.search(r'kvledger_relay_batches_received_total\{source="lazarus"\} (\S+)',
+                             scrape)  # fmt: skip
+        assert received and float(received.group(1)) > 0, scrape[:2000]
+        assert 'kvledger_relay_unrecoverable_gaps_total{source="lazarus"} 0.0' in scrape
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -434,6 +446,8 @@ def test_vllms_own_publisher_feeds_the_index(
             publisher.publish(batch)
             sent.append((len(sent), ts, events))
 
+    chain = [2**64 - 3, 2**64 - 2, 2**64 - 1]  # a prompt's first blocks, held on GPU
+
     try:
         publish(40)  # before the relay listens: it starts by replaying from 0
         config = RelayConfig(
@@ -448,6 +462,10 @@ def test_vllms_own_publisher_feeds_the_index(
         relay = run_relay(config)
         try:
             publish(300)
+            chain_event = stored(chain, None, list(range(12)), 4, "GPU")
+            batch = kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(**chain_event.fields)])
+            publisher.publish(batch)
+            sent.append((len(sent), batch.ts, [chain_event]))
             deadline = time.monotonic() + 60
             while relay.ranks[0].committed_seq != len(sent) - 1:
                 assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, len(sent))
@@ -466,3 +484,11 @@ def test_vllms_own_publisher_feeds_the_index(
             "FROM kvledger.blocks"
         ).fetchone()  # type: ignore[misc]
     assert partial > 0 and known > 0  # vLLM's tails are partial; roots start at 0
+    # Positions come from the chain, so a prefix match counts tokens (and tiers can weigh).
+    with connect(fresh_database, autocommit=True) as conn:
+        holders = PrefixIndex(conn).match(
+            MODEL, 0, [h.to_bytes(8, "big") for h in chain], silent_after=timedelta(hours=1)
+        )
+    assert [(h.instance, h.medium, h.matched_blocks, h.matched_tokens) for h in holders] == [
+        ("stock", "GPU", 3, 12)
+    ]

@@ -59,3 +59,12 @@ class RelayMetrics:
             "1 while Kafka does not take the relay's writes (the relay is not reading)",
             ["source"], registry=r,
         )  # fmt: skip
+
+    def start(self, source: str) -> None:
+        """Every series of ``source`` at zero, so that dashboards see them before any event."""
+        for metric in (
+            self.batches_received, self.events_relayed, self.gaps, self.replays,
+            self.unrecoverable, self.lost_batches, self.undecodable, self.engine_restarts,
+            self.behind, self.kafka_paused,
+        ):  # fmt: skip
+            metric.labels(source)

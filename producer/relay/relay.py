@@ -95,6 +95,7 @@ class RankRelay:
         self.rank = rank
         self.source = config.rank_source(rank)
         self.metrics = metrics or RelayMetrics()
+        self.metrics.start(self.source)
         self._clock = clock
         self._stop = threading.Event()
         self.sequence = EngineSequence()
@@ -528,8 +529,12 @@ class Relay:
             self.errors.append(exc)
 
     def ready(self, timeout: float) -> bool:
+        """Every rank has resynchronised with its engine (False on a timeout or an error)."""
         deadline = time.monotonic() + timeout
-        return all(r.ready.wait(max(0.0, deadline - time.monotonic())) for r in self.ranks)
+        while time.monotonic() < deadline and not self.errors:
+            if all(r.ready.wait(0.05) for r in self.ranks):
+                return True
+        return False
 
     def stop(self, timeout: float = 30.0) -> None:
         for rank in self.ranks:
@@ -538,7 +543,9 @@ class Relay:
             thread.join(timeout)
 
     def alive(self) -> bool:
-        return any(t.is_alive() for t in self._threads)
+        """Every rank is still relaying (a sidecar whose rank died should exit and be
+        restarted)."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
     def __iter__(self) -> Iterator[RankRelay]:
         return iter(self.ranks)

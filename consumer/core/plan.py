@@ -55,6 +55,7 @@ from kvledger.consumer.core.validate import (
     Reason,
     check_announcement,
     check_cleared,
+    check_envelope,
     check_lost,
     check_removed,
     check_stored,
@@ -160,6 +161,10 @@ class _Planner:
         if env is None:
             assert d.error is not None
             self._reject(d, Reason(d.error.reason), d.error.detail, None)
+            return
+        invalid = check_envelope(env, d.message.key, d.message.timestamp_ms)
+        if invalid is not None:  # before it can touch any stream's state
+            self._reject(d, invalid.reason, invalid.detail, None)
             return
         when = event_time(env)  # once per message
         if not plan.replay:

@@ -18,9 +18,13 @@ from kvledger.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Envelope,
     EventsLost,
     GroupSpec,
+    Heartbeat,
+    group_of,
 )
+from kvledger.schemas.topics import message_key
 
 # Bounds that keep one message from exhausting the consumer (a 1 MiB Kafka message cannot
 # legitimately carry more).
@@ -28,6 +32,13 @@ MAX_HASHES_PER_EVENT = 8192
 MAX_TOKENS_PER_EVENT = 262_144
 MAX_BLOCK_SIZE = 1 << 20
 MAX_HASH_BYTES = 64
+MAX_NAME_CHARS = 512  # a source, model, lora name, ownership, kind…
+# Times the index can hold: from the Unix epoch to the end of year 9999 (Python's limit).
+MAX_TIME_MS = 253_402_300_799_999
+# An epoch is a producer's start time in ms; one more than a day ahead of the message's log
+# time is not a restart, it is a number that would make every later epoch stale.
+MAX_EPOCH_AHEAD_MS = 86_400_000
+MAX_POSITION = 1 << 62  # token positions stay far inside PostgreSQL's bigint
 
 
 class Reason(StrEnum):
@@ -43,12 +54,77 @@ class Reason(StrEnum):
     HASH_CONFLICT = "hash_conflict"
     INVALID_EVENT = "invalid_event"
     STALE_EPOCH = "stale_epoch"
+    KEY_MISMATCH = "key_mismatch"
+    FUTURE_EPOCH = "future_epoch"
+    APPLY_ERROR = "apply_error"  # the store failed on this message alone (isolated)
 
 
 @dataclass(frozen=True, slots=True)
 class Invalid:
     reason: Reason
     detail: str
+
+
+def check_envelope(env: Envelope, key: bytes | None, log_time_ms: int | None) -> Invalid | None:
+    """What any message must be before it may touch a stream's state: keyed by its own
+    source and group, numbers and times the index can hold, text without NUL characters."""
+    group = group_of(env.event)
+    if key != message_key(env.source, group):
+        return Invalid(
+            Reason.KEY_MISMATCH,
+            f"key {key!r} is not {env.source!r}/{group} (the envelope's source and group)",
+        )
+    names, texts = _texts(env.event)
+    if bad := _bad_text([env.source, env.model, *names], texts):
+        return Invalid(Reason.INVALID_EVENT, bad)
+    if not env.source or not env.model:
+        return Invalid(Reason.INVALID_EVENT, "empty source or model")
+    if env.epoch < 0 or env.seq < 0 or group < 0 or env.dp_rank < 0:
+        return Invalid(
+            Reason.INVALID_EVENT,
+            f"negative epoch, seq, group or rank ({env.epoch}, {env.seq}, {group}, {env.dp_rank})",
+        )
+    if not 0 <= env.event_time_ms <= MAX_TIME_MS:
+        return Invalid(Reason.INVALID_EVENT, f"event time {env.event_time_ms} ms is out of range")
+    now = log_time_ms if log_time_ms is not None else env.event_time_ms
+    if env.epoch > now + MAX_EPOCH_AHEAD_MS and env.epoch > MAX_EPOCH_AHEAD_MS:
+        return Invalid(
+            Reason.FUTURE_EPOCH,
+            f"epoch {env.epoch} is more than a day past the message's time {now} ms",
+        )
+    ev = env.event
+    if isinstance(ev, BlockStored):
+        start = ev.token_start
+        if start is not None and not 0 <= start <= MAX_POSITION:
+            return Invalid(Reason.INVALID_EVENT, f"token_start {start} is out of range")
+    if isinstance(ev, Heartbeat) and ev.interval_ms is not None and ev.interval_ms < 0:
+        return Invalid(Reason.INVALID_EVENT, f"negative heartbeat interval {ev.interval_ms}")
+    return None
+
+
+def _texts(ev: object) -> tuple[list[str | None], tuple[str | None, ...]]:
+    """An event's names (bounded in length) and its other text (extra keys)."""
+    if isinstance(ev, BlockStored):
+        names = [ev.medium, ev.lora_name, ev.kv_cache_spec_kind, ev.locality, ev.ownership,
+                 ev.session_id]  # fmt: skip
+        return names, ev.extra_keys or ()
+    if isinstance(ev, BlockRemoved):
+        return [ev.medium, ev.locality, ev.ownership], ()
+    if isinstance(ev, AllBlocksCleared):
+        return [ev.medium], ()
+    if isinstance(ev, GroupSpec):
+        return [ev.model, ev.kind, *(ev.surviving_media or ())], ()
+    return [], ()
+
+
+def _bad_text(names: list[str | None], texts: tuple[str | None, ...]) -> str | None:
+    for text in (*names, *texts):
+        if text is not None and "\x00" in text:
+            return f"text with a NUL character: {text[:40]!r}"
+    for name in names:
+        if name is not None and len(name) > MAX_NAME_CHARS:
+            return f"a name of {len(name)} characters (at most {MAX_NAME_CHARS})"
+    return None
 
 
 def check_announcement(spec: GroupSpec, current: HeldSpec | None) -> Invalid | None:

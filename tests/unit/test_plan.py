@@ -16,7 +16,7 @@ from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.pipeline import BatchResult, replay_batch, run_batch
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
-from kvledger.schemas.events import EventsLost, GroupSpec, KVEvent
+from kvledger.schemas.events import EventsLost, GroupSpec, Heartbeat, KVEvent
 from tests.helpers.streams import MODEL, Stream, cleared, h, removed, spec, stored
 
 A, B = "engine-a", "engine-b"
@@ -368,3 +368,52 @@ def test_a_batch_may_start_past_where_its_reading_began_but_not_past_the_store(
     with pytest.raises(FencedError):  # reading began before what is stored: another wrote
         run_batch([s.send(A, stored([4]))], Stream().codec, store, "g",
                   read_from={("events", 0): 5})  # fmt: skip
+
+
+# ---------------------------------------------------------------------- hostile envelopes
+def _env(event: KVEvent, **fields: object) -> bytes:
+    from kvledger.schemas.events import Envelope
+
+    base: dict[str, object] = {
+        "source": A, "model": MODEL, "dp_rank": 0, "epoch": 1, "seq": 5,
+        "event_time_ms": 1_764_000_000_000, "event": event,
+    }  # fmt: skip
+    base.update(fields)
+    return Stream().codec.encode(Envelope(**base))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "key", "reason"),
+    [
+        (_env(stored([9])), b"engine-b/0", "key_mismatch"),
+        (_env(stored([9], group=1)), b"engine-a/0", "key_mismatch"),
+        (_env(stored([9])), None, "key_mismatch"),
+        (_env(stored([9], lora="a\x00b")), b"engine-a/0", "invalid_event"),
+        (_env(stored([9], ownership="x" * 5000)), b"engine-a/0", "invalid_event"),
+        (_env(stored([9]), seq=-1), b"engine-a/0", "invalid_event"),
+        (_env(stored([9]), event_time_ms=2**63 - 1), b"engine-a/0", "invalid_event"),
+        (_env(stored([9]), event_time_ms=-(2**62)), b"engine-a/0", "invalid_event"),
+        (_env(stored([9]), epoch=2**63 - 1), b"engine-a/0", "future_epoch"),
+        (_env(stored([9], start=2**63 - 1)), b"engine-a/0", "invalid_event"),
+        (_env(Heartbeat(group_idx=0, interval_ms=-5)), b"engine-a/0", "invalid_event"),
+    ],
+    ids=[
+        "other source", "other group", "no key", "NUL", "long name", "negative seq",
+        "time past 9999", "time before 1970", "epoch far ahead", "position past bigint",
+        "negative interval",
+    ],
+)  # fmt: skip
+def test_a_hostile_envelope_is_rejected_before_it_touches_its_stream(
+    s: Stream, value: bytes, key: bytes | None, reason: str
+) -> None:
+    s.send(A, stored([1]))
+    store, _ = run(s.messages)
+    before = store.sources[SourceKey(A, MODEL, 0)].copy()
+    hostile = s.raw(value, key or b"")
+    if key is None:
+        hostile = Inbound(hostile.topic, hostile.partition, hostile.offset, None, value)
+    run([hostile], store)
+    assert statuses(store)[-1] == ("rejected", reason)
+    assert store.sources[SourceKey(A, MODEL, 0)] == before  # the stream did not move
+    run([s.send(A, stored([2]))], store)  # the next normal message applies
+    assert statuses(store)[-1] == ("applied", None)

@@ -26,6 +26,10 @@ class ConsumerConfig:
     metrics_port: int | None = None
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 10.0
+    # A batch that keeps failing with an error that looks transient on a working connection
+    # (a serialization failure, say) is tried this many times, then split to find the
+    # message that causes it (a database outage is retried without end).
+    max_batch_retries: int = 5
     # Prefetched messages held by the client, per partition and in all: the consumer's memory
     # bound while it is far behind.
     queued_max_kbytes: int = 16384

@@ -45,6 +45,17 @@ FENCED = Counter(
     "Batches abandoned because another consumer had advanced a partition",
     registry=REGISTRY,
 )
+ISOLATED = Counter(
+    "kvledger_isolated_messages_total",
+    "Messages rejected as apply_error: applying them failed on their own (found by splitting "
+    "a failing batch)",
+    registry=REGISTRY,
+)
+SPLITS = Counter(
+    "kvledger_batch_splits_total",
+    "Failing batches split in two to isolate the message that fails",
+    registry=REGISTRY,
+)
 RETRIES = Counter(
     "kvledger_batch_retries_total", "Batches retried after a database error", registry=REGISTRY
 )

@@ -20,6 +20,7 @@ from kvledger.consumer.core.plan import make_plan, needs
 from kvledger.consumer.inbound import Decoded, Inbound, decode
 from kvledger.consumer.store.base import IndexStore, TopicPartition, batch_offsets
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.errors import DecodeError
 
 
 class DeadLetterSink(Protocol):
@@ -40,6 +41,7 @@ def run_batch(
     consumer_group: str,
     dead_letters: DeadLetterSink | None = None,
     read_from: Mapping[TopicPartition, int] | None = None,
+    poisoned: Mapping[tuple[str, int, int], str] | None = None,
 ) -> BatchResult:
     """Apply one batch of consumed messages, exactly once.
 
@@ -47,6 +49,8 @@ def run_batch(
     of its previous batch). A batch may start past it when only records that are no data
     lie between (a transaction's commit marker, an aborted transaction's messages, which a
     read-committed consumer skips); the fence then expects the stored offset there.
+    ``poisoned``: messages (topic, partition, offset) that the store failed on alone, with
+    the error: each is rejected as ``apply_error`` with that text instead of applied.
 
     Commit order (the reason a crash at any instant neither loses nor repeats an effect):
 
@@ -64,7 +68,12 @@ def run_batch(
     6. commit. Only then may the caller commit the offsets to Kafka, as a hint for lag
        tools (the store's offsets are the truth the consumer seeks to on assignment).
     """
-    batch = [decode(m, codec) for m in messages]
+    batch = [
+        decode(m, codec)
+        if poisoned is None or (m.topic, m.partition, m.offset) not in poisoned
+        else Decoded(m, None, DecodeError("apply_error", poisoned[m.topic, m.partition, m.offset]))
+        for m in messages
+    ]
     starts, next_offsets = batch_offsets(
         (d.message.topic, d.message.partition, d.message.offset) for d in batch
     )

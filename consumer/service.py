@@ -190,9 +190,15 @@ class IndexConsumer:
         time.sleep(self.config.retry_backoff_s)
         self._consumer = self._new_consumer()
 
-    def _apply(self, batch: list[Inbound]) -> None:
+    def _apply(
+        self, batch: list[Inbound], poisoned: dict[tuple[str, int, int], str] | None = None
+    ) -> None:
+        """Apply one batch exactly once. Transient failures are retried; a failure that is
+        not transient, or one that keeps repeating on a working connection, isolates the
+        message causing it (:meth:`_isolate`) so that no message can stall the consumer."""
         delay = self.config.retry_backoff_s
         started = time.monotonic()
+        tries = 0
         while True:
             conn = self._conn
             assert conn is not None
@@ -201,7 +207,7 @@ class IndexConsumer:
             try:
                 result = run_batch(
                     batch, self.codec, self._store, self.config.group_id, self._dlq,
-                    read_from=self._read_from,
+                    read_from=self._read_from, poisoned=poisoned,
                 )  # fmt: skip
                 break
             except FencedError as exc:
@@ -213,6 +219,16 @@ class IndexConsumer:
             except _RETRYABLE as exc:
                 if self._stop.is_set():
                     raise
+                tries += 1
+                outage = conn.closed or conn.broken or isinstance(exc, DeadLetterError)
+                if not outage and tries >= self.config.max_batch_retries:
+                    logger.error(
+                        "batch of %d failed %d times with %s on a working connection; "
+                        "isolating the message that causes it",
+                        len(batch), tries, exc,
+                    )  # fmt: skip
+                    self._isolate(batch, exc, poisoned)
+                    return
                 metrics.RETRIES.inc()
                 self.summary.retries += 1
                 logger.warning("batch failed (%s); retrying in %.1f s", exc, delay)
@@ -220,6 +236,11 @@ class IndexConsumer:
                 delay = min(delay * 2, self.config.retry_backoff_max_s)
                 if conn.closed or conn.broken:
                     self._conn = self._connect()
+            except Exception as exc:  # not transient: one of its messages may cause it
+                if self._stop.is_set() or (conn.closed or conn.broken):
+                    raise
+                self._isolate(batch, exc, poisoned)
+                return
         metrics.record_batch(result.plan, time.monotonic() - started)
         self._read_from.update(result.next_offsets)
         self._account(result)
@@ -229,6 +250,34 @@ class IndexConsumer:
                 self._consumer.commit(offsets=hint, asynchronous=True)
             except KafkaException as exc:  # a hint only
                 logger.debug("offset hint not committed: %s", exc)
+
+    def _isolate(
+        self,
+        batch: list[Inbound],
+        exc: Exception,
+        poisoned: dict[tuple[str, int, int], str] | None,
+    ) -> None:
+        """Split a failing batch until the message that fails alone is found; that message
+        is rejected (``apply_error``, with the error text and its raw bytes) and the rest is
+        applied. A message that cannot even be recorded as rejected is a failure of the
+        store itself: it is raised."""
+        if len(batch) == 1:
+            m = batch[0]
+            where = (m.topic, m.partition, m.offset)
+            if poisoned is not None and where in poisoned:
+                raise exc
+            logger.error(
+                "message %s[%d]@%d cannot be applied (%s: %s); rejecting it as apply_error",
+                m.topic, m.partition, m.offset, type(exc).__name__, exc,
+            )  # fmt: skip
+            metrics.ISOLATED.inc()
+            text = f"{type(exc).__name__}: {exc}"[:4000]
+            self._apply(batch, {**(poisoned or {}), where: text})
+            return
+        metrics.SPLITS.inc()
+        middle = len(batch) // 2
+        self._apply(batch[:middle], poisoned)
+        self._apply(batch[middle:], poisoned)
 
     def _account(self, result: BatchResult) -> None:
         plan, s = result.plan, self.summary

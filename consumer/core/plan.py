@@ -163,8 +163,9 @@ class _Planner:
             self._reject(d, Reason(d.error.reason), d.error.detail, None)
             return
         invalid = check_envelope(env, d.message.key, d.message.timestamp_ms)
-        if invalid is not None:  # before it can touch any stream's state
-            self._reject(d, invalid.reason, invalid.detail, None)
+        if invalid is not None:  # before it touches any stream's state, and none of its
+            # values reaches a row (they may be what the store cannot hold): its bytes do
+            self._reject(Decoded(d.message, None, None), invalid.reason, invalid.detail, None)
             return
         when = event_time(env)  # once per message
         if not plan.replay:

@@ -1,0 +1,236 @@
+"""Hostile input through the real apply path (real Kafka, real PostgreSQL): every message ends
+applied or rejected with a reason and its bytes, the consumer catches up, and a valid event
+after it still applies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvledger.consumer.config import ConsumerConfig
+from kvledger.consumer.db import connect
+from kvledger.consumer.service import IndexConsumer, RunSummary
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    EventsLost,
+    GroupSpec,
+    Heartbeat,
+    KVEvent,
+)
+from kvledger.schemas.topics import message_key
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_764_000_000_000
+CODEC = Codec()
+
+
+def _consume(bootstrap: str, db: str, topic: str, group: str, **more: object) -> RunSummary:
+    config = ConsumerConfig(
+        bootstrap_servers=bootstrap, database_url=db, topic=topic, group_id=group,
+        dlq_topic=f"{topic}.dlq", batch_size=500, batch_timeout_s=0.2, until_caught_up=True,
+        retry_backoff_s=0.05, **more,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return IndexConsumer(config).run()
+
+
+def _send(bootstrap: str, topic: str, items: list[tuple[bytes | None, bytes]]) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "message.max.bytes": 2_000_000})
+    for key, value in items:
+        producer.produce(topic, key=key, value=value)
+    assert producer.flush(30) == 0
+
+
+def _env(source: str, seq: int, event: KVEvent, epoch: int = 1) -> tuple[bytes, bytes]:
+    group = event.group_idx if event.group_idx is not None else 0
+    env = Envelope(source, "m", 0, epoch, seq, T0 + seq, event)
+    return message_key(source, group), CODEC.encode(env)
+
+
+def _stored(h: int, start: int = 0, medium: str = "CPU") -> BlockStored:
+    return BlockStored((h.to_bytes(8, "big"),), None, tuple(range(4)), 4, None, medium, None,
+                       group_idx=0, token_start=start)  # fmt: skip
+
+
+def _caught_up(db: str, topic: str, group: str, bootstrap: str) -> bool:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "probe"})
+    meta = c.list_topics(topic, timeout=10).topics[topic]
+    ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in meta.partitions}  # fmt: skip
+    c.close()
+    with connect(db, autocommit=True) as conn:
+        stored = dict(
+            conn.execute(
+                "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
+                "WHERE consumer_group = %s AND kafka_topic = %s",
+                (group, topic),
+            ).fetchall()
+        )
+    return all(stored.get(p, 0) == end for p, end in ends.items() if end > 0)
+
+
+# ---------------------------------------------------------------------- isolation
+def test_a_message_the_store_fails_on_is_isolated_and_the_rest_applies(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str
+) -> None:
+    """PostgreSQL itself refuses what one source sends (a trigger raises, as any store error
+    would): the batch is split until that message is alone, it is rejected with the error,
+    everything else applies, and the consumer is caught up."""
+    topic = make_topic("isolate", partitions=1)
+    with connect(fresh_database, autocommit=True) as conn:
+        conn.execute(
+            """
+            CREATE FUNCTION test_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.instance = 'poison' THEN
+                    RAISE EXCEPTION 'the store refuses %', NEW.instance;
+                END IF;
+                IF NEW.instance = 'flaky' THEN
+                    RAISE EXCEPTION 'could not serialize' USING ERRCODE = '40001';
+                END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER test_poison BEFORE INSERT ON kvledger.residencies
+            FOR EACH ROW EXECUTE FUNCTION test_poison();
+            """
+        )
+    spec = GroupSpec("m", 0, "full_attention", 4, 4)
+    items = [_env(s, 0, spec) for s in ("good", "poison", "flaky")]
+    for i in range(1, 120):
+        source = "poison" if i in (17, 80) else "flaky" if i == 55 else "good"
+        items.append(_env(source, i if source == "good" else {17: 1, 80: 2, 55: 1}[i],
+                          _stored(i)))  # fmt: skip
+    _send(kafka_bootstrap, topic, items)
+    summary = _consume(kafka_bootstrap, fresh_database, topic, group_id, max_batch_retries=3)
+    assert summary.rejected_by_reason == {"apply_error": 3}
+    assert _caught_up(fresh_database, topic, group_id, kafka_bootstrap)
+    with connect(fresh_database, autocommit=True) as conn:
+        details = [
+            d for (d,) in conn.execute(
+                "SELECT detail FROM kvledger.rejected_events ORDER BY kafka_offset"
+            ).fetchall()
+        ]  # fmt: skip
+        held = conn.execute(
+            "SELECT count(*) FROM kvledger.residencies WHERE instance = 'good'"
+        ).fetchone()
+        conn.execute("DROP TRIGGER test_poison ON kvledger.residencies")
+    assert "the store refuses poison" in details[0] and "could not serialize" in details[1]
+    assert held == (116,)
+    _send(kafka_bootstrap, topic, [_env("poison", 3, _stored(500))])  # now it applies
+    summary = _consume(kafka_bootstrap, fresh_database, topic, group_id)
+    assert (summary.applied, summary.rejected) == (1, 0)
+
+
+# ---------------------------------------------------------------------- property-based
+_int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+_int32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+_text = st.one_of(
+    st.none(), st.sampled_from(["GPU", "CPU", "STORAGE", "LOCAL", "disk", ""]),
+    st.text(max_size=8), st.just("a\x00b"), st.just("x" * 3000),
+)  # fmt: skip
+_hash = st.binary(min_size=0, max_size=70)
+
+
+def _mostly(sane: st.SearchStrategy[object], hostile: st.SearchStrategy[object]) -> Any:
+    """Sane values four times in five, so that hostile ones reach the apply path too."""
+    return st.integers(0, 4).flatmap(lambda r: sane if r else hostile)
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> KVEvent:
+    group = draw(_mostly(st.sampled_from([None, 0, 1]), st.one_of(st.just(7), _int32)))
+    kind = draw(st.sampled_from(["stored", "removed", "cleared", "spec", "beat", "lost"]))
+    if kind == "stored":
+        n = draw(st.integers(0, 3))
+        size = draw(st.one_of(st.sampled_from([0, 4]), _int32))
+        tokens = tuple(draw(st.lists(_int32, max_size=12)))
+        return BlockStored(
+            tuple(draw(_hash) for _ in range(n)), draw(st.one_of(st.none(), _hash)), tokens,
+            size, draw(st.one_of(st.none(), _int32)), draw(_text), draw(_text),
+            extra_keys=draw(st.one_of(st.none(), st.lists(_text, max_size=3).map(tuple))),
+            group_idx=group, kv_cache_spec_kind=draw(_text), locality=draw(_text),
+            ownership=draw(_text), token_start=draw(st.one_of(st.none(), _int64)),
+            partial=draw(st.booleans()),
+        )  # fmt: skip
+    if kind == "removed":
+        hashes = tuple(draw(st.lists(_hash, max_size=3)))
+        return BlockRemoved(hashes, draw(_text), group, draw(_text), draw(_text))
+    if kind == "cleared":
+        return AllBlocksCleared(group_idx=group, medium=draw(_text))
+    if kind == "spec":
+        return GroupSpec(
+            draw(st.sampled_from(["m", "other", "m\x00"])), group if group is not None else 0,
+            draw(st.sampled_from(["full_attention", "mamba", "bogus"])), draw(_int32),
+            draw(_int32), draw(st.one_of(st.none(), _int32)),
+            draw(st.one_of(st.none(), st.lists(_text.filter(lambda t: t is not None),
+                                               max_size=2).map(tuple))),
+        )  # fmt: skip
+    if kind == "beat":
+        return Heartbeat(group_idx=group, interval_ms=draw(st.one_of(st.none(), _int64)))
+    return EventsLost(draw(_int64), draw(_int64), group_idx=group)
+
+
+@st.composite
+def _messages(draw: st.DrawFn) -> tuple[bytes | None, bytes]:
+    event = draw(_events())
+    source = draw(_mostly(st.sampled_from(["s1", "s2"]), st.sampled_from(["s\x00", "y" * 600])))
+    env = Envelope(
+        source, draw(_mostly(st.just("m"), st.just("m\x00"))),
+        draw(_mostly(st.just(0), _int32)), draw(_mostly(st.integers(1, 3), _int64)),
+        draw(_mostly(st.integers(0, 40), _int64)),
+        draw(_mostly(st.integers(T0, T0 + 10**6), _int64)), event,
+    )  # fmt: skip
+    group = event.group_idx if event.group_idx is not None else 0
+    right = message_key(source, group)
+    key = draw(_mostly(st.just(right), st.sampled_from([b"s1/0", None])))
+    return key, CODEC.encode(env)
+
+
+@pytest.mark.timeout(900)
+def test_any_envelope_ends_applied_or_rejected_and_a_valid_one_still_applies(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str
+) -> None:
+    topic = make_topic("fuzz", partitions=2)
+    spec = _env("ok", 0, GroupSpec("m", 0, "full_attention", 4, 4))
+    _send(kafka_bootstrap, topic, [spec])
+    _consume(kafka_bootstrap, fresh_database, topic, group_id)
+    state = {"seq": 1, "sent": 1}
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(_messages(), min_size=1, max_size=15))
+    def round_(messages: list[tuple[bytes | None, bytes]]) -> None:
+        valid = _env("ok", state["seq"], _stored(10_000 + state["seq"], medium="GPU"))
+        state["seq"] += 1
+        _send(kafka_bootstrap, topic, [*messages, valid])
+        state["sent"] += len(messages) + 1
+        summary = _consume(kafka_bootstrap, fresh_database, topic, group_id)
+        assert summary.messages == len(messages) + 1
+        assert _caught_up(fresh_database, topic, group_id, kafka_bootstrap)
+        with connect(fresh_database, autocommit=True) as conn:
+            status = conn.execute(
+                "SELECT status FROM kvledger.events e WHERE e.source = 'ok' AND e.seq = %s",
+                (state["seq"] - 1,),
+            ).fetchone()
+        assert status == ("applied",)  # the valid event after the hostile ones
+
+    round_()
+    with connect(fresh_database, autocommit=True) as conn:
+        audited = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+        unexplained = conn.execute(
+            "SELECT count(*) FROM kvledger.events e WHERE e.status = 'rejected' AND NOT EXISTS "
+            "(SELECT 1 FROM kvledger.rejected_events r WHERE r.kafka_topic = e.kafka_topic "
+            "AND r.kafka_partition = e.kafka_partition AND r.kafka_offset = e.kafka_offset)"
+        ).fetchone()
+    assert audited == (state["sent"],)  # every message audited: applied or rejected
+    assert unexplained == (0,)  # every rejection kept with its bytes

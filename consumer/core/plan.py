@@ -181,6 +181,11 @@ class _Planner:
                 detail = f"epoch {env.epoch} is older than the source's current epoch"
                 self._reject(d, Reason.STALE_EPOCH, detail, when)
                 return
+            if verdict is Verdict.JUMP:
+                assert state is not None
+                detail = f"seq {env.seq} is more than a million past the stream's {state.last_seq}"
+                self._reject(d, Reason.SEQUENCE_JUMP, detail, when)
+                return
             if verdict is Verdict.DUPLICATE:
                 plan.duplicates += 1
                 self._audit(d, "duplicate", None, 0, 0, when)

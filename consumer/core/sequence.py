@@ -7,7 +7,11 @@ restarts them at 0. For each message, against the stream's state:
 - an older epoch: ``stale`` (the source has restarted since; rejected, kept replayable);
 - a newer epoch: a restart (counted); a first seq above 0 is a gap;
 - same epoch, seq at or below the last: ``duplicate`` (a re-delivery; skipped, audited);
-- same epoch, seq past last + 1: a gap of the numbers in between (counted, applied).
+- same epoch, seq past last + 1: a gap of the numbers in between (counted, applied);
+- same epoch, seq more than ``MAX_JUMP`` past the last: ``jump`` (rejected, the state does
+  not move). No producer loses a million messages of one stream and goes on; a number that
+  far ahead would make every later normal number look like a duplicate and silence the
+  source.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from enum import StrEnum
 
 from kvledger.consumer.core.model import SourceState
 
+MAX_JUMP = 1_000_000
+
 
 class Verdict(StrEnum):
     OK = "ok"
     GAP = "gap"  # applied; the state counts the missing messages
     DUPLICATE = "duplicate"
     STALE = "stale"
+    JUMP = "jump"  # rejected; the state is unchanged
 
 
 def advance(
@@ -41,6 +48,8 @@ def advance(
         return Verdict.OK, first
     if epoch < state.epoch:
         return Verdict.STALE, None
+    if epoch == state.epoch and seq > state.last_seq + MAX_JUMP:
+        return Verdict.JUMP, None
     nxt = state if in_place else state.copy()
     verdict = Verdict.OK
     if epoch > state.epoch:

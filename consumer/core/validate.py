@@ -55,6 +55,7 @@ class Reason(StrEnum):
     INVALID_EVENT = "invalid_event"
     STALE_EPOCH = "stale_epoch"
     KEY_MISMATCH = "key_mismatch"
+    SEQUENCE_JUMP = "sequence_jump"
     FUTURE_EPOCH = "future_epoch"
     APPLY_ERROR = "apply_error"  # the store failed on this message alone (isolated)
 

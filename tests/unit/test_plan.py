@@ -417,3 +417,13 @@ def test_a_hostile_envelope_is_rejected_before_it_touches_its_stream(
     assert store.sources[SourceKey(A, MODEL, 0)] == before  # the stream did not move
     run([s.send(A, stored([2]))], store)  # the next normal message applies
     assert statuses(store)[-1] == ("applied", None)
+
+
+def test_a_number_far_ahead_cannot_silence_a_source(s: Stream) -> None:
+    s.send(A, stored([1]))
+    store, _ = run(s.messages)
+    run([s.send(A, stored([2]), seq=2**62)], store)
+    assert statuses(store)[-1] == ("rejected", "sequence_jump")
+    run([s.send(A, stored([3]), seq=2)], store)  # the next normal number still applies
+    assert statuses(store)[-1] == ("applied", None)
+    assert store.sources[SourceKey(A, MODEL, 0)].last_seq == 2

@@ -30,6 +30,10 @@ class ConsumerConfig:
     # (a serialization failure, say) is tried this many times, then split to find the
     # message that causes it (a database outage is retried without end).
     max_batch_retries: int = 5
+    # The dead-letter topic, when the consumer creates it: -1 takes the cluster's default
+    # replication factor; more topic settings (e.g. min.insync.replicas) in the mapping.
+    dlq_replication_factor: int = -1
+    dlq_topic_config: Mapping[str, str] = field(default_factory=dict)
     # Prefetched messages held by the client, per partition and in all: the consumer's memory
     # bound while it is far behind.
     queued_max_kbytes: int = 16384

@@ -8,9 +8,9 @@ at least once (a crash between the flush and the commit can repeat one).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient
 
 from kvledger.consumer.core.model import Rejection
@@ -27,58 +27,115 @@ class DeadLetterError(KvledgerError):
 
 
 class DeadLetterProducer:
-    def __init__(self, bootstrap: str, topic: str, timeout: float = 30.0) -> None:
+    """Produces rejections to the dead-letter topic and waits for every acknowledgement.
+
+    A rejection too large for the topic (the broker's or the client's size limit: the headers
+    add to the original bytes) is sent as a truncated record instead, an empty value with a
+    ``kvledger.truncated`` header giving the original size: its whole bytes are in
+    kvledger.rejected_events either way, and the consumer never stalls on it. The topic is
+    created with the cluster's default replication factor (``replication_factor=-1``) and
+    ``topic_config`` (e.g. ``min.insync.replicas``), so a cluster that requires more than one
+    replica works.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        timeout: float = 30.0,
+        settings: Mapping[str, object] | None = None,
+        replication_factor: int = -1,
+        topic_config: Mapping[str, str] | None = None,
+    ) -> None:
         self.topic = topic
         self.timeout = timeout
-        self._producer = Producer(
-            {
-                "bootstrap.servers": bootstrap,
-                "enable.idempotence": True,
-                "acks": "all",
-                "linger.ms": 5,
-                "client.id": "kvledger-dlq",
-            }
-        )
-        self._errors: list[str] = []
-        admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
-        ensure_topic(admin, topic, DLQ_PARTITIONS, timeout=timeout, exact_partitions=False)
+        producer_settings: dict[str, object] = {
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "client.id": "kvledger-dlq",
+            **(settings or {}),
+            "bootstrap.servers": bootstrap,
+        }
+        self._producer = Producer(producer_settings)
+        self._failed: dict[int, KafkaError] = {}
+        admin_settings: dict[str, str | int | float] = {
+            k: v for k, v in (settings or {}).items()
+            if k.startswith(_SHARED) and isinstance(v, str | int | float)
+        }  # fmt: skip
+        admin = AdminClient({**admin_settings, "bootstrap.servers": bootstrap, "log_level": 4})
+        ensure_topic(
+            admin, topic, DLQ_PARTITIONS, timeout=timeout, exact_partitions=False,
+            replication_factor=replication_factor, config=dict(topic_config or {}),
+        )  # fmt: skip
+        self.truncated = 0
 
     def send(self, rejections: Sequence[Rejection]) -> None:
         """Produce every rejection and wait for the acknowledgements (raises on failure)."""
         if not rejections:
             return
-        self._errors.clear()
-        for r in rejections:
-            m = r.message
-            headers: list[tuple[str, str | bytes | None]] = [
-                ("kvledger.topic", m.topic.encode()),
-                ("kvledger.partition", str(m.partition).encode()),
-                ("kvledger.offset", str(m.offset).encode()),
-                ("kvledger.reason", r.reason.encode()),
-                ("kvledger.detail", r.detail[:1000].encode()),
-            ]
-            while True:
-                try:
-                    self._producer.produce(
-                        self.topic,
-                        value=m.value,
-                        key=m.key,
-                        headers=headers,
-                        on_delivery=self._on_delivery,
-                    )
-                    break
-                except BufferError:
-                    self._producer.poll(0.05)
+        self._failed.clear()
+        too_large: list[int] = []
+        for i, r in enumerate(rejections):
+            if not self._produce(i, r, truncated=False):
+                too_large.append(i)
         remaining = self._producer.flush(self.timeout)
-        if remaining or self._errors:
+        too_large += [i for i, err in self._failed.items() if err.code() in _TOO_LARGE]
+        errors = [str(err) for err in self._failed.values() if err.code() not in _TOO_LARGE]
+        if too_large and not remaining and not errors:
+            self._failed.clear()
+            for i in too_large:
+                self._produce(i, rejections[i], truncated=True)
+                self.truncated += 1
+                logger.warning(
+                    "rejection %s[%d]@%d (%d bytes) is too large for %s: sent truncated",
+                    rejections[i].message.topic, rejections[i].message.partition,
+                    rejections[i].message.offset, len(rejections[i].message.value), self.topic,
+                )  # fmt: skip
+            remaining = self._producer.flush(self.timeout)
+            errors = [str(err) for err in self._failed.values()]
+        if remaining or errors:
             raise DeadLetterError(
-                f"dead-letter topic {self.topic}: {remaining} unacknowledged, errors "
-                f"{self._errors[:3]}"
+                f"dead-letter topic {self.topic}: {remaining} unacknowledged, errors {errors[:3]}"
             )
 
-    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            self._errors.append(str(err))
+    def _produce(self, index: int, r: Rejection, truncated: bool) -> bool:
+        """Queue one record; False when the client refuses it as too large."""
+        m = r.message
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("kvledger.topic", m.topic.encode()),
+            ("kvledger.partition", str(m.partition).encode()),
+            ("kvledger.offset", str(m.offset).encode()),
+            ("kvledger.reason", r.reason.encode()),
+            ("kvledger.detail", r.detail[:1000].encode()),
+        ]
+        if truncated:
+            headers.append(("kvledger.truncated", str(len(m.value)).encode()))
+        value = b"" if truncated else m.value
+        key = m.key[:256] if truncated and m.key is not None else m.key
+
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                self._failed[index] = err
+
+        while True:
+            try:
+                self._producer.produce(
+                    self.topic, value=value, key=key, headers=headers, on_delivery=delivered
+                )
+                return True
+            except BufferError:
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                if not truncated and exc.args[0].code() in _TOO_LARGE:
+                    return False
+                raise DeadLetterError(f"dead-letter topic {self.topic}: {exc}") from exc
 
     def close(self) -> None:
         self._producer.flush(self.timeout)
+
+
+# Refused as too large by the client or the broker.
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})  # -141: librdkafka's own check
+# Client settings an admin client shares with a producer (security, addressing).
+_SHARED = ("security.", "sasl.", "ssl.", "client.", "socket.")

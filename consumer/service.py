@@ -114,7 +114,10 @@ class IndexConsumer:
         started = time.monotonic()
         self._conn = self._connect()
         if cfg.dlq_topic:
-            self._dlq = DeadLetterProducer(cfg.bootstrap_servers, cfg.dlq_topic)
+            self._dlq = DeadLetterProducer(
+                cfg.bootstrap_servers, cfg.dlq_topic, settings=cfg.kafka,
+                replication_factor=cfg.dlq_replication_factor, topic_config=cfg.dlq_topic_config,
+            )  # fmt: skip
         self._consumer = self._new_consumer()
         try:
             while not self._stop.is_set():

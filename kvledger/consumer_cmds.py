@@ -39,6 +39,16 @@ def add_parsers(subparsers: Subparsers) -> None:
     p.add_argument("--topic", default="kv-events")
     p.add_argument("--group", default=DEFAULT_GROUP, help="consumer group")
     p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC)
+    p.add_argument(
+        "--dlq-replication-factor", type=int, default=-1,
+        help="replication factor when the consumer creates the dead-letter topic (-1: the "
+        "cluster's default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-batch-retries", type=int, default=5,
+        help="tries of a batch failing with a transient-looking error on a working "
+        "connection before its failing message is isolated and rejected",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=5000)
     p.add_argument("--batch-timeout", type=float, default=0.5, help="seconds")
     p.add_argument(
@@ -101,6 +111,8 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         until_caught_up=args.until_caught_up,
         metrics_port=args.metrics_port,
         group_instance_id=args.group_instance_id,
+        dlq_replication_factor=args.dlq_replication_factor,
+        max_batch_retries=args.max_batch_retries,
     )
 
 

@@ -8,6 +8,7 @@ partition and stays in publish order. The events topic and the dead-letter topic
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
@@ -33,6 +34,7 @@ def ensure_topic(
     timeout: float = 30.0,
     exact_partitions: bool = True,
     log_append_time: bool = True,
+    config: Mapping[str, str] | None = None,
 ) -> bool:
     """Create ``name`` if missing; verify an existing one. Returns True when it was created.
 
@@ -40,16 +42,20 @@ def ensure_topic(
     another partition count while ``exact_partitions`` (any count does for a topic whose
     order does not matter, such as the dead-letter topic). A topic it creates stamps each
     record with the broker's clock (``log_append_time``): the index's liveness clock.
+    ``config``: more topic settings for a topic it creates; ``replication_factor=-1`` takes
+    the cluster's default.
     """
     metadata = admin.list_topics(topic=name, timeout=timeout)
     topic = metadata.topics.get(name)
     exists = topic is not None and topic.error is None
     if not exists:
-        config = {"retention.ms": str(retention_ms)} if retention_ms is not None else {}
+        settings = dict(config or {})
+        if retention_ms is not None:
+            settings["retention.ms"] = str(retention_ms)
         if log_append_time:
-            config["message.timestamp.type"] = "LogAppendTime"
+            settings["message.timestamp.type"] = "LogAppendTime"
         futures = admin.create_topics(
-            [NewTopic(name, partitions, replication_factor, config=config)],
+            [NewTopic(name, partitions, replication_factor, config=settings)],
             operation_timeout=timeout,
         )
         try:

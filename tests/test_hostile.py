@@ -234,3 +234,42 @@ def test_any_envelope_ends_applied_or_rejected_and_a_valid_one_still_applies(
         ).fetchone()
     assert audited == (state["sent"],)  # every message audited: applied or rejected
     assert unexplained == (0,)  # every rejection kept with its bytes
+
+
+# ---------------------------------------------------------------------- dead letters
+def test_a_rejection_too_large_for_the_dead_letter_topic_is_sent_truncated(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str,
+    kafka_admin: Any,
+) -> None:  # fmt: skip
+    """The main topic takes 2 MB messages, the dead-letter topic 20 kB: the broker refuses a
+    100 kB rejection and the client a 1.5 MB one; both reach the DLQ truncated, both are
+    whole in rejected_events, and the consumer is caught up."""
+    from confluent_kafka.admin import NewTopic
+
+    from tests.helpers.kafka import consume_all
+
+    topic = make_topic("big", partitions=1, **{"max.message.bytes": "2000000"})
+    dlq = f"{topic}.dlq"
+    kafka_admin.create_topics([NewTopic(dlq, 3, 1, config={"max.message.bytes": "20000"})])[
+        dlq
+    ].result(30)
+    try:
+        garbage = [b"\x00" + bytes(100_000), b"\x00" + bytes(1_500_000)]
+        valid = _env("ok", 0, GroupSpec("m", 0, "full_attention", 4, 4))
+        _send(kafka_bootstrap, topic, [(b"x/0", g) for g in garbage] + [valid])
+        summary = _consume(kafka_bootstrap, fresh_database, topic, group_id)
+        assert (summary.applied, summary.rejected) == (1, 2)
+        assert _caught_up(fresh_database, topic, group_id, kafka_bootstrap)
+        with connect(fresh_database, autocommit=True) as conn:
+            sizes = [
+                n for (n,) in conn.execute(
+                    "SELECT length(raw) FROM kvledger.rejected_events ORDER BY kafka_offset"
+                ).fetchall()
+            ]  # fmt: skip
+        assert sizes == [len(g) for g in garbage]
+        records = consume_all(kafka_bootstrap, dlq, group_id + "-dlq", 2)
+        truncated = sorted(int(dict(m.headers())["kvledger.truncated"]) for m in records)
+        assert truncated == [len(g) for g in garbage]
+        assert all(not m.value() for m in records)
+    finally:
+        kafka_admin.delete_topics([dlq])

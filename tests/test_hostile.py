@@ -273,3 +273,39 @@ def test_a_rejection_too_large_for_the_dead_letter_topic_is_sent_truncated(
         assert all(not m.value() for m in records)
     finally:
         kafka_admin.delete_topics([dlq])
+
+
+def test_dlq_replay_leaves_no_phantom_holder(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str
+) -> None:
+    """A store refused for its size, its removal recorded as a no-op, the spec fixed by an
+    operator, `kvledger dlq replay`: the store's block is written but no holder (the removal
+    may have been its own); a refused store without a later removal gets its holder."""
+    from kvledger.cli import main as cli
+
+    topic = make_topic("phantom", partitions=1)
+    spec = GroupSpec("m", 0, "full_attention", 4, 4)
+
+    def sized(h: int) -> BlockStored:
+        return BlockStored((h.to_bytes(8, "big"),), None, tuple(range(8)), 8, None, "CPU",
+                           None, group_idx=0, token_start=0)  # fmt: skip
+
+    removal = BlockRemoved(((1).to_bytes(8, "big"),), "CPU", 0)
+    items = [_env("s", 0, spec), _env("s", 1, sized(1)), _env("s", 2, removal),
+             _env("s", 3, sized(2))]  # fmt: skip
+    _send(kafka_bootstrap, topic, items)
+    summary = _consume(kafka_bootstrap, fresh_database, topic, group_id)
+    assert summary.rejected_by_reason == {"block_size_mismatch": 2}
+    declare = ["groups", "declare", "--database-url", fresh_database, "--model", "m",
+               "--group", "0", "--block-size", "8"]  # fmt: skip
+    assert cli(declare) == 0
+    assert cli(["dlq", "replay", "--database-url", fresh_database]) == 0
+    with connect(fresh_database, autocommit=True) as conn:
+        held = conn.execute("SELECT block_hash FROM kvledger.residencies").fetchall()
+        blocks = conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone()
+        reasons = conn.execute(
+            "SELECT seq, reason FROM kvledger.events WHERE event_type = 'BlockStored' ORDER BY seq"
+        ).fetchall()
+    assert [bytes(h) for (h,) in held] == [(2).to_bytes(8, "big")]
+    assert blocks == (2,)
+    assert reasons == [(1, "replayed_without_holders"), (3, "replayed")]

@@ -177,6 +177,8 @@ class Needs:
     scopes: set[HolderScope] = field(default_factory=set)
     restarts: dict[SourceKey, int] = field(default_factory=dict)
     sources: set[str] = field(default_factory=set)
+    # A replay's stores: (holder, topic, partition, offset) of each, for ``late_removals``.
+    replayed: list[tuple[HolderKey, str, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -195,6 +197,9 @@ class Snapshot:
     held: Mapping[HolderKey, Collection[bytes]]
     sources: Mapping[SourceKey, SourceState]
     lives: Mapping[str, SourceLife]
+    # Of a replay's stores (``Needs.replayed``), the (topic, partition, offset) of those whose
+    # holder has recorded a removal with no reference left after them (see plan.py).
+    late_removals: Collection[tuple[str, int, int]] = ()
 
 
 # ---------------------------------------------------------------------- the plan

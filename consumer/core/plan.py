@@ -21,6 +21,12 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
   router little, a route to blocks that are gone costs a lot), and the range is recorded;
 - Heartbeat: nothing but liveness; Goodbye and a new epoch: see :mod:`.lifecycle`.
 
+Replaying a rejected BlockStored (``dlq replay``): when its holder has since recorded a
+removal that found no reference (``noop_removal``) the removal may have been this store's,
+and adding its references now would leave holders that never end. Such a store writes its
+block rows but no holder references ("replayed_without_holders" in the audit log): a missed
+hit costs a router little, a phantom holder a lot. Other replayed stores apply in full.
+
 Reference counts and history intervals: :mod:`.refs`.
 """
 
@@ -107,6 +113,9 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
                 hashes = residencies[holder] = set()
             hashes.update(ev.block_hashes)
             if isinstance(ev, BlockStored):
+                if not check_sequence:
+                    m = d.message
+                    out.replayed.append((holder, m.topic, m.partition, m.offset))
                 wanted = blocks.setdefault(_new(GroupKey, (model, group)), set())
                 wanted.update(ev.block_hashes)
                 if ev.token_start is None and ev.parent_block_hash is not None:
@@ -145,6 +154,7 @@ class _Planner:
         self.refs = References(snapshot)
         self.sources: dict[SourceKey, SourceState] = {}
         self.lives = Lives(snapshot.lives)
+        self.late = set(snapshot.late_removals) if replay else set()
 
     def finish(self) -> Plan:
         plan = self.plan
@@ -200,7 +210,15 @@ class _Planner:
             self._reject(d, invalid.reason, invalid.detail, when)
         else:
             plan.applied += 1
-            self._audit(d, "applied", "noop_removal" if noop else None, hashes, noop, when)
+            reason = "noop_removal" if noop else None
+            m = d.message
+            if (
+                self.late
+                and isinstance(env.event, BlockStored)
+                and ((m.topic, m.partition, m.offset) in self.late)
+            ):
+                reason = "replayed_without_holders"
+            self._audit(d, "applied", reason, hashes, noop, when)
 
     def _event(
         self, env: Envelope, msg: Inbound, when: datetime
@@ -262,6 +280,7 @@ class _Planner:
         ownership = ev.ownership or PRIMARY_OWNERSHIP
         extra_by_block = ev.extra_keys or ()
         writes, blocks, change = self.plan.blocks, self.blocks, self.refs.change
+        holders = not (self.late and (msg.topic, msg.partition, msg.offset) in self.late)
         for i, (h, row) in enumerate(rows):
             bkey = keys[i]
             # This event may have written the row already (a hash twice in one event).
@@ -280,8 +299,9 @@ class _Planner:
                     write.extra_keys = extra_by_block[i]
                 write.first_seen = min(write.first_seen, when)
                 write.last_seen = max(write.last_seen, when)
-            change(_new(ResidencyKey, (model, group, h, source, medium, ownership)), 1, when,
-                   ev.locality, msg)  # fmt: skip
+            if holders:
+                change(_new(ResidencyKey, (model, group, h, source, medium, ownership)), 1, when,
+                       ev.locality, msg)  # fmt: skip
         self.plan.block_events += len(rows)
         return None, len(rows), 0
 
@@ -444,3 +464,8 @@ def upgrades(known: BlockRow, new: BlockRow) -> bool:
             and known.partial == new.partial
         )
     )
+
+
+def replay_reason(reason: str | None) -> str:
+    """The audit log's reason for a message a replay applied."""
+    return reason if reason == "replayed_without_holders" else "replayed"

@@ -32,9 +32,9 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
 )
-from kvledger.consumer.core.plan import upgrades
+from kvledger.consumer.core.plan import replay_reason, upgrades
 from kvledger.consumer.store.staged import StagedStore
-from kvledger.schemas.events import GroupSpec
+from kvledger.schemas.events import DEFAULT_MEDIUM, GroupSpec
 
 Coordinates = tuple[str, int, int]  # (topic, partition, offset)
 
@@ -81,8 +81,20 @@ class MemoryStore(StagedStore):
     def load(self, needs: Needs) -> Snapshot:
         # The committed state itself: the core never mutates a snapshot, and this
         # transaction's writes are staged until it ends.
+        late = []
+        for holder, topic, partition, offset in needs.replayed:
+            model, group, source, medium, ownership = holder
+            if any(
+                (row.kafka_topic, row.kafka_partition) == (topic, partition)
+                and row.kafka_offset > offset and row.event_type == "BlockRemoved"
+                and row.noop_count > 0 and row.source == source and row.model == model
+                and row.group_idx == group and (row.medium or DEFAULT_MEDIUM) == medium
+                and (row.ownership or "") == ownership
+                for row in self.events.values()
+            ):  # fmt: skip
+                late.append((topic, partition, offset))
         return Snapshot(
-            self.specs, self.blocks, self.residencies, self.held, self.sources, self.lives
+            self.specs, self.blocks, self.residencies, self.held, self.sources, self.lives, late
         )
 
     def declare(self, spec: GroupSpec) -> None:
@@ -112,8 +124,8 @@ class MemoryStore(StagedStore):
                 old = self.events.get(at)
                 if old is not None:
                     self.events[at] = old._replace(
-                        status="applied", reason="replayed", hash_count=row.hash_count,
-                        noop_count=row.noop_count,
+                        status="applied", reason=replay_reason(row.reason),
+                        hash_count=row.hash_count, noop_count=row.noop_count,
                     )  # fmt: skip
                 if at in self.rejected:
                     self.rejected[at] = (self.rejected[at][0], True)

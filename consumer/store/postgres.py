@@ -31,6 +31,7 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
 )
+from kvledger.consumer.core.plan import replay_reason
 from kvledger.consumer.store import pg_sql as sql
 from kvledger.consumer.store.base import FencedError, TopicPartition
 from kvledger.consumer.store.copy import copy_rows, int4_array
@@ -269,7 +270,24 @@ class PostgresStore:
         wanted = list(needs.sources)
         sources = load_source_states(cur, wanted) if wanted else {}
         lives = load_source_lives(cur, wanted) if wanted else {}
-        return Snapshot(load_specs(cur), blocks, residencies, held, sources, lives)
+        late = self._late_removals(needs) if needs.replayed else []
+        return Snapshot(load_specs(cur), blocks, residencies, held, sources, lives, late)
+
+    def _late_removals(self, needs: Needs) -> list[tuple[str, int, int]]:
+        """The replayed stores whose holder recorded a no-op removal after them."""
+        rows = [(*holder, t, p, o) for holder, t, p, o in needs.replayed]
+        self.cur.execute(
+            "SELECT q.t, q.p, q.o FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], "
+            "%s::text[], %s::text[], %s::int[], %s::bigint[]) "
+            "AS q(model, group_idx, source, medium, ownership, t, p, o) "
+            "WHERE EXISTS (SELECT 1 FROM kvledger.events e WHERE e.kafka_topic = q.t "
+            "AND e.kafka_partition = q.p AND e.kafka_offset > q.o "
+            "AND e.event_type = 'BlockRemoved' AND e.noop_count > 0 AND e.source = q.source "
+            "AND e.model = q.model AND e.group_idx = q.group_idx "
+            "AND coalesce(e.medium, 'GPU') = q.medium AND coalesce(e.ownership, '') = q.ownership)",
+            [list(col) for col in zip(*rows, strict=True)],
+        )
+        return [(t, p, o) for t, p, o in self.cur.fetchall()]
 
     @staticmethod
     def _hold(
@@ -371,12 +389,12 @@ class PostgresStore:
             return
         self.cur.executemany(
             """
-            UPDATE kvledger.events SET status = 'applied', reason = 'replayed',
+            UPDATE kvledger.events SET status = 'applied', reason = %s,
                 hash_count = %s, noop_count = %s, applied_at = now()
             WHERE kafka_topic = %s AND kafka_partition = %s AND kafka_offset = %s
             """,
-            [(r.hash_count, r.noop_count, r.kafka_topic, r.kafka_partition, r.kafka_offset)
-             for r in applied],
+            [(replay_reason(r.reason), r.hash_count, r.noop_count, r.kafka_topic,
+              r.kafka_partition, r.kafka_offset) for r in applied],
         )  # fmt: skip
         self.cur.executemany(
             """

@@ -347,6 +347,22 @@ def test_a_fixed_rejection_replays_once(s: Stream) -> None:
     assert store.residencies[res(1, group=3)].refcount == 1
 
 
+def test_a_replayed_store_whose_removal_came_first_leaves_no_phantom_holder(s: Stream) -> None:
+    """A store refused (its size disagreed with the announced spec), its removal applied as a
+    no-op, the spec fixed, the store replayed: its block is written, no holder is added (the
+    removal may have been its own); a refused store with no removal after it replays fully."""
+    refused = s.send(A, stored([1], size=8))  # block_size_mismatch: the spec says 4
+    s.send(A, removed([1]))  # no reference: a recorded no-op
+    other = s.send(A, stored([2], size=8))
+    store, _ = run(s.messages)
+    store.declare(spec(0, block=8, hash_size=8))
+    assert replay_batch([decode(refused, s.codec), decode(other, s.codec)], store).replayed == 2
+    assert res(1) not in store.residencies and res(2) in store.residencies
+    assert store.blocks[BlockKey(MODEL, 0, h(1))].block_size == 8
+    assert store.events[(refused.topic, 0, refused.offset)].reason == "replayed_without_holders"
+    assert store.events[(other.topic, 0, other.offset)].reason == "replayed"
+
+
 # ---------------------------------------------------------------------- fencing
 def test_a_batch_may_start_past_where_its_reading_began_but_not_past_the_store(
     s: Stream,

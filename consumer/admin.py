@@ -77,6 +77,8 @@ def replay(
     Idempotent: a replayed row is never applied again. Rows still invalid stay pending.
     Events of a superseded producer epoch (``stale_epoch``) are replayed only when asked for
     by that reason: a newer epoch of the same source has already re-announced its state.
+    Re-deliveries (``duplicate``) likewise: their first delivery is applied already, so a
+    replay applies them a second time and is for an operator who knows it was not.
     """
     codec = codec or Codec()
     store = PostgresStore(conn)
@@ -91,7 +93,7 @@ def replay(
                 FROM kvledger.rejected_events
                 WHERE replayed_at IS NULL AND id > %(last)s
                   AND (%(reason)s::text IS NULL OR reason = %(reason)s)
-                  AND (reason <> 'stale_epoch' OR %(reason)s::text = 'stale_epoch')
+                  AND (reason NOT IN ('stale_epoch', 'duplicate') OR %(reason)s::text = reason)
                 ORDER BY id LIMIT %(limit)s FOR UPDATE
                 """,
                 {"last": last_id, "reason": reason, "limit": batch_size},

@@ -196,8 +196,11 @@ class _Planner:
                 detail = f"seq {env.seq} is more than a million past the stream's {state.last_seq}"
                 self._reject(d, Reason.SEQUENCE_JUMP, detail, when)
                 return
-            if verdict is Verdict.DUPLICATE:
+            if verdict is Verdict.DUPLICATE:  # skipped, but kept with its bytes (replayable)
                 plan.duplicates += 1
+                detail = f"seq {env.seq} of epoch {env.epoch} was already applied"
+                plan.rejected.append(Rejection(d.message, Reason.DUPLICATE.value, detail,
+                                               env.source))  # fmt: skip
                 self._audit(d, "duplicate", None, 0, 0, when)
                 return
             if verdict is Verdict.GAP:

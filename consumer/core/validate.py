@@ -54,6 +54,7 @@ class Reason(StrEnum):
     HASH_CONFLICT = "hash_conflict"
     INVALID_EVENT = "invalid_event"
     STALE_EPOCH = "stale_epoch"
+    DUPLICATE = "duplicate"  # kept with its bytes; its audit row says "duplicate"
     KEY_MISMATCH = "key_mismatch"
     SEQUENCE_JUMP = "sequence_jump"
     FUTURE_EPOCH = "future_epoch"

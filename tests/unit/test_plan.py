@@ -102,6 +102,9 @@ def test_a_redelivered_message_is_a_duplicate_and_changes_nothing(s: Stream) -> 
     assert statuses(store)[-1] == ("duplicate", None)
     assert store.sources[SourceKey(A, MODEL, 0)].duplicates == 1
     assert results[0].plan.duplicates == 1
+    # Kept with its bytes like a rejection, and replayable only when asked for by name.
+    [(kept, replayed)] = store.rejected.values()
+    assert (kept.reason, kept.message.value, replayed) == ("duplicate", s.messages[-1].value, False)
 
 
 def test_gaps_are_counted_and_applied(s: Stream) -> None:

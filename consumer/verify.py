@@ -23,6 +23,7 @@ from kvledger.consumer.db import connect, create_database, drop_database, migrat
 from kvledger.consumer.service import IndexConsumer, RunSummary, stored_offsets
 from kvledger.consumer.store.postgres import load_specs, upsert_group_specs
 from kvledger.consumer.store.tables import COMPARED
+from kvledger.schemas.errors import KvledgerError
 
 # Every compared table's columns (wall-clock ones left out), from the one table list.
 COLUMNS: Mapping[str, str] = {name: ", ".join(t.compared) for name, t in COMPARED.items()}
@@ -127,35 +128,124 @@ def verify(
             drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
 
 
-def rebuild(bootstrap: str, live_url: str, topic: str, group: str) -> RunSummary:
+class RebuildRefusedError(KvledgerError):
+    """A rebuild that would lose data or race a running consumer, refused with the reason."""
+
+
+def rebuild(
+    bootstrap: str,
+    live_url: str,
+    topic: str,
+    group: str,
+    accept_partial: bool = False,
+    kafka: Mapping[str, object] | None = None,
+) -> RunSummary:
     """Replace the live index with one rebuilt from the topic (declared specs kept).
 
-    Stop the consumers of ``group`` first. Rejections are stored again but not re-sent to
-    the dead-letter topic, which already holds them.
+    Refused (:class:`RebuildRefusedError`) while consumers of ``group`` are active, and when a
+    partition no longer starts at offset 0 (retention deleted history the index was built
+    from) unless ``accept_partial``. The new index is built in a scratch database while the
+    live one stays readable, then swapped in, every table in one transaction: nothing is
+    truncated before the new index is complete, and a failure leaves the live index as it
+    was. Rejections are stored again but not re-sent to the dead-letter topic.
     """
-    # One TRUNCATE takes every table's lock before it changes anything (dropping the schema
-    # instead can deadlock with an autovacuum ANALYZE of one of its tables), and restarts
-    # the id sequences as a fresh index has them.
+    settings = {**(kafka or {}), "bootstrap.servers": bootstrap}
+    _refuse_unsafe(settings, topic, group, accept_partial)
     migrate(live_url)
-    with connect(live_url, autocommit=True) as conn, conn.transaction():
-        tables = [
-            name
-            for (name,) in conn.execute(
-                "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' "
-                "AND tablename NOT IN ('group_specs', 'alembic_version') ORDER BY tablename"
+    name = f"{sa.engine.make_url(live_url).database}_rebuild_{uuid.uuid4().hex[:8]}"
+    scratch_url = create_database(live_url, name)
+    try:
+        migrate(scratch_url)
+        with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
+            _copy_declared(live, scratch)
+        summary = IndexConsumer(
+            ConsumerConfig(
+                bootstrap_servers=bootstrap,
+                database_url=scratch_url,
+                topic=topic,
+                # Its own Kafka group (the live one's offsets are written into the index).
+                group_id=f"{group}-rebuild-{uuid.uuid4().hex[:8]}",
+                dlq_topic=None,
+                until_caught_up=True,
+                batch_size=5000,
+                batch_timeout_s=0.2,
+                kafka=kafka or {},
             )
-        ]
-        conn.execute("TRUNCATE " + ", ".join(f"kvledger.{t}" for t in tables) + " RESTART IDENTITY")
-        conn.execute("DELETE FROM kvledger.group_specs WHERE origin <> 'declared'")
-    return IndexConsumer(
-        ConsumerConfig(
-            bootstrap_servers=bootstrap,
-            database_url=live_url,
-            topic=topic,
-            group_id=group,
-            dlq_topic=None,
-            until_caught_up=True,
-            batch_size=5000,
-            batch_timeout_s=0.2,
+        ).run()
+        with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
+            _swap_in(scratch, live, summary_group=f"{group}-rebuild-", live_group=group)
+        return summary
+    finally:
+        drop_database(live_url, name)
+
+
+def _refuse_unsafe(
+    settings: Mapping[str, object], topic: str, group: str, accept_partial: bool
+) -> None:
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({k: v for k, v in settings.items() if isinstance(v, str | int | float)})
+    try:
+        described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+        members = len(described.members)
+    except KafkaException:  # an unknown group has no members
+        members = 0
+    if members:
+        raise RebuildRefusedError(
+            f"consumer group {group!r} has {members} active member(s): stop its consumers "
+            "before a rebuild (they would write into the index being replaced)"
         )
-    ).run()
+    probe = Consumer({**settings, "group.id": f"{group}-rebuild-probe", "log_level": 3})
+    try:
+        partitions = probe.list_topics(topic, timeout=30).topics[topic].partitions
+        trimmed = {
+            p: low
+            for p in partitions
+            if (low := probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[0]) > 0
+        }
+    finally:
+        probe.close()
+    if trimmed and not accept_partial:
+        where = ", ".join(f"{p} starts at {o}" for p, o in sorted(trimmed.items()))
+        raise RebuildRefusedError(
+            f"topic {topic!r} no longer holds its whole history ({where}): a rebuild would "
+            "lose what retention deleted; pass --accept-partial to rebuild from what is left"
+        )
+
+
+def _swap_in(
+    scratch: psycopg.Connection, live: psycopg.Connection, summary_group: str, live_group: str
+) -> None:
+    """Every table of the scratch index replaces the live one's, in one live transaction."""
+    tables = [
+        name
+        for (name,) in live.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' "
+            "AND tablename <> 'alembic_version' ORDER BY tablename"
+        )
+    ]
+    with live.transaction():
+        # One TRUNCATE takes every table's lock before anything changes (readers wait for
+        # the swap, then see the new index).
+        live.execute("TRUNCATE " + ", ".join(f"kvledger.{t}" for t in tables) + " RESTART IDENTITY")
+        for table in tables:
+            source = scratch.cursor().copy(f"COPY kvledger.{table} TO STDOUT (FORMAT BINARY)")
+            target = live.cursor().copy(f"COPY kvledger.{table} FROM STDIN (FORMAT BINARY)")
+            with source as out, target as inp:
+                for chunk in out:
+                    inp.write(chunk)
+        # The rebuild's offsets are the live group's from now on.
+        live.execute(
+            "UPDATE kvledger.consumer_offsets SET consumer_group = %s WHERE consumer_group LIKE %s",
+            (live_group, summary_group + "%"),
+        )
+        for table, column in live.execute(
+            "SELECT table_name, column_name FROM information_schema.columns "
+            "WHERE table_schema = 'kvledger' AND column_default LIKE 'nextval%%'"
+        ).fetchall():
+            live.execute(
+                f"SELECT setval(pg_get_serial_sequence('kvledger.{table}', %s), "
+                f"coalesce((SELECT max({column}) FROM kvledger.{table}), 0) + 1, false)",
+                (column,),
+            )

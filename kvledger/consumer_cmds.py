@@ -220,6 +220,11 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     p.add_argument("--topic", default="kv-events")
     p.add_argument("--group", default=DEFAULT_GROUP)
     p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
+    p.add_argument(
+        "--accept-partial", action="store_true",
+        help="rebuild even when retention has deleted the start of the topic (the rebuilt "
+        "index then lacks what only those messages said)",
+    )  # fmt: skip
     p.set_defaults(run=_rebuild)
 
 
@@ -253,7 +258,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _rebuild(args: argparse.Namespace) -> int:
-    from kvledger.consumer.verify import rebuild
+    from kvledger.consumer.verify import RebuildRefusedError, rebuild
 
     if not args.yes:
         print(
@@ -261,12 +266,17 @@ def _rebuild(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    summary = rebuild(
-        settings.kafka_bootstrap(args.bootstrap),
-        settings.database_url(args.database_url),
-        args.topic,
-        args.group,
-    )
+    try:
+        summary = rebuild(
+            settings.kafka_bootstrap(args.bootstrap),
+            settings.database_url(args.database_url),
+            args.topic,
+            args.group,
+            accept_partial=args.accept_partial,
+        )
+    except RebuildRefusedError as exc:
+        print(f"kvledger rebuild: refused: {exc}", file=sys.stderr)
+        return 2
     print(
         f"rebuilt the index from {summary.messages} messages: {summary.applied} applied, "
         f"{summary.rejected} rejected"

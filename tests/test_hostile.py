@@ -4,6 +4,7 @@ after it still applies."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -309,3 +310,60 @@ def test_dlq_replay_leaves_no_phantom_holder(
     assert [bytes(h) for (h,) in held] == [(2).to_bytes(8, "big")]
     assert blocks == (2,)
     assert reasons == [(1, "replayed_without_holders"), (3, "replayed")]
+
+
+# ---------------------------------------------------------------------- operator commands
+def test_rebuild_refuses_to_lose_history_or_race_a_consumer(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str,
+    kafka_admin: Any, capsys: Any,
+) -> None:  # fmt: skip
+    from confluent_kafka import TopicPartition
+
+    from kvledger.cli import main as cli
+    from tests.helpers.consuming import consumer_process
+
+    topic = make_topic("rebuild", partitions=1)
+    items = [_env("s", 0, GroupSpec("m", 0, "full_attention", 4, 4))]
+    items += [_env("s", i, _stored(i)) for i in range(1, 30)]
+    _send(kafka_bootstrap, topic, items)
+    _consume(kafka_bootstrap, fresh_database, topic, group_id)
+    args = ["rebuild", "--bootstrap", kafka_bootstrap, "--database-url", fresh_database,
+            "--topic", topic, "--group", group_id, "--yes"]  # fmt: skip
+
+    def held() -> int:
+        with connect(fresh_database, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM kvledger.residencies").fetchone()
+        return int(row[0]) if row else -1
+
+    # A consumer of the live group is running: refused, the index untouched.
+    proc = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "r1")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            capsys.readouterr()
+            if cli(args) == 2 and "active member" in capsys.readouterr().err:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError("the rebuild was not refused while a consumer ran")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert held() == 29
+    time.sleep(12)  # the stopped member's session ends
+    assert cli(args) == 0  # nothing deleted from the topic: allowed, same index
+    assert held() == 29
+
+    # Retention deleted the topic's first ten messages: refused unless asked for.
+    kafka_admin.delete_records([TopicPartition(topic, 0, 10)])[
+        TopicPartition(topic, 0, 10)
+    ].result(30)  # fmt: skip
+    capsys.readouterr()
+    assert cli(args) == 2
+    assert "no longer holds its whole history" in capsys.readouterr().err
+    assert held() == 29
+    declare = ["groups", "declare", "--database-url", fresh_database, "--model", "m",
+               "--group", "0", "--block-size", "4"]  # fmt: skip
+    assert cli(declare) == 0  # the deleted announcement, declared (declared specs are kept)
+    assert cli([*args, "--accept-partial"]) == 0
+    assert held() == 20  # the stores of offsets 10..29

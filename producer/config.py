@@ -48,6 +48,10 @@ class PublisherConfig:
     # Set: every publish is inside a Kafka transaction the caller opens and commits (the
     # relay, which must publish each engine batch whole or not at all).
     transactional_id: str | None = None
+    # At start-up the publisher asks the broker for the topic's size limit within this many
+    # seconds and raises BrokerUnreachableError when none answers (0: skip the check; the
+    # first failure then surfaces when deliveries time out).
+    startup_timeout_s: float = 10.0
 
     def producer_settings(self) -> dict[str, object]:
         settings = dict(PRODUCER_DEFAULTS)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from kvledger.schemas.errors import KvledgerError, TopicMismatchError
 
-__all__ = ["DeliveryError", "FatalProducerError", "PublishError", "TopicMismatchError"]
+__all__ = [
+    "BrokerUnreachableError",
+    "DeliveryError",
+    "FatalProducerError",
+    "MessageTooLargeError",
+    "PublishError",
+    "TopicMismatchError",
+]
 
 
 class PublishError(KvledgerError):
@@ -21,3 +28,16 @@ class DeliveryError(PublishError):
 
 class FatalProducerError(PublishError):
     """The Kafka client hit a fatal error (e.g. idempotence fenced): the publisher is dead."""
+
+
+class BrokerUnreachableError(PublishError):
+    """No broker answered within the publisher's start-up bound."""
+
+
+class MessageTooLargeError(PublishError):
+    """Some events were larger than the topic takes; they were not produced (and took no
+    sequence number), every other event of the call was. ``refused``: what and how big."""
+
+    def __init__(self, message: str, refused: list[str]) -> None:
+        super().__init__(message)
+        self.refused = refused

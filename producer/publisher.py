@@ -39,7 +39,13 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from kvledger.producer.config import PublisherConfig
-from kvledger.producer.errors import DeliveryError, FatalProducerError, PublishError
+from kvledger.producer.errors import (
+    BrokerUnreachableError,
+    DeliveryError,
+    FatalProducerError,
+    MessageTooLargeError,
+    PublishError,
+)
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -107,8 +113,16 @@ class KVEventPublisher:
         self._closed = False
         self._warned_unannounced: set[int] = set()
         settings = config.producer_settings()
+        if config.startup_timeout_s > 0:
+            limit = _topic_limit(config, settings)
+            # Batches and single messages sized to what the topic takes: a message too large
+            # is refused when produced (no sequence number spent, the rest of the call goes
+            # on), and no batch of good messages is refused whole by the broker.
+            for name in ("message.max.bytes", "batch.size"):
+                settings[name] = min(int(str(settings.get(name, 1_000_000))), limit)
         settings["error_cb"] = self._on_error
         self._producer = Producer(settings)
+        self._refused: list[str] = []
         self._last_produce = time.monotonic()
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -147,9 +161,11 @@ class KVEventPublisher:
         with self._lock:
             self._check_healthy()
             events = self.tracker.take_events(offloading_events)
+            self._refused = []
             for event in events:
                 self._produce(group_of(event), self._wire_form(event))
             self._producer.poll(0)
+            self._raise_refused()
             return len(events)
 
     def publish_events(
@@ -169,6 +185,7 @@ class KVEventPublisher:
         stamp = (time_ms, engine_seq, dp_rank)
         with self._lock:
             self._check_healthy()
+            self._refused = []
             count = 0
             for event in events:
                 if isinstance(event, GroupSpec):
@@ -182,6 +199,7 @@ class KVEventPublisher:
                     self._produce(group_of(event), event, stamp)
                 count += 1
             self._producer.poll(0)
+            self._raise_refused()
             return count
 
     def publish_vllm_batch(self, batch: Any, engine_seq: int | None = None) -> int:
@@ -414,6 +432,14 @@ class KVEventPublisher:
                 self._producer.poll(0.05)
                 self._check_healthy()
             except KafkaException as exc:
+                if exc.args and exc.args[0].code() in _TOO_LARGE:
+                    self._seq[group] = seq  # not produced: its number goes to the next one
+                    self._refused.append(f"{type(event).__name__} of {len(value)} bytes")
+                    logger.error(
+                        "%s of %d bytes is larger than %s takes: not produced",
+                        type(event).__name__, len(value), self.config.topic,
+                    )  # fmt: skip
+                    return
                 raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
         self.stats.produced += 1
         self._last_produce = time.monotonic()
@@ -436,6 +462,15 @@ class KVEventPublisher:
         else:
             logger.warning("Kafka producer: %s", err)
 
+    def _raise_refused(self) -> None:
+        if self._refused:
+            refused, self._refused = self._refused, []
+            raise MessageTooLargeError(
+                f"{len(refused)} event(s) larger than topic {self.config.topic} takes were not "
+                f"produced (the others were): {'; '.join(refused[:3])}",
+                refused,
+            )
+
     def _check_healthy(self) -> None:
         if self._closed:
             raise PublishError("the publisher is closed")
@@ -450,3 +485,39 @@ class KVEventPublisher:
                 f"{self.config.topic}: {'; '.join(self._errors[:3])}",
                 list(self._errors),
             )
+
+
+# Refused as too large (by the broker, or by the client's own check before sending).
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})
+
+
+def _topic_limit(config: PublisherConfig, settings: dict[str, object]) -> int:
+    """The topic's max.message.bytes (the broker's default when the topic does not exist
+    yet); raises :class:`BrokerUnreachableError` when no broker answers in time."""
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    timeout = config.startup_timeout_s
+    shared = {
+        k: v for k, v in settings.items()
+        if isinstance(v, str | int | float) and not k.startswith(_PRODUCER_ONLY)
+    }  # fmt: skip
+    admin = AdminClient({**shared, "log_level": 3})
+    try:
+        topics = admin.list_topics(config.topic, timeout=timeout).topics
+        meta = topics.get(config.topic)
+        if meta is None or meta.error is not None:
+            return 1_000_000
+        resource = ConfigResource(ConfigResource.Type.TOPIC, config.topic)
+        entries = admin.describe_configs([resource])[resource].result(timeout=timeout)
+        return int(entries["max.message.bytes"].value)
+    except KafkaException as exc:
+        raise BrokerUnreachableError(
+            f"no Kafka broker at {config.bootstrap_servers} answered within {timeout:.0f} s "
+            f"({exc.args[0] if exc.args else exc})"
+        ) from exc
+
+
+_PRODUCER_ONLY = (
+    "enable.idempotence", "acks", "compression.", "linger.ms", "batch.", "queue.",
+    "message.timeout.ms", "transactional.id", "partitioner", "message.max.bytes",
+)  # fmt: skip

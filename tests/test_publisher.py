@@ -13,7 +13,7 @@ import pytest
 
 from kvledger.fleet import FULL_GROUP, SLIDING_GROUP
 from kvledger.producer.config import PublisherConfig
-from kvledger.producer.errors import DeliveryError, PublishError
+from kvledger.producer.errors import MessageTooLargeError, PublishError
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.tracker import Medium, OffloadingEvent, make_offload_key
 from kvledger.schemas import events
@@ -226,17 +226,37 @@ def test_vllm_style_batch(kafka_bootstrap: str, make_topic, group_id: str) -> No
     assert envs[1].event == events.AllBlocksCleared(group_idx=0, medium="GPU")
 
 
-def test_message_too_large_is_reported(kafka_bootstrap: str, make_topic) -> None:
+def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
+    kafka_bootstrap: str, make_topic
+) -> None:
+    """The topic takes 2,000-byte messages: a 5 kB event in the middle of a call is refused
+    when produced (MessageTooLargeError names it); the call's other events are produced with
+    contiguous sequence numbers, and the goodbye after it is delivered."""
     topic = make_topic("small", partitions=1, **{"max.message.bytes": "2000"})
     rng = random.Random(5)
     pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-big", "m", topic=topic))
-    pub.publish_events([stored(rng, 0, n_blocks=1, block_size=16)])
-    pub.flush(30)  # its own batch: the broker rejects a whole batch over the limit
-    pub.publish_events([stored(rng, 0, n_blocks=64, block_size=16)])  # ~5 KB of tokens
-    with pytest.raises(DeliveryError, match="MSG_SIZE_TOO_LARGE") as info:
-        pub.close(30, goodbye=False)  # a goodbye in the same batch would be refused with it
-    assert pub.stats.failed == 1 and pub.stats.acked == 1
-    assert info.value.errors
+    small, big = (
+        stored(rng, 0, n_blocks=1, block_size=16),
+        stored(rng, 0, n_blocks=64, block_size=16),
+    )
+    with pytest.raises(MessageTooLargeError, match="1 event") as info:
+        pub.publish_events([small, big, stored(rng, 0, n_blocks=1, block_size=16)])
+    assert info.value.refused and "BlockStored" in info.value.refused[0]
+    pub.close(30)  # everything else acknowledged, the goodbye included
+    assert pub.stats.failed == 0 and pub.stats.acked == 3
+    codec = Codec()
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, "g-big", 3)]
+    assert [e.seq for e in envs] == [0, 1, 2] and isinstance(envs[2].event, Goodbye)
+
+
+def test_a_broker_down_at_start_is_reported_within_the_bound() -> None:
+    from kvledger.producer.errors import BrokerUnreachableError
+
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(BrokerUnreachableError, match="answered within 2 s"):
+        KVEventPublisher(PublisherConfig(f"127.0.0.1:{port}", "engine-x", "m", startup_timeout_s=2))
+    assert time.monotonic() - start < 10
 
 
 def test_broker_stopped_mid_run_makes_close_raise(tmp_path: Path) -> None:

@@ -169,18 +169,20 @@ class RankRelay:
         )
         delay = 0.5
         while not self._stop.is_set():
-            publisher = KVEventPublisher(pub_config, codec=self.codec)
+            publisher = None
             try:
+                publisher = KVEventPublisher(pub_config, codec=self.codec)
                 publisher.init_transactions(30)
                 recover_settings = {**cfg.kafka, "bootstrap.servers": cfg.bootstrap_servers}
                 groups = {g.group_idx for g in cfg.groups} | {0}
                 position = recover(recover_settings, cfg.topic, self.source, groups, self.codec)
-            except KafkaException as exc:
+            except (KafkaException, PublishError) as exc:
                 self.metrics.kafka_paused.labels(self.source).set(1)
                 logger.warning(
                     "relay %s: Kafka not ready (%s); retrying in %.1f s", self.source, exc, delay
                 )
-                publisher.close(timeout=1, goodbye=False)
+                if publisher is not None:
+                    publisher.close(timeout=1, goodbye=False)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 10)
                 continue

@@ -53,7 +53,7 @@ def _send(bootstrap: str, topic: str, items: list[tuple[bytes | None, bytes]]) -
 
 def _env(source: str, seq: int, event: KVEvent, epoch: int = 1) -> tuple[bytes, bytes]:
     group = event.group_idx if event.group_idx is not None else 0
-    env = Envelope(source, "m", 0, epoch, seq, T0 + seq, event)
+    env = Envelope(source, "m", 0, epoch, seq, T0 + min(seq, 10**9), event)
     return message_key(source, group), CODEC.encode(env)
 
 
@@ -367,3 +367,47 @@ def test_rebuild_refuses_to_lose_history_or_race_a_consumer(
     assert cli(declare) == 0  # the deleted announcement, declared (declared specs are kept)
     assert cli([*args, "--accept-partial"]) == 0
     assert held() == 20  # the stores of offsets 10..29
+
+
+def test_no_message_can_silence_a_source(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str
+) -> None:
+    """Sequence and epoch tricks, wrong keys and values the store cannot hold, each between
+    two normal messages of the same stream: each is rejected with its reason and bytes, the
+    normal numbers after it apply, and the consumer is caught up."""
+    topic = make_topic("silence", partitions=2)
+    hostile = [
+        (_env("s", 2**62, _stored(900)), "sequence_jump"),
+        (_env("s", 5, _stored(901), epoch=2**62), "future_epoch"),
+        ((b"other/0", _env("s", 5, _stored(902))[1]), "key_mismatch"),
+        (
+            _env(
+                "s",
+                5,
+                BlockStored(
+                    (b"\x01" * 8,), None, tuple(range(4)), 4, None, "CPU", "lora\x00", group_idx=0
+                ),
+            ),
+            "invalid_event",
+        ),
+        (_env("s", 1, _stored(903)), "duplicate"),
+    ]
+    items = [_env("s", 0, GroupSpec("m", 0, "full_attention", 4, 4)), _env("s", 1, _stored(1))]
+    for i, (item, _) in enumerate(hostile):
+        items += [item, _env("s", 2 + i, _stored(2 + i))]
+    _send(kafka_bootstrap, topic, items)
+    summary = _consume(kafka_bootstrap, fresh_database, topic, group_id)
+    assert summary.rejected_by_reason == {reason: 1 for _, reason in hostile}
+    assert summary.applied == 2 + len(hostile)
+    assert _caught_up(fresh_database, topic, group_id, kafka_bootstrap)
+    with connect(fresh_database, autocommit=True) as conn:
+        kept = conn.execute(
+            "SELECT reason, raw FROM kvledger.rejected_events ORDER BY kafka_offset"
+        ).fetchall()
+        state = conn.execute(
+            "SELECT epoch, last_seq FROM kvledger.source_health WHERE source = 's'"
+        ).fetchone()
+    assert sorted((r, bytes(v)) for r, v in kept) == sorted(
+        (reason, item[1]) for item, reason in hostile
+    )
+    assert state == (1, 1 + len(hostile))  # the stream moved only with its normal numbers

@@ -203,7 +203,7 @@ class RankRelay:
             else:
                 pub.epoch = epoch
             logger.info("relay %s: no engine history on the topic; replaying from 0", self.source)
-            self._committed_state = (pub.epoch, {})
+            self._committed_state = (pub.epoch, pub.next_seqs())  # what the topic already has
             self._replay_from(0, verify=None)
             return
         pub.resume(position.epoch, position.next_seqs)

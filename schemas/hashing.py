@@ -5,9 +5,13 @@ full window of ``hash_block_size`` tokens, where ``H`` is
 
 - ``sha256``: SHA-256 of ``pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)`` (vLLM's default);
 - ``sha256_cbor``: SHA-256 of ``cbor2.dumps(x, canonical=True)`` (language-independent);
+- ``xxhash`` / ``xxhash_cbor``: the 16-byte XXH3-128 digest of the same serializations;
 
 and ``NONE_HASH = H(seed)``, the seed being ``PYTHONHASHSEED`` when the engine had it set, else
-``"vllm-none-hash"``. Extra keys are LoRA keys ``("lora", name, path)`` on every block, then
+``"vllm-none-hash"`` for the SHA-256 variants. For the xxhash variants an engine without
+``PYTHONHASHSEED`` draws a random seed per process (they are not collision resistant), so
+their hashes can be reproduced, and shared across engines, only with that seed set.
+Extra keys are LoRA keys ``("lora", name, path)`` on every block, then
 ``("cache_salt", salt)`` on the block that starts at token 0; ``None`` when there are none.
 
 On the wire vLLM publishes, by default, the digest's last 8 bytes (read big-endian as an
@@ -22,7 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
-ALGORITHMS = ("sha256", "sha256_cbor")
+ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+_SEED_REQUIRED = frozenset({"xxhash", "xxhash_cbor"})
 
 
 def sha256(value: Any) -> bytes:
@@ -35,16 +40,38 @@ def sha256_cbor(value: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
 
+def xxhash(value: Any) -> bytes:
+    import xxhash as xx
+
+    return xx.xxh3_128_digest(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(value: Any) -> bytes:
+    import cbor2
+    import xxhash as xx
+
+    return xx.xxh3_128_digest(cbor2.dumps(value, canonical=True))
+
+
 def hash_function(algorithm: str) -> Callable[[Any], bytes]:
-    if algorithm == "sha256":
-        return sha256
-    if algorithm == "sha256_cbor":
-        return sha256_cbor
-    raise ValueError(f"unsupported hash algorithm {algorithm!r} (supported: {ALGORITHMS})")
+    functions = {"sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash,
+                 "xxhash_cbor": xxhash_cbor}  # fmt: skip
+    try:
+        return functions[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"unsupported hash algorithm {algorithm!r} (supported: {', '.join(ALGORITHMS)})"
+        ) from None
 
 
 def none_hash(algorithm: str = "sha256", seed: str | None = None) -> bytes:
     """The chain's root. ``seed``: the engine's PYTHONHASHSEED, or None when it had none."""
+    if seed is None and algorithm in _SEED_REQUIRED:
+        raise ValueError(
+            f"{algorithm}: an engine without PYTHONHASHSEED roots its chains in a random "
+            "per-process seed, which cannot be reproduced; start the engines with a shared "
+            "PYTHONHASHSEED and pass it as the seed"
+        )
     return hash_function(algorithm)(seed if seed is not None else DEFAULT_NONE_HASH_SEED)
 
 

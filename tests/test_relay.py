@@ -4,7 +4,6 @@ from what the engine published."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import re
@@ -30,7 +29,7 @@ from kvledger.schemas.topics import ensure_topic
 from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
 from tests.helpers.consuming import consume
 from tests.helpers.procs import free_port, spawn
-from tests.helpers.vllm_wheel import vllm_root
+from tests.helpers.vllm_wheel import vllm_module
 
 pytestmark = pytest.mark.integration
 
@@ -411,19 +410,8 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
 @pytest.fixture
 def vllm_kv_events() -> Iterator[ModuleType]:
     """vLLM 0.33.0's kv_events module from its wheel (see tests/helpers/vllm_wheel.py)."""
-    try:
-        root = vllm_root()
-    except (subprocess.SubprocessError, OSError, KeyError) as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"the vLLM wheel could not be had: {exc!r}")
-    sys.path.insert(0, str(root))
-    try:
-        yield importlib.import_module("vllm.distributed.kv_events")
-    finally:
-        sys.path.remove(str(root))
-        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-            del sys.modules[name]
+    with vllm_module("vllm.distributed.kv_events") as module:
+        yield module
 
 
 def test_vllms_own_publisher_feeds_the_index(

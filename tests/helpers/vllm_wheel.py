@@ -7,15 +7,20 @@ vLLM's code, so the bytes on the wire are vLLM's, not our reading of them.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 VERSION = "0.33.0"
 CACHE = Path(os.environ.get("KVLEDGER_CACHE", Path.home() / ".cache" / "kvledger"))
-_MODULE = "vllm/distributed/kv_events.py"
+# vLLM's own modules the tests run: its KV-event publisher and its hash functions.
+_MODULES = ("vllm/distributed/kv_events.py", "vllm/utils/hashing.py")
 
 _STANDINS = {
     "vllm/__init__.py": "",
@@ -70,9 +75,8 @@ def split_zmq_path(path):
 def vllm_root() -> Path:
     """A folder whose ``vllm`` package holds vLLM's kv_events module and the stand-ins;
     downloads the wheel on first use (raises when the registry cannot be reached)."""
-    root = CACHE / f"vllm-{VERSION}-kv-events"
-    module = root / _MODULE
-    if not module.exists():
+    root = CACHE / f"vllm-{VERSION}-modules"
+    if not all((root / m).exists() for m in _MODULES):
         wheels = CACHE / "wheels"
         wheels.mkdir(parents=True, exist_ok=True)
         found = sorted(wheels.glob(f"vllm-{VERSION}-*.whl"))
@@ -83,11 +87,32 @@ def vllm_root() -> Path:
                 check=True, timeout=900,
             )  # fmt: skip
             found = sorted(wheels.glob(f"vllm-{VERSION}-*.whl"))
-        with zipfile.ZipFile(found[0]) as wheel:
-            text = wheel.read(_MODULE).decode("utf-8")
         for rel, source in _STANDINS.items():
             path = root / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(source.lstrip())
-        module.write_text(text)
+        with zipfile.ZipFile(found[0]) as wheel:
+            for rel in _MODULES:
+                (root / rel).write_text(wheel.read(rel).decode("utf-8"))
     return root
+
+
+@contextlib.contextmanager
+def vllm_module(name: str) -> Iterator[ModuleType]:
+    """One of vLLM's modules, imported from the wheel (the import system restored after);
+    skipped when the wheel cannot be had, unless CI is set."""
+    import pytest
+
+    try:
+        root = vllm_root()
+    except (subprocess.SubprocessError, OSError, KeyError) as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the vLLM wheel could not be had: {exc!r}")
+    sys.path.insert(0, str(root))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root))
+        for loaded in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[loaded]

@@ -62,6 +62,8 @@ def test_the_installed_package_has_one_namespace(installed: Path, tmp_path: Path
     module_file, specs = out.splitlines()
     assert str(installed.parent) in module_file and str(ROOT) not in module_file
     assert specs == "[None, None, None]"
+    version = _run([str(installed / "python"), "-m", "kvledger", "--version"], tmp_path)
+    assert version.startswith("kvledger ")  # `python -m kvledger` is the command too
 
 
 def test_the_installed_command_migrates_and_consumes(

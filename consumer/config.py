@@ -24,6 +24,7 @@ class ConsumerConfig:
     # at or past them are not applied. For rebuilds that must end where another index ends.
     stop_at: Mapping[int, int] | None = None
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # the metrics listen here only unless told otherwise
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 10.0
     # A batch that keeps failing with an error that looks transient on a working connection

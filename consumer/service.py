@@ -110,7 +110,7 @@ class IndexConsumer:
     def run(self) -> RunSummary:
         cfg = self.config
         if cfg.metrics_port:
-            start_http_server(cfg.metrics_port, registry=metrics.REGISTRY)
+            start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.REGISTRY)
         started = time.monotonic()
         self._conn = self._connect()
         if cfg.dlq_topic:

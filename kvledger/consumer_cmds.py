@@ -58,6 +58,10 @@ def add_parsers(subparsers: Subparsers) -> None:
     )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument(
+        "--metrics-host", default="127.0.0.1",
+        help="interface for the metrics (0.0.0.0 to reach them from other hosts)",
+    )  # fmt: skip
+    p.add_argument(
         "--group-instance-id",
         help="static group membership id: a restart with the same id resumes at once",
     )
@@ -110,6 +114,7 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         batch_timeout_s=args.batch_timeout,
         until_caught_up=args.until_caught_up,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         group_instance_id=args.group_instance_id,
         dlq_replication_factor=args.dlq_replication_factor,
         max_batch_retries=args.max_batch_retries,

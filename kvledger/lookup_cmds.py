@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +17,9 @@ from kvledger.tables import print_table
 
 if TYPE_CHECKING:
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+ENV_LOOKUP_TOKEN = "KVLEDGER_LOOKUP_TOKEN"
 
 
 def add_parsers(subparsers: Subparsers) -> None:
@@ -36,7 +40,12 @@ def add_parsers(subparsers: Subparsers) -> None:
         default="kvledger-index",
         help="with --memory: the consumer group whose stored offsets the snapshot is at",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument(
+        "--token-file",
+        help="require `Authorization: Bearer <token>` on every route but /healthz, the token "
+        f"read from this file (or from ${ENV_LOOKUP_TOKEN})",
+    )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--pool-size", type=int, default=8)
     p.add_argument(
@@ -85,8 +94,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     database = settings.database_url(args.database_url)
+    token = _token(args.token_file)
     if not args.memory:
-        app = create_app(database, args.pool_size, window)
+        app = create_app(database, args.pool_size, window, token=token)
         freeze_startup_objects()
         uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
         return 0
@@ -98,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     router.start()
     freeze_startup_objects()
     try:
-        app = create_app(silent_after=window, router=router)
+        app = create_app(silent_after=window, router=router, token=token)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
     finally:
         router.stop()
@@ -127,3 +137,17 @@ def _lookup(args: argparse.Namespace) -> int:
     best = rank(holders)[0]
     print(f"route to {best.instance} (score {best.score:,.0f})")
     return 0
+
+
+def _token(path: str | None) -> str | None:
+    """The bearer token: from ``path`` (its first line), else the environment, else none."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except OSError as exc:
+            raise SystemExit(f"kvledger serve: cannot read the token file: {exc}") from None
+        if not token:
+            raise SystemExit(f"kvledger serve: the token file {path} is empty")
+        return token
+    return os.environ.get(ENV_LOOKUP_TOKEN) or None

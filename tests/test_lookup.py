@@ -233,6 +233,21 @@ def test_rank_weights_tiers() -> None:
     assert rank(holders, {"GPU": 1.0, "CPU": 0.1, "STORAGE": 0.1})[0].instance == "b"
 
 
+def test_http_bearer_token(filled) -> None:
+    url, _, _ = filled
+    with TestClient(create_app(url, pool_size=2, token="s3cret")) as client:
+        assert client.get("/healthz").status_code == 200  # probes need no token
+        body = {"model": MODEL, "hashes": ["00" * 8]}
+        assert client.post("/v1/match", json=body).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert client.post("/v1/match", json=body, headers=wrong).status_code == 401
+        assert client.get("/metrics").status_code == 401
+        right = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/match", json=body, headers=right).status_code == 200
+        assert client.get("/v1/blocks/" + "00" * 8, headers=right).status_code == 404
+        assert client.get("/metrics", headers=right).status_code == 200
+
+
 def test_http_endpoints(filled) -> None:
     url, fleet, _ = filled
     tokens = system_prompts(fleet)[0] + [1, 2, 3]

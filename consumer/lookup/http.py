@@ -15,6 +15,7 @@ RouterIndex; as-of lookups and block rows need the SQL-backed service (400).
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -82,9 +83,24 @@ def create_app(
     pool_size: int = 8,
     silent_after: timedelta | None = None,
     router: RouterIndex | None = None,
+    token: str | None = None,
 ) -> Starlette:
     """The lookup service over the database (or, given ``router``, from memory);
-    ``silent_after``: the liveness window (else the database's, or 30 s in memory)."""
+    ``silent_after``: the liveness window (else the database's, or 30 s in memory).
+    ``token``: every route but /healthz then requires ``Authorization: Bearer <token>``
+    (401 without it)."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    def allowed(request: Request) -> bool:
+        if expected is None:
+            return True
+        given = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(given, expected)
+
+    def refused() -> Response:
+        return JSONResponse(
+            {"error": "a bearer token is required"}, 401, {"WWW-Authenticate": "Bearer"}
+        )
 
     def window(req: MatchRequest) -> timedelta | None:
         return req.silent_after if req.silent_after is not None else silent_after
@@ -116,6 +132,9 @@ def create_app(
     def timed(route: str, fn: Any, with_body: bool = False) -> Any:
         async def handler(request: Request) -> Response:
             start = time.perf_counter()
+            if route != "healthz" and not allowed(request):
+                REQUESTS.labels(route, "401").inc()
+                return refused()
             try:
                 data = await body(request) if with_body else None
                 response: Response = await run_in_threadpool(fn, request, data)
@@ -194,6 +213,8 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     def metrics(request: Request) -> Response:
+        if not allowed(request):
+            return refused()
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @asynccontextmanager

@@ -41,6 +41,16 @@ def add_parsers(subparsers: Subparsers) -> None:
         help="with --memory: the consumer group whose stored offsets the snapshot is at",
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--statement-timeout", type=float, default=5.0,
+        help="seconds a lookup may run in the database before it is answered 503",
+    )  # fmt: skip
+    p.add_argument(
+        "--pool-timeout", type=float, default=5.0,
+        help="seconds a request may wait for a free database connection before a 503",
+    )  # fmt: skip
     p.add_argument(
         "--token-file",
         help="require `Authorization: Bearer <token>` on every route but /healthz, the token "
@@ -95,10 +105,20 @@ def _serve(args: argparse.Namespace) -> int:
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     database = settings.database_url(args.database_url)
     token = _token(args.token_file)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("kvledger serve: --tls-cert and --tls-key go together")
+    server = {
+        "host": args.host, "port": args.port, "log_level": "info", "access_log": False,
+        "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
+    }  # fmt: skip
     if not args.memory:
-        app = create_app(database, args.pool_size, window, token=token)
+        app = create_app(
+            database, args.pool_size, window, token=token,
+            statement_timeout_ms=int(args.statement_timeout * 1000),
+            pool_timeout_s=args.pool_timeout,
+        )  # fmt: skip
         freeze_startup_objects()
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+        uvicorn.run(app, **server)
         return 0
     from kvledger.consumer.router.index import RouterIndex
 
@@ -109,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
     freeze_startup_objects()
     try:
         app = create_app(silent_after=window, router=router, token=token)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+        uvicorn.run(app, **server)
     finally:
         router.stop()
     return 0

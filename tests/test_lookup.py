@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import random
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from starlette.testclient import TestClient
@@ -15,6 +21,7 @@ from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_pro
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.brute_force import MODEL, brute_force, held_at, held_now
 from tests.helpers.consuming import by_partition, consume, with_session_setting
+from tests.helpers.procs import free_port, spawn
 from tests.helpers.reference_index import Reference, build
 
 pytestmark = pytest.mark.integration
@@ -338,3 +345,80 @@ def test_lookup_cli_prints_holders(filled, capsys) -> None:
     )
     out = capsys.readouterr().out
     assert "route to engine-" in out and "CPU" in out
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"model": "m", "hashes": ["00"], "weights": {"GPU": NaN}}', "not a number"),
+        (b'{"model": "m", "hashes": ["00"], "weights": {"GPU": Infinity}}', "not a number"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"model": "m", "group_idx": 1099511627776, "hashes": ["00"]}', "group_idx"),
+        (b'{"model": "m\\u0000x", "hashes": ["00"]}', "NUL"),
+        (b'{"model": "m", "hashes": ["00"], "shards": 3}', "unknown field"),
+        (b'{"model": "m", "token_ids": [1], "at": "2026-01-01T00:00:00+00:00"}', "at applies"),
+        (b'{"model": "m", "hashes": ["00"], "at": 5}', "ISO 8601"),
+        (b'{"model": "m", "token_ids": [1], "lora_name": "a\\u0000"}', "NUL"),
+        (b"\xff\xfe", "not JSON"),
+    ],
+    ids=["NaN", "Infinity", "deep", "big int", "NUL model", "unknown field", "at+tokens",
+         "at type", "NUL lora", "not utf-8"],
+)  # fmt: skip
+def test_http_hostile_bodies_get_a_400_with_a_reason(filled, body: bytes, reason: str) -> None:
+    url, _, _ = filled
+    with TestClient(create_app(url, pool_size=2)) as client:
+        response = client.post(
+            "/v1/match", content=body, headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 400, response.text
+    assert reason in response.json()["error"]
+
+
+def test_http_a_lookup_past_its_statement_timeout_is_a_503(filled) -> None:
+    url, fleet, _ = filled
+    tokens = system_prompts(fleet)[0] * 40  # a long token walk over the whole index
+    with TestClient(create_app(url, pool_size=1, statement_timeout_ms=1)) as client:
+        response = client.post("/v1/match", json={"model": MODEL, "token_ids": tokens})
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert "statement timeout" in response.json()["error"]
+
+
+def test_serve_over_tls_with_a_token(fresh_database: str, tmp_path: Path) -> None:
+    """`kvledger serve --tls-cert --tls-key --token-file`: HTTPS only, the token required."""
+    cert, key, token = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    token.write_text("t0ken\n")
+    port = free_port()
+    proc = spawn(
+        [sys.executable, "-m", "kvledger", "serve", "--database-url", fresh_database,
+         "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key),
+         "--token-file", str(token)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    trust = ssl.create_default_context(cafile=str(cert))
+    try:
+        base = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"{base}/healthz", verify=trust).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the TLS service never answered"
+                time.sleep(0.3)
+        body = {"model": MODEL, "hashes": ["00" * 8]}
+        assert httpx.post(f"{base}/v1/match", json=body, verify=trust).status_code == 401
+        auth = {"Authorization": "Bearer t0ken"}
+        ok = httpx.post(f"{base}/v1/match", json=body, headers=auth, verify=trust)
+        assert ok.status_code == 200 and ok.json()["holders"] == []
+        with pytest.raises(httpx.TransportError):  # no plain HTTP on that port
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(30)

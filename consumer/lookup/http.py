@@ -16,7 +16,7 @@ RouterIndex; as-of lookups and block rows need the SQL-backed service (400).
 from __future__ import annotations
 
 import hmac
-import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvledger.consumer.db import conninfo
+from kvledger.consumer.db import conninfo, redact
 from kvledger.consumer.lookup.api import Holder, PrefixIndex, rank, split_live
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.requests import (
@@ -41,6 +41,7 @@ from kvledger.consumer.lookup.requests import (
     BadRequestError,
     MatchRequest,
     parse_hash,
+    parse_json,
     parse_match,
 )
 from kvledger.consumer.metrics import REGISTRY
@@ -48,9 +49,12 @@ from kvledger.consumer.metrics import REGISTRY
 if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
 
+logger = logging.getLogger(__name__)
 
-def _configure(conn: psycopg.Connection) -> None:
+
+def _configure(conn: psycopg.Connection, statement_timeout_ms: int) -> None:
     conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    conn.execute(f"SET statement_timeout = {int(statement_timeout_ms)}")
     has_role = conn.execute(
         "SELECT pg_has_role(current_user, 'kvledger_reader', 'MEMBER') "
         "FROM pg_roles WHERE rolname = 'kvledger_reader'"
@@ -84,11 +88,14 @@ def create_app(
     silent_after: timedelta | None = None,
     router: RouterIndex | None = None,
     token: str | None = None,
+    statement_timeout_ms: int = 5000,
+    pool_timeout_s: float = 5.0,
 ) -> Starlette:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
     ``token``: every route but /healthz then requires ``Authorization: Bearer <token>``
-    (401 without it)."""
+    (401 without it). A lookup that runs past ``statement_timeout_ms`` or waits more than
+    ``pool_timeout_s`` for a connection is answered 503 with Retry-After."""
     expected = f"Bearer {token}".encode() if token else None
 
     def allowed(request: Request) -> bool:
@@ -110,7 +117,7 @@ def create_app(
             conninfo(database_url),
             min_size=1,
             max_size=pool_size,
-            configure=_configure,
+            configure=lambda conn: _configure(conn, statement_timeout_ms),
             kwargs={"autocommit": True},
             open=False,
         )
@@ -126,7 +133,7 @@ def create_app(
             yield _MemoryLookups(router)
             return
         assert pool is not None
-        with pool.connection() as conn:
+        with pool.connection(timeout=pool_timeout_s) as conn:
             yield PrefixIndex(conn)
 
     def timed(route: str, fn: Any, with_body: bool = False) -> Any:
@@ -140,8 +147,19 @@ def create_app(
                 response: Response = await run_in_threadpool(fn, request, data)
             except BadRequestError as exc:
                 response = JSONResponse({"error": str(exc)}, status_code=400)
+            except (PoolTimeout, psycopg.errors.QueryCanceled) as exc:
+                why = "no database connection free" if isinstance(exc, PoolTimeout) else (
+                    "the lookup ran past the statement timeout"
+                )  # fmt: skip
+                response = JSONResponse({"error": why}, 503, {"Retry-After": "1"})
             except psycopg.OperationalError as exc:
-                response = JSONResponse({"error": f"database unavailable: {exc}"}, 503)
+                response = JSONResponse(
+                    {"error": f"database unavailable: {redact(str(exc))}"}, 503,
+                    {"Retry-After": "5"},
+                )  # fmt: skip
+            except Exception:  # a bug: answered and counted as a 500, never a dropped request
+                logger.exception("lookup %s failed", route)
+                response = JSONResponse({"error": "internal error"}, status_code=500)
             LATENCY.labels(route).observe(time.perf_counter() - start)
             REQUESTS.labels(route, str(response.status_code)).inc()
             return response
@@ -154,14 +172,7 @@ def create_app(
             raise BadRequestError("a JSON body with Content-Length is required")
         if int(length) > MAX_BODY_BYTES:
             raise BadRequestError(f"body over {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            raise BadRequestError("body is not JSON") from None
-        if not isinstance(data, dict):
-            raise BadRequestError("body must be a JSON object")
-        return data
+        return parse_json(await request.body())
 
     def match(request: Request, data: dict[str, Any]) -> Response:
         req = parse_match(data)

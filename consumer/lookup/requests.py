@@ -5,6 +5,8 @@ Every malformed body raises :class:`BadRequestError` with a reason a client can 
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -17,6 +19,11 @@ from kvledger.schemas.hashing import int_to_hash_bytes
 MAX_BODY_BYTES = 1 << 20
 MAX_HASHES = 8192
 MAX_TOKENS = 262_144
+MAX_NAME_CHARS = 512
+FIELDS = frozenset({
+    "model", "group_idx", "weights", "hashes", "token_ids", "granularity", "at", "lora_name",
+    "include_silent", "silent_after_s",
+})  # fmt: skip
 
 
 class BadRequestError(KvledgerError, ValueError):
@@ -51,18 +58,43 @@ def parse_hash(value: object) -> bytes:
     raise BadRequestError("hashes are hex strings or unsigned 64-bit integers")
 
 
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body: a JSON object of finite numbers, not nested without end."""
+
+    def no_constant(name: str) -> object:
+        raise BadRequestError(f"{name} is not a number this API takes")
+
+    try:
+        data = json.loads(raw, parse_constant=no_constant)
+    except RecursionError:
+        raise BadRequestError("body nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, BadRequestError):
+            raise
+        raise BadRequestError("body is not JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequestError("body must be a JSON object")
+    return data
+
+
 def parse_match(data: Mapping[str, Any]) -> MatchRequest:
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise BadRequestError(f"unknown field(s): {', '.join(map(str, unknown))[:200]}")
     model = data.get("model")
     group = data.get("group_idx", 0)
     if not isinstance(model, str) or not model:
         raise BadRequestError("model (string) is required")
-    if not isinstance(group, int) or isinstance(group, bool) or group < 0:
-        raise BadRequestError("group_idx must be a non-negative integer")
+    _name("model", model)
+    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < 2**31:
+        raise BadRequestError("group_idx must be an integer in 0..2^31-1")
     weights = data.get("weights", dict(DEFAULT_TIER_WEIGHTS))
     if not isinstance(weights, dict) or not all(
-        isinstance(v, int | float) for v in weights.values()
-    ):
-        raise BadRequestError("weights must map medium to a number")
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        and math.isfinite(v) and abs(v) < 1e12
+        for k, v in weights.items()
+    ):  # fmt: skip
+        raise BadRequestError("weights must map medium to a finite number")
     hashes, tokens = data.get("hashes"), data.get("token_ids")
     if (hashes is None) == (tokens is None):
         raise BadRequestError("give exactly one of hashes or token_ids")
@@ -111,14 +143,25 @@ def _lora(data: Mapping[str, Any]) -> str | None:
     lora = data.get("lora_name")
     if lora is not None and not isinstance(lora, str):
         raise BadRequestError("lora_name must be a string")
+    if lora is not None:
+        _name("lora_name", lora)
     return lora
+
+
+def _name(field: str, value: str) -> None:
+    if "\x00" in value:
+        raise BadRequestError(f"{field} contains a NUL character")
+    if len(value) > MAX_NAME_CHARS:
+        raise BadRequestError(f"{field} is longer than {MAX_NAME_CHARS} characters")
 
 
 def _at(at: object) -> datetime | None:
     if at is None:
         return None
+    if not isinstance(at, str) or len(at) > 64:
+        raise BadRequestError("at must be an ISO 8601 time")
     try:
-        when = datetime.fromisoformat(str(at))
+        when = datetime.fromisoformat(at)
     except ValueError:
         raise BadRequestError("at must be an ISO 8601 time") from None
     if when.tzinfo is None:

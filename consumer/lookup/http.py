@@ -54,13 +54,14 @@ logger = logging.getLogger(__name__)
 
 def _configure(conn: psycopg.Connection, statement_timeout_ms: int) -> None:
     conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
-    conn.execute(f"SET statement_timeout = {int(statement_timeout_ms)}")
     has_role = conn.execute(
         "SELECT pg_has_role(current_user, 'kvledger_reader', 'MEMBER') "
         "FROM pg_roles WHERE rolname = 'kvledger_reader'"
     ).fetchone()
     if has_role and has_role[0]:
         conn.execute("SET ROLE kvledger_reader")
+    # Last: it bounds every later statement, the set-up's own included.
+    conn.execute(f"SET statement_timeout = {int(statement_timeout_ms)}")
 
 
 def _holder_json(h: Any) -> dict[str, Any]:

@@ -63,3 +63,28 @@ def test_downgrade_each_revision_and_upgrade_again(fresh_database: str) -> None:
 
     migrate(fresh_database)
     assert _objects(fresh_database) == (head_tables, head_functions)
+
+
+def test_a_migration_does_not_queue_behind_a_live_index(
+    fresh_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader holds a table the next revision alters: the migration fails within its lock
+    timeout (it does not wait, with every later query queued behind it), and succeeds once
+    the reader is done."""
+    import time
+
+    import sqlalchemy as sa
+
+    downgrade(fresh_database, "0009")
+    monkeypatch.setenv("KVLEDGER_MIGRATION_LOCK_TIMEOUT", "1s")
+    with connect(fresh_database) as reader:
+        reader.execute("SELECT count(*) FROM kvledger.lifecycle_events").fetchone()  # holds it
+        start = time.monotonic()
+        with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
+            migrate(fresh_database)
+        assert time.monotonic() - start < 30
+        reader.rollback()
+    migrate(fresh_database)
+    with connect(fresh_database, autocommit=True) as conn:
+        row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert row is not None and row[0] >= "0010"

@@ -144,12 +144,16 @@ class ZmqEngine:
     def publish(self, events: Sequence[Event], hide: bool = False, ts: float | None = None) -> int:
         """One batch; ``hide``: buffered for replay but not sent live (a missed batch)."""
         ts = ts if ts is not None else time.time()
-        payload = encode_batch(ts, events, self.rank, self.positional)
+        seq = self.publish_payload(encode_batch(ts, events, self.rank, self.positional), hide)
+        self.published.append((seq, ts, list(events)))
+        return seq
+
+    def publish_payload(self, payload: bytes, hide: bool = False) -> int:
+        """One batch's bytes as they are (a test may send what no engine should)."""
         with self.lock:
             seq = self.seq
             self.seq += 1
             self.buffer.append((seq, payload))
-        self.published.append((seq, ts, list(events)))
         if not hide:
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
         return seq

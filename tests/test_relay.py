@@ -4,6 +4,7 @@ from what the engine published."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -480,3 +481,44 @@ def test_vllms_own_publisher_feeds_the_index(
     assert [(h.instance, h.medium, h.matched_blocks, h.matched_tokens) for h in holders] == [
         ("stock", "GPU", 3, 12)
     ]
+
+
+def test_what_cannot_be_recovered_is_recorded_lost(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    engines: list[ZmqEngine],
+) -> None:  # fmt: skip
+    """A batch that does not decode, and a missed batch with no replay socket to ask: each
+    is published as EventsLost for its exact range (the index clears the source's groups),
+    and relaying goes on."""
+    engine = engine_pair(engines)
+    work = Workload(9)
+    config = dataclasses.replace(
+        relay_config(engine, kafka_bootstrap, topic, "blind"), replay_endpoint=None
+    )
+    relay = run_relay(config)
+    try:
+        time.sleep(0.5)
+        for _ in range(10):
+            engine.publish(work.batch())
+        garbage = engine.publish_payload(b"\x93not msgpack at all")
+        for _ in range(10):
+            engine.publish(work.batch())
+        hidden = engine.publish(work.batch(), hide=True)  # no replay socket: lost
+        for _ in range(10):
+            engine.publish(work.batch())
+        wait_relayed(relay, [engine])
+    finally:
+        relay.stop()
+    metrics = relay.metrics
+    assert metrics.undecodable.labels("blind")._value.get() == 1
+    assert metrics.unrecoverable.labels("blind")._value.get() == 2
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    lost = {garbage, hidden}
+    batches = sorted([*engine.published, (garbage, 0.0, [])])  # the garbage carried nothing
+    assert index_of(fresh_database, "blind") == reference([batches], lambda i, s: s in lost)
+    with connect(fresh_database, autocommit=True) as conn:
+        ranges = conn.execute(
+            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
+            "WHERE kind = 'lost' ORDER BY 1"
+        ).fetchall()
+    assert ranges == [(garbage, garbage), (hidden, hidden)]

@@ -7,6 +7,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import psycopg
+from confluent_kafka import KafkaException
+
 from kvledger import (
     __version__,
     consumer_cmds,
@@ -16,6 +19,8 @@ from kvledger import (
     simulate_cmd,
     sources_cmd,
 )
+from kvledger.consumer.db import redact
+from kvledger.schemas.errors import KvledgerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +50,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    result: int = args.run(args)
+    try:
+        result: int = args.run(args)
+    except (psycopg.OperationalError, KafkaException, KvledgerError) as exc:
+        if args.verbose:
+            raise
+        # The usual failures (a database or broker that does not answer, a refused operation)
+        # in one line; -v shows the traceback.
+        what = "database" if isinstance(exc, psycopg.OperationalError) else (
+            "Kafka" if isinstance(exc, KafkaException) else "error"
+        )  # fmt: skip
+        first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        print(f"kvledger {args.command}: {what}: {first}", file=sys.stderr)
+        return 1
     return result
 
 

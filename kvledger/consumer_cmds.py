@@ -30,15 +30,15 @@ def _db_arg(p: argparse.ArgumentParser) -> None:
 def add_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("migrate", help="create or upgrade the index schema (alembic)")
     _db_arg(p)
-    p.add_argument("--revision", default="head")
+    p.add_argument("--revision", default="head", help="the Alembic revision to reach")
     p.set_defaults(run=_migrate)
 
     p = subparsers.add_parser("consume", help="materialize the topic into the index")
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    p.add_argument("--topic", default="kv-events")
-    p.add_argument("--group", default=DEFAULT_GROUP, help="consumer group")
-    p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC)
+    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
+    p.add_argument("--group", default=DEFAULT_GROUP, help="the Kafka consumer group")
+    p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC, help="the dead-letter topic")
     p.add_argument(
         "--dlq-replication-factor", type=int, default=-1,
         help="replication factor when the consumer creates the dead-letter topic (-1: the "
@@ -49,7 +49,7 @@ def add_parsers(subparsers: Subparsers) -> None:
         help="tries of a batch failing with a transient-looking error on a working "
         "connection before its failing message is isolated and rejected",
     )  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=5000)
+    p.add_argument("--batch-size", type=int, default=5000, help="messages per transaction")
     p.add_argument("--batch-timeout", type=float, default=0.5, help="seconds")
     p.add_argument(
         "--until-caught-up",
@@ -72,12 +72,16 @@ def add_parsers(subparsers: Subparsers) -> None:
     gs = g.add_subparsers(dest="groups_command", required=True)
     p = gs.add_parser("declare", help="declare a group's spec (wins over announcements)")
     _db_arg(p)
-    p.add_argument("--model", required=True)
-    p.add_argument("--group", type=int, required=True, dest="group_idx")
-    p.add_argument("--kind", default="full_attention", choices=sorted(SPEC_KINDS))
-    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--model", required=True, help="the model the group belongs to")
+    p.add_argument(
+        "--group", type=int, required=True, dest="group_idx", help="the KV-cache group index"
+    )
+    p.add_argument(
+        "--kind", default="full_attention", choices=sorted(SPEC_KINDS), help="the spec kind"
+    )
+    p.add_argument("--block-size", type=int, required=True, help="tokens per KV block")
     p.add_argument("--hash-block-size", type=int, help="defaults to the block size")
-    p.add_argument("--sliding-window", type=int)
+    p.add_argument("--sliding-window", type=int, help="the window, for sliding-window kinds")
     p.set_defaults(run=_groups_declare)
     p = gs.add_parser("list", help="list group specs")
     _db_arg(p)
@@ -87,12 +91,12 @@ def add_parsers(subparsers: Subparsers) -> None:
     ds = d.add_subparsers(dest="dlq_command", required=True)
     p = ds.add_parser("list", help="rejections by reason, and the latest rows")
     _db_arg(p)
-    p.add_argument("--reason")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--reason", help="only rejections with this reason code")
+    p.add_argument("--limit", type=int, default=20, help="rows to show")
     p.set_defaults(run=_dlq_list)
     p = ds.add_parser("replay", help="re-apply pending rejected events (idempotent)")
     _db_arg(p)
-    p.add_argument("--reason")
+    p.add_argument("--reason", help="only this reason (needed for duplicate and stale_epoch)")
     p.set_defaults(run=_dlq_replay)
 
 
@@ -211,7 +215,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     )
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    p.add_argument("--topic", default="kv-events")
+    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument("--group", default=DEFAULT_GROUP, help="the live index's consumer group")
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
     p.add_argument("--show", type=int, default=5, help="example rows per difference")
@@ -222,8 +226,8 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     )
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    p.add_argument("--topic", default="kv-events")
-    p.add_argument("--group", default=DEFAULT_GROUP)
+    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
+    p.add_argument("--group", default=DEFAULT_GROUP, help="the live index's consumer group")
     p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
     p.add_argument(
         "--accept-partial", action="store_true",

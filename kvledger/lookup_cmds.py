@@ -56,8 +56,8 @@ def add_parsers(subparsers: Subparsers) -> None:
         help="require `Authorization: Bearer <token>` on every route but /healthz, the token "
         f"read from this file (or from ${ENV_LOOKUP_TOKEN})",
     )
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--pool-size", type=int, default=8)
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--pool-size", type=int, default=8, help="database connections at most")
     p.add_argument(
         "--silent-after",
         type=float,
@@ -68,14 +68,14 @@ def add_parsers(subparsers: Subparsers) -> None:
 
     p = subparsers.add_parser("lookup", help="which instances hold a prompt's prefix")
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--group", type=int, default=0)
+    p.add_argument("--model", required=True, help="the model to look up")
+    p.add_argument("--group", type=int, default=0, help="the KV-cache group index")
     p.add_argument(
         "--token-ids",
         required=True,
         help="comma-separated token ids, or @FILE with whitespace/comma-separated ids",
     )
-    p.add_argument("--lora-name")
+    p.add_argument("--lora-name", help="only blocks of this LoRA adapter")
     p.add_argument(
         "--include-silent", action="store_true", help="also holders whose source is not live"
     )

@@ -76,13 +76,16 @@ def run_simulation(
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("simulate", help="publish a simulated fleet's KV events to Kafka")
-    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--instances", type=int, default=4, help="simulated engines")
     p.add_argument("--requests", type=int, default=100, help="requests per instance")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--topic", default=DEFAULT_TOPIC)
-    p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS)
+    p.add_argument("--seed", type=int, default=0, help="the simulation's random seed")
+    p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic to publish to")
+    p.add_argument(
+        "--partitions", type=int, default=DEFAULT_PARTITIONS,
+        help="partitions when it creates the topic",
+    )  # fmt: skip
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
     p.add_argument("--rate", type=float, help="pace publishing to this many messages per second")
     p.add_argument(
         "--misconfigured-source",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -85,6 +86,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     p.set_defaults(run=_groups_declare)
     p = gs.add_parser("list", help="list group specs")
     _db_arg(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per group, as a list")
     p.set_defaults(run=_groups_list)
 
     d = subparsers.add_parser("dlq", help="inspect or replay rejected events")
@@ -93,6 +95,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     _db_arg(p)
     p.add_argument("--reason", help="only rejections with this reason code")
     p.add_argument("--limit", type=int, default=20, help="rows to show")
+    p.add_argument("--json", action="store_true", help='{"summary": [...], "rows": [...]} as JSON')
     p.set_defaults(run=_dlq_list)
     p = ds.add_parser("replay", help="re-apply pending rejected events (idempotent)")
     _db_arg(p)
@@ -185,6 +188,11 @@ def _groups_list(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         rows = admin.list_groups(conn)
     header = ["model", "group", "kind", "block", "hash", "window", "origin", "by", "updated"]
+    if args.json:
+        keys = ["model", "group_idx", "kind", "block_size", "hash_block_size", "sliding_window",
+                "origin", "announced_by", "updated_at"]  # fmt: skip
+        print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], default=str))
+        return 0
     print_table(header, rows)
     return 0
 
@@ -193,6 +201,16 @@ def _dlq_list(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         summary = admin.dlq_summary(conn)
         rows = admin.dlq_rows(conn, args.reason, args.limit)
+    if args.json:
+        totals = ["reason", "pending", "replayed", "first_seen", "last_seen"]
+        keys = ["id", "kafka_topic", "kafka_partition", "kafka_offset", "source", "reason",
+                "detail", "first_seen", "replayed_at"]  # fmt: skip
+        print(json.dumps(
+            {"summary": [dict(zip(totals, r, strict=True)) for r in summary],
+             "rows": [dict(zip(keys, r, strict=True)) for r in rows]},
+            default=str,
+        ))  # fmt: skip
+        return 0
     print_table(["reason", "pending", "replayed", "first", "last"], summary)
     print()
     header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen", "replayed"]

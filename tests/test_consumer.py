@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import struct
@@ -189,6 +190,13 @@ def test_each_rejection_end_to_end_and_replay(
     assert summary["unknown_group"][1] == 1
     assert cli(["dlq", "list", "--database-url", fresh_database]) == 0
     assert "unknown_group" in capsys.readouterr().out
+    assert cli(["dlq", "list", "--json", "--database-url", fresh_database]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {r["reason"] for r in listed["summary"]} == set(expected_rejections)
+    assert {r["kafka_topic"] for r in listed["rows"]} == {topic}
+    assert cli(["groups", "list", "--json", "--database-url", fresh_database]) == 0
+    groups = json.loads(capsys.readouterr().out)
+    assert {(g["group_idx"], g["origin"]) for g in groups} >= {(5, "declared")}
     assert cli(["dlq", "replay", "--database-url", fresh_database]) == 0
     assert "replayed 0 of 7 pending rejected events" in capsys.readouterr().out
     with connect(fresh_database, autocommit=True) as conn:

@@ -100,7 +100,10 @@ class IndexConsumer:
         self._read_from: dict[tuple[str, int], int] = {}
         self._consumer: Consumer | None = None
         self._dlq: DeadLetterProducer | None = None
-        self._admin = AdminClient({"bootstrap.servers": config.bootstrap_servers, "log_level": 4})
+        self._admin = AdminClient(
+            {**_admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
+             "log_level": 4}
+        )  # fmt: skip
 
     def stop(self) -> None:
         """Ask the loop to finish its current batch and return (signal-handler safe)."""
@@ -428,3 +431,8 @@ class IndexConsumer:
 
     def _caught_up(self) -> bool:
         return self.lag() == 0
+
+
+def _admin_settings(kafka: Mapping[str, object]) -> dict[str, str | int | float | bool]:
+    """The client settings an admin client takes too (security, addressing, …)."""
+    return {k: v for k, v in kafka.items() if isinstance(v, str | int | float | bool)}

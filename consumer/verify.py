@@ -93,6 +93,7 @@ def verify(
     topic: str,
     group: str,
     scratch_url: str | None = None,
+    kafka: Mapping[str, object] | None = None,
 ) -> VerifyResult:
     """Rebuild into a scratch database up to the live offsets and compare."""
     created = scratch_url is None
@@ -116,6 +117,7 @@ def verify(
                 until_caught_up=not targets,
                 batch_size=5000,
                 batch_timeout_s=0.2,
+                kafka=kafka or {},
             )
         ).run()
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:

@@ -37,6 +37,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("consume", help="materialize the topic into the index")
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument("--group", default=DEFAULT_GROUP, help="the Kafka consumer group")
     p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC, help="the dead-letter topic")
@@ -124,6 +125,7 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         metrics_host=args.metrics_host,
         group_instance_id=args.group_instance_id,
         dlq_replication_factor=args.dlq_replication_factor,
+        kafka=settings.kafka_settings(args),
         max_batch_retries=args.max_batch_retries,
     )
 
@@ -233,6 +235,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     )
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument("--group", default=DEFAULT_GROUP, help="the live index's consumer group")
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
@@ -244,6 +247,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     )
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument("--group", default=DEFAULT_GROUP, help="the live index's consumer group")
     p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
@@ -264,6 +268,7 @@ def _verify(args: argparse.Namespace) -> int:
         args.topic,
         args.group,
         args.scratch_url,
+        kafka=settings.kafka_settings(args),
     )
     targets = ", ".join(f"{p}@{o}" for p, o in sorted(result.targets.items())) or "(none)"
     print(f"rebuilt {result.rebuilt.messages} messages from {args.topic} up to {targets}")
@@ -300,6 +305,7 @@ def _rebuild(args: argparse.Namespace) -> int:
             args.topic,
             args.group,
             accept_partial=args.accept_partial,
+            kafka=settings.kafka_settings(args),
         )
     except RebuildRefusedError as exc:
         print(f"kvledger rebuild: refused: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     p.add_argument(
         "--bootstrap", help="with --memory: Kafka servers (else $KVLEDGER_KAFKA_BOOTSTRAP)"
     )
+    settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="with --memory: the events topic")
     p.add_argument(
         "--consumer-group",
@@ -122,7 +123,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     from kvledger.consumer.router.index import RouterIndex
 
-    router = RouterIndex(settings.kafka_bootstrap(args.bootstrap), args.topic, args.consumer_group)
+    router = RouterIndex(
+        settings.kafka_bootstrap(args.bootstrap), args.topic, args.consumer_group,
+        kafka=dict(settings.kafka_settings(args)),
+    )  # fmt: skip
     with connect(database) as conn:
         router.bootstrap(conn)
     router.start()

@@ -53,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic")
     p.add_argument("--engine-topic", default="", help="the engine's ZMQ topic (vLLM's `topic`)")
     p.add_argument("--bootstrap", help=f"Kafka bootstrap servers (env {settings.ENV_KAFKA})")
+    settings.add_kafka_args(p)
     p.add_argument(
         "--partitions", type=int, default=DEFAULT_PARTITIONS,
         help="partitions when the relay creates the topic",
@@ -72,6 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _run(args: argparse.Namespace) -> int:
     bootstrap = settings.kafka_bootstrap(args.bootstrap)
+    kafka = settings.kafka_settings(args)
     try:
         groups = [parse_group(g, args.model) for g in args.group]
     except ValueError as exc:
@@ -93,9 +95,10 @@ def _run(args: argparse.Namespace) -> int:
         engine_topic=args.engine_topic.encode(),
         heartbeat_interval_s=args.heartbeat_interval,
         surviving_media=survivors,
+        kafka=dict(kafka),
     )
     try:
-        admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
+        admin = AdminClient({**kafka, "bootstrap.servers": bootstrap, "log_level": 3})
         # Any existing partition count does: keys keep each stream on one partition.
         ensure_topic(admin, args.topic, args.partitions, exact_partitions=False)
     except Exception as exc:  # the relay waits for the broker itself

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 ENV_KAFKA = "KVLEDGER_KAFKA_BOOTSTRAP"
@@ -24,3 +25,51 @@ def kafka_bootstrap(flag: str | None) -> str:
 
 def database_url(flag: str | None) -> str:
     return _required(flag, ENV_DATABASE, "database", "--database-url")
+
+
+ENV_KAFKA_CONFIG = "KVLEDGER_KAFKA_CONFIG"
+
+
+def add_kafka_args(parser: argparse.ArgumentParser) -> None:
+    """--kafka-config FILE and --kafka-set KEY=VALUE: the cluster's client settings
+    (security.protocol, sasl.*, ssl.*, …) for every Kafka client the command opens."""
+    parser.add_argument(
+        "--kafka-config", metavar="FILE",
+        help=f"librdkafka settings as a properties file (else ${ENV_KAFKA_CONFIG}), for every "
+        "Kafka client the command opens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kafka-set", action="append", default=[], metavar="KEY=VALUE",
+        help="one more Kafka client setting (repeat; wins over the file)",
+    )  # fmt: skip
+
+
+def kafka_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The settings of --kafka-config (or $KVLEDGER_KAFKA_CONFIG), then --kafka-set."""
+    path = getattr(args, "kafka_config", None) or os.environ.get(ENV_KAFKA_CONFIG)
+    out = read_properties(path) if path else {}
+    for item in getattr(args, "kafka_set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"kvledger: --kafka-set wants KEY=VALUE, not {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def read_properties(path: str) -> dict[str, str]:
+    """A properties file: ``key=value`` (or ``key: value``) lines; ``#`` and ``!`` comment."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"kvledger: cannot read the Kafka settings {path}: {exc}") from None
+    out: dict[str, str] = {}
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line[0] in "#!":
+            continue
+        cut = min((i for i in (line.find("="), line.find(":")) if i > 0), default=-1)
+        if cut < 0:
+            raise SystemExit(f"kvledger: {path}:{number}: expected key=value")
+        out[line[:cut].strip()] = line[cut + 1 :].strip()
+    return out

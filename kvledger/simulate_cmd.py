@@ -38,10 +38,12 @@ def run_simulation(
     show_progress: bool = True,
     rate: float | None = None,
     sinks: Mapping[str, EventSink] | None = None,
+    kafka: Mapping[str, str] | None = None,
 ) -> SimulationResult:
     """simulate → tracker → publisher → Kafka, one publisher per simulated instance (or the
     sink ``sinks`` gives for it, e.g. a stock engine's ZMQ stream that a relay carries)."""
-    ensure_topic(AdminClient({"bootstrap.servers": bootstrap, "log_level": 4}), topic, partitions)
+    admin = AdminClient({**(kafka or {}), "bootstrap.servers": bootstrap, "log_level": 4})
+    ensure_topic(admin, topic, partitions)
     publishers: list[KVEventPublisher] = []  # a restarted engine has had two
 
     def sink(instance_id: str) -> EventSink:
@@ -49,7 +51,11 @@ def run_simulation(
             return sinks[instance_id]
         publisher = KVEventPublisher(
             PublisherConfig(
-                bootstrap_servers=bootstrap, source_id=instance_id, model=fleet.model, topic=topic
+                bootstrap_servers=bootstrap,
+                source_id=instance_id,
+                model=fleet.model,
+                topic=topic,
+                kafka=dict(kafka or {}),
             )
         )
         publishers.append(publisher)
@@ -85,6 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="partitions when it creates the topic",
     )  # fmt: skip
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    settings.add_kafka_args(p)
     p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
     p.add_argument("--rate", type=float, help="pace publishing to this many messages per second")
     p.add_argument(
@@ -104,8 +111,9 @@ def _run(args: argparse.Namespace) -> int:
         misconfigured_source=args.misconfigured_source,
     )
     result = run_simulation(
-        settings.kafka_bootstrap(args.bootstrap), args.topic, fleet, args.partitions, rate=args.rate
-    )
+        settings.kafka_bootstrap(args.bootstrap), args.topic, fleet, args.partitions,
+        rate=args.rate, kafka=settings.kafka_settings(args),
+    )  # fmt: skip
     s = result.summary
     print(f"instances:      {', '.join(s.instances)}")
     print(

@@ -522,3 +522,24 @@ def test_what_cannot_be_recovered_is_recorded_lost(
             "WHERE kind = 'lost' ORDER BY 1"
         ).fetchall()
     assert ranges == [(garbage, garbage), (hidden, hidden)]
+
+
+def test_the_kafka_settings_reach_every_client(
+    kafka_bootstrap: str, fresh_database: str, topic: str, tmp_path: Path
+) -> None:
+    """A setting the Kafka client refuses, given once in a properties file, stops `consume`
+    and `relay` at once with the client's own words (it reached them), in one line."""
+    props = tmp_path / "client.properties"
+    props.write_text("no.such.property=1\n")
+    for command in (
+        ["consume", "--database-url", fresh_database, "--until-caught-up", "--topic", topic],
+        ["relay", "--endpoint", "tcp://127.0.0.1:1", "--source", "s", "--model", MODEL,
+         "--topic", topic],
+    ):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "kvledger", *command, "--bootstrap", kafka_bootstrap,
+             "--kafka-config", str(props)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 1, (command[0], done.stderr[-2000:])
+        assert "No such configuration property" in done.stderr, done.stderr[-2000:]

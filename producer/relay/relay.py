@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.errors import PublishError
@@ -177,6 +177,8 @@ class RankRelay:
                 groups = {g.group_idx for g in cfg.groups} | {0}
                 position = recover(recover_settings, cfg.topic, self.source, groups, self.codec)
             except (KafkaException, PublishError) as exc:
+                if _misconfigured(exc):  # retrying cannot help: say so and stop
+                    raise
                 self.metrics.kafka_paused.labels(self.source).set(1)
                 logger.warning(
                     "relay %s: Kafka not ready (%s); retrying in %.1f s", self.source, exc, delay
@@ -497,6 +499,12 @@ class RankRelay:
 
 class _StoppedError(Exception):
     """Stopped before the broker ever answered."""
+
+
+def _misconfigured(exc: BaseException) -> bool:
+    """A Kafka client setting the client refuses (not an outage)."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error is not None and getattr(error, "code", lambda: None)() == KafkaError._INVALID_ARG
 
 
 def _ms(ts: float) -> int:

@@ -1,0 +1,45 @@
+"""Kafka client settings for every client a command opens: file, environment, overrides."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvledger.settings import add_kafka_args, kafka_settings, read_properties
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_kafka_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_properties_file_environment_and_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    props = tmp_path / "client.properties"
+    props.write_text(
+        "# the cluster's settings\n! also a comment\n\nsecurity.protocol=SASL_SSL\n"
+        "sasl.mechanism: SCRAM-SHA-512\nsasl.password = a=b:c\n"
+    )
+    assert read_properties(str(props)) == {
+        "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.password": "a=b:c",
+    }  # fmt: skip
+    monkeypatch.setenv("KVLEDGER_KAFKA_CONFIG", str(props))
+    got = kafka_settings(_args(["--kafka-set", "sasl.mechanism=PLAIN", "--kafka-set", "x=1"]))
+    assert got["sasl.mechanism"] == "PLAIN" and got["x"] == "1"
+    assert got["security.protocol"] == "SASL_SSL"
+    monkeypatch.delenv("KVLEDGER_KAFKA_CONFIG")
+    assert kafka_settings(_args([])) == {}
+
+
+def test_malformed_settings_say_where(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.properties"
+    bad.write_text("ok=1\njust words\n")
+    with pytest.raises(SystemExit, match=r"bad.properties:2: expected key=value"):
+        read_properties(str(bad))
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        kafka_settings(_args(["--kafka-set", "novalue"]))

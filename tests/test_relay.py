@@ -489,7 +489,7 @@ def test_what_cannot_be_recovered_is_recorded_lost(
 ) -> None:  # fmt: skip
     """A batch that does not decode, and a missed batch with no replay socket to ask: each
     is published as EventsLost for its exact range (the index clears the source's groups),
-    and relaying goes on."""
+    and relaying goes on; messages not in the protocol's shape are skipped."""
     engine = engine_pair(engines)
     work = Workload(9)
     config = dataclasses.replace(
@@ -500,6 +500,8 @@ def test_what_cannot_be_recovered_is_recorded_lost(
         time.sleep(0.5)
         for _ in range(10):
             engine.publish(work.batch())
+        engine.pub.send_multipart([engine.topic, b"two frames"])  # not the protocol:
+        engine.pub.send_multipart([engine.topic, b"\x01", b"x"])  # skipped, the relay goes on
         garbage = engine.publish_payload(b"\x93not msgpack at all")
         for _ in range(10):
             engine.publish(work.batch())

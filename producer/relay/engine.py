@@ -9,11 +9,15 @@ late answer to an abandoned request can never be read as the answer to the next.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import zmq
 
 from kvledger.producer.relay.wire import END_SEQ, seq_of
+from kvledger.producer.vllm import VllmEventError
+
+logger = logging.getLogger(__name__)
 
 
 class ReplayTimeoutError(Exception):
@@ -57,13 +61,20 @@ class EngineLink:
         self._sub.connect(endpoint)
 
     def receive(self, timeout_ms: int) -> tuple[int, bytes] | None:
-        """The next live batch (seq, payload), or None after ``timeout_ms`` of silence."""
+        """The next live batch (seq, payload), or None after ``timeout_ms`` of silence.
+
+        A message not in the protocol's shape is logged and skipped: its number is unknown,
+        so the next good batch shows the gap and replay recovers what it was."""
         if not self._sub.poll(timeout_ms):
             return None
         frames = self._sub.recv_multipart()
-        if len(frames) != 3:
-            raise ValueError(f"a live message has 3 frames, not {len(frames)}")
-        return seq_of(frames[1]), frames[2]
+        try:
+            if len(frames) != 3:
+                raise VllmEventError(f"a live message has 3 frames, not {len(frames)}")
+            return seq_of(frames[1]), frames[2]
+        except VllmEventError as exc:
+            logger.warning("skipping a malformed message from %s: %s", self.endpoint, exc)
+            return None
 
     def replay(self, start: int, timeout_ms: int = 2000) -> Iterator[tuple[int, bytes]]:
         """Every batch the engine still buffers from ``start`` on, in order; raises
@@ -82,11 +93,15 @@ class EngineLink:
                         f"no answer from {self.replay_endpoint} within {timeout_ms} ms"
                     )
                 frames = dealer.recv_multipart()
-                if len(frames) != 4 or frames[0]:
-                    raise ValueError(f"a replay answer has 4 frames, got {len(frames)}")
-                if frames[2] == END_SEQ:
-                    return
-                yield seq_of(frames[2]), frames[3]
+                try:
+                    if len(frames) != 4 or frames[0]:
+                        raise VllmEventError(f"a replay answer has 4 frames, got {len(frames)}")
+                    if frames[2] == END_SEQ:
+                        return
+                    seq = seq_of(frames[2])
+                except VllmEventError as exc:  # as good as no answer from here on
+                    raise ReplayTimeoutError(f"malformed answer: {exc}") from exc
+                yield seq, frames[3]
         finally:
             dealer.close(linger=0)
 

@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvledger.consumer.core.model import Rejection
 from kvledger.schemas.errors import KvledgerError
-from kvledger.schemas.topics import ensure_topic
+from kvledger.schemas.topics import admin_settings, ensure_topic
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,9 @@ class DeadLetterProducer:
         }
         self._producer = Producer(producer_settings)
         self._failed: dict[int, KafkaError] = {}
-        admin_settings: dict[str, str | int | float] = {
-            k: v for k, v in (settings or {}).items()
-            if k.startswith(_SHARED) and isinstance(v, str | int | float)
-        }  # fmt: skip
-        admin = AdminClient({**admin_settings, "bootstrap.servers": bootstrap, "log_level": 4})
+        admin = AdminClient(
+            {**admin_settings(settings or {}), "bootstrap.servers": bootstrap, "log_level": 4}
+        )
         ensure_topic(
             admin, topic, DLQ_PARTITIONS, timeout=timeout, exact_partitions=False,
             replication_factor=replication_factor, config=dict(topic_config or {}),
@@ -137,5 +135,3 @@ class DeadLetterProducer:
 
 # Refused as too large by the client or the broker.
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})  # -141: librdkafka's own check
-# Client settings an admin client shares with a producer (security, addressing).
-_SHARED = ("security.", "sasl.", "ssl.", "client.", "socket.")

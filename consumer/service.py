@@ -41,6 +41,7 @@ from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.topics import admin_settings
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class IndexConsumer:
         self._consumer: Consumer | None = None
         self._dlq: DeadLetterProducer | None = None
         self._admin = AdminClient(
-            {**_admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
+            {**admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
              "log_level": 4}
         )  # fmt: skip
 
@@ -431,8 +432,3 @@ class IndexConsumer:
 
     def _caught_up(self) -> bool:
         return self.lag() == 0
-
-
-def _admin_settings(kafka: Mapping[str, object]) -> dict[str, str | int | float | bool]:
-    """The client settings an admin client takes too (security, addressing, …)."""
-    return {k: v for k, v in kafka.items() if isinstance(v, str | int | float | bool)}

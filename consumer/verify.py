@@ -24,6 +24,7 @@ from kvledger.consumer.service import IndexConsumer, RunSummary, stored_offsets
 from kvledger.consumer.store.postgres import load_specs, upsert_group_specs
 from kvledger.consumer.store.tables import COMPARED
 from kvledger.schemas.errors import KvledgerError
+from kvledger.schemas.topics import admin_settings
 
 # Every compared table's columns (wall-clock ones left out), from the one table list.
 COLUMNS: Mapping[str, str] = {name: ", ".join(t.compared) for name, t in COMPARED.items()}
@@ -187,7 +188,7 @@ def _refuse_unsafe(
     from confluent_kafka import Consumer, KafkaException, TopicPartition
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({k: v for k, v in settings.items() if isinstance(v, str | int | float)})
+    admin = AdminClient(admin_settings(settings))
     try:
         described = admin.describe_consumer_groups([group])[group].result(timeout=30)
         members = len(described.members)

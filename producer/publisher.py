@@ -68,7 +68,7 @@ from kvledger.schemas.events import (
     group_of,
 )
 from kvledger.schemas.hashing import to_int64_bytes
-from kvledger.schemas.topics import message_key
+from kvledger.schemas.topics import admin_settings, message_key
 
 logger = logging.getLogger(__name__)
 
@@ -497,11 +497,7 @@ def _topic_limit(config: PublisherConfig, settings: dict[str, object]) -> int:
     from confluent_kafka.admin import AdminClient, ConfigResource
 
     timeout = config.startup_timeout_s
-    shared = {
-        k: v for k, v in settings.items()
-        if isinstance(v, str | int | float) and not k.startswith(_PRODUCER_ONLY)
-    }  # fmt: skip
-    admin = AdminClient({**shared, "log_level": 3})
+    admin = AdminClient({**admin_settings(settings), "log_level": 3})
     try:
         topics = admin.list_topics(config.topic, timeout=timeout).topics
         meta = topics.get(config.topic)
@@ -515,9 +511,3 @@ def _topic_limit(config: PublisherConfig, settings: dict[str, object]) -> int:
             f"no Kafka broker at {config.bootstrap_servers} answered within {timeout:.0f} s "
             f"({exc.args[0] if exc.args else exc})"
         ) from exc
-
-
-_PRODUCER_ONLY = (
-    "enable.idempotence", "acks", "compression.", "linger.ms", "batch.", "queue.",
-    "message.timeout.ms", "transactional.id", "partitioner", "message.max.bytes",
-)  # fmt: skip

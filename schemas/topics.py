@@ -25,6 +25,28 @@ def message_key(source: str, group_idx: int) -> bytes:
     return f"{source}/{group_idx}".encode()
 
 
+def admin_settings(settings: Mapping[str, object]) -> dict[str, str | int | float | bool]:
+    """Of a producer's or consumer's client settings, those an admin client takes too (the
+    cluster's address and security, client ids, socket options): scalar values, without the
+    settings only producers or only consumers know."""
+    return {
+        k: v for k, v in settings.items()
+        if isinstance(v, str | int | float | bool) and not k.startswith(_ONE_KIND_ONLY)
+    }  # fmt: skip
+
+
+_ONE_KIND_ONLY = (
+    # producers
+    "enable.idempotence", "acks", "compression.", "linger.ms", "batch.", "queue.",
+    "message.timeout.ms", "transactional.id", "transaction.timeout.ms", "partitioner",
+    "message.max.bytes", "error_cb",
+    # consumers
+    "group.", "enable.auto.", "auto.offset.reset", "session.timeout.ms", "isolation.level",
+    "queued.", "fetch.", "max.poll.interval.ms", "partition.assignment.strategy",
+    "heartbeat.interval.ms", "enable.partition.eof",
+)  # fmt: skip
+
+
 def ensure_topic(
     admin: AdminClient,
     name: str,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -19,11 +17,10 @@ from kvledger.producer.tracker import Medium, OffloadingEvent, make_offload_key
 from kvledger.schemas import events
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Goodbye, GroupSpec
-from tests.helpers.kafka import consume_all
+from tests.helpers.kafka import consume_all, private_kafka
 from tests.helpers.procs import free_port
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def stored(rng: random.Random, group: int, n_blocks: int = 2, block_size: int = 16) -> BlockStored:
@@ -261,20 +258,12 @@ def test_a_broker_down_at_start_is_reported_within_the_bound() -> None:
 
 def test_broker_stopped_mid_run_makes_close_raise(tmp_path: Path) -> None:
     """A throwaway broker of our own is stopped while messages are in flight."""
-    env = dict(
-        os.environ,
-        KVLEDGER_KAFKA_PORT=str(free_port()),
-        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
-        KVLEDGER_STATE_DIR=str(tmp_path / "state"),
-    )
-    services = str(ROOT / "scripts" / "services")
-    subprocess.run([services, "up", "kafka"], env=env, check=True)
-    try:
-        bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
-        from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient
 
-        from kvledger.schemas.topics import ensure_topic
+    from kvledger.schemas.topics import ensure_topic
 
+    with private_kafka(tmp_path / "state") as broker:
+        bootstrap = broker.bootstrap
         ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), "kv-events", 3)
         rng = random.Random(9)
         pub = KVEventPublisher(
@@ -282,11 +271,9 @@ def test_broker_stopped_mid_run_makes_close_raise(tmp_path: Path) -> None:
         )
         pub.publish_events([stored(rng, 0) for _ in range(100)])
         pub.flush(30)
-        subprocess.run([services, "down", "kafka"], env=env, check=True)
+        broker.stop()
         pub.publish_events([stored(rng, 0) for _ in range(100)])
         start = time.monotonic()
         with pytest.raises(PublishError, match=r"unacknowledged|not delivered"):
             pub.close(timeout=5)
         assert time.monotonic() - start < 15
-    finally:
-        subprocess.run([services, "down", "kafka"], env=env, check=False)

@@ -5,7 +5,6 @@ from what the engine published."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import re
 import signal
@@ -29,6 +28,7 @@ from kvledger.schemas.events import BlockRemoved, BlockStored
 from kvledger.schemas.topics import ensure_topic
 from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
 from tests.helpers.consuming import consume
+from tests.helpers.kafka import private_kafka
 from tests.helpers.procs import free_port, spawn
 from tests.helpers.vllm_wheel import vllm_module
 
@@ -364,18 +364,8 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
     published meanwhile reach the index (from the engine's buffer)."""
     from confluent_kafka.admin import AdminClient
 
-    from tests.helpers.consuming import ROOT
-
-    services = str(ROOT / "scripts" / "services")
-    env = dict(
-        os.environ,
-        KVLEDGER_KAFKA_PORT=str(free_port()),
-        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
-        KVLEDGER_STATE_DIR=str(tmp_path / "state"),
-    )
-    bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
-    subprocess.run([services, "up", "kafka"], env=env, check=True)
-    try:
+    with private_kafka(tmp_path / "state") as broker:
+        bootstrap = broker.bootstrap
         topic = "kv-events"
         ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, 3)
         # Small socket queues: batches published during the outage overflow them and are
@@ -387,12 +377,12 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
             for _ in range(50):
                 engine.publish(work.batch())
             wait_relayed(relay, [engine])
-            subprocess.run([services, "down", "kafka"], env=env, check=True)
+            broker.stop()
             for _ in range(5000):  # more than the sockets and TCP buffers hold
                 engine.publish(work.batch())
             time.sleep(3)
             assert relay.alive()
-            subprocess.run([services, "up", "kafka"], env=env, check=True)
+            broker.start()
             for _ in range(20):
                 engine.publish(work.batch())
             wait_relayed(relay, [engine], timeout=180)
@@ -403,8 +393,6 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
         consume(bootstrap, fresh_database, topic, group_id, batch=50)
         assert index_of(fresh_database, "patient") == reference(engine.incarnations)
         assert health(fresh_database, "patient") == (0, 0, 0, 0)
-    finally:
-        subprocess.run([services, "down", "kafka"], env=env, check=False)
 
 
 # ---------------------------------------------------------------------- vLLM's own publisher

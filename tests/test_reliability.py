@@ -24,6 +24,7 @@ from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
 from kvledger.schemas.topics import ensure_topic
 from tests.helpers.consuming import consume, consumer_process, wait_caught_up
+from tests.helpers.kafka import private_kafka
 from tests.helpers.procs import free_port, spawn
 
 pytestmark = pytest.mark.integration
@@ -137,23 +138,16 @@ def test_consumers_rebalancing_repeatedly(
 
 
 def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, group_id) -> None:
-    env = dict(
-        os.environ,
-        KVLEDGER_KAFKA_PORT=str(free_port()),
-        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
-        KVLEDGER_STATE_DIR=str(tmp_path / "state"),
-    )
-    bootstrap = f"127.0.0.1:{env['KVLEDGER_KAFKA_PORT']}"
-    subprocess.run([SERVICES, "up", "kafka"], env=env, check=True)
-    try:
+    with private_kafka(tmp_path / "state") as broker:
+        bootstrap = broker.bootstrap
         topic = "kv-events"
         ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, 6)
         consumer = consumer_process(bootstrap, fresh_database, topic, group_id, False, "b1")
         producer = _producer_process(bootstrap, topic, requests=250, rate=1000)
         time.sleep(4)
-        subprocess.run([SERVICES, "down", "kafka"], env=env, check=True)
+        broker.stop()
         time.sleep(3)
-        subprocess.run([SERVICES, "up", "kafka"], env=env, check=True)
+        broker.start()
         produced = _produced(producer)  # close() succeeded: everything was acknowledged
         wait_caught_up(bootstrap, fresh_database, topic, group_id, timeout=180)
         consumer.send_signal(signal.SIGTERM)
@@ -164,8 +158,6 @@ def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, gr
             ).fetchone()
         assert gaps == (0, 0)  # no sequence gaps, nothing written twice
         _assert_all_audited_and_verified(bootstrap, fresh_database, topic, group_id, produced)
-    finally:
-        subprocess.run([SERVICES, "down", "kafka"], env=env, check=False)
 
 
 def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id) -> None:

@@ -1,8 +1,18 @@
-"""Small helpers for tests that read a topic back."""
+"""Small helpers for tests that read a topic back, or need a broker of their own."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 from confluent_kafka import Consumer, Message
+
+from tests.helpers.procs import free_port
+
+_SERVICES = str(Path(__file__).resolve().parents[2] / "scripts" / "services")
 
 
 def consume_all(
@@ -36,3 +46,34 @@ def consume_all(
     finally:
         consumer.close()
     return out
+
+
+class PrivateKafka:
+    """A broker of one test's own (scripts/services on free ports with its own state
+    folder), to stop and start at will without disturbing the shared one."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.env = dict(
+            os.environ,
+            KVLEDGER_KAFKA_PORT=str(free_port()),
+            KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
+            KVLEDGER_STATE_DIR=str(state_dir),
+        )
+        self.bootstrap = f"127.0.0.1:{self.env['KVLEDGER_KAFKA_PORT']}"
+
+    def start(self) -> None:
+        subprocess.run([_SERVICES, "up", "kafka"], env=self.env, check=True)
+
+    def stop(self, check: bool = True) -> None:
+        subprocess.run([_SERVICES, "down", "kafka"], env=self.env, check=check)
+
+
+@contextmanager
+def private_kafka(state_dir: Path) -> Iterator[PrivateKafka]:
+    """A started :class:`PrivateKafka`, stopped when the block ends however it ends."""
+    broker = PrivateKafka(state_dir)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop(check=False)

@@ -99,3 +99,41 @@ def post_times(base: str, bodies: list[dict[str, Any]], warm: int = 200) -> list
             times.append(time.perf_counter() - start)
             assert response.status_code == 200, response.text
     return times
+
+
+def capture_produced(publisher: Any, captured: list[tuple[bytes, bytes]]) -> None:
+    """Route a KVEventPublisher's produce() calls through a recorder of (key, value), so that
+    a raw baseline can send the very same bytes."""
+    inner = publisher._producer
+
+    class _Capturing:
+        def produce(self, topic: str, value: bytes, key: bytes, on_delivery: object) -> None:
+            captured.append((key, value))
+            inner.produce(topic, value=value, key=key, on_delivery=on_delivery)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(inner, name)
+
+    publisher._producer = _Capturing()
+
+
+def raw_produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> float:
+    """Seconds for one producer with the publisher's settings to produce ``messages``
+    (key, value) to ``topic`` and have every one acknowledged (the raw baseline)."""
+    from confluent_kafka import Producer
+
+    from kvledger.producer.config import PRODUCER_DEFAULTS
+
+    producer = Producer(dict(PRODUCER_DEFAULTS, **{"bootstrap.servers": bootstrap}))
+    start = time.perf_counter()
+    for key, value in messages:
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    if producer.flush(120):
+        raise RuntimeError(f"the raw baseline left messages unacknowledged on {topic}")
+    return time.perf_counter() - start

@@ -11,12 +11,11 @@ import os
 import time
 import uuid
 
-from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from bench.common import record
+from bench.common import capture_produced, raw_produce, record
 from kvledger.fleet import Fleet, FleetConfig
-from kvledger.producer.config import PRODUCER_DEFAULTS, PublisherConfig
+from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.topics import ensure_topic
 
@@ -35,13 +34,7 @@ def main(instances: int = 4, requests: int = 250) -> dict[str, float]:
 
     def sink(instance_id: str) -> KVEventPublisher:
         pub = KVEventPublisher(PublisherConfig(bootstrap, instance_id, fleet.model, full_topic))
-        original = pub._producer.produce
-
-        def capture(topic: str, value: bytes, key: bytes, on_delivery: object) -> None:
-            captured.append((key, value))
-            original(topic, value=value, key=key, on_delivery=on_delivery)
-
-        pub._producer = _Wrapped(pub._producer, capture)  # type: ignore[assignment]
+        capture_produced(pub, captured)
         publishers.append(pub)
         return pub
 
@@ -55,20 +48,7 @@ def main(instances: int = 4, requests: int = 250) -> dict[str, float]:
     # Raw baseline: the captured bytes, one producer, same settings, acked.
     raw_topic = f"bench-raw-{run}"
     ensure_topic(admin, raw_topic, 12)
-    settings = dict(PRODUCER_DEFAULTS, **{"bootstrap.servers": bootstrap})
-    producer = Producer(settings)
-    start = time.perf_counter()
-    for key, value in captured:
-        while True:
-            try:
-                producer.produce(raw_topic, value=value, key=key)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
-    remaining = producer.flush(120)
-    raw_seconds = time.perf_counter() - start
-    assert remaining == 0
+    raw_seconds = raw_produce(bootstrap, raw_topic, captured)
     admin.delete_topics([full_topic, raw_topic])
 
     full_rate = messages / full_seconds
@@ -81,17 +61,6 @@ def main(instances: int = 4, requests: int = 250) -> dict[str, float]:
     }
     record("produce", figures)
     return figures
-
-
-class _Wrapped:
-    """Delegates to a Producer but routes produce() through a capturing function."""
-
-    def __init__(self, inner: Producer, produce: object) -> None:
-        self._inner = inner
-        self.produce = produce
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from bench.common import record
-from kvledger.producer.config import PRODUCER_DEFAULTS, PublisherConfig
+from bench.common import capture_produced, raw_produce, record
+from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
 from kvledger.schemas.topics import ensure_topic
@@ -181,17 +180,7 @@ def publish_path(bootstrap: str, batches: int = 6000) -> dict[str, float]:
     publisher.announce_group_spec(parse_group(f"0:full_attention:{BLOCK}", MODEL))
     publisher.flush(30)
     captured: list[tuple[bytes, bytes]] = []
-    inner = publisher._producer
-
-    class _Capture:
-        def produce(self, topic: str, value: bytes, key: bytes, on_delivery: object) -> None:
-            captured.append((key, value))
-            inner.produce(topic, value=value, key=key, on_delivery=on_delivery)
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(inner, name)
-
-    publisher._producer = _Capture()  # type: ignore[assignment]
+    capture_produced(publisher, captured)
     caller = 0.0
     start = time.perf_counter()
     for batch in objects:
@@ -202,18 +191,7 @@ def publish_path(bootstrap: str, batches: int = 6000) -> dict[str, float]:
     full_s = time.perf_counter() - start
     messages = len(captured)
 
-    producer = Producer(dict(PRODUCER_DEFAULTS, **{"bootstrap.servers": bootstrap}))
-    start = time.perf_counter()
-    for key, value in captured:
-        while True:
-            try:
-                producer.produce(raw_topic, value=value, key=key)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
-    assert producer.flush(120) == 0
-    raw_s = time.perf_counter() - start
+    raw_s = raw_produce(bootstrap, raw_topic, captured)
     admin.delete_topics([full_topic, raw_topic])
     return {
         "messages": float(messages),

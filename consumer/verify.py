@@ -76,6 +76,29 @@ def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
     return len(declared)
 
 
+def _replay_log(
+    bootstrap: str, scratch_url: str, topic: str, group_prefix: str,
+    kafka: Mapping[str, object] | None, stop_at: Mapping[int, int] | None = None,
+) -> RunSummary:  # fmt: skip
+    """Apply the topic from its start into the index at ``scratch_url``, up to ``stop_at``
+    (else to its end), under a Kafka group of its own (``group_prefix`` + a random suffix:
+    joining the live group would take its partitions); rejections are stored, not re-sent."""
+    return IndexConsumer(
+        ConsumerConfig(
+            bootstrap_servers=bootstrap,
+            database_url=scratch_url,
+            topic=topic,
+            group_id=f"{group_prefix}{uuid.uuid4().hex[:8]}",
+            dlq_topic=None,
+            stop_at=stop_at,
+            until_caught_up=not stop_at,
+            batch_size=5000,
+            batch_timeout_s=0.2,
+            kafka=kafka or {},
+        )
+    ).run()
+
+
 @dataclass
 class VerifyResult:
     differences: list[TableDiff]
@@ -106,21 +129,9 @@ def verify(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
             targets = stored_offsets(live, group, topic)
-        summary = IndexConsumer(
-            ConsumerConfig(
-                bootstrap_servers=bootstrap,
-                database_url=scratch_url,
-                topic=topic,
-                # Its own Kafka group: joining the live one would take its partitions.
-                group_id=f"{group}-verify-{uuid.uuid4().hex[:8]}",
-                dlq_topic=None,
-                stop_at=targets,
-                until_caught_up=not targets,
-                batch_size=5000,
-                batch_timeout_s=0.2,
-                kafka=kafka or {},
-            )
-        ).run()
+        summary = _replay_log(
+            bootstrap, scratch_url, topic, f"{group}-verify-", kafka, stop_at=targets
+        )
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             a, b = dump(live), dump(scratch)
         return VerifyResult(
@@ -161,20 +172,8 @@ def rebuild(
         migrate(scratch_url)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
-        summary = IndexConsumer(
-            ConsumerConfig(
-                bootstrap_servers=bootstrap,
-                database_url=scratch_url,
-                topic=topic,
-                # Its own Kafka group (the live one's offsets are written into the index).
-                group_id=f"{group}-rebuild-{uuid.uuid4().hex[:8]}",
-                dlq_topic=None,
-                until_caught_up=True,
-                batch_size=5000,
-                batch_timeout_s=0.2,
-                kafka=kafka or {},
-            )
-        ).run()
+        # The live group's offsets are written into the index when it is swapped in.
+        summary = _replay_log(bootstrap, scratch_url, topic, f"{group}-rebuild-", kafka)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _swap_in(scratch, live, summary_group=f"{group}-rebuild-", live_group=group)
         return summary

@@ -49,6 +49,22 @@ def settle(database_url: str, timeout_s: float = 60.0) -> None:
             time.sleep(0.5)
 
 
+def reader_args(url: str) -> list[str]:
+    """`kvledger serve` arguments for database ``url`` as the read-only login
+    ($KVLEDGER_LOOKUP_DATABASE_URL's role, as scripts/services makes it); without one, the
+    owner's URL with --allow-writer."""
+    import os
+
+    import sqlalchemy as sa
+
+    reader = os.environ.get("KVLEDGER_LOOKUP_DATABASE_URL")
+    if not reader:
+        return ["--database-url", url, "--allow-writer"]
+    name = sa.engine.make_url(url).database
+    as_reader = sa.engine.make_url(reader).set(database=name)
+    return ["--database-url", as_reader.render_as_string(hide_password=False)]
+
+
 @contextmanager
 def lookup_service(args: list[str], start_timeout_s: float = 30.0) -> Iterator[str]:
     """A `kvledger serve` process on a free loopback port; yields its base URL once

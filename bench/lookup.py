@@ -20,7 +20,7 @@ import time
 import httpx
 import sqlalchemy as sa
 
-from bench.common import lookup_service, post_times, record, settle
+from bench.common import lookup_service, post_times, reader_args, record, settle
 from kvledger.consumer.db import connect, migrate
 from kvledger.consumer.lookup import PrefixIndex
 
@@ -158,7 +158,7 @@ def main(lookups: int = 2000) -> dict[str, float]:
     figures["Python API p50 ms"], figures["Python API p99 ms"] = _percentiles(api_times)
 
     bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
-    with lookup_service(["--database-url", url, "--pool-size", "8"]) as base:
+    with lookup_service([*reader_args(url), "--pool-size", "8"]) as base:
         figures["HTTP p50 ms"], figures["HTTP p99 ms"] = _percentiles(post_times(base, bodies))
         done = [0]
         lock = threading.Lock()

@@ -41,7 +41,8 @@ from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.topics import admin_settings
+from kvledger.schemas.errors import NotAuthorizedError
+from kvledger.schemas.topics import admin_settings, refused
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,12 @@ class IndexConsumer:
                 for m in messages:
                     err = m.error()
                     if err is not None:
+                        if refused(err):  # no retry changes who we are or what we may do
+                            raise NotAuthorizedError(
+                                f"the broker refused the consumer ({err.name()}: {err.str()}): "
+                                f"it needs READ and DESCRIBE on topic {cfg.topic!r} and READ "
+                                f"on group {cfg.group_id!r}"
+                            )
                         if err.fatal() or err.code() == KafkaError._FATAL:
                             fatal = err
                         elif err.code() != KafkaError._PARTITION_EOF:

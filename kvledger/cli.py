@@ -16,6 +16,7 @@ from kvledger import (
     demo,
     lookup_cmds,
     relay_cmd,
+    roles_cmd,
     simulate_cmd,
     sources_cmd,
 )
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     lookup_cmds.add_parsers(subparsers)
     sources_cmd.add_parser(subparsers)
     relay_cmd.add_parser(subparsers)
+    roles_cmd.add_parser(subparsers)
     return parser
 
 
@@ -61,6 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Kafka" if isinstance(exc, KafkaException) else "error"
         )  # fmt: skip
         first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        if isinstance(exc, KafkaException) and exc.args and hasattr(exc.args[0], "name"):
+            name = exc.args[0].name()
+            if name.endswith("_AUTHORIZATION_FAILED") or name.endswith("AUTHENTICATION"):
+                first = (
+                    f"{name}: the principal of the Kafka settings (--kafka-config) is refused; "
+                    "it needs an ACL for this operation (README: Security)"
+                )
+            elif name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
+                first += (
+                    " (no broker answered: check --bootstrap and the Kafka settings' TLS CA, "
+                    "SASL mechanism and credentials)"
+                )
         print(f"kvledger {args.command}: {what}: {first}", file=sys.stderr)
         return 1
     return result

@@ -113,7 +113,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
     return ConsumerConfig(
-        bootstrap_servers=settings.kafka_bootstrap(args.bootstrap),
+        bootstrap_servers=settings.kafka_bootstrap(args),
         database_url=settings.database_url(args.database_url),
         topic=args.topic,
         group_id=args.group,
@@ -263,7 +263,7 @@ def _verify(args: argparse.Namespace) -> int:
     from kvledger.consumer.verify import verify
 
     result = verify(
-        settings.kafka_bootstrap(args.bootstrap),
+        settings.kafka_bootstrap(args),
         settings.database_url(args.database_url),
         args.topic,
         args.group,
@@ -300,7 +300,7 @@ def _rebuild(args: argparse.Namespace) -> int:
         return 2
     try:
         summary = rebuild(
-            settings.kafka_bootstrap(args.bootstrap),
+            settings.kafka_bootstrap(args),
             settings.database_url(args.database_url),
             args.topic,
             args.group,

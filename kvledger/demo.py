@@ -101,7 +101,7 @@ def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    bootstrap = settings.kafka_bootstrap(args.bootstrap)
+    bootstrap = settings.kafka_bootstrap(args)
     server = settings.database_url(args.database_url)
     if args.instances < 2:
         raise SystemExit("kvledger demo: --instances must be at least 2")

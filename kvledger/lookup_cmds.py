@@ -24,7 +24,15 @@ ENV_LOOKUP_TOKEN = "KVLEDGER_LOOKUP_TOKEN"
 
 def add_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve prefix lookups over HTTP")
-    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
+    p.add_argument(
+        "--database-url",
+        help="SQLAlchemy URL of a read-only role (else $KVLEDGER_LOOKUP_DATABASE_URL, else "
+        "$KVLEDGER_DATABASE_URL; either may be given as a file with the _FILE suffix)",
+    )
+    p.add_argument(
+        "--allow-writer", action="store_true",
+        help="start even when the database role can write to the index (development only)",
+    )  # fmt: skip
     p.add_argument(
         "--memory",
         action="store_true",
@@ -104,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvledger.consumer.lookup.http import create_app
 
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
-    database = settings.database_url(args.database_url)
+    database = settings.lookup_database_url(args.database_url)
     token = _token(args.token_file)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvledger serve: --tls-cert and --tls-key go together")
@@ -113,10 +121,11 @@ def _serve(args: argparse.Namespace) -> int:
         "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
     }  # fmt: skip
     if not args.memory:
+        _refuse_writer(database, args.allow_writer)
         app = create_app(
             database, args.pool_size, window, token=token,
             statement_timeout_ms=int(args.statement_timeout * 1000),
-            pool_timeout_s=args.pool_timeout,
+            pool_timeout_s=args.pool_timeout, allow_writer=args.allow_writer,
         )  # fmt: skip
         freeze_startup_objects()
         uvicorn.run(app, **server)
@@ -124,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvledger.consumer.router.index import RouterIndex
 
     router = RouterIndex(
-        settings.kafka_bootstrap(args.bootstrap), args.topic, args.consumer_group,
+        settings.kafka_bootstrap(args), args.topic, args.consumer_group,
         kafka=dict(settings.kafka_settings(args)),
     )  # fmt: skip
     with connect(database) as conn:
@@ -161,6 +170,21 @@ def _lookup(args: argparse.Namespace) -> int:
     best = rank(holders)[0]
     print(f"route to {best.instance} (score {best.score:,.0f})")
     return 0
+
+
+def _refuse_writer(url: str, allowed: bool) -> None:
+    """One clear line before the server starts, rather than a failed start-up inside it."""
+    from kvledger.consumer.roles import can_write
+
+    with connect(url, autocommit=True) as conn:
+        writer = can_write(conn)
+        row = conn.execute("SELECT current_user").fetchone()
+    if writer and not allowed:
+        raise SystemExit(
+            f"kvledger serve: the database role {row[0] if row else '?'} can write to the index; "
+            "log in as a read-only role (`kvledger roles create-reader`, then "
+            "$KVLEDGER_LOOKUP_DATABASE_URL) or pass --allow-writer"
+        )
 
 
 def _token(path: str | None) -> str | None:

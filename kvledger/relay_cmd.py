@@ -72,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _run(args: argparse.Namespace) -> int:
-    bootstrap = settings.kafka_bootstrap(args.bootstrap)
+    bootstrap = settings.kafka_bootstrap(args)
     kafka = settings.kafka_settings(args)
     try:
         groups = [parse_group(g, args.model) for g in args.group]

@@ -7,24 +7,50 @@ import os
 
 ENV_KAFKA = "KVLEDGER_KAFKA_BOOTSTRAP"
 ENV_DATABASE = "KVLEDGER_DATABASE_URL"
+ENV_LOOKUP_DATABASE = "KVLEDGER_LOOKUP_DATABASE_URL"
+
+
+def from_env(name: str) -> str | None:
+    """``$NAME``, else the first line of the file ``$NAME_FILE`` names (the convention of
+    container secrets: a password-bearing value need not sit in the environment)."""
+    if value := os.environ.get(name):
+        return value
+    if path := os.environ.get(f"{name}_FILE"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.readline().strip() or None
+        except OSError as exc:
+            raise SystemExit(f"kvledger: cannot read ${name}_FILE: {exc}") from None
+    return None
 
 
 def _required(flag: str | None, env: str, what: str, option: str) -> str:
-    value = flag or os.environ.get(env)
+    value = flag or from_env(env)
     if not value:
         raise SystemExit(
-            f"kvledger: no {what}: pass {option} or set {env} "
+            f"kvledger: no {what}: pass {option} or set {env} (or {env}_FILE) "
             '(`eval "$(scripts/services env)"` after `scripts/services up`)'
         )
     return value
 
 
-def kafka_bootstrap(flag: str | None) -> str:
+def kafka_bootstrap(args: argparse.Namespace) -> str:
+    """--bootstrap, else $KVLEDGER_KAFKA_BOOTSTRAP, else the Kafka settings' bootstrap.servers."""
+    flag = getattr(args, "bootstrap", None) or from_env(ENV_KAFKA)
+    if not flag and hasattr(args, "kafka_config"):
+        flag = kafka_settings(args).get("bootstrap.servers")
     return _required(flag, ENV_KAFKA, "Kafka broker", "--bootstrap")
 
 
 def database_url(flag: str | None) -> str:
     return _required(flag, ENV_DATABASE, "database", "--database-url")
+
+
+def lookup_database_url(flag: str | None) -> str:
+    """The lookup service's URL: the flag, else $KVLEDGER_LOOKUP_DATABASE_URL (a read-only
+    role), else $KVLEDGER_DATABASE_URL (which `kvledger serve` then refuses if its role can
+    write, unless --allow-writer)."""
+    return flag or from_env(ENV_LOOKUP_DATABASE) or database_url(None)
 
 
 ENV_KAFKA_CONFIG = "KVLEDGER_KAFKA_CONFIG"

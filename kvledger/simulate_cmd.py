@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         misconfigured_source=args.misconfigured_source,
     )
     result = run_simulation(
-        settings.kafka_bootstrap(args.bootstrap), args.topic, fleet, args.partitions,
+        settings.kafka_bootstrap(args), args.topic, fleet, args.partitions,
         rate=args.rate, kafka=settings.kafka_settings(args),
     )  # fmt: skip
     s = result.summary

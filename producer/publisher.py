@@ -55,6 +55,7 @@ from kvledger.producer.tracker import (
 )
 from kvledger.producer.vllm import fit_to_spec, from_vllm_event
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.events import (
     DEFAULT_GROUP_IDX,
     AllBlocksCleared,
@@ -68,7 +69,7 @@ from kvledger.schemas.events import (
     group_of,
 )
 from kvledger.schemas.hashing import to_int64_bytes
-from kvledger.schemas.topics import admin_settings, message_key
+from kvledger.schemas.topics import admin_settings, message_key, refused
 
 logger = logging.getLogger(__name__)
 
@@ -507,6 +508,11 @@ def _topic_limit(config: PublisherConfig, settings: dict[str, object]) -> int:
         entries = admin.describe_configs([resource])[resource].result(timeout=timeout)
         return int(entries["max.message.bytes"].value)
     except KafkaException as exc:
+        if exc.args and refused(exc.args[0]):
+            raise NotAuthorizedError(
+                f"the broker refused this principal on topic {config.topic!r} "
+                f"({exc.args[0].name()}): it needs DESCRIBE, DESCRIBE_CONFIGS and WRITE there"
+            ) from exc
         raise BrokerUnreachableError(
             f"no Kafka broker at {config.bootstrap_servers} answered within {timeout:.0f} s "
             f"({exc.args[0] if exc.args else exc})"

@@ -22,3 +22,7 @@ class DecodeError(KvledgerError):
 
 class TopicMismatchError(KvledgerError):
     """An existing topic does not have the shape kvledger was asked for."""
+
+
+class NotAuthorizedError(KvledgerError):
+    """The Kafka principal in use lacks a permission an operation needs (an ACL)."""

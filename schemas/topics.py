@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from kvledger.schemas.errors import TopicMismatchError
+from kvledger.schemas.errors import NotAuthorizedError, TopicMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,54 @@ def ensure_topic(
     ``config``: more topic settings for a topic it creates; ``replication_factor=-1`` takes
     the cluster's default.
     """
+    try:
+        return _ensure_topic(
+            admin, name, partitions, retention_ms, replication_factor, timeout,
+            exact_partitions, log_append_time, config,
+        )  # fmt: skip
+    except KafkaException as exc:
+        if refused(exc.args[0]):
+            raise NotAuthorizedError(
+                f"not authorized to describe or create topic {name!r} "
+                f"({exc.args[0].name()}): grant this principal DESCRIBE (and CREATE, or create "
+                "the topic beforehand) on it"
+            ) from exc
+        raise
+
+
+_REFUSED = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError._AUTHENTICATION,
+        KafkaError.SASL_AUTHENTICATION_FAILED,
+    }
+)
+
+
+def refused(err: KafkaError) -> bool:
+    """Whether the broker refused who we are (authentication) or what we may do (an ACL):
+    no retry will change that, so it is reported, not retried."""
+    return err.code() in _REFUSED
+
+
+def _ensure_topic(
+    admin: AdminClient,
+    name: str,
+    partitions: int,
+    retention_ms: int | None,
+    replication_factor: int,
+    timeout: float,
+    exact_partitions: bool,
+    log_append_time: bool,
+    config: Mapping[str, str] | None,
+) -> bool:
     metadata = admin.list_topics(topic=name, timeout=timeout)
     topic = metadata.topics.get(name)
+    if topic is not None and topic.error is not None and refused(topic.error):
+        raise KafkaException(topic.error)
     exists = topic is not None and topic.error is None
     if not exists:
         settings = dict(config or {})

@@ -44,8 +44,13 @@ def _docker_engine_answers() -> bool:
         return False
 
 
+_STARTED: dict[str, str] = {}  # what scripts/services printed, once this run started it
+
+
 def _services_env() -> dict[str, str]:
     """Start scripts/services (idempotent) and return the variables it prints."""
+    if _STARTED:
+        return _STARTED
     subprocess.run([str(ROOT / "scripts" / "services"), "up"], check=True)
     out = subprocess.run(
         [str(ROOT / "scripts" / "services"), "env"], check=True, capture_output=True, text=True
@@ -54,6 +59,7 @@ def _services_env() -> dict[str, str]:
     for line in out.splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
         env[name] = value
+    _STARTED.update(env)
     return env
 
 
@@ -188,6 +194,37 @@ def make_topic(kafka_admin: AdminClient) -> Iterator[Callable[..., str]]:
 def group_id() -> str:
     """A consumer group of this test alone."""
     return f"test-group-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def as_reader(database_url: str) -> Callable[[str], str]:
+    """``as_reader(url)``: the URL of the same database for the read-only login the lookup
+    service uses ($KVLEDGER_LOOKUP_DATABASE_URL's role, which scripts/services makes; else
+    one made here with the server's URL as the admin)."""
+    import sqlalchemy as sa
+
+    reader = os.environ.get("KVLEDGER_LOOKUP_DATABASE_URL")
+    if not reader and _STARTED.get("KVLEDGER_DATABASE_URL") == database_url:
+        reader = _STARTED.get("KVLEDGER_LOOKUP_DATABASE_URL")
+    if reader and sa.engine.make_url(reader).port != sa.engine.make_url(database_url).port:
+        reader = None  # another server's (e.g. a testcontainer's database_url)
+    if not reader:
+        from kvledger.consumer.roles import create_reader
+
+        password = uuid.uuid4().hex
+        create_reader(database_url, database_url, password, "kvledger_test_lookup")
+        reader = (
+            sa.engine.make_url(database_url)
+            .set(username="kvledger_test_lookup", password=password)
+            .render_as_string(hide_password=False)
+        )
+    reader_url = sa.engine.make_url(reader)
+
+    def convert(url: str) -> str:
+        name = sa.engine.make_url(url).database
+        return reader_url.set(database=name).render_as_string(hide_password=False)
+
+    return convert
 
 
 @pytest.fixture

@@ -92,7 +92,7 @@ def test_a_restarted_publisher_loses_gpu_and_cpu_and_keeps_storage(
 
 
 def test_a_silent_source_leaves_the_answers_and_comes_back(
-    kafka_bootstrap, fresh_database, make_topic, group_id
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id
 ) -> None:
     topic = make_topic("silent", partitions=1)
     quiet = publisher(kafka_bootstrap, topic, "engine-q", heartbeat_interval_s=0)
@@ -120,7 +120,7 @@ def test_a_silent_source_leaves_the_answers_and_comes_back(
         ("engine-q", "silent"), ("engine-b", "live"),
     }  # fmt: skip
     assert states == {"engine-q": "silent", "engine-b": "live"}
-    with TestClient(create_app(fresh_database, 2, window)) as client:
+    with TestClient(create_app(as_reader(fresh_database), 2, window)) as client:
         answer = client.post("/v1/match", json={"model": MODEL, "hashes": [h(1).hex()]}).json()
     assert [x["instance"] for x in answer["holders"]] == ["engine-b"]
     assert [(x["instance"], x["source_state"]) for x in answer["left_out"]] == [

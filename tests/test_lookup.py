@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import random
 import ssl
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import psycopg
 import pytest
+import sqlalchemy as sa
 from starlette.testclient import TestClient
 
 from kvledger.consumer.db import connect
@@ -240,8 +243,8 @@ def test_rank_weights_tiers() -> None:
     assert rank(holders, {"GPU": 1.0, "CPU": 0.1, "STORAGE": 0.1})[0].instance == "b"
 
 
-def test_http_bearer_token(filled) -> None:
-    url, _, _ = filled
+def test_http_bearer_token(filled, as_reader) -> None:
+    url = as_reader(filled[0])
     with TestClient(create_app(url, pool_size=2, token="s3cret")) as client:
         assert client.get("/healthz").status_code == 200  # probes need no token
         body = {"model": MODEL, "hashes": ["00" * 8]}
@@ -255,11 +258,11 @@ def test_http_bearer_token(filled) -> None:
         assert client.get("/metrics", headers=right).status_code == 200
 
 
-def test_http_endpoints(filled) -> None:
+def test_http_endpoints(filled, as_reader) -> None:
     url, fleet, _ = filled
     tokens = system_prompts(fleet)[0] + [1, 2, 3]
     hashes = prompt_hashes(tokens, fleet)
-    with TestClient(create_app(url, pool_size=2)) as client:
+    with TestClient(create_app(as_reader(url), pool_size=2)) as client:
         assert client.get("/healthz").json() == {"status": "ok"}
         by_hash = client.post(
             "/v1/match", json={"model": MODEL, "hashes": [h.hex() for h in hashes]}
@@ -364,8 +367,10 @@ def test_lookup_cli_prints_holders(filled, capsys) -> None:
     ids=["NaN", "Infinity", "deep", "big int", "NUL model", "unknown field", "at+tokens",
          "at type", "NUL lora", "not utf-8"],
 )  # fmt: skip
-def test_http_hostile_bodies_get_a_400_with_a_reason(filled, body: bytes, reason: str) -> None:
-    url, _, _ = filled
+def test_http_hostile_bodies_get_a_400_with_a_reason(
+    filled, as_reader, body: bytes, reason: str
+) -> None:
+    url = as_reader(filled[0])
     with TestClient(create_app(url, pool_size=2)) as client:
         response = client.post(
             "/v1/match", content=body, headers={"content-type": "application/json"}
@@ -374,8 +379,9 @@ def test_http_hostile_bodies_get_a_400_with_a_reason(filled, body: bytes, reason
     assert reason in response.json()["error"]
 
 
-def test_http_a_lookup_past_its_statement_timeout_is_a_503(filled) -> None:
+def test_http_a_lookup_past_its_statement_timeout_is_a_503(filled, as_reader) -> None:
     url, fleet, _ = filled
+    url = as_reader(url)
     tokens = system_prompts(fleet)[0] * 40  # a long token walk over the whole index
     with TestClient(create_app(url, pool_size=1, statement_timeout_ms=1)) as client:
         response = client.post("/v1/match", json={"model": MODEL, "token_ids": tokens})
@@ -384,7 +390,7 @@ def test_http_a_lookup_past_its_statement_timeout_is_a_503(filled) -> None:
     assert "statement timeout" in response.json()["error"]
 
 
-def test_serve_over_tls_with_a_token(fresh_database: str, tmp_path: Path) -> None:
+def test_serve_over_tls_with_a_token(fresh_database: str, as_reader, tmp_path: Path) -> None:
     """`kvledger serve --tls-cert --tls-key --token-file`: HTTPS only, the token required."""
     cert, key, token = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
     subprocess.run(
@@ -396,7 +402,7 @@ def test_serve_over_tls_with_a_token(fresh_database: str, tmp_path: Path) -> Non
     token.write_text("t0ken\n")
     port = free_port()
     proc = spawn(
-        [sys.executable, "-m", "kvledger", "serve", "--database-url", fresh_database,
+        [sys.executable, "-m", "kvledger", "serve", "--database-url", as_reader(fresh_database),
          "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key),
          "--token-file", str(token)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -422,3 +428,58 @@ def test_serve_over_tls_with_a_token(fresh_database: str, tmp_path: Path) -> Non
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_lookup_role_reads_and_cannot_write(
+    fresh_database: str, as_reader, database_url: str, tmp_path: Path
+) -> None:
+    """The lookup service's login can read and call the lookup functions, and nothing else;
+    the service refuses a role that could write instead of quietly using it."""
+    from kvledger.consumer.roles import WriterRoleError, can_write
+
+    reader = as_reader(fresh_database)
+    with connect(reader, autocommit=True) as conn:
+        assert not can_write(conn)
+        assert PrefixIndex(conn).match(MODEL, 0, [b"\x00" * 8]) == []
+        for statement in (
+            "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
+            "hash_block_size) VALUES ('x', 0, 'full_attention', 16, 16)",
+            "DELETE FROM kvledger.events",
+            "TRUNCATE kvledger.blocks",
+            "CREATE TABLE kvledger.intruder (x int)",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+    with connect(fresh_database, autocommit=True) as conn:
+        assert can_write(conn)
+    with pytest.raises(WriterRoleError, match="can write"), TestClient(create_app(fresh_database)):
+        pass
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvledger", "serve", "--database-url", fresh_database,
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "can write to the index" in refused.stderr
+
+    # `kvledger roles create-reader`: a new login, its password from the environment.
+    admin = os.environ.get("KVLEDGER_ADMIN_DATABASE_URL", database_url)
+    name = f"kvl_reader_{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, KVLEDGER_READER_PASSWORD="pw-" + name)
+    made = subprocess.run(
+        [sys.executable, "-m", "kvledger", "roles", "create-reader", name,
+         "--admin-database-url", admin, "--database-url", fresh_database],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    login = sa.engine.make_url(fresh_database).set(username=name, password="pw-" + name)
+    try:
+        with connect(login.render_as_string(hide_password=False), autocommit=True) as conn:
+            assert not can_write(conn)
+            assert conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone() == (0,)
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("DELETE FROM kvledger.blocks")
+        with TestClient(create_app(login.render_as_string(hide_password=False))) as client:
+            assert client.get("/healthz").status_code == 200
+    finally:
+        with connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP ROLE "{name}"')

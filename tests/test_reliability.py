@@ -161,12 +161,16 @@ def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, gr
 
 
 def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id) -> None:
-    # The postgres user must reach the cluster's folder: pytest's tmp_path is private to root.
+    # A state folder of its own (scripts/services lets the postgres user into it).
     state = tempfile.mkdtemp(prefix="kvledger-pgtest-")
-    os.chmod(state, 0o755)
     env = dict(os.environ, KVLEDGER_PG_PORT=str(free_port()), KVLEDGER_STATE_DIR=state)
     subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
-    db = f"postgresql+psycopg://kvledger:kvledger@127.0.0.1:{env['KVLEDGER_PG_PORT']}/kvledger"
+    printed = subprocess.run([SERVICES, "env"], env=env, check=True, capture_output=True, text=True)
+    db = next(
+        line.partition("=")[2]
+        for line in printed.stdout.splitlines()
+        if line.startswith("export KVLEDGER_DATABASE_URL=")
+    )
     try:
         migrate(db)
         topic = make_topic("pgrestart", partitions=6)

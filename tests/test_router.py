@@ -86,7 +86,7 @@ def prompts(fleet: FleetConfig, rng: random.Random, count: int) -> list[list[int
 
 
 def test_router_and_sql_give_the_same_answers(
-    kafka_bootstrap, fresh_database, make_topic, group_id
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id
 ) -> None:
     topic = make_topic("router", partitions=6)
     fleet = FleetConfig(
@@ -151,7 +151,7 @@ def test_router_and_sql_give_the_same_answers(
                 "silent_after_s": 86400}  # fmt: skip
         with (
             TestClient(create_app(router=router)) as mem,
-            TestClient(create_app(fresh_database, 2)) as sql_app,
+            TestClient(create_app(as_reader(fresh_database), 2)) as sql_app,
         ):
             health = mem.get("/healthz").json()
             assert health["mode"] == "memory" and health["position"]["behind_messages"] == 0

@@ -69,3 +69,40 @@ def test_postgresql_answers_a_query(database_url: str) -> None:
         engine.dispose()
     assert int(version) >= 140000
     assert total == 5050
+
+
+def test_local_services_are_private_to_their_user(database_url: str, tmp_path) -> None:
+    """scripts/services: a state folder someone else owns, or a link, is refused; PostgreSQL
+    asks every connection for its password; the secrets are the user's alone."""
+    import os
+    import stat
+    import subprocess
+    from pathlib import Path
+
+    import psycopg
+
+    from kvledger.consumer.db import conninfo
+
+    services = Path(__file__).resolve().parents[1] / "scripts" / "services"
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    for state, why in ((foreign, "belongs to uid 65534"), (link, "symbolic link")):
+        done = subprocess.run(
+            [str(services), "env"], env=dict(os.environ, KVLEDGER_STATE_DIR=str(state)),
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert done.returncode != 0 and why in done.stderr, done.stderr
+    url = sa.engine.make_url(database_url)
+    if url.port != 15432 and "KVLEDGER_STATE_DIR" not in os.environ:
+        pytest.skip("not scripts/services' default PostgreSQL")  # e.g. a testcontainer
+    wrong = url.set(password="not-the-password").render_as_string(hide_password=False)
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(conninfo(wrong)).close()
+    state = Path(os.environ.get("KVLEDGER_STATE_DIR", f"/tmp/kvledger-{os.getuid()}"))
+    secrets = state / "secrets"
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in secrets.iterdir())
+    assert stat.S_IMODE(state.stat().st_mode) in (0o700, 0o710)

@@ -8,9 +8,11 @@ GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
 GET  /healthz            the database answers (memory mode: the router's log position)
 GET  /metrics            Prometheus metrics
 
-SQL mode: every request runs in a read-only transaction as the kvledger_reader role when it
-exists. Memory mode (``router=``, `kvledger serve --memory`): /v1/match is answered by a
-RouterIndex; as-of lookups and block rows need the SQL-backed service (400).
+SQL mode: every request runs in a read-only transaction, and the service refuses to start
+with a role that can write to the index (log in as a member of kvledger_reader: `kvledger
+roles create-reader`) unless told ``allow_writer``. Memory mode (``router=``, `kvledger serve
+--memory`): /v1/match is answered by a RouterIndex; as-of lookups and block rows need the
+SQL-backed service (400).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvledger.consumer.db import conninfo, redact
+from kvledger.consumer.db import connect, conninfo, redact
 from kvledger.consumer.lookup.api import Holder, PrefixIndex, rank, split_live
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.requests import (
@@ -45,6 +47,7 @@ from kvledger.consumer.lookup.requests import (
     parse_match,
 )
 from kvledger.consumer.metrics import REGISTRY
+from kvledger.consumer.roles import WriterRoleError, can_write
 
 if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
@@ -54,12 +57,6 @@ logger = logging.getLogger(__name__)
 
 def _configure(conn: psycopg.Connection, statement_timeout_ms: int) -> None:
     conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
-    has_role = conn.execute(
-        "SELECT pg_has_role(current_user, 'kvledger_reader', 'MEMBER') "
-        "FROM pg_roles WHERE rolname = 'kvledger_reader'"
-    ).fetchone()
-    if has_role and has_role[0]:
-        conn.execute("SET ROLE kvledger_reader")
     # Last: it bounds every later statement, the set-up's own included.
     conn.execute(f"SET statement_timeout = {int(statement_timeout_ms)}")
 
@@ -91,12 +88,15 @@ def create_app(
     token: str | None = None,
     statement_timeout_ms: int = 5000,
     pool_timeout_s: float = 5.0,
+    allow_writer: bool = False,
 ) -> Starlette:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
     ``token``: every route but /healthz then requires ``Authorization: Bearer <token>``
     (401 without it). A lookup that runs past ``statement_timeout_ms`` or waits more than
-    ``pool_timeout_s`` for a connection is answered 503 with Retry-After."""
+    ``pool_timeout_s`` for a connection is answered 503 with Retry-After. The database role
+    must not be able to write to the index (:class:`WriterRoleError` at start-up) unless
+    ``allow_writer``."""
     expected = f"Bearer {token}".encode() if token else None
 
     def allowed(request: Request) -> bool:
@@ -234,6 +234,17 @@ def create_app(
         if pool is None:
             yield
             return
+        if not allow_writer:
+            assert database_url is not None
+            with connect(database_url, autocommit=True) as conn:  # no statement timeout here
+                writer = can_write(conn)
+                role = conn.execute("SELECT current_user").fetchone()
+            if writer:
+                raise WriterRoleError(
+                    f"the lookup service's database role {role[0] if role else '?'} can write "
+                    "to the index: log in as a read-only role (`kvledger roles create-reader`; "
+                    "$KVLEDGER_LOOKUP_DATABASE_URL) or pass --allow-writer"
+                )
         pool.open()
         try:
             yield

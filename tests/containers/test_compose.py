@@ -63,7 +63,11 @@ def test_compose_stack_end_to_end() -> None:
         "KVLEDGER_LOOKUP_PORT": free_port(),
         "KVLEDGER_METRICS_PORT": free_port(),
     }
-    env = dict(os.environ, **{k: str(v) for k, v in ports.items()})
+    secrets = {
+        "KVLEDGER_PG_PASSWORD": uuid.uuid4().hex,
+        "KVLEDGER_READER_PASSWORD": uuid.uuid4().hex,
+    }
+    env = dict(os.environ, **{k: str(v) for k, v in ports.items()}, **secrets)
     project = f"kvledger-ci-{uuid.uuid4().hex[:6]}"
     compose = [
         sys.executable, "-m", "podman_compose", "-p", project,
@@ -71,7 +75,8 @@ def test_compose_stack_end_to_end() -> None:
     ]  # fmt: skip
     bootstrap = f"127.0.0.1:{ports['KVLEDGER_KAFKA_PORT']}"
     database = (
-        f"postgresql+psycopg://kvledger:kvledger@127.0.0.1:{ports['KVLEDGER_PG_PORT']}/kvledger"
+        f"postgresql+psycopg://kvledger:{secrets['KVLEDGER_PG_PASSWORD']}"
+        f"@127.0.0.1:{ports['KVLEDGER_PG_PORT']}/kvledger"
     )
     try:
         # Podman 4.3 honours neither `condition: service_healthy` nor dependencies on a

@@ -52,26 +52,35 @@ class PrivateKafka:
     """A broker of one test's own (scripts/services on free ports with its own state
     folder), to stop and start at will without disturbing the shared one."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, security: str = "plaintext") -> None:
         self.env = dict(
             os.environ,
             KVLEDGER_KAFKA_PORT=str(free_port()),
             KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
             KVLEDGER_STATE_DIR=str(state_dir),
+            KVLEDGER_KAFKA_SECURITY=security,
         )
         self.bootstrap = f"127.0.0.1:{self.env['KVLEDGER_KAFKA_PORT']}"
+        self.admin_config: str | None = None  # with security: the admin's client properties
 
     def start(self) -> None:
         subprocess.run([_SERVICES, "up", "kafka"], env=self.env, check=True)
+        printed = subprocess.run(
+            [_SERVICES, "env"], env=self.env, check=True, capture_output=True, text=True
+        ).stdout
+        for line in printed.splitlines():
+            name, _, value = line.removeprefix("export ").partition("=")
+            if name == "KVLEDGER_KAFKA_CONFIG":
+                self.admin_config = value
 
     def stop(self, check: bool = True) -> None:
         subprocess.run([_SERVICES, "down", "kafka"], env=self.env, check=check)
 
 
 @contextmanager
-def private_kafka(state_dir: Path) -> Iterator[PrivateKafka]:
+def private_kafka(state_dir: Path, security: str = "plaintext") -> Iterator[PrivateKafka]:
     """A started :class:`PrivateKafka`, stopped when the block ends however it ends."""
-    broker = PrivateKafka(state_dir)
+    broker = PrivateKafka(state_dir, security)
     broker.start()
     try:
         yield broker

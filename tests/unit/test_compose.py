@@ -8,7 +8,8 @@ from typing import Any
 import yaml
 
 from kvledger.cli import build_parser
-from kvledger.settings import ENV_DATABASE, ENV_KAFKA
+from kvledger.roles_cmd import ENV_PASSWORD
+from kvledger.settings import ENV_DATABASE, ENV_KAFKA, ENV_LOOKUP_DATABASE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,17 +35,35 @@ def test_services_and_images() -> None:
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
 
 
+def _commands(service: dict[str, Any]) -> list[list[str]]:
+    """The kvledger command lines of a service (a `sh -c "a && b"` one split at &&)."""
+    command = service["command"]
+    if command[:2] == ["sh", "-c"]:
+        return [part.split() for part in command[2].split("&&")]
+    return [command]
+
+
 def test_app_services_use_the_codes_variables_and_commands() -> None:
     services = _compose()["services"]
     parser = build_parser()
-    for name in ("migrate", "consumer", "lookup"):
+    expected = {
+        "migrate": {ENV_KAFKA, ENV_DATABASE, ENV_PASSWORD},
+        "consumer": {ENV_KAFKA, ENV_DATABASE},
+        "lookup": {ENV_LOOKUP_DATABASE},  # the read-only login, not the owner
+    }
+    for name, variables in expected.items():
         service = services[name]
         env = service["environment"]
-        assert set(env) == {ENV_KAFKA, ENV_DATABASE}, name
-        assert env[ENV_DATABASE].startswith("postgresql+psycopg://")
-        command = service["command"]
-        assert command[0] == "kvledger"
-        parser.parse_args(command[1:])  # exits (fails the test) on an unknown flag
+        assert set(env) == variables, name
+        for key in variables & {ENV_DATABASE, ENV_LOOKUP_DATABASE}:
+            assert env[key].startswith("postgresql+psycopg://")
+        for command in _commands(service):
+            assert command[0] == "kvledger"
+            parser.parse_args(command[1:])  # exits (fails the test) on an unknown flag
+    assert ["kvledger", "roles", "create-reader", "kvledger_lookup"] in _commands(
+        services["migrate"]
+    )
+    assert "kvledger_lookup:" in services["lookup"]["environment"][ENV_LOOKUP_DATABASE]
     relay = services["relay"]
     assert set(relay["environment"]) == {ENV_KAFKA}
     assert relay["command"][:2] == ["kvledger", "relay"]
@@ -61,3 +80,21 @@ def test_host_ports_match_scripts_services() -> None:
     assert kafka in services["kafka"]["ports"]
     assert "127.0.0.1:${KVLEDGER_PG_PORT:-15432}:5432" in services["postgres"]["ports"]
     assert "KVLEDGER_KAFKA_PORT:-19092" in script and "KVLEDGER_PG_PORT:-15432" in script
+
+
+def test_no_password_is_written_in_the_file() -> None:
+    """Every password comes from the environment, and compose refuses to start without it."""
+    services = _compose()["services"]
+    urls = [
+        services["migrate"]["environment"][ENV_DATABASE],
+        services["lookup"]["environment"][ENV_LOOKUP_DATABASE],
+    ]
+    secrets = [
+        services["postgres"]["environment"]["POSTGRES_PASSWORD"],
+        services["migrate"]["environment"][ENV_PASSWORD],
+    ]
+    for url in urls:
+        password = url.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+        secrets.append(password)
+    for value in secrets:
+        assert value.startswith("${") and ":?" in value, value

@@ -224,7 +224,7 @@ def _swap_in(
         name
         for (name,) in live.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' "
-            "AND tablename <> 'alembic_version' ORDER BY tablename"
+            "ORDER BY tablename"
         )
     ]
     with live.transaction():

@@ -3,6 +3,11 @@
 Every migration runs with a lock timeout (KVLEDGER_MIGRATION_LOCK_TIMEOUT, default 10s): a
 migration that needs a table the consumer or the lookups hold fails with a clear error
 instead of queueing behind them, and in front of every later query on that table.
+
+The version table is kvledger's own, ``kvledger_migrations.version``, not Alembic's default
+``public.alembic_version`` (which any other Alembic-managed application in the database
+would share). A database migrated before that has its table moved there on the next run,
+when the revision in it is one of ours.
 """
 
 from __future__ import annotations
@@ -10,7 +15,11 @@ from __future__ import annotations
 import os
 
 from alembic import context
-from sqlalchemy import create_engine, event, pool
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, create_engine, event, pool
+
+VERSION_SCHEMA = "kvledger_migrations"
+VERSION_TABLE = "version"
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or os.environ.get("KVLEDGER_DATABASE_URL")
@@ -19,7 +28,10 @@ if not url:
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=url, literal_binds=True, version_table="alembic_version")
+    context.configure(
+        url=url, literal_binds=True, version_table=VERSION_TABLE,
+        version_table_schema=VERSION_SCHEMA,
+    )  # fmt: skip
     with context.begin_transaction():
         context.run_migrations()
 
@@ -35,10 +47,31 @@ def run_migrations_online() -> None:
         dbapi_connection.commit()  # type: ignore[attr-defined]
 
     with engine.connect() as connection:
-        context.configure(connection=connection, version_table="alembic_version")
+        _own_version_table(connection)
+        context.configure(
+            connection=connection, version_table=VERSION_TABLE,
+            version_table_schema=VERSION_SCHEMA,
+        )  # fmt: skip
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()
+
+
+def _own_version_table(connection: Connection) -> None:
+    """Create the version table's schema; move a legacy public.alembic_version of ours."""
+    run = connection.exec_driver_sql
+    run(f"CREATE SCHEMA IF NOT EXISTS {VERSION_SCHEMA}")
+    legacy = run(
+        "SELECT to_regclass('public.alembic_version') IS NOT NULL "
+        f"AND to_regclass('{VERSION_SCHEMA}.{VERSION_TABLE}') IS NULL"
+    ).scalar()
+    if legacy:
+        ours = {s.revision for s in ScriptDirectory.from_config(config).walk_revisions()}
+        held = set(run("SELECT version_num FROM public.alembic_version").scalars())
+        if held and held <= ours:
+            run(f"ALTER TABLE public.alembic_version SET SCHEMA {VERSION_SCHEMA}")
+            run(f"ALTER TABLE {VERSION_SCHEMA}.alembic_version RENAME TO {VERSION_TABLE}")
+    connection.commit()
 
 
 if context.is_offline_mode():

@@ -72,7 +72,7 @@ def test_the_installed_command_migrates_and_consumes(
     # fresh_database is already migrated: start from an empty schema to see migrate work.
     with connect(fresh_database, autocommit=True) as conn:
         conn.execute("DROP SCHEMA kvledger CASCADE")
-        conn.execute("DROP TABLE alembic_version")
+        conn.execute("DROP SCHEMA kvledger_migrations CASCADE")
     kvledger = str(installed / "kvledger")
     _run([kvledger, "migrate", "--database-url", fresh_database], tmp_path)
     topic = make_topic("install", partitions=1)

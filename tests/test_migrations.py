@@ -59,7 +59,7 @@ def test_downgrade_each_revision_and_upgrade_again(fresh_database: str) -> None:
     for revision in ("0002", "0001", "base"):
         downgrade(fresh_database, revision)
     tables, functions = _objects(fresh_database)
-    assert tables <= {"alembic_version"} and not functions
+    assert not tables and not functions
 
     migrate(fresh_database)
     assert _objects(fresh_database) == (head_tables, head_functions)
@@ -86,5 +86,29 @@ def test_a_migration_does_not_queue_behind_a_live_index(
         reader.rollback()
     migrate(fresh_database)
     with connect(fresh_database, autocommit=True) as conn:
-        row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+        row = conn.execute("SELECT version_num FROM kvledger_migrations.version").fetchone()
     assert row is not None and row[0] >= "0010"
+
+
+def test_the_version_table_is_kvledgers_own(fresh_database: str) -> None:
+    """kvledger_migrations.version, not public.alembic_version: a table of ours left there by
+    an older release moves on the next migrate; another application's is left alone."""
+    with connect(fresh_database, autocommit=True) as conn:
+        head = conn.execute("SELECT version_num FROM kvledger_migrations.version").fetchone()
+        assert conn.execute("SELECT to_regclass('public.alembic_version')").fetchone() == (None,)
+        # As an older release left it.
+        conn.execute("ALTER TABLE kvledger_migrations.version SET SCHEMA public")
+        conn.execute("ALTER TABLE public.version RENAME TO alembic_version")
+    migrate(fresh_database)
+    with connect(fresh_database, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('public.alembic_version')").fetchone() == (None,)
+        moved = conn.execute("SELECT version_num FROM kvledger_migrations.version").fetchone()
+        assert moved == head
+        # Another Alembic-managed application's table: not ours, not touched.
+        conn.execute("CREATE TABLE public.alembic_version (version_num varchar(32) PRIMARY KEY)")
+        conn.execute("INSERT INTO public.alembic_version VALUES ('ae1027a6acf')")
+    migrate(fresh_database)
+    with connect(fresh_database, autocommit=True) as conn:
+        other = conn.execute("SELECT version_num FROM public.alembic_version").fetchone()
+        ours = conn.execute("SELECT version_num FROM kvledger_migrations.version").fetchone()
+    assert other == ("ae1027a6acf",) and ours == head

@@ -21,13 +21,16 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute(
-        """
-        DROP INDEX kvledger.residencies_instance_idx;
-        CREATE INDEX residencies_holder_idx ON kvledger.residencies
-            (instance, medium, ownership, model, group_idx, block_hash);
-        """
-    )
+    # Built concurrently (outside the migration's transaction): on a large live index the
+    # consumer and the lookups go on meanwhile. A build interrupted earlier leaves an invalid
+    # index of that name: dropped first.
+    with op.get_context().autocommit_block():
+        op.execute("DROP INDEX CONCURRENTLY IF EXISTS kvledger.residencies_holder_idx")
+        op.execute(
+            "CREATE INDEX CONCURRENTLY residencies_holder_idx ON kvledger.residencies "
+            "(instance, medium, ownership, model, group_idx, block_hash)"
+        )
+        op.execute("DROP INDEX CONCURRENTLY IF EXISTS kvledger.residencies_instance_idx")
 
 
 def downgrade() -> None:

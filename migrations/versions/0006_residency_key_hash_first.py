@@ -21,12 +21,19 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # The new key's index is built concurrently (the table may be large and live); the swap
+    # of constraints then takes its lock only for a moment.
+    with op.get_context().autocommit_block():
+        op.execute("DROP INDEX CONCURRENTLY IF EXISTS kvledger.residencies_key_hash_first")
+        op.execute(
+            "CREATE UNIQUE INDEX CONCURRENTLY residencies_key_hash_first ON kvledger.residencies "
+            "(block_hash, model, group_idx, instance, medium, ownership)"
+        )
     op.execute(
         """
         ALTER TABLE kvledger.residencies
             DROP CONSTRAINT residencies_pkey,
-            ADD CONSTRAINT residencies_pkey
-                PRIMARY KEY (block_hash, model, group_idx, instance, medium, ownership);
+            ADD CONSTRAINT residencies_pkey PRIMARY KEY USING INDEX residencies_key_hash_first;
         """
     )
 

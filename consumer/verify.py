@@ -223,8 +223,7 @@ def _swap_in(
     tables = [
         name
         for (name,) in live.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' "
-            "ORDER BY tablename"
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' ORDER BY tablename"
         )
     ]
     with live.transaction():

@@ -41,7 +41,7 @@ def main(target: int = 1_000_000) -> dict[str, float]:
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "kvledger.cli", "consume", "--bootstrap", bootstrap,
-         "--database-url", db, "--topic", topic, "--group", "soak", "--until-caught-up",
+         "--database-url", db, "--topic", topic, "--consumer-group", "soak", "--until-caught-up",
          "--no-migrate", "--dlq-topic", f"{topic}.dlq"],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip

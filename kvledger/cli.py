@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import psycopg
 from confluent_kafka import KafkaException
@@ -14,6 +16,7 @@ from kvledger import (
     __version__,
     consumer_cmds,
     demo,
+    envopts,
     lookup_cmds,
     relay_cmd,
     roles_cmd,
@@ -23,11 +26,41 @@ from kvledger import (
 from kvledger.consumer.db import redact
 from kvledger.schemas.errors import KvledgerError
 
+DESCRIPTION = (
+    "kvledger: a durable, auditable index of which serving instance holds which KV-cache "
+    "blocks, built from engines' events in Kafka into PostgreSQL, with prefix lookups for "
+    "routers."
+)
+EPILOG = (
+    "Every option can also be set by an environment variable, named in each command's "
+    "--help (KVLEDGER_<COMMAND>_<OPTION>); a flag wins over the variable. `kvledger COMMAND "
+    "--help` describes a command."
+)
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """A subcommand with no description of its own shows its one-line help as one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                if sub.description is None and helps.get(name):
+                    text = str(helps[name])
+                    sub.description = text[0].upper() + text[1:] + "."
+                _describe(sub)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvledger", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", "--debug", dest="verbose", action="store_true",
+        help="debug logging, and the traceback of an error (else one line)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log-format", choices=("text", "json"), default="text",
+        help="log lines as text, or as one JSON object each (for log collectors)",
+    )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate_cmd.add_parser(subparsers)
     consumer_cmds.add_parsers(subparsers)
@@ -37,16 +70,37 @@ def build_parser() -> argparse.ArgumentParser:
     sources_cmd.add_parser(subparsers)
     relay_cmd.add_parser(subparsers)
     roles_cmd.add_parser(subparsers)
+    envopts.bind(parser)
+    _describe(parser)
     return parser
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, message (passwords
+    redacted), and the traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": redact(record.getMessage()),
+        }
+        if record.exc_info:
+            out["exception"] = redact(self.formatException(record.exc_info))
+        return json.dumps(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter()
+        if args.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     if not args.verbose:
         logging.getLogger("alembic").setLevel(logging.WARNING)
     if args.command is None:

@@ -39,7 +39,10 @@ def add_parsers(subparsers: Subparsers) -> None:
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument("--group", default=DEFAULT_GROUP, help="the Kafka consumer group")
+    p.add_argument(
+        "--consumer-group", dest="group", default=DEFAULT_GROUP,
+        help="the Kafka consumer group (its offsets live in the index)",
+    )  # fmt: skip
     p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC, help="the dead-letter topic")
     p.add_argument(
         "--dlq-replication-factor", type=int, default=-1,
@@ -237,7 +240,10 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument("--group", default=DEFAULT_GROUP, help="the live index's consumer group")
+    p.add_argument(
+        "--consumer-group", dest="group", default=DEFAULT_GROUP,
+        help="the live index's consumer group",
+    )  # fmt: skip
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
     p.add_argument("--show", type=int, default=5, help="example rows per difference")
     p.set_defaults(run=_verify)
@@ -249,7 +255,10 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument("--group", default=DEFAULT_GROUP, help="the live index's consumer group")
+    p.add_argument(
+        "--consumer-group", dest="group", default=DEFAULT_GROUP,
+        help="the live index's consumer group",
+    )  # fmt: skip
     p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
     p.add_argument(
         "--accept-partial", action="store_true",

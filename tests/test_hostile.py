@@ -328,7 +328,7 @@ def test_rebuild_refuses_to_lose_history_or_race_a_consumer(
     _send(kafka_bootstrap, topic, items)
     _consume(kafka_bootstrap, fresh_database, topic, group_id)
     args = ["rebuild", "--bootstrap", kafka_bootstrap, "--database-url", fresh_database,
-            "--topic", topic, "--group", group_id, "--yes"]  # fmt: skip
+            "--topic", topic, "--consumer-group", group_id, "--yes"]  # fmt: skip
 
     def held() -> int:
         with connect(fresh_database, autocommit=True) as conn:

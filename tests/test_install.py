@@ -86,7 +86,7 @@ def test_the_installed_command_migrates_and_consumes(
     assert producer.flush(30) == 0
     _run(
         [kvledger, "consume", "--bootstrap", kafka_bootstrap, "--database-url", fresh_database,
-         "--topic", topic, "--group", group_id, "--dlq-topic", f"{topic}.dlq",
+         "--topic", topic, "--consumer-group", group_id, "--dlq-topic", f"{topic}.dlq",
          "--until-caught-up", "--no-migrate"],
         tmp_path,
     )  # fmt: skip

@@ -102,7 +102,7 @@ def test_the_pipeline_on_an_authenticated_cluster(fresh_database: str, tmp_path:
         assert poison.flush(30) == 0
         common = ["--kafka-config", app, "--topic", TOPIC, "--database-url", fresh_database]
         done = _kvledger(
-            "consume", *common, "--group", GROUP, "--dlq-topic", DLQ, "--until-caught-up",
+            "consume", *common, "--consumer-group", GROUP, "--dlq-topic", DLQ, "--until-caught-up",
             "--no-migrate",
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -112,15 +112,15 @@ def test_the_pipeline_on_an_authenticated_cluster(fresh_database: str, tmp_path:
         assert blocks is not None and blocks[0] > 0
         dead = _kvledger("dlq", "list", "--database-url", fresh_database, "--json")
         assert dead.returncode == 0 and "undecodable" in dead.stdout, dead.stdout
-        done = _kvledger("verify", *common, "--group", GROUP)
+        done = _kvledger("verify", *common, "--consumer-group", GROUP)
         assert done.returncode == 0, done.stdout + done.stderr
 
         # No ACL: refused at once, with what is missing, not retried forever.
         for command in (
             ["simulate", "--kafka-config", intruder, "--topic", TOPIC, "--requests", "2"],
             ["consume", "--kafka-config", intruder, "--topic", TOPIC, "--database-url",
-             fresh_database, "--group", f"{PREFIX}x", "--dlq-topic", DLQ, "--until-caught-up",
-             "--no-migrate"],
+             fresh_database, "--consumer-group", f"{PREFIX}x", "--dlq-topic", DLQ,
+             "--until-caught-up", "--no-migrate"],
         ):  # fmt: skip
             start = time.monotonic()
             done = _kvledger(*command, timeout=120)
@@ -130,7 +130,7 @@ def test_the_pipeline_on_an_authenticated_cluster(fresh_database: str, tmp_path:
         # A wrong password: an error that says so, within the start-up timeout.
         done = _kvledger(
             "consume", "--kafka-config", wrong, "--topic", TOPIC, "--database-url",
-            fresh_database, "--group", GROUP, "--dlq-topic", DLQ, "--until-caught-up",
+            fresh_database, "--consumer-group", GROUP, "--dlq-topic", DLQ, "--until-caught-up",
             "--no-migrate", timeout=120,
         )  # fmt: skip
         assert done.returncode == 1, done.stderr

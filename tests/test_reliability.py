@@ -80,7 +80,7 @@ def test_verify_detects_tampering_and_rebuild_repairs(
         fresh_database,
         "--topic",
         topic,
-        "--group",
+        "--consumer-group",
         group_id,
     ]
     assert cli(["verify", *args]) == 0

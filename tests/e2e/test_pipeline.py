@@ -47,7 +47,8 @@ def test_simulate_consume_lookup(
     produced = int(next(ln for ln in out.splitlines() if ln.startswith("messages:")).split()[1])
     out = kvledger(
         "consume", "--bootstrap", kafka_bootstrap, "--database-url", fresh_database,
-        "--topic", topic, "--group", group_id, "--dlq-topic", f"{topic}.dlq", "--until-caught-up",
+        "--topic", topic, "--consumer-group", group_id, "--dlq-topic", f"{topic}.dlq",
+        "--until-caught-up",
     )  # fmt: skip
     assert f"consumed {produced} messages" in out
     assert "rejected block_size_mismatch:" in out

@@ -63,7 +63,7 @@ def consumer_process(
         db,
         "--topic",
         topic,
-        "--group",
+        "--consumer-group",
         group,
         "--dlq-topic",
         f"{topic}.dlq",

@@ -38,3 +38,91 @@ def test_an_unreachable_database_is_one_line_with_no_password(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvledger sources: database: ")
     assert "s3cret" not in err and "Traceback" not in err
+
+
+def _parse(argv: list[str], monkeypatch: pytest.MonkeyPatch, **env: str) -> argparse.Namespace:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return build_parser().parse_args(argv)
+
+
+def test_every_option_names_its_environment_variable() -> None:
+    offered = _walk(build_parser(), ["kvledger"])
+    options = [
+        (cmd, name, text)
+        for cmd, name, text in offered
+        if name.startswith("-") and name != "--version"
+    ]
+    assert len(options) > 80
+    unnamed = [(c, n) for c, n, t in options if "[env KVLEDGER_" not in t and "$KVLEDGER_" not in t]
+    assert unnamed == []
+    consume = {n: t for c, n, t in options if c == "kvledger consume"}
+    assert "[env KVLEDGER_CONSUME_BATCH_SIZE; default 5000]" in consume["--batch-size"]
+
+
+def test_a_variable_sets_an_option_and_a_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _parse(["consume"], monkeypatch, KVLEDGER_CONSUME_BATCH_SIZE="77",
+                  KVLEDGER_CONSUME_UNTIL_CAUGHT_UP="true",
+                  KVLEDGER_CONSUME_CONSUMER_GROUP="idx-2")  # fmt: skip
+    assert (args.batch_size, args.until_caught_up, args.group) == (77, True, "idx-2")
+    assert _parse(["consume", "--batch-size", "9"], monkeypatch).batch_size == 9
+    # A required option can come from its variable; a repeated one takes a list.
+    relay = _parse(
+        ["relay", "--source", "e0"], monkeypatch,
+        KVLEDGER_RELAY_ENDPOINT="tcp://127.0.0.1:5557", KVLEDGER_RELAY_MODEL="m",
+        KVLEDGER_RELAY_GROUP="0:full_attention:16,1:sliding_window:16",
+    )  # fmt: skip
+    assert relay.endpoint == "tcp://127.0.0.1:5557" and relay.model == "m"
+    assert relay.group == ["0:full_attention:16", "1:sliding_window:16"]
+    nested = _parse(["groups", "declare", "--group", "1", "--block-size", "16"], monkeypatch,
+                    KVLEDGER_GROUPS_DECLARE_MODEL="llama")  # fmt: skip
+    assert nested.model == "llama"
+    assert _parse(["lookup", "--model", "m", "--token-ids", "1"], monkeypatch,
+                  KVLEDGER_DEBUG="yes").verbose is True  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [("KVLEDGER_CONSUME_BATCH_SIZE", "many", "not a valid value"),
+     ("KVLEDGER_CONSUME_UNTIL_CAUGHT_UP", "maybe", "expected true or false"),
+     ("KVLEDGER_LOG_FORMAT", "xml", "not one of text, json")],
+)  # fmt: skip
+def test_a_bad_variable_is_a_usage_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, value: str,
+    says: str,
+) -> None:  # fmt: skip
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"${name}" in err and says in err
+
+
+def test_every_subcommand_describes_itself() -> None:
+    parser = build_parser()
+    assert "configuration is read here" not in parser.format_help()
+    for argv in (["consume"], ["dlq", "list"], ["roles", "create-reader"], ["relay"]):
+        sub = parser
+        for word in argv:
+            action = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+            sub = action.choices[word]
+        assert sub.description, argv
+
+
+def test_json_logs_are_one_object_a_line_without_passwords(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+    import logging
+
+    from kvledger.cli import JsonFormatter
+
+    record = logging.LogRecord(
+        "kvledger.x", logging.WARNING, __file__, 1,
+        "cannot reach postgresql+psycopg://kv:s3cret@db/x", None, None,
+    )  # fmt: skip
+    line = JsonFormatter().format(record)
+    data = json.loads(line)
+    assert data["level"] == "WARNING" and data["logger"] == "kvledger.x"
+    assert "s3cret" not in line and "kv:***@db" in data["message"]

@@ -10,15 +10,21 @@ SERVICES := scripts/services
 # then no local service is started.
 USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 
-.PHONY: venv services services-down demo test test-containers containers lint unit bench clean
+.PHONY: lock venv services services-down demo test test-containers containers lint unit bench clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The versions installed are constraints.txt's (the ones CI tested); `make lock` rewrites it
+# from the venv after a dependency change in pyproject.toml.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@touch $@
+
+lock: venv
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@$(PY) scripts/lock
 
 services: venv
 ifeq ($(USE_EXTERNAL),)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from importlib import resources
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -19,15 +18,6 @@ def conninfo(url: str) -> str:
     if not sep:
         raise ValueError(f"not a database URL: {url!r}")
     return f"{scheme.split('+', 1)[0]}://{rest}"
-
-
-_SECRET_IN_URL = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
-_SECRET_IN_KEYWORDS = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """``text`` with any database password in it (URL or keyword form) replaced by ***."""
-    return _SECRET_IN_KEYWORDS.sub(r"\1***", _SECRET_IN_URL.sub(r"\1***@", text))
 
 
 def connect(url: str, autocommit: bool = False) -> psycopg.Connection:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 
 from kvledger.consumer.core.model import Plan
 
+# Names follow Prometheus' conventions: counters end in _total, durations are _seconds,
+# sizes in base units. The registry also carries the process's own metrics (CPU, memory,
+# open files, GC), as the default registry would.
 REGISTRY = CollectorRegistry(auto_describe=True)
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 
 MESSAGES_APPLIED = Counter(
     "kvledger_messages_applied_total", "Messages applied to the index", registry=REGISTRY
@@ -36,8 +49,9 @@ SEQUENCE_GAPS = Counter(
     registry=REGISTRY,
 )
 BATCH_SECONDS = Histogram(
-    "kvledger_batch_seconds",
+    "kvledger_batch_duration_seconds",
     "Time to decode, validate and apply one batch (one transaction)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
     registry=REGISTRY,
 )
 FENCED = Counter(
@@ -60,9 +74,10 @@ RETRIES = Counter(
     "kvledger_batch_retries_total", "Batches retried after a database error", registry=REGISTRY
 )
 LAG = Gauge(
-    "kvledger_partition_lag",
-    "Messages between the stored offset and the partition's end offset",
-    ["partition"],
+    "kvledger_consumer_lag_messages",
+    "Messages between the stored offset and the end offset of each partition assigned to "
+    "this consumer (only its own: summed over a group's consumers, each partition counts once)",
+    ["topic", "partition"],
     registry=REGISTRY,
 )
 

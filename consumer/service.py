@@ -13,6 +13,7 @@ dead-letter error, re-seeking after a fenced batch, lag.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -370,6 +371,8 @@ class IndexConsumer:
         logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))
         for tp in partitions:
             self._read_from.pop((tp.topic, tp.partition), None)
+            with contextlib.suppress(KeyError):  # no longer ours: another consumer reports it
+                metrics.LAG.remove(tp.topic, str(tp.partition))
         consumer.unassign()
 
     def _reseek(self) -> None:
@@ -408,12 +411,23 @@ class IndexConsumer:
         except KafkaException:
             return -1
         stored = self._read_up_to()
+        mine = self._assigned_partitions()
         total = 0
         for partition, (low, high) in ends.items():
             lag = max(0, high - stored.get(partition, low))
-            metrics.LAG.labels(str(partition)).set(lag)
+            if partition in mine:
+                metrics.LAG.labels(self.config.topic, str(partition)).set(lag)
             total += lag
         return total
+
+    def _assigned_partitions(self) -> set[int]:
+        consumer = self._consumer
+        if consumer is None:
+            return set()
+        try:
+            return {tp.partition for tp in consumer.assignment()}
+        except KafkaException:
+            return set()
 
     def _read_up_to(self) -> dict[int, int]:
         """The stored offsets, moved on to the consumer's position where it has read past

@@ -3,28 +3,81 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from functools import partial
 
-import psycopg
 from confluent_kafka import KafkaException
 
-from kvledger import (
-    __version__,
-    consumer_cmds,
-    demo,
-    envopts,
-    lookup_cmds,
-    relay_cmd,
-    roles_cmd,
-    simulate_cmd,
-    sources_cmd,
-)
-from kvledger.consumer.db import redact
+from kvledger import __version__, envopts
 from kvledger.schemas.errors import KvledgerError
+from kvledger.schemas.redact import redact
+
+# The command modules, the functions that add their parsers, the commands they add, and the
+# extra that installs what they need. A base install (the producer alone) still lists every
+# command; one whose extra is missing says which to install.
+_COMMANDS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str], ...] = (
+    ("simulate_cmd", ("add_parser",), ("simulate",), ""),
+    ("consumer_cmds", ("add_parsers", "add_reliability_parsers"),
+     ("migrate", "consume", "groups", "dlq", "verify", "rebuild"), "consumer"),
+    ("demo", ("add_parser",), ("demo",), "all"),
+    ("lookup_cmds", ("add_parsers",), ("serve", "lookup"), "lookup"),
+    ("sources_cmd", ("add_parser",), ("sources",), "consumer"),
+    ("relay_cmd", ("add_parser",), ("relay",), "relay"),
+    ("roles_cmd", ("add_parser",), ("roles",), "consumer"),
+)  # fmt: skip
+
+# A module missing at run time → the extra that brings it.
+_EXTRA_OF = {
+    "psycopg": "consumer", "psycopg_pool": "consumer", "sqlalchemy": "consumer",
+    "alembic": "consumer", "prometheus_client": "consumer", "starlette": "lookup",
+    "uvicorn": "lookup", "zmq": "relay", "msgspec": "relay", "authlib": "registry",
+    "httpx": "registry", "attrs": "registry", "cachetools": "registry",
+}  # fmt: skip
+
+
+def _needs(command: str, extra: str, module: str | None, args: argparse.Namespace) -> int:
+    print(
+        f"kvledger {command}: this install lacks {module or 'a dependency'}: "
+        f"pip install 'kvledger[{extra}]'",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for module, adders, names, extra in _COMMANDS:
+        try:
+            commands = importlib.import_module(f"kvledger.{module}")
+        except ModuleNotFoundError as exc:
+            for name in names:
+                p = subparsers.add_parser(
+                    name, help=f"(not installed: pip install 'kvledger[{extra}]')",
+                    add_help=False,
+                )  # fmt: skip
+                p.add_argument("rest", nargs=argparse.REMAINDER, help="its arguments")
+                p.set_defaults(run=partial(_needs, name, extra, exc.name))
+            continue
+        for adder in adders:
+            getattr(commands, adder)(subparsers)
+
+
+def _usual_errors() -> tuple[type[BaseException], ...]:
+    """The failures printed as one line: Kafka's, kvledger's, and PostgreSQL's when the
+    consumer extra is installed."""
+    errors: list[type[BaseException]] = [KafkaException, KvledgerError]
+    try:
+        import psycopg
+
+        errors.append(psycopg.OperationalError)
+    except ModuleNotFoundError:
+        pass
+    return tuple(errors)
+
 
 DESCRIPTION = (
     "kvledger: a durable, auditable index of which serving instance holds which KV-cache "
@@ -62,14 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log lines as text, or as one JSON object each (for log collectors)",
     )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    simulate_cmd.add_parser(subparsers)
-    consumer_cmds.add_parsers(subparsers)
-    consumer_cmds.add_reliability_parsers(subparsers)
-    demo.add_parser(subparsers)
-    lookup_cmds.add_parsers(subparsers)
-    sources_cmd.add_parser(subparsers)
-    relay_cmd.add_parser(subparsers)
-    roles_cmd.add_parser(subparsers)
+    _add_commands(subparsers)
     envopts.bind(parser)
     _describe(parser)
     return parser
@@ -108,13 +154,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result: int = args.run(args)
-    except (psycopg.OperationalError, KafkaException, KvledgerError) as exc:
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if args.verbose or root not in _EXTRA_OF:
+            raise
+        return _needs(args.command, _EXTRA_OF[root], root, args)
+    except _usual_errors() as exc:
         if args.verbose:
             raise
         # The usual failures (a database or broker that does not answer, a refused operation)
         # in one line; -v shows the traceback.
-        what = "database" if isinstance(exc, psycopg.OperationalError) else (
-            "Kafka" if isinstance(exc, KafkaException) else "error"
+        what = "Kafka" if isinstance(exc, KafkaException) else (
+            "error" if isinstance(exc, KvledgerError) else "database"
         )  # fmt: skip
         first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
         if isinstance(exc, KafkaException) and exc.args and hasattr(exc.args[0], "name"):

@@ -221,8 +221,9 @@ def as_reader(database_url: str) -> Callable[[str], str]:
     reader_url = sa.engine.make_url(reader)
 
     def convert(url: str) -> str:
-        name = sa.engine.make_url(url).database
-        return reader_url.set(database=name).render_as_string(hide_password=False)
+        given = sa.engine.make_url(url)  # its database and session options, the reader's login
+        as_reader = reader_url.set(database=given.database, query=given.query)
+        return as_reader.render_as_string(hide_password=False)
 
     return convert
 

@@ -96,3 +96,59 @@ def test_the_installed_command_migrates_and_consumes(
             "SELECT count(*) FROM kvledger.events WHERE status = 'applied'"
         ).fetchone()
     assert held == (2,) and applied == (3,)
+
+
+def _site_size(venv: Path) -> int:
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+    return sum(f.stat().st_size for f in purelib.rglob("*") if f.is_file())
+
+
+def test_the_base_install_publishes_and_nothing_more(
+    tmp_path: Path, kafka_bootstrap: str, make_topic
+) -> None:
+    """`pip install kvledger` (no extra) is what an engine needs: the producer, the contract
+    and the hashing, at constraints.txt's versions; the server side is left out, and its
+    commands say which extra brings them."""
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+         tmp_path)  # fmt: skip
+    [wheel] = tmp_path.glob("kvledger-*.whl")
+    venv = tmp_path / "base"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path)
+    python = str(venv / "bin" / "python")
+    _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+          "-c", str(ROOT / "constraints.txt"), str(wheel)], tmp_path, timeout=600)  # fmt: skip
+    absent = _run(
+        [python, "-c", "import importlib.util as u; print([n for n in ('sqlalchemy', 'psycopg', "
+         "'alembic', 'starlette', 'uvicorn', 'zmq', 'msgspec', 'prometheus_client') "
+         "if u.find_spec(n) is not None])"],
+        tmp_path,
+    )  # fmt: skip
+    assert absent.strip() == "[]"
+    topic = make_topic("base", partitions=3)
+    kvledger = str(venv / "bin" / "kvledger")
+    out = _run([kvledger, "simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
+                "--requests", "5", "--seed", "1"], tmp_path)  # fmt: skip
+    assert "acknowledged" in out
+    from confluent_kafka import Consumer, TopicPartition
+
+    probe = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "probe"})
+    try:
+        ends = [probe.get_watermark_offsets(TopicPartition(topic, i), timeout=10)[1]
+                for i in range(3)]  # fmt: skip
+    finally:
+        probe.close()
+    assert sum(ends) > 5  # announcements and events, all acknowledged
+    digest = _run(
+        [python, "-c", "from kvledger.schemas.hashing import prompt_block_hashes as h; "
+         "print(len(h(list(range(12)), 4, 'xxhash_cbor')))"],
+        tmp_path,
+    )  # fmt: skip
+    assert digest.strip() == "3"
+    # The CLI is there; a server command names its extra instead of a traceback.
+    assert "simulate" in _run([kvledger, "--help"], tmp_path)
+    refused = subprocess.run(
+        [kvledger, "consume"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert refused.returncode == 1
+    assert "pip install 'kvledger[consumer]'" in refused.stderr, refused.stderr
+    print(f"\nbase install: {_site_size(venv) / 1e6:.1f} MB of site-packages")

@@ -483,3 +483,91 @@ def test_the_lookup_role_reads_and_cannot_write(
     finally:
         with connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP ROLE "{name}"')
+
+
+def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader) -> None:
+    """GET /openapi.json is a valid OpenAPI 3.1 document, every answer the service gives
+    validates against its schemas, and kvledger.client reads the same answers the Python
+    API gives."""
+    import json
+
+    import jsonschema
+    from openapi_spec_validator import validate
+    from referencing import Registry, Resource
+
+    from kvledger.client import LookupClient, LookupServiceError
+    from kvledger.consumer.lookup.openapi import DOCUMENT
+
+    validate(DOCUMENT)
+    registry = Registry().with_resource("urn:api", Resource.from_contents(
+        {"$schema": "https://json-schema.org/draft/2020-12/schema", **DOCUMENT}
+    ))  # fmt: skip
+
+    def conforms(body: object, schema: str) -> None:
+        ref = {"$ref": f"urn:api#/components/schemas/{schema}"}
+        jsonschema.Draft202012Validator(ref, registry=registry).validate(body)
+
+    url, fleet, _ = filled
+    tokens = system_prompts(fleet)[0] + [7, 8, 9]
+    hashes = prompt_hashes(tokens, fleet)
+    port = free_port()
+    spawn(
+        [sys.executable, "-m", "kvledger", "serve", "--database-url", as_reader(url),
+         "--port", str(port)],
+        env=dict(os.environ, KVLEDGER_LOOKUP_TOKEN="tok"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert httpx.get(f"{base}/healthz").status_code == 200
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "the service never answered"
+            time.sleep(0.3)
+    document = httpx.get(f"{base}/openapi.json")  # no token needed, like /healthz
+    assert document.status_code == 200 and document.json() == json.loads(json.dumps(DOCUMENT))
+    auth = {"Authorization": "Bearer tok"}
+    raw = httpx.post(
+        f"{base}/v1/match", headers=auth,
+        json={"model": MODEL, "hashes": [h.hex() for h in hashes], "include_silent": True},
+    )  # fmt: skip
+    conforms(raw.json(), "MatchAnswer")
+    assert raw.json()["holders"]
+    bad = httpx.post(f"{base}/v1/match", headers=auth, json={"model": MODEL})
+    assert bad.status_code == 400
+    conforms(bad.json(), "Error")
+    conforms(httpx.get(f"{base}/healthz").json(), "Health")
+
+    with connect(url, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        want = index.match(MODEL, 0, hashes, include_silent=True)
+        want_tokens = index.match_tokens(MODEL, 0, tokens, include_silent=True)
+        rows = index.blocks(hashes[0])
+    with LookupClient(base, token="tok") as client:
+        assert client.healthz() == {"status": "ok"}
+        answer = client.match(MODEL, hashes=hashes, include_silent=True)
+        got = [(h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens)
+               for h in answer.holders]  # fmt: skip
+        assert got == [(h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens)
+                       for h in want]  # fmt: skip
+        assert [r.instance for r in answer.ranked] == [r.instance for r in rank(want)]
+        by_tokens = client.match(MODEL, token_ids=tokens, include_silent=True)
+        assert [h.matched_tokens for h in by_tokens.holders] == [
+            h.matched_tokens for h in want_tokens
+        ]
+        blocks = client.blocks(hashes[0])
+        assert [(b.block_hash, b.block_size, len(b.holders)) for b in blocks] == [
+            (b.block_hash, b.block_size, len(b.holders)) for b in rows
+        ]
+        raw_blocks = httpx.get(f"{base}/v1/blocks/{hashes[0].hex()}", headers=auth).json()
+        for row in raw_blocks:
+            conforms(row, "Block")
+        assert client.blocks(b"\x00" * 8) == []
+        with pytest.raises(LookupServiceError) as refused:
+            client.match(MODEL, hashes=[b"\x01" * 8], token_ids=[1])
+        assert refused.value.status == 400 and "exactly one" in refused.value.reason
+    with LookupClient(base) as anonymous, pytest.raises(LookupServiceError) as no_token:
+        anonymous.match(MODEL, hashes=hashes)
+    assert no_token.value.status == 401

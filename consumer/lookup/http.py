@@ -7,6 +7,7 @@ POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...]
 GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
 GET  /healthz            the database answers (memory mode: the router's log position)
 GET  /metrics            Prometheus metrics
+GET  /openapi.json       this API described (OpenAPI 3.1; kvledger.client is a typed client)
 
 SQL mode: every request runs in a read-only transaction, and the service refuses to start
 with a role that can write to the index (log in as a member of kvledger_reader: `kvledger
@@ -35,9 +36,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvledger.consumer.db import connect, conninfo, redact
+from kvledger.consumer.db import connect, conninfo
 from kvledger.consumer.lookup.api import Holder, PrefixIndex, rank, split_live
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
+from kvledger.consumer.lookup.openapi import DOCUMENT
 from kvledger.consumer.lookup.requests import (
     MAX_BODY_BYTES,
     BadRequestError,
@@ -48,6 +50,7 @@ from kvledger.consumer.lookup.requests import (
 )
 from kvledger.consumer.metrics import REGISTRY
 from kvledger.consumer.roles import WriterRoleError, can_write
+from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
@@ -257,6 +260,7 @@ def create_app(
             Route("/v1/blocks/{block_hash}", timed("blocks", block), methods=["GET"]),
             Route("/healthz", timed("healthz", healthz), methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", lambda _: JSONResponse(DOCUMENT), methods=["GET"]),
         ],
         lifespan=lifespan,
     )

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+)
 
 
 class RelayMetrics:
@@ -10,7 +17,11 @@ class RelayMetrics:
     ``--metrics-port``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
+        if registry is None:  # the process's own metrics too, as the default registry has
+            registry = CollectorRegistry(auto_describe=True)
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
         r = self.registry
         self.batches_received = Counter(
             "kvledger_relay_batches_received_total",

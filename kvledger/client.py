@@ -1,0 +1,210 @@
+"""A small typed client of the lookup service's HTTP API (see GET /openapi.json).
+
+Standard library only, so a router imports it from the base install::
+
+    from kvledger.client import LookupClient
+
+    with LookupClient("http://127.0.0.1:8080", token="...") as lookups:
+        answer = lookups.match("llama-3-8b", hashes=prompt_hashes)
+        best = answer.ranked[0].instance if answer.ranked else None
+
+One keep-alive connection per client (not thread-safe: one client per thread). A refusal
+raises :class:`LookupServiceError` with the service's status, reason and Retry-After.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One holder's match: leading whole blocks and tokens of the prompt it holds."""
+
+    instance: str
+    medium: str
+    ownership: str
+    matched_blocks: int
+    matched_tokens: int
+    source_state: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    instance: str
+    score: float
+    tokens_by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchAnswer:
+    holders: list[Holder]
+    ranked: list[Ranked]
+    left_out: list[Holder]
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    instance: str
+    medium: str
+    ownership: str
+    locality: str | None
+    since: datetime
+    refcount: int
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    model: str
+    group_idx: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_start: int | None
+    token_end: int | None
+    block_size: int
+    partial: bool
+    lora_name: str | None
+    first_seen: datetime
+    last_seen: datetime
+    holders: list[Residency]
+
+
+class LookupServiceError(Exception):
+    """The service answered with an error: ``status``, its ``reason``, and for a 503 the
+    seconds to wait (``retry_after``)."""
+
+    def __init__(self, status: int, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(f"{status}: {reason}")
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class LookupClient:
+    """The lookup service at ``base_url`` (http:// or https://); ``token`` for a service run
+    with --token-file; ``ssl_context`` to trust a private CA."""
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self._prefix = url.path.rstrip("/")
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection
+        if url.scheme == "https":
+            self._conn = http.client.HTTPSConnection(
+                url.hostname, url.port, timeout=timeout, context=ssl_context
+            )
+        else:
+            self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+
+    def match(
+        self,
+        model: str,
+        hashes: Sequence[bytes | int | str] | None = None,
+        token_ids: Sequence[int] | None = None,
+        group_idx: int = 0,
+        granularity: Literal["block", "hash"] = "block",
+        lora_name: str | None = None,
+        at: datetime | None = None,
+        weights: Mapping[str, float] | None = None,
+        include_silent: bool = False,
+        silent_after_s: float | None = None,
+    ) -> MatchAnswer:
+        """POST /v1/match: by block hashes (bytes, vLLM's int form, or hex) or token ids."""
+        body: dict[str, Any] = {"model": model, "group_idx": group_idx}
+        if hashes is not None:
+            body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
+            body["granularity"] = granularity
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        for key, value in (("lora_name", lora_name), ("weights", weights),
+                           ("silent_after_s", silent_after_s)):  # fmt: skip
+            if value is not None:
+                body[key] = dict(value) if isinstance(value, Mapping) else value
+        if at is not None:
+            body["at"] = at.isoformat()
+        if include_silent:
+            body["include_silent"] = True
+        data = self._request("POST", "/v1/match", body)
+        return MatchAnswer(
+            holders=[Holder(**h) for h in data["holders"]],
+            ranked=[Ranked(**r) for r in data["ranked"]],
+            left_out=[Holder(**h) for h in data["left_out"]],
+        )
+
+    def blocks(self, block_hash: bytes | int | str) -> list[Block]:
+        """GET /v1/blocks/{hash}: the index's rows of one hash ([] when it has none)."""
+        key = block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
+        try:
+            rows = self._request("GET", f"/v1/blocks/{urllib.parse.quote(key)}")
+        except LookupServiceError as exc:
+            if exc.status == 404:
+                return []
+            raise
+        return [_block(row) for row in rows]
+
+    def healthz(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", "/healthz")
+        return result
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> LookupClient:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, body: object = None) -> Any:
+        payload = None if body is None else json.dumps(body).encode()
+        for attempt in (1, 2):  # once more on a keep-alive connection the server had closed
+            try:
+                self._conn.request(method, self._prefix + path, payload, self._headers)
+                response = self._conn.getresponse()
+                raw = response.read()
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._conn.close()
+                if attempt == 2:
+                    raise
+        data = json.loads(raw) if raw else None
+        if response.status >= 400:
+            reason = data.get("error", "") if isinstance(data, dict) else raw.decode()[:200]
+            retry = response.getheader("Retry-After")
+            raise LookupServiceError(response.status, reason, float(retry) if retry else None)
+        return data
+
+
+def _block(row: Mapping[str, Any]) -> Block:
+    parent = row["parent_hash"]
+    return Block(
+        model=row["model"], group_idx=row["group_idx"],
+        block_hash=bytes.fromhex(row["block_hash"]),
+        parent_hash=bytes.fromhex(parent) if parent is not None else None,
+        token_start=row["token_start"], token_end=row["token_end"],
+        block_size=row["block_size"], partial=row["partial"], lora_name=row["lora_name"],
+        first_seen=datetime.fromisoformat(row["first_seen"]),
+        last_seen=datetime.fromisoformat(row["last_seen"]),
+        holders=[
+            Residency(h["instance"], h["medium"], h["ownership"], h["locality"],
+                      datetime.fromisoformat(h["since"]), h["refcount"])
+            for h in row["holders"]
+        ],
+    )  # fmt: skip

@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
     p.add_argument(
         "--heartbeat-interval", type=float, default=5.0,
-        help="seconds of engine silence before probing it and sending a heartbeat",
+        help="seconds of engine silence before probing it and sending a heartbeat (0: never)",
     )  # fmt: skip
     p.set_defaults(run=_run)
 

@@ -127,7 +127,7 @@ def test_the_base_install_publishes_and_nothing_more(
     topic = make_topic("base", partitions=3)
     kvledger = str(venv / "bin" / "kvledger")
     out = _run([kvledger, "simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
-                "--requests", "5", "--seed", "1"], tmp_path)  # fmt: skip
+                "--requests", "5", "--seed", "1", "--partitions", "3"], tmp_path)  # fmt: skip
     assert "acknowledged" in out
     from confluent_kafka import Consumer, TopicPartition
 
@@ -140,7 +140,7 @@ def test_the_base_install_publishes_and_nothing_more(
     assert sum(ends) > 5  # announcements and events, all acknowledged
     digest = _run(
         [python, "-c", "from kvledger.schemas.hashing import prompt_block_hashes as h; "
-         "print(len(h(list(range(12)), 4, 'xxhash_cbor')))"],
+         "print(len(h(list(range(12)), 4, 'xxhash_cbor', seed='0')))"],
         tmp_path,
     )  # fmt: skip
     assert digest.strip() == "3"

@@ -16,7 +16,7 @@ import pytest
 from kvledger.consumer.db import connect
 from kvledger.vllm_engine import ZmqEngine, stored
 from tests.helpers.consuming import wait_caught_up
-from tests.helpers.procs import free_port, spawn
+from tests.helpers.procs import free_port, reap, spawn
 from tests.helpers.prometheus import ensure_prometheus, prometheus_server
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,8 @@ def test_prometheus_scrapes_the_consumer_the_lookup_service_and_the_relay(
             engine.publish([stored([1000 + i], None, [i, i + 1, i + 2, i + 3], 4)])
         done = subprocess.run(
             _kvledger("simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
-                      "--requests", "12", "--seed", "4", "--misconfigured-source"),
+                      "--requests", "12", "--seed", "4", "--misconfigured-source",
+                      "--partitions", "3"),
             capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -120,6 +121,7 @@ def test_prometheus_scrapes_the_consumer_the_lookup_service_and_the_relay(
             for job in ports:  # the process's own metrics, as on the default registry
                 assert prom.value(f'process_resident_memory_bytes{{job="{job}"}}'), job
     finally:
+        reap()  # the services' sessions end before the database is dropped
         engine.close()
 
 

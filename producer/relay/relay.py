@@ -24,7 +24,7 @@ thread). Its loop:
    its successor resumes after the last whole one. When Kafka is unreachable the relay stops
    reading (ZMQ's bounded queue then drops live batches), keeps retrying, and, once Kafka is
    back, replays from the last committed batch. It never exits on a broker outage.
-5. Idle: every ``heartbeat_interval_s`` without batches it probes the engine's replay socket;
+5. Idle: every ``heartbeat_interval_s`` (0: never) without batches it probes the engine's replay socket;
    an answer (which would also bring any missed batch) is published as a Heartbeat, silence
    is left silent. Stopping the relay is not the engine's goodbye: none is sent.
 """
@@ -281,7 +281,8 @@ class RankRelay:
             got = self._link.receive(50)
             if got is None:
                 self._commit_if_due(idle=True)
-                if time.monotonic() - self._last_activity >= cfg.heartbeat_interval_s:
+                idle = time.monotonic() - self._last_activity
+                if cfg.heartbeat_interval_s > 0 and idle >= cfg.heartbeat_interval_s:
                     self._probe()
                 return
             seq, payload = got

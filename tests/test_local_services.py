@@ -1,0 +1,75 @@
+"""scripts/services is not open to the machine's other users: a state folder someone else
+owns, or a link, is refused; PostgreSQL asks every connection for its password, and the
+roles and secrets it makes are the ones README promises."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from kvledger.consumer.db import conninfo
+from tests.helpers.procs import free_port
+
+pytestmark = pytest.mark.integration
+SERVICES = str(Path(__file__).resolve().parents[1] / "scripts" / "services")
+
+
+def test_a_state_folder_of_someone_else_or_a_link_is_refused(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    for state, why in ((foreign, "belongs to uid 65534"), (link, "symbolic link")):
+        done = subprocess.run(
+            [SERVICES, "env"], env=dict(os.environ, KVLEDGER_STATE_DIR=str(state)),
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert done.returncode != 0 and why in done.stderr, done.stderr
+
+
+def test_postgres_asks_for_passwords_and_the_roles_are_least_privilege() -> None:
+    state = Path(tempfile.mkdtemp(prefix="kvledger-privacy-"))
+    env = dict(os.environ, KVLEDGER_PG_PORT=str(free_port()), KVLEDGER_STATE_DIR=str(state))
+    subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
+    try:
+        printed = subprocess.run(
+            [SERVICES, "env"], env=env, check=True, capture_output=True, text=True
+        ).stdout
+        urls = dict(
+            line.removeprefix("export ").split("=", 1)
+            for line in printed.splitlines()
+            if "_DATABASE_URL=" in line
+        )
+        owner = urls["KVLEDGER_DATABASE_URL"]
+        wrong = sa.engine.make_url(owner).set(password="not-the-password")
+        with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+            psycopg.connect(conninfo(wrong.render_as_string(hide_password=False))).close()
+        with psycopg.connect(conninfo(owner)) as conn:
+            row = conn.execute(
+                "SELECT rolsuper, rolcreaterole, rolcreatedb FROM pg_roles "
+                "WHERE rolname = current_user"
+            ).fetchone()
+        assert row == (False, False, True)  # owner: scratch databases, no roles, no super
+        with psycopg.connect(conninfo(urls["KVLEDGER_LOOKUP_DATABASE_URL"])) as conn:
+            member = conn.execute(
+                "SELECT pg_has_role(current_user, 'kvledger_reader', 'MEMBER')"
+            ).fetchone()
+        assert member == (True,)
+        assert stat.S_IMODE(state.stat().st_mode) in (0o700, 0o710)
+        secrets = state / "secrets"
+        assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+        assert {f.name for f in secrets.iterdir()} >= {"pg_superuser", "pg_owner", "pg_reader"}
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in secrets.iterdir())
+        data = next(state.glob("pg-*"))
+        assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    finally:
+        subprocess.run([SERVICES, "down", "postgres"], env=env, check=False)
+        subprocess.run(["rm", "-rf", str(state)], check=False)

@@ -24,9 +24,9 @@ thread). Its loop:
    its successor resumes after the last whole one. When Kafka is unreachable the relay stops
    reading (ZMQ's bounded queue then drops live batches), keeps retrying, and, once Kafka is
    back, replays from the last committed batch. It never exits on a broker outage.
-5. Idle: every ``heartbeat_interval_s`` (0: never) without batches it probes the engine's replay socket;
-   an answer (which would also bring any missed batch) is published as a Heartbeat, silence
-   is left silent. Stopping the relay is not the engine's goodbye: none is sent.
+5. Idle: every ``heartbeat_interval_s`` (0: never) without batches it probes the engine's
+   replay socket; an answer (which would also bring any missed batch) is published as a
+   Heartbeat, silence is left silent. Stopping the relay is not the engine's goodbye: none is sent.
 """
 
 from __future__ import annotations

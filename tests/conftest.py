@@ -105,7 +105,7 @@ def kafka_bootstrap() -> Iterator[str]:
         yield value
         return
     if _docker_engine_answers():
-        image = os.environ.get("KVLEDGER_TEST_KAFKA_IMAGE", "apache/kafka:4.1.1")
+        image = os.environ.get("KVLEDGER_TEST_KAFKA_IMAGE", "apache/kafka:4.3.1")
         container = None
         try:
             container, bootstrap = _kafka_container(image)
@@ -133,7 +133,7 @@ def database_url() -> Iterator[str]:
     if _docker_engine_answers():
         from testcontainers.community.postgres import PostgresContainer
 
-        image = os.environ.get("KVLEDGER_TEST_POSTGRES_IMAGE", "postgres:16")
+        image = os.environ.get("KVLEDGER_TEST_POSTGRES_IMAGE", "postgres:15")
         container = None
         try:  # DockerException is raised at construction when the engine goes away
             container = PostgresContainer(

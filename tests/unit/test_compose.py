@@ -25,7 +25,7 @@ def test_services_and_images() -> None:
     assert services["relay"]["profiles"] == ["relay"]  # only with an engine to relay
     kafka_image = services["kafka"]["image"]
     assert kafka_image.startswith("apache/kafka:4.")
-    assert services["postgres"]["image"] == "postgres:16"
+    assert services["postgres"]["image"].startswith("postgres:")
     assert "KRaft" in (ROOT / "docker-compose.yml").read_text()
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"
     for name in ("kafka", "postgres", "lookup"):
@@ -98,3 +98,23 @@ def test_no_password_is_written_in_the_file() -> None:
         secrets.append(password)
     for value in secrets:
         assert value.startswith("${") and ":?" in value, value
+
+
+def test_one_version_of_each_service_everywhere() -> None:
+    """scripts/services (Kafka jars by deploy/kafka/pom.xml, the machine's PostgreSQL: Debian
+    bookworm's 15), the test images (the same jars, bookworm's postgresql), docker-compose.yml
+    and the testcontainers defaults name the same Kafka release and PostgreSQL major."""
+    import re
+
+    pom = (ROOT / "deploy" / "kafka" / "pom.xml").read_text()
+    match = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom)
+    assert match is not None
+    kafka = match.group(1)
+    services = _compose()["services"]
+    assert services["kafka"]["image"] == f"apache/kafka:{kafka}"
+    assert services["postgres"]["image"] == "postgres:15"
+    conftest = (ROOT / "tests" / "conftest.py").read_text()
+    assert f'"apache/kafka:{kafka}"' in conftest and '"postgres:15"' in conftest
+    for image in ("kafka", "postgres"):
+        containerfile = (ROOT / "deploy" / "containers" / image / "Containerfile").read_text()
+        assert "FROM debian:bookworm" in containerfile  # bookworm's postgresql is 15

@@ -172,7 +172,7 @@ def test_each_rejection_end_to_end_and_replay(
                 fresh_database,
                 "--model",
                 "m",
-                "--consumer-group",
+                "--group",
                 "5",
                 "--block-size",
                 "16",

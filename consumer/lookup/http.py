@@ -58,6 +58,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Whether the server is a hot standby, and its replay lag: the time since the last replayed
+# transaction committed on the primary, 0 when it has replayed everything it received.
+_STANDBY = """
+SELECT pg_is_in_recovery(),
+       CASE WHEN pg_last_wal_receive_lsn() = pg_last_wal_replay_lsn() THEN interval '0'
+            ELSE now() - pg_last_xact_replay_timestamp() END,
+       pg_last_wal_replay_lsn()
+"""
+
+
 def _configure(conn: psycopg.Connection, statement_timeout_ms: int) -> None:
     conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
     # Last: it bounds every later statement, the set-up's own included.
@@ -225,7 +235,16 @@ def create_app(
             )
         with index() as idx:
             idx.conn.execute("SELECT 1 FROM kvledger.group_specs LIMIT 1")
-        return JSONResponse({"status": "ok"})
+            row = idx.conn.execute(_STANDBY).fetchone()
+        if row is None or not row[0]:
+            return JSONResponse({"status": "ok"})
+        # A hot standby: how far its replay is behind (None before any replayed commit).
+        lag = row[1]
+        return JSONResponse({
+            "status": "ok", "standby": True,
+            "replay_lag_s": lag.total_seconds() if lag is not None else None,
+            "replay_lsn": str(row[2]) if row[2] is not None else None,
+        })  # fmt: skip
 
     def metrics(request: Request) -> Response:
         if not allowed(request):

@@ -172,6 +172,12 @@ SCHEMAS: dict[str, Any] = {
             "status": {"enum": ["ok", "stopped"]},
             "mode": {"enum": ["memory"]},
             "position": {"type": "object", "description": "memory mode: the router's log position"},
+            "standby": {"type": "boolean", "description": "SQL mode on a hot standby"},
+            "replay_lag_s": {
+                "type": ["number", "null"],
+                "description": "on a standby: seconds its replay is behind the primary",
+            },
+            "replay_lsn": {"type": ["string", "null"]},
         },
     },
 }

@@ -21,7 +21,13 @@ def _compose() -> dict[str, Any]:
 
 def test_services_and_images() -> None:
     services = _compose()["services"]
-    assert set(services) == {"kafka", "postgres", "migrate", "consumer", "lookup", "relay"}
+    assert set(services) == {
+        "kafka", "postgres", "postgres-standby", "migrate", "consumer", "lookup", "relay",
+    }  # fmt: skip
+    assert services["postgres-standby"]["profiles"] == ["standby"]  # only when asked
+    script = "./deploy/compose/primary-replication.sh"
+    assert any(v.startswith(script + ":") for v in services["postgres"]["volumes"])
+    assert (ROOT / script).stat().st_mode & 0o111  # the postgres image runs it
     assert services["relay"]["profiles"] == ["relay"]  # only with an engine to relay
     kafka_image = services["kafka"]["image"]
     assert kafka_image.startswith("apache/kafka:4.")
@@ -113,6 +119,7 @@ def test_one_version_of_each_service_everywhere() -> None:
     services = _compose()["services"]
     assert services["kafka"]["image"] == f"apache/kafka:{kafka}"
     assert services["postgres"]["image"] == "postgres:15"
+    assert services["postgres-standby"]["image"] == "postgres:15"
     conftest = (ROOT / "tests" / "conftest.py").read_text()
     assert f'"apache/kafka:{kafka}"' in conftest and '"postgres:15"' in conftest
     for image in ("kafka", "postgres"):

@@ -23,6 +23,7 @@ from kvledger.consumer.db import connect, create_database, drop_database, migrat
 from kvledger.consumer.service import IndexConsumer, RunSummary, stored_offsets
 from kvledger.consumer.store.postgres import load_specs, upsert_group_specs
 from kvledger.consumer.store.tables import COMPARED
+from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.topics import admin_settings
 
@@ -79,6 +80,7 @@ def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
 def _replay_log(
     bootstrap: str, scratch_url: str, topic: str, group_prefix: str,
     kafka: Mapping[str, object] | None, stop_at: Mapping[int, int] | None = None,
+    codec: Codec | None = None,
 ) -> RunSummary:  # fmt: skip
     """Apply the topic from its start into the index at ``scratch_url``, up to ``stop_at``
     (else to its end), under a Kafka group of its own (``group_prefix`` + a random suffix:
@@ -95,7 +97,8 @@ def _replay_log(
             batch_size=5000,
             batch_timeout_s=0.2,
             kafka=kafka or {},
-        )
+        ),
+        codec=codec,
     ).run()
 
 
@@ -118,6 +121,7 @@ def verify(
     group: str,
     scratch_url: str | None = None,
     kafka: Mapping[str, object] | None = None,
+    codec: Codec | None = None,
 ) -> VerifyResult:
     """Rebuild into a scratch database up to the live offsets and compare."""
     created = scratch_url is None
@@ -130,7 +134,13 @@ def verify(
             _copy_declared(live, scratch)
             targets = stored_offsets(live, group, topic)
         summary = _replay_log(
-            bootstrap, scratch_url, topic, f"{group}-verify-", kafka, stop_at=targets
+            bootstrap,
+            scratch_url,
+            topic,
+            f"{group}-verify-",
+            kafka,
+            stop_at=targets,
+            codec=codec,
         )
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             a, b = dump(live), dump(scratch)
@@ -153,6 +163,7 @@ def rebuild(
     group: str,
     accept_partial: bool = False,
     kafka: Mapping[str, object] | None = None,
+    codec: Codec | None = None,
 ) -> RunSummary:
     """Replace the live index with one rebuilt from the topic (declared specs kept).
 
@@ -173,7 +184,9 @@ def rebuild(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
         # The live group's offsets are written into the index when it is swapped in.
-        summary = _replay_log(bootstrap, scratch_url, topic, f"{group}-rebuild-", kafka)
+        summary = _replay_log(
+            bootstrap, scratch_url, topic, f"{group}-rebuild-", kafka, codec=codec
+        )
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _swap_in(scratch, live, summary_group=f"{group}-rebuild-", live_group=group)
         return summary

@@ -38,6 +38,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
+    settings.add_registry_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument(
         "--consumer-group", dest="group", default=DEFAULT_GROUP,
@@ -104,6 +105,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     p = ds.add_parser("replay", help="re-apply pending rejected events (idempotent)")
     _db_arg(p)
     p.add_argument("--reason", help="only this reason (needed for duplicate and stale_epoch)")
+    settings.add_registry_args(p)
     p.set_defaults(run=_dlq_replay)
 
 
@@ -148,7 +150,8 @@ def _consume(args: argparse.Namespace) -> int:
     config = consumer_config(args)
     if not args.no_migrate:
         migrate(config.database_url)
-    service = IndexConsumer(config, progress=terminal_progress)
+    codec = settings.codec(args, config.topic, writer=False)
+    service = IndexConsumer(config, codec=codec, progress=terminal_progress)
 
     def on_signal(signum: int, frame: Any) -> None:
         logger.info("signal %d: finishing the current batch", signum)
@@ -225,7 +228,8 @@ def _dlq_list(args: argparse.Namespace) -> int:
 
 def _dlq_replay(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
-        result = admin.replay(conn, reason=args.reason)
+        codec = settings.codec(args, "", writer=False)  # reads: registry framing by id
+        result = admin.replay(conn, reason=args.reason, codec=codec)
     print(f"replayed {result.replayed} of {result.considered} pending rejected events")
     for reason, count in sorted(result.still_rejected.items()):
         print(f"  still rejected {reason}: {count}")
@@ -239,6 +243,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
+    settings.add_registry_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument(
         "--consumer-group", dest="group", default=DEFAULT_GROUP,
@@ -254,6 +259,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     _db_arg(p)
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
+    settings.add_registry_args(p)
     p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
     p.add_argument(
         "--consumer-group", dest="group", default=DEFAULT_GROUP,
@@ -278,6 +284,7 @@ def _verify(args: argparse.Namespace) -> int:
         args.group,
         args.scratch_url,
         kafka=settings.kafka_settings(args),
+        codec=settings.codec(args, args.topic, writer=False),
     )
     targets = ", ".join(f"{p}@{o}" for p, o in sorted(result.targets.items())) or "(none)"
     print(f"rebuilt {result.rebuilt.messages} messages from {args.topic} up to {targets}")
@@ -315,6 +322,7 @@ def _rebuild(args: argparse.Namespace) -> int:
             args.group,
             accept_partial=args.accept_partial,
             kafka=settings.kafka_settings(args),
+            codec=settings.codec(args, args.topic, writer=False),
         )
     except RebuildRefusedError as exc:
         print(f"kvledger rebuild: refused: {exc}", file=sys.stderr)

@@ -43,6 +43,7 @@ def add_parsers(subparsers: Subparsers) -> None:
         "--bootstrap", help="with --memory: Kafka servers (else $KVLEDGER_KAFKA_BOOTSTRAP)"
     )
     settings.add_kafka_args(p)
+    settings.add_registry_args(p)
     p.add_argument("--topic", default="kv-events", help="with --memory: the events topic")
     p.add_argument(
         "--consumer-group",
@@ -135,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
     router = RouterIndex(
         settings.kafka_bootstrap(args), args.topic, args.consumer_group,
         kafka=dict(settings.kafka_settings(args)),
+        codec=settings.codec(args, args.topic, writer=False),
     )  # fmt: skip
     with connect(database) as conn:
         router.bootstrap(conn)

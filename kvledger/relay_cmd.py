@@ -54,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--engine-topic", default="", help="the engine's ZMQ topic (vLLM's `topic`)")
     p.add_argument("--bootstrap", help=f"Kafka bootstrap servers (env {settings.ENV_KAFKA})")
     settings.add_kafka_args(p)
+    settings.add_registry_args(p)
     p.add_argument(
         "--partitions", type=int, default=DEFAULT_PARTITIONS,
         help="partitions when the relay creates the topic",
@@ -96,6 +97,7 @@ def _run(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         surviving_media=survivors,
         kafka=dict(kafka),
+        codec=settings.codec(args, args.topic, writer=True),
     )
     try:
         admin = AdminClient({**kafka, "bootstrap.servers": bootstrap, "log_level": 3})

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvledger.schemas.codec import Codec
 
 ENV_KAFKA = "KVLEDGER_KAFKA_BOOTSTRAP"
 ENV_DATABASE = "KVLEDGER_DATABASE_URL"
@@ -99,3 +103,46 @@ def read_properties(path: str) -> dict[str, str]:
             raise SystemExit(f"kvledger: {path}:{number}: expected key=value")
         out[line[:cut].strip()] = line[cut + 1 :].strip()
     return out
+
+
+ENV_REGISTRY = "KVLEDGER_SCHEMA_REGISTRY"
+ENV_REGISTRY_CONFIG = "KVLEDGER_SCHEMA_REGISTRY_CONFIG"
+
+
+def add_registry_args(parser: argparse.ArgumentParser) -> None:
+    """--schema-registry URL (with its client settings and the subject strategy): Confluent
+    Schema Registry framing, for every command that reads or writes the topic."""
+    parser.add_argument(
+        "--schema-registry", metavar="URL",
+        help=f"Confluent Schema Registry (else ${ENV_REGISTRY}): readers resolve writer schemas "
+        "by id and never register; publishers register under the topic's subject",
+    )  # fmt: skip
+    parser.add_argument(
+        "--schema-registry-config", metavar="FILE",
+        help=f"registry client settings as properties, e.g. basic.auth.user.info, ssl.ca.location "
+        f"(else ${ENV_REGISTRY_CONFIG})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--subject-strategy", choices=("topic", "record", "topic_record"),
+        help="how publishers name the subject: <topic>-value (topic, the default; "
+        "$KVLEDGER_SUBJECT_STRATEGY), kvledger.Envelope (record), <topic>-kvledger.Envelope",
+    )  # fmt: skip
+
+
+def codec(args: argparse.Namespace, topic: str, writer: bool) -> Codec | None:
+    """The codec for --schema-registry (None without one: the default framing). A writer
+    registers under the subject of ``topic``; a reader never registers."""
+    from kvledger.schemas.codec import Codec
+    from kvledger.schemas.registry import open_registry, subject_for
+
+    url = getattr(args, "schema_registry", None) or from_env(ENV_REGISTRY)
+    if not url:
+        return None
+    path = getattr(args, "schema_registry_config", None) or from_env(ENV_REGISTRY_CONFIG)
+    registry = open_registry(url, read_properties(path) if path else None)
+    strategy = (
+        getattr(args, "subject_strategy", None)
+        or os.environ.get("KVLEDGER_SUBJECT_STRATEGY")
+        or "topic"
+    )
+    return Codec(registry=registry, subject=subject_for(topic, strategy) if writer else None)

@@ -15,6 +15,7 @@ from kvledger.fleet import DEFAULT_MODEL, Fleet, FleetConfig, FleetSummary
 from kvledger.producer.config import DEFAULT_TOPIC, PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.progress import Progress
+from kvledger.schemas.codec import Codec
 from kvledger.schemas.topics import DEFAULT_PARTITIONS, ensure_topic
 from kvledger.sinks import EventSink
 
@@ -39,6 +40,7 @@ def run_simulation(
     rate: float | None = None,
     sinks: Mapping[str, EventSink] | None = None,
     kafka: Mapping[str, str] | None = None,
+    codec: Codec | None = None,
 ) -> SimulationResult:
     """simulate → tracker → publisher → Kafka, one publisher per simulated instance (or the
     sink ``sinks`` gives for it, e.g. a stock engine's ZMQ stream that a relay carries)."""
@@ -56,7 +58,8 @@ def run_simulation(
                 model=fleet.model,
                 topic=topic,
                 kafka=dict(kafka or {}),
-            )
+            ),
+            codec=codec,
         )
         publishers.append(publisher)
         return publisher
@@ -92,6 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )  # fmt: skip
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
     settings.add_kafka_args(p)
+    settings.add_registry_args(p)
     p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
     p.add_argument("--rate", type=float, help="pace publishing to this many messages per second")
     p.add_argument(
@@ -113,6 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     result = run_simulation(
         settings.kafka_bootstrap(args), args.topic, fleet, args.partitions,
         rate=args.rate, kafka=settings.kafka_settings(args),
+        codec=settings.codec(args, args.topic, writer=True),
     )  # fmt: skip
     s = result.summary
     print(f"instances:      {', '.join(s.instances)}")

@@ -97,7 +97,9 @@ class Codec:
     ``schema_json`` is the writer (and reader) schema, the current one by default.
     ``known_writers`` adds older or newer writer schemas a reader must accept (default:
     every released one, :func:`released_schemas`).
-    ``registry``/``subject`` switch to Confluent Schema Registry framing.
+    With ``registry``, it also reads Confluent Schema Registry framing (the writer schema
+    fetched by id, never registered); with ``subject`` too it writes that framing, after
+    registering the schema under the subject (see :mod:`kvledger.schemas.registry`).
     """
 
     def __init__(
@@ -105,7 +107,7 @@ class Codec:
         schema_json: str | None = None,
         known_writers: Iterable[str] | None = None,
         registry: SchemaRegistry | None = None,
-        subject: str = "kv-events-value",
+        subject: str | None = None,
     ) -> None:
         self.schema_json = schema_json or envelope_schema_json()
         self._schema = fastavro.parse_schema(json.loads(self.schema_json))
@@ -116,12 +118,40 @@ class Codec:
             self._writers[schema_fingerprint(writer)] = fastavro.parse_schema(json.loads(writer))
         self._registry = registry
         self._registry_writers: dict[int, Any] = {}
-        if registry is not None:
-            from confluent_kafka.schema_registry import Schema
-
-            schema_id = registry.register_schema(subject, Schema(self.schema_json, "AVRO"))
+        if registry is not None and subject is not None:  # a writer: register, then frame
+            schema_id = self._register(registry, subject)
             self._header = CONFLUENT_MAGIC + _CONFLUENT_ID.pack(schema_id)
             self._registry_writers[schema_id] = self._schema
+
+    def _register(self, registry: SchemaRegistry, subject: str) -> int:
+        """Register the envelope schema under ``subject``. The registry checks it against the
+        subject's compatibility rule as it registers; a refusal (HTTP 409) is raised as
+        :class:`~kvledger.schemas.registry.SchemaIncompatibleError`."""
+        from confluent_kafka.schema_registry import Schema
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        from kvledger.schemas.registry import RegistryUnavailableError, SchemaIncompatibleError
+
+        try:
+            schema_id: int = registry.register_schema(subject, Schema(self.schema_json, "AVRO"))
+        except SchemaRegistryError as exc:
+            if exc.http_status_code == 409:
+                raise SchemaIncompatibleError(
+                    f"the registry refuses kvledger's envelope schema under subject {subject!r} "
+                    f"as incompatible ({exc.error_message}): upgrade readers first, or check "
+                    "the subject's compatibility rule"
+                ) from exc
+            raise RegistryUnavailableError(
+                f"the schema registry refused to register subject {subject!r}: {exc}"
+            ) from exc
+        except Exception as exc:  # transport: refused, timed out, TLS
+            raise RegistryUnavailableError(f"the schema registry did not answer: {exc}") from exc
+        return schema_id
+
+    @property
+    def registry(self) -> SchemaRegistry | None:
+        """The Schema Registry client this codec resolves (and, as a writer, registers) with."""
+        return self._registry
 
     # ------------------------------------------------------------------ encode
     def encode(self, envelope: Envelope) -> bytes:

@@ -70,6 +70,7 @@ class RouterIndex:
         consumer_group: str = "kvledger-index",
         kafka: dict[str, str | int | float | bool] | None = None,
         batch_size: int = 5000,
+        codec: Codec | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
@@ -77,7 +78,7 @@ class RouterIndex:
         self.kafka = dict(kafka or {})
         self.batch_size = batch_size
         self.store = RouterStore()
-        self.codec = Codec()
+        self.codec = codec or Codec()
         self.lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -72,6 +72,9 @@ class RelayConfig:
     commit_interval_s: float = 0.1
     commit_batches: int = 2000
     heartbeat_interval_s: float = 5.0
+    # Confluent Schema Registry framing (a Codec with a registry and a subject); else the
+    # single-object framing.
+    codec: Codec | None = None
     replay_timeout_ms: int = 2000
     receive_hwm: int = 10_000
     queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
@@ -99,7 +102,7 @@ class RankRelay:
         self._clock = clock
         self._stop = threading.Event()
         self.sequence = EngineSequence()
-        self.codec = Codec()
+        self.codec = config.codec or Codec()
         self.link: EngineLink | None = None
         self.publisher: KVEventPublisher | None = None
         # The transaction: open or not, batches in it, when it opened, the committed point.

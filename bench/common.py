@@ -69,36 +69,48 @@ def reader_args(url: str) -> list[str]:
 def lookup_service(args: list[str], start_timeout_s: float = 30.0) -> Iterator[str]:
     """A `kvledger serve` process on a free loopback port; yields its base URL once
     /healthz answers, and stops it afterwards."""
+    with lookup_services([args], start_timeout_s) as bases:
+        yield bases[0]
+
+
+@contextmanager
+def lookup_services(many: list[list[str]], start_timeout_s: float = 30.0) -> Iterator[list[str]]:
+    """Several `kvledger serve` processes started together; yields their base URLs once each
+    /healthz answers, and stops them afterwards."""
     import socket
     import subprocess
     import sys
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvledger.cli", "serve", *args, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
+    servers, bases = [], []
     try:
+        for args in many:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            servers.append(subprocess.Popen(
+                [sys.executable, "-m", "kvledger.cli", "serve", *args, "--port", str(port)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+            bases.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvledger serve {' '.join(args)} did not start")
-            time.sleep(0.2)
-        yield base
+        for base, args in zip(bases, many, strict=True):
+            while True:
+                try:
+                    if httpx.get(f"{base}/healthz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kvledger serve {' '.join(args)} did not start")
+                time.sleep(0.2)
+        yield bases
     finally:
-        server.terminate()
-        server.wait(30)
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(30)
 
 
 def post_times(base: str, bodies: list[dict[str, Any]], warm: int = 200) -> list[float]:

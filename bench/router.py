@@ -3,7 +3,8 @@
 
 Figures: bootstrap time and memory (RSS growth, per block and per residency), in-process
 lookup p50/p99 and lookups/s on one thread beside SQL's on the same prompts, HTTP p50/p99
-from a `kvledger serve --memory` process, and the tail's apply rate (pre-encoded fleet
+from a `kvledger serve --memory` process and from two replicas side by side, and the tail's
+apply rate (pre-encoded fleet
 messages through the pipeline into the router's store) beside decoding alone.
 """
 
@@ -19,7 +20,7 @@ from datetime import timedelta
 from confluent_kafka.admin import AdminClient
 
 from bench import lookup
-from bench.common import lookup_service, post_times, record, settle
+from bench.common import lookup_service, lookup_services, post_times, record, settle
 from bench.consume import _messages
 from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound, decode
@@ -127,12 +128,45 @@ def main(lookups: int = 2000) -> dict[str, float]:
 
 
 def _http(url: str, bootstrap: str, topic: str, prompts: list[list[bytes]]) -> dict[str, float]:
-    args = ["--memory", "--database-url", url, "--bootstrap", bootstrap, "--topic", topic,
-            "--consumer-group", "bench-router", "--silent-after", "86400"]  # fmt: skip
+    """One `kvledger serve --memory` process, then two replicas side by side (each an
+    independent reader of the log, bootstrapped at the same time, each asked by its own
+    client at the same time)."""
+    import threading
+
+    def args(group: str) -> list[str]:
+        return ["--memory", "--database-url", url, "--bootstrap", bootstrap, "--topic", topic,
+                "--consumer-group", group, "--silent-after", "86400"]  # fmt: skip
+
     bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
-    with lookup_service(args, start_timeout_s=300) as base:  # it bootstraps first
-        p50, p99 = lookup._percentiles(post_times(base, bodies))
-    return {"HTTP from memory p50 ms": p50, "HTTP from memory p99 ms": p99}
+    figures: dict[str, float] = {}
+    start = time.perf_counter()
+    with lookup_service(args("bench-router"), start_timeout_s=300) as base:  # bootstraps first
+        figures["one replica: up in s"] = time.perf_counter() - start
+        times = post_times(base, bodies)
+        figures["one replica: HTTP lookups/s (one client)"] = len(times) / sum(times)
+        p50, p99 = lookup._percentiles(times)
+    figures |= {"HTTP from memory p50 ms": p50, "HTTP from memory p99 ms": p99}
+    start = time.perf_counter()
+    with lookup_services([args("bench-router")] * 2, start_timeout_s=300) as bases:
+        figures["two replicas (started together): both up in s"] = time.perf_counter() - start
+        results: list[list[float]] = [[], []]
+
+        def ask(i: int) -> None:
+            results[i] = post_times(bases[i], bodies)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    figures["two replicas: HTTP lookups/s (a client each, together)"] = sum(
+        len(r) / sum(r) for r in results
+    )
+    for i, name in enumerate("ab"):
+        p50, p99 = lookup._percentiles(results[i])
+        figures[f"two replicas: {name} p50 ms"] = p50
+        figures[f"two replicas: {name} p99 ms"] = p99
+    return figures
 
 
 if __name__ == "__main__":

@@ -134,7 +134,12 @@ class RouterIndex:
             copy.set_types(
                 ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "bool", "int4[]"]
             )
-            for model, group, h, parent, start, size, partial, lora, plain, tokens in copy.rows():
+            # One bytes object per hash, whichever row (its own, or a child's parent link)
+            # the copy meets it in first; dropped once loaded.
+            seen: dict[bytes, bytes] = {}
+            for model, group, raw, up, start, size, partial, lora, plain, tokens in copy.rows():
+                h = seen.setdefault(raw, raw)
+                parent = seen.setdefault(up, up) if up is not None else None
                 store.group(GroupKey(model, group)).add_row(
                     h, Row(parent, start, pack(tokens), size, partial, lora, plain)
                 )

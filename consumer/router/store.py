@@ -44,6 +44,17 @@ def pack(tokens: Iterable[int]) -> bytes:
     return array("i", tokens).tobytes()
 
 
+# Token positions repeat across blocks (every prompt's block i starts at i * block_size):
+# one int object per distinct position instead of one per block (~32 bytes each).
+_POSITIONS: dict[int, int] = {}
+
+
+def position(start: int | None) -> int | None:
+    if start is None or not 0 <= start < 1 << 20:
+        return start
+    return _POSITIONS.setdefault(start, start)
+
+
 @dataclass(slots=True)
 class Row:
     """One block's content as the router keeps it."""
@@ -55,6 +66,9 @@ class Row:
     partial: bool
     lora_name: str | None
     plain: bool  # no extra keys: a token walk may use it
+    # The hash as the rows dict holds it: the parent links of its children and the masks
+    # dict reuse this one bytes object instead of each keeping an equal copy (~48 bytes).
+    key: bytes = b""
 
     @property
     def token_end(self) -> int | None:
@@ -77,8 +91,19 @@ class Group:
     # parent -> its child's hash, or a list when it has several (most have one)
     children: dict[bytes | None, bytes | list[bytes]] = field(default_factory=dict)
 
+    def canon(self, block_hash: bytes) -> bytes:
+        """The hash object the group already holds for ``block_hash`` (else itself)."""
+        row = self.rows.get(block_hash)
+        return row.key if row is not None else block_hash
+
     def add_row(self, block_hash: bytes, row: Row) -> None:
         old = self.rows.get(block_hash)
+        block_hash = row.key = old.key if old is not None else block_hash
+        if row.parent is not None:
+            parent = self.rows.get(row.parent)
+            if parent is not None:
+                row.parent = parent.key
+        row.token_start = position(row.token_start)
         self.rows[block_hash] = row
         if old is not None and old.parent == row.parent:
             return
@@ -137,7 +162,7 @@ class RouterStore(StagedStore):
         """Set one residency's reference count (0: it ends)."""
         g = self.group(GroupKey(key.model, key.group_idx))
         bit = 1 << self.holder_id((key.instance, key.medium, key.ownership))
-        h = key.block_hash
+        h = g.canon(key.block_hash)
         hid = bit.bit_length() - 1
         if refcount > 0:
             g.masks[h] = g.masks.get(h, 0) | bit

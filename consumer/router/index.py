@@ -103,14 +103,21 @@ class RouterIndex:
             stored = PostgresStore(conn).stored_offsets(self.consumer_group, self.topic)
             for partition, offset in stored.items():
                 store.offsets[(self.consumer_group, self.topic, partition)] = offset
-            self._load_blocks(cur, store)
+            # One bytes object per hash, whichever copy meets it first (~48 bytes saved per
+            # parent link and per mask key). The residencies come first, so that the holder
+            # masks, which every lookup probes, keep the hash objects allocated alongside
+            # them; the rows and their parent links reuse those.
+            seen: dict[bytes, bytes] = {}
             with cur.copy(
                 "COPY (SELECT model, group_idx, block_hash, instance, medium, ownership, "
                 "refcount FROM kvledger.residencies) TO STDOUT (FORMAT BINARY)"
             ) as copy:
                 copy.set_types(["text", "int4", "bytea", "text", "text", "text", "int4"])
-                for model, group, h, instance, medium, own, refcount in copy.rows():
+                for model, group, raw, instance, medium, own, refcount in copy.rows():
+                    h = seen.setdefault(raw, raw)
                     store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
+            self._load_blocks(cur, store, seen)
+            del seen
             store.sources.update(load_source_states(cur))
             store.lives.update(load_source_lives(cur))
         with self.lock:
@@ -125,7 +132,7 @@ class RouterIndex:
         )
 
     @staticmethod
-    def _load_blocks(cur: psycopg.Cursor, store: RouterStore) -> None:
+    def _load_blocks(cur: psycopg.Cursor, store: RouterStore, seen: dict[bytes, bytes]) -> None:
         with cur.copy(
             "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
             "partial, lora_name, extra_keys IS NULL, token_ids FROM kvledger.blocks) "
@@ -134,9 +141,6 @@ class RouterIndex:
             copy.set_types(
                 ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "bool", "int4[]"]
             )
-            # One bytes object per hash, whichever row (its own, or a child's parent link)
-            # the copy meets it in first; dropped once loaded.
-            seen: dict[bytes, bytes] = {}
             for model, group, raw, up, start, size, partial, lora, plain, tokens in copy.rows():
                 h = seen.setdefault(raw, raw)
                 parent = seen.setdefault(up, up) if up is not None else None

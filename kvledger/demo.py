@@ -235,11 +235,15 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
         _audits(conn)
     _section("explore")
     url = sa.engine.make_url(database)
+    # No password on the screen: it is the one in $KVLEDGER_DATABASE_URL (scripts/services env).
     print(
         f"   psql -h {url.host} -p {url.port} -U {url.username} {url.database}   "
-        f"(password {url.password})"
+        "(its password: the one in $KVLEDGER_DATABASE_URL)"
     )
-    print("   kvledger sources / dlq list / groups list  (with --database-url above)")
+    print(
+        f"   kvledger sources / dlq list / groups list  (--database-url: that URL with the "
+        f"database {url.database})"
+    )
     if args.keep:
         print("   services left running; stop them with: scripts/services down")
     else:

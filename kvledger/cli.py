@@ -54,6 +54,8 @@ def _add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         try:
             commands = importlib.import_module(f"kvledger.{module}")
         except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in _EXTRA_OF:
+                raise  # not a missing extra: a broken install, shown as it is
             for name in names:
                 p = subparsers.add_parser(
                     name, help=f"(not installed: pip install 'kvledger[{extra}]')",

@@ -251,6 +251,10 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
     p.add_argument("--show", type=int, default=5, help="example rows per difference")
+    p.add_argument(
+        "--json", action="store_true",
+        help='{"ok", "rebuilt_messages", "targets", "rows", "differences"} as JSON',
+    )  # fmt: skip
     p.set_defaults(run=_verify)
 
     p = subparsers.add_parser(
@@ -286,6 +290,18 @@ def _verify(args: argparse.Namespace) -> int:
         kafka=settings.kafka_settings(args),
         codec=settings.codec(args, args.topic, writer=False),
     )
+    if args.json:
+        print(json.dumps({
+            "ok": result.ok, "rebuilt_messages": result.rebuilt.messages,
+            "targets": {str(p): o for p, o in sorted(result.targets.items())},
+            "rows": result.rows,
+            "differences": [
+                {"table": d.table, "only_live": len(d.only_live),
+                 "only_rebuilt": len(d.only_rebuilt)}
+                for d in result.differences
+            ],
+        }))  # fmt: skip
+        return 0 if result.ok else 1
     targets = ", ".join(f"{p}@{o}" for p, o in sorted(result.targets.items())) or "(none)"
     print(f"rebuilt {result.rebuilt.messages} messages from {args.topic} up to {targets}")
     if result.ok:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +96,10 @@ def add_parsers(subparsers: Subparsers) -> None:
         type=float,
         help="seconds after which a silent source is left out (else the database's window)",
     )
+    p.add_argument(
+        "--json", action="store_true",
+        help='{"holders": [...], "ranked": [...]} as JSON (the HTTP API\'s shapes)',
+    )  # fmt: skip
     p.set_defaults(run=_lookup)
 
 
@@ -160,6 +166,10 @@ def _lookup(args: argparse.Namespace) -> int:
         holders = PrefixIndex(conn).match_tokens(
             args.model, args.group, tokens, args.lora_name, args.include_silent, window
         )
+    if args.json:
+        ranked = [asdict(r) for r in rank(holders)] if holders else []
+        print(json.dumps({"holders": [asdict(h) for h in holders], "ranked": ranked}))
+        return 0
     print(f"prompt of {len(tokens)} tokens, model {args.model}, group {args.group}")
     if not holders:
         print("no instance holds any prefix of this prompt")

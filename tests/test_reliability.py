@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -97,6 +98,12 @@ def test_verify_detects_tampering_and_rebuild_repairs(
     out = capsys.readouterr().out
     assert "residencies: 1 row(s) only in the live index, 1 only in the rebuild" in out
     assert "blocks: 0 row(s) only in the live index, 1 only in the rebuild" in out
+    assert cli(["verify", "--json", *args]) == 1  # the same report, for machines
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["rebuilt_messages"] > 0
+    assert {(d["table"], d["only_live"], d["only_rebuilt"]) for d in report["differences"]} >= {
+        ("residencies", 1, 1), ("blocks", 0, 1),
+    }  # fmt: skip
     assert cli(["rebuild", *args]) == 2  # needs --yes
     assert cli(["rebuild", *args, "--yes"]) == 0
     assert cli(["verify", *args]) == 0

@@ -6,6 +6,7 @@ answers, else scripts/services). Every stage runs as the `kvledger` command a us
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,9 @@ def test_simulate_consume_lookup(
     assert want, "the prompt's system prefix is held somewhere"
     route = next(ln for ln in out.splitlines() if ln.startswith("route to "))
     assert route.split()[2] == rank(sorted(want, key=repr))[0].instance
+    answer = json.loads(kvledger(
+        "lookup", "--database-url", fresh_database, "--model", fleet.model,
+        "--token-ids", f"@{tokens_file}", "--silent-after", "3600", "--json",
+    ))  # fmt: skip
+    assert answer["ranked"][0]["instance"] == route.split()[2]
+    assert {h["instance"] for h in answer["holders"]} >= {answer["ranked"][0]["instance"]}

@@ -95,13 +95,17 @@ def create_reader(admin_url: str, owner_url: str, password: str, name: str = DEF
             "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'kvledger_reader') "
             "THEN CREATE ROLE kvledger_reader NOLOGIN; END IF; END $$"
         )
-        exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone()
-        verb = sql.SQL("ALTER ROLE" if exists else "CREATE ROLE")
-        conn.execute(
-            sql.SQL("{} {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD {}").format(
-                verb, ident, sql.Literal(verifier)
-            )
+        row = conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (name,)).fetchone()
+        if row is not None and row[0]:
+            raise ValueError(f"role {name!r} is a superuser: it cannot be a read-only login")
+        # ALTER names no SUPERUSER attribute: only a superuser may, and an admin with
+        # CREATEROLE alone may re-run this command.
+        template = (
+            "ALTER ROLE {} LOGIN NOCREATEDB NOCREATEROLE PASSWORD {}"
+            if row is not None
+            else "CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD {}"
         )
+        conn.execute(sql.SQL(template).format(ident, sql.Literal(verifier)))
         conn.execute(sql.SQL("GRANT kvledger_reader TO {}").format(ident))
     with connect(owner_url) as conn, conn.transaction():
         if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = 'kvledger'").fetchone() is None:

@@ -571,3 +571,29 @@ def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader
     with LookupClient(base) as anonymous, pytest.raises(LookupServiceError) as no_token:
         anonymous.match(MODEL, hashes=hashes)
     assert no_token.value.status == 401
+
+
+def test_an_admin_with_createrole_alone_can_make_and_remake_the_reader(
+    fresh_database: str, database_url: str
+) -> None:
+    """`roles create-reader` needs CREATEROLE, not a superuser, also when it runs again on
+    an existing login (an ALTER that named SUPERUSER would need one)."""
+    from kvledger.consumer.roles import create_reader
+
+    superuser = os.environ.get("KVLEDGER_ADMIN_DATABASE_URL", database_url)
+    admin = f"kvl_admin_{uuid.uuid4().hex[:8]}"
+    with connect(superuser, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {admin} LOGIN CREATEROLE PASSWORD 'admin-pw'")
+        conn.execute(f"GRANT kvledger_reader TO {admin} WITH ADMIN OPTION")
+    url = sa.engine.make_url(fresh_database).set(username=admin, password="admin-pw")
+    try:
+        for password in ("first", "second"):
+            assert create_reader(url.render_as_string(hide_password=False), fresh_database,
+                                 password, f"{admin}_r")  # fmt: skip
+        login = sa.engine.make_url(fresh_database).set(username=f"{admin}_r", password="second")
+        with connect(login.render_as_string(hide_password=False), autocommit=True) as conn:
+            assert conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone() == (0,)
+    finally:
+        with connect(superuser, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE IF EXISTS {admin}_r")
+            conn.execute(f"DROP ROLE {admin}")

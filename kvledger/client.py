@@ -24,24 +24,11 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal
 
+# The same answer types as the Python API's (kvledger.consumer.lookup).
+from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """One holder's match: leading whole blocks and tokens of the prompt it holds."""
-
-    instance: str
-    medium: str
-    ownership: str
-    matched_blocks: int
-    matched_tokens: int
-    source_state: str
-
-
-@dataclass(frozen=True, slots=True)
-class Ranked:
-    instance: str
-    score: float
-    tokens_by_tier: dict[str, int]
+__all__ = ["Block", "Holder", "LookupClient", "LookupServiceError", "MatchAnswer", "Ranked",
+           "Residency"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,32 +36,6 @@ class MatchAnswer:
     holders: list[Holder]
     ranked: list[Ranked]
     left_out: list[Holder]
-
-
-@dataclass(frozen=True, slots=True)
-class Residency:
-    instance: str
-    medium: str
-    ownership: str
-    locality: str | None
-    since: datetime
-    refcount: int
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    model: str
-    group_idx: int
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_start: int | None
-    token_end: int | None
-    block_size: int
-    partial: bool
-    lora_name: str | None
-    first_seen: datetime
-    last_seen: datetime
-    holders: list[Residency]
 
 
 class LookupServiceError(Exception):
@@ -202,9 +163,9 @@ def _block(row: Mapping[str, Any]) -> Block:
         block_size=row["block_size"], partial=row["partial"], lora_name=row["lora_name"],
         first_seen=datetime.fromisoformat(row["first_seen"]),
         last_seen=datetime.fromisoformat(row["last_seen"]),
-        holders=[
+        holders=tuple(
             Residency(h["instance"], h["medium"], h["ownership"], h["locality"],
                       datetime.fromisoformat(h["since"]), h["refcount"])
             for h in row["holders"]
-        ],
+        ),
     )  # fmt: skip

@@ -140,6 +140,7 @@ def test_the_base_install_publishes_and_nothing_more(
     assert sum(ends) > 5  # announcements and events, all acknowledged
     digest = _run(
         [python, "-c", "from kvledger.schemas.hashing import prompt_block_hashes as h; "
+         "import kvledger.client; "  # the lookup client needs no extra either
          "print(len(h(list(range(12)), 4, 'xxhash_cbor', seed='0')))"],
         tmp_path,
     )  # fmt: skip

@@ -7,14 +7,11 @@ lookup service), metrics; sql/ holds the current SQL function definitions.
 from kvledger.consumer.lookup.api import (
     DEFAULT_TIER_WEIGHTS,
     GRANULARITIES,
-    Block,
     Granularity,
-    Holder,
     PrefixIndex,
-    Ranked,
-    Residency,
     rank,
 )
+from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",

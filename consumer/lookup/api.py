@@ -11,12 +11,13 @@ source's state, so a caller that includes them sees why they would have been lef
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Literal, get_args
 
 import psycopg
+
+from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType(
     {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -32,62 +33,10 @@ def _check(granularity: str) -> None:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, not {granularity!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """One holder's match: how many leading whole blocks of the prompt it holds, and how
-    many tokens (which a partial tail extends past the last whole block)."""
-
-    instance: str
-    medium: str
-    ownership: str
-    matched_blocks: int
-    matched_tokens: int
-    # live | silent | closed | unknown (as_of for match_at): an annotation of the match, not
-    # part of it (holders compare by what they hold).
-    source_state: str = field(default="live", compare=False)
-
-
 def split_live(holders: Sequence[Holder]) -> tuple[list[Holder], list[Holder]]:
     """(holders whose source is live, the others)."""
     live = [h for h in holders if h.source_state == "live"]
     return live, [h for h in holders if h.source_state != "live"]
-
-
-@dataclass(frozen=True, slots=True)
-class Residency:
-    """One current holder of a block."""
-
-    instance: str
-    medium: str
-    ownership: str
-    locality: str | None
-    since: datetime
-    refcount: int
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """What the index knows of one block hash."""
-
-    model: str
-    group_idx: int
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_start: int | None
-    token_end: int | None
-    block_size: int
-    partial: bool
-    lora_name: str | None
-    first_seen: datetime
-    last_seen: datetime
-    holders: tuple[Residency, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Ranked:
-    instance: str
-    score: float
-    tokens_by_tier: dict[str, int]
 
 
 class PrefixIndex:

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvledger.consumer.db import connect, conninfo
-from kvledger.consumer.lookup.api import Holder, PrefixIndex, rank, split_live
+from kvledger.consumer.lookup.api import PrefixIndex, rank, split_live
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.openapi import DOCUMENT
 from kvledger.consumer.lookup.requests import (
@@ -50,6 +50,7 @@ from kvledger.consumer.lookup.requests import (
 )
 from kvledger.consumer.metrics import REGISTRY
 from kvledger.consumer.roles import WriterRoleError, can_write
+from kvledger.schemas.lookup import Holder
 from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from kvledger.consumer.core.model import (
     GroupKey,
     ResidencyKey,
 )
-from kvledger.consumer.lookup.api import Granularity, Holder
+from kvledger.consumer.lookup.api import Granularity
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import match as m
 from kvledger.consumer.router.store import RouterStore, Row, pack
@@ -44,6 +44,7 @@ from kvledger.consumer.store.postgres import (
     load_specs,
 )
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.lookup import Holder
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
-from kvledger.consumer.lookup.api import Holder
 from kvledger.consumer.router.store import Group, RouterStore, pack
+from kvledger.schemas.lookup import Holder
 
 DEFAULT_SILENT_AFTER = timedelta(seconds=30)
 Run = tuple[int, int, int]  # (holder id, matched_blocks, matched_tokens)

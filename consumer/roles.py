@@ -22,6 +22,7 @@ import psycopg
 from psycopg import sql
 
 from kvledger.consumer.db import connect
+from kvledger.schemas.errors import KvledgerError
 
 READER_GROUP = "kvledger_reader"
 DEFAULT_LOGIN = "kvledger_lookup"
@@ -53,7 +54,7 @@ WHERE r.rolname = current_user AND n.nspname = 'kvledger'
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
-class WriterRoleError(RuntimeError):
+class WriterRoleError(KvledgerError):
     """A read-only service was given a role that can write to the index."""
 
 
@@ -78,6 +79,19 @@ def can_write(conn: psycopg.Connection) -> bool:
     if row is None:
         raise RuntimeError("the kvledger schema does not exist here: run `kvledger migrate`")
     return bool(row[0])
+
+
+def ensure_read_only(url: str) -> None:
+    """Raise :class:`WriterRoleError` when the role ``url`` logs in as could write."""
+    with connect(url, autocommit=True) as conn:
+        writer = can_write(conn)
+        row = conn.execute("SELECT current_user").fetchone()
+    if writer:
+        raise WriterRoleError(
+            f"the database role {row[0] if row else '?'} can write to the index: log in as a "
+            "read-only role (`kvledger roles create-reader`, then "
+            "$KVLEDGER_LOOKUP_DATABASE_URL) or pass --allow-writer"
+        )
 
 
 def create_reader(admin_url: str, owner_url: str, password: str, name: str = DEFAULT_LOGIN) -> bool:

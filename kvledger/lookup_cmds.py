@@ -128,7 +128,6 @@ def _serve(args: argparse.Namespace) -> int:
         "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
     }  # fmt: skip
     if not args.memory:
-        _refuse_writer(database, args.allow_writer)
         app = create_app(
             database, args.pool_size, window, token=token,
             statement_timeout_ms=int(args.statement_timeout * 1000),
@@ -182,21 +181,6 @@ def _lookup(args: argparse.Namespace) -> int:
     best = rank(holders)[0]
     print(f"route to {best.instance} (score {best.score:,.0f})")
     return 0
-
-
-def _refuse_writer(url: str, allowed: bool) -> None:
-    """One clear line before the server starts, rather than a failed start-up inside it."""
-    from kvledger.consumer.roles import can_write
-
-    with connect(url, autocommit=True) as conn:
-        writer = can_write(conn)
-        row = conn.execute("SELECT current_user").fetchone()
-    if writer and not allowed:
-        raise SystemExit(
-            f"kvledger serve: the database role {row[0] if row else '?'} can write to the index; "
-            "log in as a read-only role (`kvledger roles create-reader`, then "
-            "$KVLEDGER_LOOKUP_DATABASE_URL) or pass --allow-writer"
-        )
 
 
 def _token(path: str | None) -> str | None:

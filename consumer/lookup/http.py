@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvledger.consumer.db import connect, conninfo
+from kvledger.consumer.db import conninfo
 from kvledger.consumer.lookup.api import PrefixIndex, rank, split_live
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.openapi import DOCUMENT
@@ -49,7 +49,7 @@ from kvledger.consumer.lookup.requests import (
     parse_match,
 )
 from kvledger.consumer.metrics import REGISTRY
-from kvledger.consumer.roles import WriterRoleError, can_write
+from kvledger.consumer.roles import ensure_read_only
 from kvledger.schemas.lookup import Holder
 from kvledger.schemas.redact import redact
 
@@ -109,7 +109,7 @@ def create_app(
     ``token``: every route but /healthz then requires ``Authorization: Bearer <token>``
     (401 without it). A lookup that runs past ``statement_timeout_ms`` or waits more than
     ``pool_timeout_s`` for a connection is answered 503 with Retry-After. The database role
-    must not be able to write to the index (:class:`WriterRoleError` at start-up) unless
+    must not be able to write to the index (:class:`WriterRoleError`, raised here) unless
     ``allow_writer``."""
     expected = f"Bearer {token}".encode() if token else None
 
@@ -141,6 +141,8 @@ def create_app(
     )
     if pool is None and router is None:
         raise ValueError("create_app needs a database URL or a router")
+    if database_url is not None and not allow_writer:
+        ensure_read_only(database_url)
 
     @contextmanager
     def index() -> Iterator[Any]:
@@ -257,17 +259,6 @@ def create_app(
         if pool is None:
             yield
             return
-        if not allow_writer:
-            assert database_url is not None
-            with connect(database_url, autocommit=True) as conn:  # no statement timeout here
-                writer = can_write(conn)
-                role = conn.execute("SELECT current_user").fetchone()
-            if writer:
-                raise WriterRoleError(
-                    f"the lookup service's database role {role[0] if role else '?'} can write "
-                    "to the index: log in as a read-only role (`kvledger roles create-reader`; "
-                    "$KVLEDGER_LOOKUP_DATABASE_URL) or pass --allow-writer"
-                )
         pool.open()
         try:
             yield

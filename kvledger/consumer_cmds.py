@@ -28,6 +28,17 @@ def _db_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
 
 
+def _log_args(p: argparse.ArgumentParser, group_help: str) -> None:
+    """The index's database and the log it is built from: broker, client and registry
+    settings, topic, consumer group (consume, verify and rebuild take the same)."""
+    _db_arg(p)
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
+    settings.add_kafka_args(p)
+    settings.add_registry_args(p)
+    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
+    p.add_argument("--consumer-group", dest="group", default=DEFAULT_GROUP, help=group_help)
+
+
 def add_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("migrate", help="create or upgrade the index schema (alembic)")
     _db_arg(p)
@@ -35,15 +46,7 @@ def add_parsers(subparsers: Subparsers) -> None:
     p.set_defaults(run=_migrate)
 
     p = subparsers.add_parser("consume", help="materialize the topic into the index")
-    _db_arg(p)
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    settings.add_kafka_args(p)
-    settings.add_registry_args(p)
-    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument(
-        "--consumer-group", dest="group", default=DEFAULT_GROUP,
-        help="the Kafka consumer group (its offsets live in the index)",
-    )  # fmt: skip
+    _log_args(p, "the Kafka consumer group (its offsets live in the index)")
     p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC, help="the dead-letter topic")
     p.add_argument(
         "--dlq-replication-factor", type=int, default=-1,
@@ -240,15 +243,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "verify", help="rebuild the index from the topic into a scratch database and diff it"
     )
-    _db_arg(p)
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    settings.add_kafka_args(p)
-    settings.add_registry_args(p)
-    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument(
-        "--consumer-group", dest="group", default=DEFAULT_GROUP,
-        help="the live index's consumer group",
-    )  # fmt: skip
+    _log_args(p, "the live index's consumer group")
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
     p.add_argument("--show", type=int, default=5, help="example rows per difference")
     p.add_argument(
@@ -260,15 +255,7 @@ def add_reliability_parsers(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "rebuild", help="replace the live index with one rebuilt from the topic"
     )
-    _db_arg(p)
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    settings.add_kafka_args(p)
-    settings.add_registry_args(p)
-    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument(
-        "--consumer-group", dest="group", default=DEFAULT_GROUP,
-        help="the live index's consumer group",
-    )  # fmt: skip
+    _log_args(p, "the live index's consumer group")
     p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
     p.add_argument(
         "--accept-partial", action="store_true",

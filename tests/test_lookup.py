@@ -7,7 +7,6 @@ import random
 import ssl
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_pro
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.brute_force import MODEL, brute_force, held_at, held_now
 from tests.helpers.consuming import by_partition, consume, with_session_setting
-from tests.helpers.procs import free_port, spawn
+from tests.helpers.procs import first_answer, free_port, spawn
 from tests.helpers.reference_index import Reference, build
 
 pytestmark = pytest.mark.integration
@@ -410,14 +409,8 @@ def test_serve_over_tls_with_a_token(fresh_database: str, as_reader, tmp_path: P
     trust = ssl.create_default_context(cafile=str(cert))
     try:
         base = f"https://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                assert httpx.get(f"{base}/healthz", verify=trust).status_code == 200
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the TLS service never answered"
-                time.sleep(0.3)
+        health = first_answer(f"{base}/healthz", "the TLS service", verify=trust)
+        assert health.status_code == 200
         body = {"model": MODEL, "hashes": ["00" * 8]}
         assert httpx.post(f"{base}/v1/match", json=body, verify=trust).status_code == 401
         auth = {"Authorization": "Bearer t0ken"}
@@ -518,14 +511,7 @@ def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            assert httpx.get(f"{base}/healthz").status_code == 200
-            break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, "the service never answered"
-            time.sleep(0.3)
+    assert first_answer(f"{base}/healthz", "the service").status_code == 200
     document = httpx.get(f"{base}/openapi.json")  # no token needed, like /healthz
     assert document.status_code == 200 and document.json() == json.loads(json.dumps(DOCUMENT))
     auth = {"Authorization": "Bearer tok"}

@@ -16,7 +16,7 @@ import pytest
 from kvledger.consumer.db import connect
 from kvledger.vllm_engine import ZmqEngine, stored
 from tests.helpers.consuming import wait_caught_up
-from tests.helpers.procs import free_port, reap, spawn
+from tests.helpers.procs import first_answer, free_port, reap, spawn
 from tests.helpers.prometheus import ensure_prometheus, prometheus_server
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,8 @@ def test_prometheus_scrapes_the_consumer_the_lookup_service_and_the_relay(
             "--topic", topic, "--bootstrap", kafka_bootstrap, "--heartbeat-interval", "0",
             "--metrics-port", str(ports["relay"]),
         ), stdout=subprocess.DEVNULL, stderr=(tmp_path / "relay.log").open("w"))  # fmt: skip
-        _wait("the relay's metrics", lambda: _answers(ports["relay"]))
+        metrics = first_answer(f"http://127.0.0.1:{ports['relay']}/metrics", "the relay", 90)
+        assert metrics.status_code == 200
         time.sleep(1)  # its subscription settles (a PUB drops what comes before)
         batches = 6
         for i in range(batches):
@@ -84,7 +85,8 @@ def test_prometheus_scrapes_the_consumer_the_lookup_service_and_the_relay(
         spawn(_kvledger(
             "serve", "--database-url", as_reader(fresh_database), "--port", str(ports["lookup"]),
         ), stdout=subprocess.DEVNULL, stderr=(tmp_path / "lookup.log").open("w"))  # fmt: skip
-        _wait("the lookup service", lambda: _answers(ports["lookup"]))
+        metrics = first_answer(f"http://127.0.0.1:{ports['lookup']}/metrics", "the lookup", 90)
+        assert metrics.status_code == 200
         _wait("the relayed batches in the index", lambda: _relayed(fresh_database) == batches)
         wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
         lookups = 3
@@ -123,13 +125,6 @@ def test_prometheus_scrapes_the_consumer_the_lookup_service_and_the_relay(
     finally:
         reap()  # the services' sessions end before the database is dropped
         engine.close()
-
-
-def _answers(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _relayed(db: str) -> int:

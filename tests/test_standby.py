@@ -22,7 +22,7 @@ from kvledger.consumer.lookup import PrefixIndex
 from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_prompts
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.consuming import consume
-from tests.helpers.procs import free_port, reap, spawn
+from tests.helpers.procs import first_answer, free_port, reap, spawn
 
 pytestmark = pytest.mark.integration
 SERVICES = str(Path(__file__).resolve().parents[1] / "scripts" / "services")
@@ -108,14 +108,7 @@ def test_a_hot_standby_answers_as_its_primary(
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = httpx.get(f"{base}/healthz")
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "serve on the standby never answered"
-                time.sleep(0.3)
+        health = first_answer(f"{base}/healthz", "serve on the standby")
         assert health.status_code == 200
         body = health.json()
         assert body["standby"] is True and body["replay_lag_s"] is not None

@@ -29,3 +29,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def first_answer(url: str, what: str, timeout: float = 30, **httpx_args: Any) -> Any:
+    """The first HTTP answer of ``url`` (any status) from a service that is starting: it
+    is asked again every 0.3 s while nothing listens; fails the test after ``timeout``."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(url, **httpx_args)
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"{what} never answered"
+            time.sleep(0.3)

@@ -22,10 +22,12 @@ from confluent_kafka.admin import AdminClient
 from bench import lookup
 from bench.common import lookup_service, lookup_services, post_times, record, settle
 from bench.consume import _messages
+from kvledger.consumer.core.model import GroupKey
 from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router import masks
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
@@ -53,6 +55,28 @@ def _timed(fn: object, prompts: list[list[bytes]]) -> tuple[float, float, float]
     total = time.perf_counter() - start
     p50, p99 = lookup._percentiles(times)
     return p50 * 1000, p99 * 1000, len(prompts) / total  # µs, µs, lookups/s
+
+
+def _pure_masks(router: RouterIndex, fn: object, prompts: list[list[bytes]]) -> dict[str, float]:
+    """The same lookups with the pure-Python mask table (the baseline of the compiled one)."""
+    g = router.store.groups[GroupKey("bench", 0)]
+    compiled = g.masks
+    pure = masks.MaskDict()
+    for h, mask in compiled.items():
+        pure[h] = mask
+        pure.ends[h] = g.end_of(h)
+    g.masks = pure
+    gc.collect()
+    try:
+        _timed(fn, prompts[:200])
+        p50, p99, rate = _timed(fn, prompts)
+    finally:
+        g.masks = compiled
+    return {
+        "memory, pure-Python masks: p50 us": p50,
+        "memory, pure-Python masks: p99 us": p99,
+        "memory, pure-Python masks: lookups/s": rate,
+    }
 
 
 def tail_rate() -> dict[str, float]:
@@ -110,6 +134,8 @@ def main(lookups: int = 2000) -> dict[str, float]:
     _timed(in_memory, prompts[:200])
     p50, p99, rate = _timed(in_memory, prompts)
     figures |= {"memory p50 us": p50, "memory p99 us": p99, "memory lookups/s": rate}
+    figures["memory: compiled mask table"] = float(masks.COMPILED)
+    figures |= _pure_masks(router, in_memory, prompts)
     with connect(url, autocommit=True) as conn:
         index = PrefixIndex(conn)
         sql = lambda p: index.match("bench", 0, p)  # noqa: E731

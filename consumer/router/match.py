@@ -3,13 +3,13 @@
 Each mirrors its SQL twin (consumer/lookup/sql/): ``held_prefix`` (block and hash
 granularity), ``held_tokens`` (the token walk through full blocks, then partial tails) and
 the liveness filter of ``match_prefix`` / ``match_tokens``. A holder's run is the longest
-stretch of positions 1, 2, ... it covers; with holders as bits, each position costs one
-AND over everyone still running.
+stretch of positions 1, 2, ... it covers; the mask table (masks.py) walks a whole prompt at
+once: with holders as bits, each position costs one AND over everyone still running.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
@@ -20,35 +20,6 @@ DEFAULT_SILENT_AFTER = timedelta(seconds=30)
 Run = tuple[int, int, int]  # (holder id, matched_blocks, matched_tokens)
 
 
-def runs(masks: Iterable[int]) -> list[tuple[int, int]]:
-    """(holder id, run length) for every holder covering position 1, from per-position
-    bitmasks of the holders covering it (read lazily: the walk stops once no holder runs)."""
-    it = iter(masks)
-    alive = next(it, 0)
-    out: list[tuple[int, int]] = []
-    n = 1
-    while alive:
-        mask = next(it, None)
-        if mask is None:
-            break
-        still = alive & mask
-        if still != alive:
-            out.extend((hid, n) for hid in _bits(alive & ~still))
-            alive = still
-        n += 1
-    out.extend((hid, n) for hid in _bits(alive))
-    return out
-
-
-def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
-
-
 def held_prefix(
     store: RouterStore, model: str, group: int, hashes: Sequence[bytes], granularity: str
 ) -> list[Run]:
@@ -57,9 +28,7 @@ def held_prefix(
         return []
     masks = g.masks
     if granularity == "block":
-        get = masks.get
-        found = runs(get(h, 0) for h in hashes)
-        return [(hid, n, _token_end(g, hashes[n - 1])) for hid, n in found]
+        return masks.runs(hashes)
     if granularity != "hash":
         raise ValueError(f"granularity must be block or hash, not {granularity!r}")
     held = store.specs.get(GroupKey(model, group))
@@ -69,19 +38,9 @@ def held_prefix(
     if spec.hash_block_size <= 0 or spec.block_size <= 0 or spec.block_size % spec.hash_block_size:
         return []
     ratio = spec.block_size // spec.hash_block_size
-    size = len(hashes)
-    own = [masks.get(h, 0) for h in hashes]
-    covered = []
-    for i in range(size):  # position i + 1: its own hash, or the end of the block it is in
-        end = (i // ratio + 1) * ratio
-        covered.append(own[i] | (own[end - 1] if end <= size else 0))
-    return [(hid, n // ratio, n * spec.hash_block_size) for hid, n in runs(covered)]
-
-
-def _token_end(g: Group, block_hash: bytes) -> int:
-    row = g.rows.get(block_hash)
-    end = row.token_end if row is not None else None
-    return end or 0
+    # position i + 1: its own hash, or the end of the block it is in
+    found = masks.runs_covered(hashes, ratio)
+    return [(hid, n // ratio, n * spec.hash_block_size) for hid, n in found]
 
 
 def held_tokens(

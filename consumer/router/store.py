@@ -33,6 +33,7 @@ from kvledger.consumer.core.model import (
     SourceState,
 )
 from kvledger.consumer.core.plan import upgrades
+from kvledger.consumer.router.masks import HolderMasks, Masks
 from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
@@ -86,7 +87,7 @@ class Group:
     """One (model, group)'s blocks and holders."""
 
     rows: dict[bytes, Row] = field(default_factory=dict)
-    masks: dict[bytes, int] = field(default_factory=dict)  # hash -> holder-id bits
+    masks: HolderMasks = field(default_factory=Masks)  # hash -> holder-id bits
     counts: dict[tuple[bytes, int], int] = field(default_factory=dict)  # refcounts above 1
     # parent -> its child's hash, or a list when it has several (most have one)
     children: dict[bytes | None, bytes | list[bytes]] = field(default_factory=dict)
@@ -105,6 +106,7 @@ class Group:
                 row.parent = parent.key
         row.token_start = position(row.token_start)
         self.rows[block_hash] = row
+        self.masks.set_end(block_hash, row.token_end or 0)
         if old is not None and old.parent == row.parent:
             return
         if old is not None:
@@ -116,6 +118,11 @@ class Group:
             kids.append(block_hash)
         else:
             self.children[row.parent] = [kids, block_hash]
+
+    def end_of(self, block_hash: bytes) -> int:
+        """The block's token end (0: not known), as a block-granularity match reports it."""
+        row = self.rows.get(block_hash)
+        return (row.token_end or 0) if row is not None else 0
 
     def child_hashes(self, parent: bytes | None) -> list[bytes]:
         kids = self.children.get(parent)
@@ -161,27 +168,23 @@ class RouterStore(StagedStore):
     def hold(self, key: ResidencyKey, refcount: int) -> None:
         """Set one residency's reference count (0: it ends)."""
         g = self.group(GroupKey(key.model, key.group_idx))
-        bit = 1 << self.holder_id((key.instance, key.medium, key.ownership))
+        hid = self.holder_id((key.instance, key.medium, key.ownership))
         h = g.canon(key.block_hash)
-        hid = bit.bit_length() - 1
         if refcount > 0:
-            g.masks[h] = g.masks.get(h, 0) | bit
+            if g.masks.set_bit(h, hid):
+                g.masks.set_end(h, g.end_of(h))
             if refcount > 1:
                 g.counts[(h, hid)] = refcount
             else:
                 g.counts.pop((h, hid), None)
         else:
-            mask = g.masks.get(h, 0) & ~bit
-            if mask:
-                g.masks[h] = mask
-            else:
-                g.masks.pop(h, None)
+            g.masks.clear_bit(h, hid)
             g.counts.pop((h, hid), None)
 
     def refcount(self, key: ResidencyKey) -> int:
         g = self.groups.get(GroupKey(key.model, key.group_idx))
         hid = self.holder_ids.get((key.instance, key.medium, key.ownership))
-        if g is None or hid is None or not (g.masks.get(key.block_hash, 0) >> hid) & 1:
+        if g is None or hid is None or not g.masks.has_bit(key.block_hash, hid):
             return 0
         return g.counts.get((key.block_hash, hid), 1)
 
@@ -305,7 +308,7 @@ class _HeldHashes(Collection[bytes]):
         return iter([h for h, mask in self.group.masks.items() if (mask >> hid) & 1])
 
     def __contains__(self, h: object) -> bool:
-        return isinstance(h, bytes) and bool((self.group.masks.get(h, 0) >> self.hid) & 1)
+        return isinstance(h, bytes) and self.group.masks.has_bit(h, self.hid)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 from datetime import UTC, datetime, timedelta
 
-from kvledger.consumer.core.model import ResidencyKey, SourceLife
+from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import match as m
-from kvledger.consumer.router.store import RouterStore
+from kvledger.consumer.router.store import RouterStore, Row, pack
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
@@ -52,6 +52,9 @@ def test_the_router_store_holds_what_the_memory_store_holds() -> None:
             for k, r in memory.blocks.items()
         }
         assert router.lives == memory.lives and router.sources == memory.sources
+        for g in router.groups.values():  # each held hash's token end is its block's
+            for h, _ in g.masks.items():
+                assert {end for _, _, end in g.masks.runs([h])} == {g.end_of(h)}
 
 
 def brute_force(store: RouterStore, model: str, hashes: list[bytes]) -> set[tuple[int, int]]:
@@ -59,7 +62,7 @@ def brute_force(store: RouterStore, model: str, hashes: list[bytes]) -> set[tupl
     out = set()
     for hid in range(len(store.holders)):
         n = 0
-        while n < len(hashes) and (g.masks.get(hashes[n], 0) >> hid) & 1:
+        while n < len(hashes) and (g.masks.mask(hashes[n]) >> hid) & 1:
             n += 1
         if n:
             out.add((hid, n))
@@ -88,9 +91,7 @@ def test_prefix_walks_agree_with_brute_force() -> None:
     assert matched > 100
 
 
-def test_runs_and_states() -> None:
-    assert m.runs([0b111, 0b101, 0b100, 0b110]) == [(1, 1), (0, 2), (2, 4)]
-    assert m.runs([0, 0b1]) == [] and m.runs([]) == []
+def test_source_states() -> None:
     window = timedelta(seconds=30)
     life = SourceLife("m", 1, NOW - timedelta(seconds=10))
     assert m.state_of(None, NOW, window) == "unknown"
@@ -98,3 +99,17 @@ def test_runs_and_states() -> None:
     assert m.state_of(life, NOW + window, window) == "silent"
     closed = SourceLife("m", 1, NOW, closed_at=NOW)
     assert m.state_of(closed, NOW, window) == "closed"
+
+
+def test_a_block_learnt_after_its_holder_gives_its_token_end() -> None:
+    """As a bootstrap loads them (residencies first) or a placeholder is filled in later."""
+    store = RouterStore()
+    h, parent = b"\x01" * 8, b"\x02" * 8
+    store.hold(ResidencyKey("m", 0, h, "e1", "GPU", ""), 1)
+    g = store.groups[GroupKey("m", 0)]
+    assert g.masks.runs([h]) == [(0, 1, 0)]  # no block yet: no token end
+    g.add_row(h, Row(parent, 16, pack(range(16)), 16, False, None, True))
+    assert g.masks.runs([h]) == [(0, 1, 32)]
+    store.hold(ResidencyKey("m", 0, h, "e1", "GPU", ""), 0)
+    store.hold(ResidencyKey("m", 0, h, "e2", "CPU", ""), 1)  # held anew: the end is found again
+    assert g.masks.runs([h]) == [(1, 1, 32)]

@@ -1,0 +1,132 @@
+"""The router's holder masks: block hash -> a bitmask of holder ids, probed a prompt at a time.
+
+Beside each held hash the table keeps its block's token end, so that a block-granularity
+walk reports matched tokens without a second probe per holder.
+
+Two implementations answer identically: ``MaskTable``, compiled from _masks.c (a prompt's
+probes overlap their cache misses: see the C file), and ``MaskDict``, a dict in pure Python,
+used where the extension was not built (no C compiler at install time) or when
+``KVLEDGER_PURE_MASKS=1`` asks for it. ``Masks`` is the one in use; ``COMPILED`` says which.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import Protocol
+
+
+class HolderMasks(Protocol):
+    """What the router's store and matches need of a mask table."""
+
+    def set_bit(self, key: bytes, bit: int) -> bool: ...
+    def set_end(self, key: bytes, end: int) -> bool: ...
+    def clear_bit(self, key: bytes, bit: int) -> bool: ...
+    def has_bit(self, key: bytes, bit: int) -> bool: ...
+    def mask(self, key: bytes) -> int: ...
+    def items(self) -> Iterable[tuple[bytes, int]]: ...
+    def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]: ...
+    def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+
+
+class MaskDict(dict[bytes, int]):
+    """The pure-Python mask table (a dict of Python ints, and one of token ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: dict[bytes, int] = {}
+
+    def set_bit(self, key: bytes, bit: int) -> bool:
+        """The holder with id ``bit`` holds ``key``; whether ``key`` is new here."""
+        old = self.get(key)
+        self[key] = (old or 0) | 1 << bit
+        return old is None
+
+    def set_end(self, key: bytes, end: int) -> bool:
+        """``key``'s token end, if ``key`` is held (whether it is)."""
+        if key not in self:
+            return False
+        self.ends[key] = end
+        return True
+
+    def clear_bit(self, key: bytes, bit: int) -> bool:
+        """Whether anyone still holds ``key``."""
+        mask = self.get(key, 0) & ~(1 << bit)
+        if mask:
+            self[key] = mask
+            return True
+        self.pop(key, None)
+        self.ends.pop(key, None)
+        return False
+
+    def has_bit(self, key: bytes, bit: int) -> bool:
+        return bool(self.get(key, 0) >> bit & 1)
+
+    def mask(self, key: bytes) -> int:
+        """``key``'s holders as bits (0: nobody's)."""
+        return self.get(key, 0)
+
+    def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]:
+        """(holder id, run length, token end of the run's last hash) for each holder of the
+        first hash."""
+        ends = self.ends
+        return [
+            (hid, n, ends.get(hashes[n - 1], 0))
+            for hid, n in runs(map(self.get, hashes, repeat(0)))
+        ]
+
+    def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]:
+        """As :meth:`runs`, with position i also covered by the last hash of its block."""
+        if ratio <= 0:
+            raise ValueError("ratio must be positive")
+        own = [self.get(h, 0) for h in hashes]
+        size = len(own)
+        covered = []
+        for i in range(size):
+            end = (i // ratio + 1) * ratio
+            covered.append(own[i] | (own[end - 1] if end <= size else 0))
+        return runs(covered)
+
+
+def runs(masks: Iterable[int]) -> list[tuple[int, int]]:
+    """(holder id, run length) for every holder covering position 1, from per-position
+    bitmasks of the holders covering it (read lazily: the walk stops once no holder runs)."""
+    it = iter(masks)
+    alive = next(it, 0)
+    out: list[tuple[int, int]] = []
+    n = 1
+    while alive:
+        mask = next(it, None)
+        if mask is None:
+            break
+        still = alive & mask
+        if still != alive:
+            out.extend((hid, n) for hid in bits(alive & ~still))
+            alive = still
+        n += 1
+    out.extend((hid, n) for hid in bits(alive))
+    return out
+
+
+def bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+Masks: type[HolderMasks]
+try:
+    from kvledger.consumer.router._masks import MaskTable
+except ImportError:  # built without a C compiler
+    MaskTable = None  # type: ignore[assignment,misc]
+
+if MaskTable is not None and os.environ.get("KVLEDGER_PURE_MASKS", "") in ("", "0"):
+    Masks, COMPILED = MaskTable, True
+else:
+    Masks, COMPILED = MaskDict, False

@@ -129,6 +129,22 @@ def post_times(base: str, bodies: list[dict[str, Any]], warm: int = 200) -> list
     return times
 
 
+def client_times(base: str, prompts: list[list[bytes]], warm: int = 200) -> list[float]:
+    """Seconds per lookup through kvledger.client.LookupClient (the project's own client:
+    standard library, keep-alive), one client, after ``warm`` untimed requests."""
+    from kvledger.client import LookupClient
+
+    times = []
+    with LookupClient(base) as client:
+        for p in prompts[:warm]:
+            client.match("bench", p)
+        for p in prompts:
+            start = time.perf_counter()
+            client.match("bench", p)
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def capture_produced(publisher: Any, captured: list[tuple[bytes, bytes]]) -> None:
     """Route a KVEventPublisher's produce() calls through a recorder of (key, value), so that
     a raw baseline can send the very same bytes."""

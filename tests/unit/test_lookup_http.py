@@ -1,0 +1,86 @@
+"""The lookup service's hot path (consumer.lookup.http._HotPath): in memory mode POST
+/v1/match is answered straight on ASGI; it must answer every request (good, unauthorized,
+malformed, oversized) with the same status, headers and bytes as the Starlette route it
+bypasses, and count it in the same metrics. A router index filled through the pipeline, no
+services."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvledger.consumer.lookup.http import _HotPath, create_app
+from kvledger.consumer.lookup.metrics import REQUESTS
+from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
+from kvledger.schemas.codec import Codec
+from tests.helpers.streams import fleet_stream
+
+FLEET = FleetConfig(instances=3, requests=40, seed=9)
+
+
+@pytest.fixture(scope="module")
+def router() -> RouterIndex:
+    router = RouterIndex("127.0.0.1:9", "t", "g")  # never started: filled here
+    messages = fleet_stream(FLEET).messages
+    for i in range(0, len(messages), 200):
+        run_batch(messages[i : i + 200], Codec(), router.store, "g")
+    return router
+
+
+def requests() -> list[tuple[dict[str, str], bytes]]:
+    prompt = system_prompts(FLEET)[0] + [1, 2, 3]
+    hashes = [h.hex() for h in prompt_hashes(prompt, FLEET, int64=False)]
+    good = {"model": FLEET.model, "hashes": hashes, "silent_after_s": 9e8}  # a 2025 stream
+    bearer = {"authorization": "Bearer s3cret"}
+    return [
+        (bearer, json.dumps(good).encode()),
+        (bearer, json.dumps(good | {"granularity": "hash", "weights": {"GPU": 2}}).encode()),
+        (bearer, json.dumps({"model": FLEET.model, "token_ids": prompt}).encode()),
+        (bearer, json.dumps(good | {"include_silent": True, "silent_after_s": 0.001}).encode()),
+        ({}, json.dumps(good).encode()),  # no token
+        ({"authorization": "Bearer wrong"}, json.dumps(good).encode()),
+        (bearer, b"{not json"),
+        (bearer, b"[1, 2]"),
+        (bearer, json.dumps(good | {"hashes": ["zz"]}).encode()),
+        (bearer, json.dumps(good | {"at": "2026-01-01T00:00:00Z"}).encode()),  # SQL only
+        (bearer, b" " * (MAX_BODY_BYTES + 1)),
+    ]
+
+
+def test_the_hot_path_answers_as_the_starlette_route(router: RouterIndex) -> None:
+    app = create_app(router=router, token="s3cret")
+    assert isinstance(app, _HotPath)
+    with TestClient(app) as hot, TestClient(app.app) as plain:
+        statuses = []
+        for headers, body in requests():
+            before = REQUESTS.labels("match", "200")._value.get()
+            a = hot.post("/v1/match", content=body, headers=headers)
+            counted = REQUESTS.labels("match", "200")._value.get() - before
+            b = plain.post("/v1/match", content=body, headers=headers)
+            assert (a.status_code, a.content) == (b.status_code, b.content), body[:80]
+            for name in ("content-type", "content-length", "www-authenticate"):
+                assert a.headers.get(name) == b.headers.get(name), name
+            assert counted == (a.status_code == 200)
+            statuses.append(a.status_code)
+        assert statuses == [200, 200, 200, 200, 401, 401, 400, 400, 400, 400, 400]
+        assert any(h["matched_blocks"] for h in hot.post(
+            "/v1/match", content=requests()[0][1], headers=requests()[0][0]
+        ).json()["holders"])  # fmt: skip
+        # A body without Content-Length is refused before it is read, as by the route.
+        chunked = hot.post(
+            "/v1/match", content=iter([b"{}"]), headers={"authorization": "Bearer s3cret"}
+        )
+        assert chunked.status_code == 400 and "Content-Length" in chunked.json()["error"]
+        # Every other route still goes to the Starlette app.
+        assert hot.get("/openapi.json", headers={}).json()["openapi"].startswith("3.1")
+        assert hot.get("/v1/match").status_code == 405
+
+
+def test_sql_mode_has_no_hot_path() -> None:
+    with pytest.raises(ValueError, match="database URL or a router"):
+        create_app()

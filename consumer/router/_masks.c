@@ -382,6 +382,23 @@ static PyObject *MaskTable_keys(MaskTable *t, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+static PyObject *MaskTable_held_by(MaskTable *t, PyObject *arg) {
+    Py_ssize_t bit;
+    if (bit_arg(arg, &bit) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL || bit >= t->width * 64)
+        return out;
+    uint64_t one = (uint64_t)1 << (bit % 64);
+    for (Py_ssize_t i = 0; i < t->cap; i++)
+        if (t->slots[i].key != NULL && (t->bits[i * t->width + bit / 64] & one))
+            if (PyList_Append(out, t->slots[i].key) < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+    return out;
+}
+
 static PyObject *MaskTable_iter(MaskTable *t) {
     PyObject *keys = MaskTable_keys(t, NULL);
     if (keys == NULL)
@@ -555,6 +572,7 @@ static PyMethodDef MaskTable_methods[] = {
     {"mask", (PyCFunction)MaskTable_mask, METH_O, "mask(key): key's mask as an int (0: none)."},
     {"items", (PyCFunction)MaskTable_items, METH_NOARGS, "A list of (key, mask)."},
     {"keys", (PyCFunction)MaskTable_keys, METH_NOARGS, "A list of the keys."},
+    {"held_by", (PyCFunction)MaskTable_held_by, METH_O, "held_by(bit): the keys that holder holds."},
     {"set_end", (PyCFunction)(void (*)(void))MaskTable_set_end, METH_FASTCALL,
      "set_end(key, end) -> bool: key's token end, if key is held (whether it is)."},
     {"runs", (PyCFunction)MaskTable_runs, METH_O,

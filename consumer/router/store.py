@@ -304,8 +304,7 @@ class _HeldHashes(Collection[bytes]):
         self.group, self.hid = group, hid
 
     def __iter__(self) -> Iterator[bytes]:
-        hid = self.hid
-        return iter([h for h, mask in self.group.masks.items() if (mask >> hid) & 1])
+        return iter(self.group.masks.held_by(self.hid))
 
     def __contains__(self, h: object) -> bool:
         return isinstance(h, bytes) and self.group.masks.has_bit(h, self.hid)

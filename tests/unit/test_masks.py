@@ -70,6 +70,8 @@ def test_the_compiled_table_answers_as_the_pure_one(
         assert (key in fast) is (key in pure)
         assert fast.get(key, 0) == pure.get(key, 0) == fast.mask(key) == pure.mask(key)
         assert all(fast.has_bit(key, b) is pure.has_bit(key, b) for b in (0, 63, 64, 199, 500))
+    for bit in (0, 1, 63, 64, 130, 199, 500):
+        assert sorted(fast.held_by(bit)) == sorted(pure.held_by(bit))
     assert sorted(fast.runs(prompt)) == sorted(pure.runs(prompt))
     assert sorted(fast.runs_covered(prompt, ratio)) == sorted(pure.runs_covered(prompt, ratio))
 

@@ -12,7 +12,7 @@ COPY setup.py ./
 # compiler is there only while the router's mask table (consumer/router/_masks.c) is built.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install --no-cache-dir -c constraints.txt '.[all]' \
-    && python -c 'import kvledger.consumer.router._masks' \
+    && python -c 'import kvledger.consumer.router._masks, kvledger.schemas._avro' \
     && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/* /app/*
 # Not root: a user of its own, with no home and no shell.
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvledger

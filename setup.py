@@ -1,8 +1,9 @@
-"""The one compiled part: the router's holder-mask table (consumer/router/_masks.c).
+"""The compiled parts: the router's holder-mask table (consumer/router/_masks.c) and the
+Avro decoder of the envelope schema (schemas/_avro.c).
 
-Everything else is declared in pyproject.toml. The extension is optional: where no C
-compiler is found the build goes on and the router uses the pure-Python table
-(kvledger.consumer.router.masks says which one is in use)."""
+Everything else is declared in pyproject.toml. Both extensions are optional: where no C
+compiler is found the build goes on, and the router uses its pure-Python table
+(kvledger.consumer.router.masks.COMPILED) and the codec fastavro alone."""
 
 from setuptools import Extension, setup
 
@@ -13,6 +14,12 @@ setup(
             ["consumer/router/_masks.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvledger.schemas._avro",
+            ["schemas/_avro.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 )

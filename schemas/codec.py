@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cache
 from importlib import resources
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
+from kvledger.schemas.avro_program import Program, UnsupportedSchemaError, compile_schema, decoder
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import (
     AllBlocksCleared,
@@ -111,6 +113,9 @@ class Codec:
     ) -> None:
         self.schema_json = schema_json or envelope_schema_json()
         self._schema = fastavro.parse_schema(json.loads(self.schema_json))
+        # Messages written with this very schema decode through the compiled decoder where
+        # it was built (the same values as fastavro, ~4x faster); the others with fastavro.
+        self._program, self._compiled = _compiled_program(self.schema_json)
         self.fingerprint = schema_fingerprint(self.schema_json)
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
@@ -177,6 +182,16 @@ class Codec:
         data = bytes(data)
         writer = self._writer_for(data)
         header_len = 10 if data[:2] == SINGLE_OBJECT_MAGIC else 5
+        if writer is self._schema and self._compiled is not None:
+            try:
+                record, end = self._compiled(self._program, data, header_len)
+            except Exception as exc:
+                raise DecodeError("undecodable", f"Avro body does not decode: {exc!r}") from exc
+            if end != len(data):
+                raise DecodeError(
+                    "undecodable", f"{len(data) - end} trailing bytes after the record"
+                )
+            return record  # type: ignore[no-any-return]
         stream = io.BytesIO(data)
         stream.seek(header_len)
         try:
@@ -220,6 +235,21 @@ class Codec:
         raise DecodeError(
             "undecodable", f"unknown framing, first bytes {data[:4].hex() or '(empty)'}"
         )
+
+
+Decoder = Callable[[Program, bytes, int], tuple[Any, int]]
+
+
+def _compiled_program(schema_json: str) -> tuple[Program, Decoder | None]:
+    """The schema's program for the compiled decoder, and the decoder (None: fastavro only,
+    when the extension was not built, the schema is beyond it, or KVLEDGER_PURE_AVRO=1)."""
+    decode = decoder()
+    if decode is None or os.environ.get("KVLEDGER_PURE_AVRO", "") not in ("", "0"):
+        return (), None
+    try:
+        return compile_schema(json.loads(schema_json)), decode
+    except UnsupportedSchemaError:
+        return (), None
 
 
 # ---------------------------------------------------------------------- mapping

@@ -1,0 +1,105 @@
+"""An Avro schema compiled into the program the C decoder (schemas/_avro.c) walks.
+
+A program is nested tuples, opcode first: ``(ARRAY, item)``, ``(RECORD, names, fields)``,
+``(UNION, branches, labels)`` (a label is the branch's full record name, or None: the
+value is then returned bare, as fastavro does with ``return_record_name=True``), and one
+tuple per primitive. :func:`compile_schema` raises :class:`UnsupportedSchemaError` for what the C
+decoder does not cover (maps, enums, fixed, logical types, recursive or zero-byte array
+items); the codec then decodes with fastavro. ``decoder()`` is the compiled ``decode`` or
+None where the extension was not built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+NULL, BOOLEAN, INT, LONG, FLOAT, DOUBLE, BYTES, STRING, ARRAY, RECORD, UNION = range(11)
+Program = tuple[Any, ...]
+
+_PRIMITIVES: dict[str, Program] = {
+    "null": (NULL,), "boolean": (BOOLEAN,), "int": (INT,), "long": (LONG,),
+    "float": (FLOAT,), "double": (DOUBLE,), "bytes": (BYTES,), "string": (STRING,),
+}  # fmt: skip
+
+
+class UnsupportedSchemaError(ValueError):
+    """A schema the compiled decoder does not cover."""
+
+
+def compile_schema(schema: Any) -> Program:
+    """The program of ``schema`` (its JSON form: str, list or dict)."""
+    named: dict[str, Program] = {}
+
+    def full_name(name: str, namespace: str | None) -> str:
+        return name if "." in name or not namespace else f"{namespace}.{name}"
+
+    def walk(s: Any, namespace: str | None) -> Program:
+        if isinstance(s, str):
+            if s in _PRIMITIVES:
+                return _PRIMITIVES[s]
+            ref = named.get(full_name(s, namespace)) or named.get(s)
+            if ref is None:
+                raise UnsupportedSchemaError(f"name {s!r} used before it is defined (or recursive)")
+            return ref
+        if isinstance(s, list):
+            branches = tuple(walk(b, namespace) for b in s)
+            labels = tuple(_label(b, namespace, named) for b in s)
+            return (UNION, branches, labels)
+        if not isinstance(s, dict) or "type" not in s:
+            raise UnsupportedSchemaError(f"not a schema: {s!r}")
+        if "logicalType" in s:
+            raise UnsupportedSchemaError(f"logical type {s['logicalType']!r}")
+        kind = s["type"]
+        if isinstance(kind, str) and kind in _PRIMITIVES:
+            return _PRIMITIVES[kind]
+        if kind == "array":
+            item = walk(s["items"], namespace)
+            if _min_size(item) == 0:
+                raise UnsupportedSchemaError("array items that may take no byte")
+            return (ARRAY, item)
+        if kind in ("record", "error"):
+            name = full_name(s["name"], s.get("namespace", namespace))
+            inner = name.rpartition(".")[0] or None
+            # Registered once its fields are known: a field naming the record itself (a
+            # recursive schema) is then "used before it is defined".
+            fields = tuple(walk(f["type"], inner) for f in s["fields"])
+            program: Program = (RECORD, tuple(f["name"] for f in s["fields"]), fields)
+            named[name] = program
+            return program
+        raise UnsupportedSchemaError(f"type {kind!r}")
+
+    return walk(schema, None)
+
+
+def _label(s: Any, namespace: str | None, named: dict[str, Program]) -> str | None:
+    """A union branch's name as fastavro reports it (records only)."""
+    if isinstance(s, dict) and s.get("type") in ("record", "error"):
+        name = s["name"]
+        ns = s.get("namespace", namespace)
+        return name if "." in name or not ns else f"{ns}.{name}"
+    if isinstance(s, str) and s not in _PRIMITIVES:
+        full = s if "." in s or not namespace else f"{namespace}.{s}"
+        return full if full in named else s
+    return None
+
+
+def _min_size(p: Program) -> int:
+    op = p[0]
+    if op == NULL:
+        return 0
+    if op == FLOAT:
+        return 4
+    if op == DOUBLE:
+        return 8
+    if op == RECORD:
+        return sum(_min_size(f) for f in p[2])
+    return 1  # a boolean, a varint, a length, a block count, a branch index
+
+
+def decoder() -> Callable[[Program, bytes, int], tuple[Any, int]] | None:
+    try:
+        from kvledger.schemas._avro import decode
+    except ImportError:  # built without a C compiler
+        return None
+    return decode

@@ -1,0 +1,182 @@
+"""The compiled Avro decoder (schemas/_avro.c, programs from schemas/avro_program.py)
+against fastavro: the same values for every message a fleet and the edge cases publish
+and for generated records, the same verdicts (and values) for corrupted bytes, and the
+schemas it leaves to fastavro."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from typing import Any
+
+import fastavro
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.fleet import FleetConfig
+from kvledger.schemas import avro_program
+from kvledger.schemas.avro_program import UnsupportedSchemaError, compile_schema
+from kvledger.schemas.codec import Codec, envelope_schema_json
+from kvledger.schemas.events import BlockStored, Envelope, Heartbeat
+from tests.helpers.streams import edge_stream, fleet_stream
+
+DECODE = avro_program.decoder()
+compiled = pytest.mark.skipif(
+    DECODE is None and os.environ.get("CI") != "true",
+    reason="the C extension was not built (no compiler); CI requires it",
+)
+SCHEMA = fastavro.parse_schema(json.loads(envelope_schema_json()))
+PROGRAM = compile_schema(json.loads(envelope_schema_json()))
+
+
+def by_fastavro(data: bytes) -> tuple[Any, int] | None:
+    stream = io.BytesIO(data)
+    stream.seek(10)
+    try:
+        record = fastavro.schemaless_reader(stream, SCHEMA, SCHEMA, return_record_name=True)
+    except Exception:
+        return None
+    return record, stream.tell()
+
+
+def by_program(data: bytes) -> tuple[Any, int] | None:
+    assert DECODE is not None
+    try:
+        return DECODE(PROGRAM, data, 10)
+    except Exception:
+        return None
+
+
+def published() -> list[bytes]:
+    return [m.value for m in edge_stream().messages] + [
+        m.value for m in fleet_stream(FleetConfig(instances=2, requests=15, seed=4)).messages
+    ]
+
+
+def test_ci_builds_the_compiled_decoder() -> None:
+    if os.environ.get("CI") == "true":
+        assert DECODE is not None, "CI must build schemas/_avro.c (is a C compiler there?)"
+
+
+@compiled
+def test_every_published_message_decodes_as_fastavro_decodes_it() -> None:
+    messages = published()
+    assert len(messages) > 500
+    kinds = set()
+    for data in messages:  # the edge cases include bytes neither can decode
+        ours = by_program(data)
+        assert ours == by_fastavro(data)
+        if ours is not None:
+            kinds.add(ours[0]["event"][0])
+    assert len(kinds) >= 5, kinds
+
+
+@compiled
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=5),
+    st.one_of(st.none(), st.binary(max_size=40)),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=70),
+    st.one_of(st.none(), st.text(max_size=20)),
+    st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    st.one_of(st.none(), st.lists(st.one_of(st.none(), st.text(max_size=8)), max_size=4)),
+    st.booleans(),
+    st.one_of(
+        st.none(), st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3), max_size=3)
+    ),
+)
+def test_generated_records_decode_alike(
+    hashes: list[bytes], parent: bytes | None, tokens: list[int], text: str | None,
+    start: int | None, extra: list[str | None] | None, partial: bool,
+    lookahead: list[list[int]] | None,
+) -> None:  # fmt: skip
+    event = BlockStored(
+        tuple(hashes), parent, tuple(tokens), 16, None, text, text,
+        tuple(extra) if extra is not None else None, None, text, None, text, text, start,
+        partial, text, tuple(tuple(x) for x in lookahead) if lookahead is not None else None,
+    )  # fmt: skip
+    for env in (
+        Envelope("é-source", "m", 3, -5, 2**62, 0, event, engine_seq=start),
+        Envelope("s", "", 0, 1, 0, -1, Heartbeat(group_idx=None, interval_ms=start)),
+    ):
+        data = Codec().encode(env)
+        ours = by_program(data)
+        assert ours is not None and ours == by_fastavro(data)
+        assert Codec().decode(data) == env
+
+
+@compiled
+def test_corrupted_bytes_get_the_same_verdict() -> None:
+    """Bytes flipped, cut, inserted: where fastavro decodes them, the program decodes the
+    same value to the same offset; where it refuses them, so does the program. They may
+    differ in one way only: the program is stricter, refusing a negative union index (which
+    fastavro takes as a Python index from the end) and a varint past 64 bits."""
+    rng = random.Random(11)
+    messages = published()
+    agreed = refused = stricter = 0
+    for _ in range(6000):
+        data = bytearray(rng.choice(messages))
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(10, len(data))
+            kind = rng.randrange(3)
+            if kind == 0:
+                data[at] = rng.randrange(256)
+            elif kind == 1:
+                del data[at:]
+                if len(data) <= 10:
+                    data += b"\x00"
+            else:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 4)))
+        ours, theirs = by_program(bytes(data)), by_fastavro(bytes(data))
+        if theirs is None:
+            assert ours is None, bytes(data).hex()
+            refused += 1
+        elif ours is not None:
+            assert ours == theirs, bytes(data).hex()
+            agreed += 1
+        else:
+            assert DECODE is not None
+            with pytest.raises(ValueError, match=r"union branch out of range|64 bits|10 bytes"):
+                DECODE(PROGRAM, bytes(data), 10)
+            stricter += 1
+    assert agreed > 500 and refused > 500 and stricter < agreed / 10
+
+
+@compiled
+def test_the_decoder_refuses_what_it_cannot_read() -> None:
+    assert DECODE is not None
+    good = Codec().encode(Envelope("s", "m", 0, 1, 2, 3, Heartbeat(group_idx=0)))
+    with pytest.raises(ValueError, match="truncated"):
+        DECODE(PROGRAM, good[:-1], 10)
+    with pytest.raises(ValueError, match="offset"):
+        DECODE(PROGRAM, good, len(good) + 1)
+    array_of_longs = compile_schema({"type": "array", "items": "long"})
+    with pytest.raises(ValueError, match="longer than the message"):
+        DECODE(array_of_longs, b"\x80\x80\x80\x80\x08", 0)  # 2**31 items in 0 bytes
+    assert DECODE(array_of_longs, b"\x03\x04\x04\x06\x00", 0) == ([2, 3], 5)  # -2: sized block
+    with pytest.raises(ValueError, match="64 bits"):
+        DECODE((avro_program.LONG,), b"\xff" * 9 + b"\x7f", 0)
+    with pytest.raises(UnicodeDecodeError):
+        DECODE((avro_program.STRING,), b"\x02\xff", 0)
+    with pytest.raises(ValueError, match="branch"):
+        DECODE(compile_schema(["null", "long"]), b"\x04", 0)
+
+
+def test_schemas_beyond_the_decoder_stay_with_fastavro() -> None:
+    for schema in (
+        {"type": "map", "values": "long"},
+        {"type": "enum", "name": "E", "symbols": ["A"]},
+        {"type": "fixed", "name": "F", "size": 4},
+        {"type": "long", "logicalType": "timestamp-millis"},
+        {"type": "array", "items": "null"},
+        {"type": "record", "name": "R", "fields": [{"name": "next", "type": ["null", "R"]}]},
+    ):
+        with pytest.raises(UnsupportedSchemaError):
+            compile_schema(schema)
+    union = compile_schema(
+        ["null", {"type": "record", "name": "A", "namespace": "x", "fields": []}, "x.A"]
+    )
+    assert union[2] == (None, "x.A", "x.A")

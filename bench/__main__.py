@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from bench import consume, lookup, produce, relay, router, scale, tracker_encode
+from bench import consume, lookup, previous, produce, relay, router, scale, tracker_encode
 from bench.common import RESULTS
 
 
@@ -24,6 +24,7 @@ def main() -> None:
     produce.main()
     relay.main()
     consume.main()
+    previous.main()  # the apply rate beside the release before the core split
     scale.main()  # 1, 2 and 3 consumers in one group, side by side
     data = json.loads(RESULTS.read_text())
     print(f"\nwrote {RESULTS}")

@@ -68,9 +68,9 @@ class HeldSpec:
     origin: str  # declared | announced
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRow:
-    """What the index knows of one block hash's content (for conflict checks)."""
+class BlockRow(NamedTuple):
+    """What the index knows of one block hash's content (for conflict checks). A named
+    tuple, as the keys are: the planner makes one per hash of every event."""
 
     parent_hash: bytes | None
     token_start: int | None

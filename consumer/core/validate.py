@@ -243,19 +243,13 @@ def explode(event: BlockStored, start: int | None = None) -> list[tuple[bytes, B
     size = event.block_size
     if event.token_start is not None:
         start = event.token_start
-    tokens = event.token_ids
+    tokens = event.token_ids if isinstance(event.token_ids, tuple) else tuple(event.token_ids)
+    partial, new = event.partial, tuple.__new__
     for i, h in enumerate(event.block_hashes):
+        at = start + i * size if start is not None else None
+        # (parent_hash, token_start, token_ids, block_size, partial): slices of a tuple
         rows.append(
-            (
-                h,
-                BlockRow(
-                    parent_hash=parent,
-                    token_start=start + i * size if start is not None else None,
-                    token_ids=tuple(tokens[i * size : (i + 1) * size]),
-                    block_size=size,
-                    partial=event.partial,
-                ),
-            )
+            (h, new(BlockRow, (parent, at, tokens[i * size : (i + 1) * size], size, partial)))
         )
         parent = h
     return rows

@@ -49,6 +49,10 @@ from kvledger.schemas.lookup import Holder
 logger = logging.getLogger(__name__)
 
 
+# Messages applied per hold of the lock lookups take (see _tail).
+APPLY_CHUNK = 500
+
+
 @dataclass(frozen=True, slots=True)
 class Position:
     """Where the router stands in the log."""
@@ -196,18 +200,24 @@ class RouterIndex:
                 self._note_read_to(consumer)
                 continue
             try:
-                with self.lock:
-                    # The router is its store's only writer: its reading began where the
-                    # store's offsets stand (past any transaction marker between batches).
-                    read_from = {
-                        (self.topic, p): o
-                        for p, o in self.store.stored_offsets(
-                            self.consumer_group, self.topic
-                        ).items()
-                    }
-                    result = run_batch(
-                        batch, self.codec, self.store, self.consumer_group, read_from=read_from
-                    )
+                # In chunks: a lookup waits for one chunk's apply at most (~10 ms), never
+                # for a whole poll's worth of messages.
+                for i in range(0, len(batch), APPLY_CHUNK):
+                    with self.lock:
+                        # The router is its store's only writer: its reading began where the
+                        # store's offsets stand (past any transaction marker between batches).
+                        read_from = {
+                            (self.topic, p): o
+                            for p, o in self.store.stored_offsets(
+                                self.consumer_group, self.topic
+                            ).items()
+                        }
+                        result = run_batch(
+                            batch[i : i + APPLY_CHUNK], self.codec, self.store,
+                            self.consumer_group, read_from=read_from,
+                        )  # fmt: skip
+                    self.applied_messages += result.plan.messages
+                    self.block_events += result.plan.block_events
             except FencedError as exc:  # cannot happen on its own assignment; re-seek
                 logger.warning("router batch out of place (%s); re-seeking", exc)
                 self._reseek()
@@ -216,8 +226,6 @@ class RouterIndex:
                 logger.exception("router stopped following the topic")
                 self.error = f"{type(exc).__name__}: {exc}"
                 return
-            self.applied_messages += result.plan.messages
-            self.block_events += result.plan.block_events
             stamps = [x.timestamp_ms for x in batch if x.timestamp_ms is not None]
             if stamps:
                 self._newest_ms = max(stamps + ([self._newest_ms] if self._newest_ms else []))

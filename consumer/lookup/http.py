@@ -192,10 +192,11 @@ def create_app(
             else:
                 arg = (await request.body()) if with_body else request.path_params
                 # From memory a lookup takes microseconds: answered on the event loop (a
-                # hop to a worker thread would cost more than the lookup). SQL lookups wait
-                # on the database: in the thread pool.
+                # hop to a worker thread would cost more than the lookup). The rest waits
+                # on the database or, for the router's /healthz, on the broker (the log
+                # end): in the thread pool, never blocking the loop.
                 result = (
-                    answer(route, fn, arg) if router is not None
+                    answer(route, fn, arg) if router is not None and route == "match"
                     else await run_in_threadpool(answer, route, fn, arg)
                 )  # fmt: skip
             status, payload, headers = counted(route, start, result)

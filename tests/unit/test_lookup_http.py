@@ -7,6 +7,8 @@ services."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -15,7 +17,7 @@ from kvledger.consumer.lookup.http import _HotPath, create_app
 from kvledger.consumer.lookup.metrics import REQUESTS
 from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.router.index import Position, RouterIndex
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
 from tests.helpers.streams import fleet_stream
@@ -84,3 +86,24 @@ def test_the_hot_path_answers_as_the_starlette_route(router: RouterIndex) -> Non
 def test_sql_mode_has_no_hot_path() -> None:
     with pytest.raises(ValueError, match="database URL or a router"):
         create_app()
+
+
+def test_a_slow_healthz_does_not_hold_up_lookups(router: RouterIndex, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A router's /healthz asks the broker for the log end (seconds when it is away): it
+    runs in the thread pool, and lookups on the event loop go on meanwhile."""
+
+    def slow() -> Position:
+        time.sleep(2)
+        return Position({}, {}, 0, None, 0.0)
+
+    monkeypatch.setattr(router, "position", slow)
+    headers, body = requests()[0]
+    with TestClient(create_app(router=router, token="s3cret")) as client:
+        health = threading.Thread(target=client.get, args=("/healthz",))
+        health.start()
+        time.sleep(0.2)  # the health check is in flight
+        start = time.monotonic()
+        assert client.post("/v1/match", content=body, headers=headers).status_code == 200
+        waited = time.monotonic() - start
+        health.join()
+    assert waited < 1.0, waited

@@ -9,16 +9,23 @@
  * fastavro; tests/unit/test_avro_program.py decodes the same bytes, valid and corrupted,
  * with both.
  *
+ * A program may also build the codec's own types directly: OP_OBJECT makes an instance of a
+ * slotted (frozen) dataclass whose fields are the record's, setting each slot through its
+ * member descriptor (no __init__ runs: the classes have no __post_init__, and the program
+ * compiler checks that every slot is a field of the record), and OP_TUPLE reads an array
+ * into a tuple. Codec.decode then skips the record dicts entirely.
+ *
  * Every read is bounds-checked; a count larger than the bytes left is refused before
  * anything is allocated (the program compiler only accepts items of at least one byte).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { OP_NULL, OP_BOOLEAN, OP_INT, OP_LONG, OP_FLOAT, OP_DOUBLE, OP_BYTES, OP_STRING,
-       OP_ARRAY, OP_RECORD, OP_UNION };
+       OP_ARRAY, OP_RECORD, OP_UNION, OP_TUPLE, OP_OBJECT };
 
 typedef struct {
     const unsigned char *p;
@@ -124,6 +131,36 @@ static PyObject *read_record(PyObject *names, PyObject *progs, Reader *r) {
     return out;
 }
 
+/* An instance of cls with its slots (member descriptors, in field order) set from the
+ * record's fields. */
+static PyObject *read_object(PyObject *cls, PyObject *slots, PyObject *progs, Reader *r) {
+    Py_ssize_t n = PyTuple_GET_SIZE(slots);
+    if (!PyType_Check(cls))
+        return PyErr_Format(PyExc_TypeError, "not a class in an Avro program"), NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!Py_IS_TYPE(PyTuple_GET_ITEM(slots, i), &PyMemberDescr_Type))
+            return PyErr_Format(PyExc_TypeError, "not a slot in an Avro program"), NULL;
+    PyTypeObject *type = (PyTypeObject *)cls;
+    PyObject *out = type->tp_alloc(type, 0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = decode(PyTuple_GET_ITEM(progs, i), r);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyMemberDescrObject *slot = (PyMemberDescrObject *)PyTuple_GET_ITEM(slots, i);
+        int rc = PyMember_SetOne((char *)out, slot->d_member, v);
+        Py_DECREF(v);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 static PyObject *decode(PyObject *prog, Reader *r) {
     if (Py_EnterRecursiveCall(" while decoding Avro"))
         return NULL;
@@ -178,6 +215,18 @@ static PyObject *decode(PyObject *prog, Reader *r) {
         break;
     case OP_RECORD:
         out = read_record(PyTuple_GET_ITEM(prog, 1), PyTuple_GET_ITEM(prog, 2), r);
+        break;
+    case OP_TUPLE: {
+        PyObject *items = read_array(PyTuple_GET_ITEM(prog, 1), r);
+        if (items != NULL) {
+            out = PyList_AsTuple(items);
+            Py_DECREF(items);
+        }
+        break;
+    }
+    case OP_OBJECT:
+        out = read_object(PyTuple_GET_ITEM(prog, 1), PyTuple_GET_ITEM(prog, 2),
+                          PyTuple_GET_ITEM(prog, 3), r);
         break;
     case OP_UNION: {
         PyObject *branches = PyTuple_GET_ITEM(prog, 1), *labels = PyTuple_GET_ITEM(prog, 2);

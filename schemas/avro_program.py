@@ -3,18 +3,27 @@
 A program is nested tuples, opcode first: ``(ARRAY, item)``, ``(RECORD, names, fields)``,
 ``(UNION, branches, labels)`` (a label is the branch's full record name, or None: the
 value is then returned bare, as fastavro does with ``return_record_name=True``), and one
-tuple per primitive. :func:`compile_schema` raises :class:`UnsupportedSchemaError` for what the C
-decoder does not cover (maps, enums, fixed, logical types, recursive or zero-byte array
-items); the codec then decodes with fastavro. ``decoder()`` is the compiled ``decode`` or
-None where the extension was not built.
+tuple per primitive. Given ``classes`` (full record name -> a slotted dataclass with the
+record's fields), records become ``(OBJECT, class, slots, fields)`` (instances built
+directly), arrays ``(TUPLE, item)`` and record branches of unions bare objects: the codec
+then decodes straight into its own types.
+
+:func:`compile_schema` raises :class:`UnsupportedSchemaError` for what the C decoder does
+not cover (maps, enums, fixed, logical types, recursive or zero-byte array items); the
+codec then decodes with fastavro. ``decoder()`` is the compiled ``decode`` or None where
+the extension was not built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MemberDescriptorType
 from typing import Any
 
-NULL, BOOLEAN, INT, LONG, FLOAT, DOUBLE, BYTES, STRING, ARRAY, RECORD, UNION = range(11)
+NULL, BOOLEAN, INT, LONG, FLOAT, DOUBLE, BYTES, STRING, ARRAY, RECORD, UNION, TUPLE, OBJECT = range(
+    13
+)
 Program = tuple[Any, ...]
 
 _PRIMITIVES: dict[str, Program] = {
@@ -27,8 +36,9 @@ class UnsupportedSchemaError(ValueError):
     """A schema the compiled decoder does not cover."""
 
 
-def compile_schema(schema: Any) -> Program:
-    """The program of ``schema`` (its JSON form: str, list or dict)."""
+def compile_schema(schema: Any, classes: Mapping[str, type] | None = None) -> Program:
+    """The program of ``schema`` (its JSON form: str, list or dict); with ``classes``, one
+    that builds those classes' instances (every record must have one)."""
     named: dict[str, Program] = {}
 
     def full_name(name: str, namespace: str | None) -> str:
@@ -44,7 +54,7 @@ def compile_schema(schema: Any) -> Program:
             return ref
         if isinstance(s, list):
             branches = tuple(walk(b, namespace) for b in s)
-            labels = tuple(_label(b, namespace, named) for b in s)
+            labels = tuple(None if classes else _label(b, namespace, named) for b in s)
             return (UNION, branches, labels)
         if not isinstance(s, dict) or "type" not in s:
             raise UnsupportedSchemaError(f"not a schema: {s!r}")
@@ -57,19 +67,41 @@ def compile_schema(schema: Any) -> Program:
             item = walk(s["items"], namespace)
             if _min_size(item) == 0:
                 raise UnsupportedSchemaError("array items that may take no byte")
-            return (ARRAY, item)
+            return (TUPLE if classes else ARRAY, item)
         if kind in ("record", "error"):
             name = full_name(s["name"], s.get("namespace", namespace))
             inner = name.rpartition(".")[0] or None
             # Registered once its fields are known: a field naming the record itself (a
             # recursive schema) is then "used before it is defined".
             fields = tuple(walk(f["type"], inner) for f in s["fields"])
-            program: Program = (RECORD, tuple(f["name"] for f in s["fields"]), fields)
+            names = tuple(f["name"] for f in s["fields"])
+            program: Program = (
+                _object(name, names, fields, classes) if classes else (RECORD, names, fields)
+            )
             named[name] = program
             return program
         raise UnsupportedSchemaError(f"type {kind!r}")
 
     return walk(schema, None)
+
+
+def _object(
+    name: str, names: tuple[str, ...], fields: Program, classes: Mapping[str, type]
+) -> Program:
+    """(OBJECT, class, member descriptors in field order, field programs)."""
+    cls = classes.get(name)
+    if cls is None:
+        raise UnsupportedSchemaError(f"no class for record {name}")
+    if not dataclasses.is_dataclass(cls) or "__post_init__" in vars(cls):
+        raise UnsupportedSchemaError(f"{cls.__name__} is not a plain dataclass")
+    if {f.name for f in dataclasses.fields(cls)} != set(names) or set(
+        getattr(cls, "__slots__", ())
+    ) != set(names):
+        raise UnsupportedSchemaError(f"{cls.__name__}'s slots are not record {name}'s fields")
+    slots = tuple(vars(cls)[n] for n in names)
+    if not all(isinstance(s, MemberDescriptorType) for s in slots):
+        raise UnsupportedSchemaError(f"{cls.__name__} has no slots")
+    return (OBJECT, cls, slots, fields)
 
 
 def _label(s: Any, namespace: str | None, named: dict[str, Program]) -> str | None:

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from kvledger.fleet import FleetConfig
 from kvledger.schemas import avro_program
 from kvledger.schemas.avro_program import UnsupportedSchemaError, compile_schema
-from kvledger.schemas.codec import Codec, envelope_schema_json
+from kvledger.schemas.codec import Codec, envelope_schema_json, record_to_envelope
+from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import BlockStored, Envelope, Heartbeat
 from tests.helpers.streams import edge_stream, fleet_stream
 
@@ -66,11 +67,15 @@ def test_every_published_message_decodes_as_fastavro_decodes_it() -> None:
     messages = published()
     assert len(messages) > 500
     kinds = set()
+    codec = Codec()
     for data in messages:  # the edge cases include bytes neither can decode
         ours = by_program(data)
-        assert ours == by_fastavro(data)
-        if ours is not None:
+        theirs = by_fastavro(data)
+        assert ours == theirs
+        if ours is not None and theirs is not None:
             kinds.add(ours[0]["event"][0])
+            # Straight into the codec's types: what fastavro's record maps onto.
+            assert codec.decode(data) == record_to_envelope(theirs[0])
     assert len(kinds) >= 5, kinds
 
 
@@ -103,9 +108,11 @@ def test_generated_records_decode_alike(
         Envelope("s", "", 0, 1, 0, -1, Heartbeat(group_idx=None, interval_ms=start)),
     ):
         data = Codec().encode(env)
-        ours = by_program(data)
-        assert ours is not None and ours == by_fastavro(data)
-        assert Codec().decode(data) == env
+        ours, theirs = by_program(data), by_fastavro(data)
+        assert ours is not None and ours == theirs
+        decoded = Codec().decode(data)
+        assert decoded == env == record_to_envelope(theirs[0])
+        assert type(decoded.event) is type(env.event)
 
 
 @compiled
@@ -117,6 +124,7 @@ def test_corrupted_bytes_get_the_same_verdict() -> None:
     rng = random.Random(11)
     messages = published()
     agreed = refused = stricter = 0
+    codec = Codec()
     for _ in range(6000):
         data = bytearray(rng.choice(messages))
         for _ in range(rng.randrange(1, 4)):
@@ -131,6 +139,11 @@ def test_corrupted_bytes_get_the_same_verdict() -> None:
             else:
                 data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 4)))
         ours, theirs = by_program(bytes(data)), by_fastavro(bytes(data))
+        try:  # straight into objects: the same verdict, nothing but a DecodeError
+            envelope: Envelope | None = codec.decode(bytes(data))
+        except DecodeError:
+            envelope = None
+        assert (envelope is None) == (ours is None or ours[1] != len(data))  # trailing bytes
         if theirs is None:
             assert ours is None, bytes(data).hex()
             refused += 1
@@ -176,6 +189,11 @@ def test_schemas_beyond_the_decoder_stay_with_fastavro() -> None:
     ):
         with pytest.raises(UnsupportedSchemaError):
             compile_schema(schema)
+    # Straight into classes: only slotted dataclasses whose fields are the record's.
+    record = {"type": "record", "name": "P", "fields": [{"name": "x", "type": "long"}]}
+    for classes in ({"Q": Heartbeat}, {"P": Heartbeat}, {"P": dict}):
+        with pytest.raises(UnsupportedSchemaError):
+            compile_schema(record, classes)
     union = compile_schema(
         ["null", {"type": "record", "name": "A", "namespace": "x", "fields": []}, "x.A"]
     )

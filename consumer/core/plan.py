@@ -265,7 +265,7 @@ class _Planner:
         self, env: Envelope, ev: BlockStored, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         group = group_of(ev)
-        invalid = check_stored(ev, self.specs.get(GroupKey(env.model, group)))
+        invalid = check_stored(ev, self.specs.get(_new(GroupKey, (env.model, group))))
         start = ev.token_start
         if start is None and invalid is None and not ev.is_placeholder:
             start = self._start_after(env.model, group, ev.parent_block_hash)
@@ -320,14 +320,14 @@ class _Planner:
         self, env: Envelope, ev: BlockRemoved, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         group = group_of(ev)
-        invalid = check_removed(ev, self.specs.get(GroupKey(env.model, group)))
+        invalid = check_removed(ev, self.specs.get(_new(GroupKey, (env.model, group))))
         if invalid is not None:
             return invalid, 0, 0
         medium = medium_of(ev)
         ownership = ev.ownership or PRIMARY_OWNERSHIP
         noop = 0
         for h in ev.block_hashes:
-            key = ResidencyKey(env.model, group, h, env.source, medium, ownership)
+            key = _new(ResidencyKey, (env.model, group, h, env.source, medium, ownership))
             if not self.refs.change(key, -1, when, ev.locality, msg):
                 noop += 1
         self.plan.noop_removals += noop

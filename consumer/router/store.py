@@ -38,6 +38,7 @@ from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
 _NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+_new = tuple.__new__  # a named tuple from its values, without its generated __new__
 
 
 def pack(tokens: Iterable[int]) -> bytes:
@@ -76,10 +77,10 @@ class Row:
         return None if self.token_start is None else self.token_start + len(self.tokens) // 4
 
     def block_row(self) -> BlockRow:
-        return BlockRow(
+        return _new(BlockRow, (
             self.parent, self.token_start, tuple(array("i", self.tokens)), self.block_size,
             self.partial,
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -167,8 +168,8 @@ class RouterStore(StagedStore):
 
     def hold(self, key: ResidencyKey, refcount: int) -> None:
         """Set one residency's reference count (0: it ends)."""
-        g = self.group(GroupKey(key.model, key.group_idx))
-        hid = self.holder_id((key.instance, key.medium, key.ownership))
+        g = self.group(key[:2])  # type: ignore[arg-type]  # (model, group_idx): a GroupKey's equal
+        hid = self.holder_id(key[3:])
         h = g.canon(key.block_hash)
         if refcount > 0:
             if g.masks.set_bit(h, hid):
@@ -182,8 +183,8 @@ class RouterStore(StagedStore):
             g.counts.pop((h, hid), None)
 
     def refcount(self, key: ResidencyKey) -> int:
-        g = self.groups.get(GroupKey(key.model, key.group_idx))
-        hid = self.holder_ids.get((key.instance, key.medium, key.ownership))
+        g: Group | None = self.groups.get(key[:2])  # type: ignore[call-overload]
+        hid = self.holder_ids.get(key[3:])
         if g is None or hid is None or not g.masks.has_bit(key.block_hash, hid):
             return 0
         return g.counts.get((key.block_hash, hid), 1)
@@ -207,7 +208,7 @@ class RouterStore(StagedStore):
 
     def _merge(self, key: BlockKey, write: BlockWrite) -> None:
         """As the PostgreSQL store merges a block row (content upgrades, first metadata)."""
-        g = self.group(GroupKey(key.model, key.group_idx))
+        g = self.group(key[:2])  # type: ignore[arg-type]
         new = write.row
         old = g.rows.get(key.block_hash)
         plain = write.extra_keys is None
@@ -234,11 +235,17 @@ class _Blocks(Mapping[BlockKey, BlockRow]):
         self.store = store
 
     def __getitem__(self, key: BlockKey) -> BlockRow:
-        g = self.store.groups.get(GroupKey(key.model, key.group_idx))
-        row = g.rows.get(key.block_hash) if g is not None else None
+        row = self.get(key)
         if row is None:
             raise KeyError(key)
-        return row.block_row()
+        return row
+
+    def get(self, key: BlockKey, default: BlockRow | None = None) -> BlockRow | None:  # type: ignore[override]
+        """Without Mapping.get's KeyError per miss: the planner asks for every hash of
+        every stored event, most of them new."""
+        g = self.store.groups.get(key[:2])  # type: ignore[call-overload]
+        row = g.rows.get(key[2]) if g is not None else None
+        return row.block_row() if row is not None else default
 
     def __iter__(self) -> Iterator[BlockKey]:
         for (model, group), g in self.store.groups.items():
@@ -254,11 +261,16 @@ class _Residencies(Mapping[ResidencyKey, Residency]):
         self.store = store
 
     def __getitem__(self, key: ResidencyKey) -> Residency:
-        count = self.store.refcount(key)
-        if not count:
+        residency = self.get(key)
+        if residency is None:
             raise KeyError(key)
+        return residency
+
+    def get(self, key: ResidencyKey, default: Residency | None = None) -> Residency | None:  # type: ignore[override]
+        """Without Mapping.get's KeyError per miss (most residencies an event opens are new)."""
+        count = self.store.refcount(key)
         # The router keeps no history: the opening message is not needed for lookups.
-        return Residency(count, None, _NO_TIME, "", 0, 0)
+        return Residency(count, None, _NO_TIME, "", 0, 0) if count else default
 
     def __iter__(self) -> Iterator[ResidencyKey]:
         store = self.store

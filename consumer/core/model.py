@@ -200,6 +200,9 @@ class Snapshot:
     # Of a replay's stores (``Needs.replayed``), the (topic, partition, offset) of those whose
     # holder has recorded a removal with no reference left after them (see plan.py).
     late_removals: Collection[tuple[str, int, int]] = ()
+    # Whether the store keeps the residency history and the audit log: a store that keeps
+    # neither (the router's) is spared their intervals and rows; every rule is the same.
+    history: bool = True
 
 
 # ---------------------------------------------------------------------- the plan

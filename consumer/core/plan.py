@@ -426,6 +426,8 @@ class _Planner:
         when: datetime | None,
     ) -> None:  # fmt: skip
         """One audit row; ``when`` is the event time (None for an undecodable message)."""
+        if not self.snap.history:
+            return
         msg, env = d.message, d.envelope
         if env is None:
             values: tuple[object, ...] = (

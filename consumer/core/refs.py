@@ -25,6 +25,7 @@ class References:
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.snap = snapshot
+        self.history = snapshot.history
         self.deltas: dict[ResidencyKey, ResidencyDelta] = {}
 
     def touched(self) -> list[ResidencyDelta]:
@@ -82,8 +83,9 @@ class References:
         if before == 0:  # 0 -> n: a residency and its history interval open
             state.locality, state.since = locality, when
             state.topic, state.partition, state.offset = msg.topic, msg.partition, msg.offset
-            state.intervals.append(Interval(when, locality, msg.partition, msg.offset))
-        elif after == 0:  # n -> 0: they end
+            if self.history:
+                state.intervals.append(Interval(when, locality, msg.partition, msg.offset))
+        elif after == 0 and self.history:  # n -> 0: they end
             opened = next((i for i in state.intervals if i.removed_at is None), None)
             if opened is not None:
                 opened.removed_at = max(when, opened.stored_at)

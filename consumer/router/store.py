@@ -193,8 +193,9 @@ class RouterStore(StagedStore):
 
     def load(self, needs: Needs) -> Snapshot:
         return Snapshot(
-            self.specs, _Blocks(self), _Residencies(self), _Held(self), self.sources, self.lives
-        )
+            self.specs, _Blocks(self), _Residencies(self), _Held(self), self.sources, self.lives,
+            history=False,
+        )  # fmt: skip
 
     def _apply(self, plan: Plan) -> None:
         for spec, _ in plan.new_specs:

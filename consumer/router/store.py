@@ -11,8 +11,9 @@ rejections stay in PostgreSQL: a router does not answer audits.
 
 from __future__ import annotations
 
+import struct
 from array import array
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -41,9 +42,16 @@ _NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
 _new = tuple.__new__  # a named tuple from its values, without its generated __new__
 
 
-def pack(tokens: Iterable[int]) -> bytes:
-    """Token ids as int32 bytes (compact, and compared as bytes)."""
-    return array("i", tokens).tobytes()
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def pack(tokens: Sequence[int]) -> bytes:
+    """Token ids as native int32 bytes (compact, and compared as bytes), as array("i")
+    would give them; a Struct per length packs them ~2x faster."""
+    packer = _PACKERS.get(len(tokens))
+    if packer is None:
+        packer = _PACKERS[len(tokens)] = struct.Struct(f"{len(tokens)}i")
+    return packer.pack(*tokens)
 
 
 # Token positions repeat across blocks (every prompt's block i starts at i * block_size):

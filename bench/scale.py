@@ -29,7 +29,9 @@ CLOCK = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_of(pattern: str) -> float:
-    """CPU seconds (user + system) of every process whose command line contains ``pattern``."""
+    """CPU seconds (user + system) of every process whose command line contains ``pattern``,
+    with the children each has reaped: PostgreSQL's backends exit with their connections,
+    and their time then counts in the postmaster's."""
     total = 0.0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -40,7 +42,7 @@ def _cpu_of(pattern: str) -> float:
                     continue
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / CLOCK
+            total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / CLOCK  # utime .. cstime
         except OSError:
             continue
     return total

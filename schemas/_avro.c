@@ -184,25 +184,23 @@ static PyObject *decode(PyObject *prog, Reader *r) {
             out = PyLong_FromLongLong(v);
         break;
     }
-    case OP_FLOAT: {
-        float f;
-        if (r->end - r->p < 4) {
-            fail("truncated float");
-            break;
-        }
-        memcpy(&f, r->p, 4); /* little-endian hosts only: checked at import */
-        r->p += 4;
-        out = PyFloat_FromDouble(f);
-        break;
-    }
+    case OP_FLOAT:
     case OP_DOUBLE: {
-        double d;
-        if (r->end - r->p < 8) {
-            fail("truncated double");
+        /* IEEE 754 little-endian, as the host's (checked at import) */
+        int size = op == OP_FLOAT ? 4 : 8;
+        if (r->end - r->p < size) {
+            fail("truncated float or double");
             break;
         }
-        memcpy(&d, r->p, 8);
-        r->p += 8;
+        float f;
+        double d;
+        if (op == OP_FLOAT) {
+            memcpy(&f, r->p, 4);
+            d = f;
+        } else {
+            memcpy(&d, r->p, 8);
+        }
+        r->p += size;
         out = PyFloat_FromDouble(d);
         break;
     }

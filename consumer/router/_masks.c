@@ -221,14 +221,20 @@ static int bit_arg(PyObject *arg, Py_ssize_t *bit) {
     return 0;
 }
 
+/* (key, bit) arguments: the key's bytes and the holder id. */
+static int key_bit(PyObject *const *args, Py_ssize_t nargs, const char *usage, const char **p,
+                   Py_ssize_t *n, Py_ssize_t *bit) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    return key_of(args[0], p, n) < 0 || bit_arg(args[1], bit) < 0 ? -1 : 0;
+}
+
 static PyObject *MaskTable_set_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
     const char *p;
     Py_ssize_t n, bit;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "set_bit(key, bit)");
-        return NULL;
-    }
-    if (key_of(args[0], &p, &n) < 0 || bit_arg(args[1], &bit) < 0)
+    if (key_bit(args, nargs, "set_bit(key, bit)", &p, &n, &bit) < 0)
         return NULL;
     if (bit >= t->width * 64) {
         Py_ssize_t width = t->width;
@@ -278,11 +284,7 @@ static PyObject *MaskTable_set_end(MaskTable *t, PyObject *const *args, Py_ssize
 static PyObject *MaskTable_clear_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
     const char *p;
     Py_ssize_t n, bit;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "clear_bit(key, bit)");
-        return NULL;
-    }
-    if (key_of(args[0], &p, &n) < 0 || bit_arg(args[1], &bit) < 0)
+    if (key_bit(args, nargs, "clear_bit(key, bit)", &p, &n, &bit) < 0)
         return NULL;
     Py_ssize_t i = find(t, hash_bytes(p, n), p, n);
     if (i < 0)
@@ -300,11 +302,7 @@ static PyObject *MaskTable_clear_bit(MaskTable *t, PyObject *const *args, Py_ssi
 static PyObject *MaskTable_has_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
     const char *p;
     Py_ssize_t n, bit;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "has_bit(key, bit)");
-        return NULL;
-    }
-    if (key_of(args[0], &p, &n) < 0 || bit_arg(args[1], &bit) < 0)
+    if (key_bit(args, nargs, "has_bit(key, bit)", &p, &n, &bit) < 0)
         return NULL;
     Py_ssize_t i = find(t, hash_bytes(p, n), p, n);
     if (i < 0 || bit >= t->width * 64)

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import struct
 from typing import Any
 
 import fastavro
@@ -176,6 +177,10 @@ def test_the_decoder_refuses_what_it_cannot_read() -> None:
         DECODE((avro_program.STRING,), b"\x02\xff", 0)
     with pytest.raises(ValueError, match="branch"):
         DECODE(compile_schema(["null", "long"]), b"\x04", 0)
+    assert DECODE((avro_program.FLOAT,), struct.pack("<f", 1.5), 0) == (1.5, 4)
+    assert DECODE((avro_program.DOUBLE,), struct.pack("<d", -0.1), 0) == (-0.1, 8)
+    with pytest.raises(ValueError, match="truncated"):
+        DECODE((avro_program.DOUBLE,), b"\x00" * 7, 0)
 
 
 def test_schemas_beyond_the_decoder_stay_with_fastavro() -> None:

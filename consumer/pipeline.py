@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvledger.consumer.core.model import Plan, Rejection
-from kvledger.consumer.core.plan import make_plan, needs
+from kvledger.consumer.core.needs import needs
+from kvledger.consumer.core.plan import make_plan
 from kvledger.consumer.inbound import Decoded, Inbound, decode
 from kvledger.consumer.store.base import IndexStore, TopicPartition, batch_offsets
 from kvledger.schemas.codec import Codec

@@ -15,6 +15,10 @@ from typing import NamedTuple
 from kvledger.consumer.inbound import Inbound
 from kvledger.schemas.events import GroupSpec
 
+PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
+# A named tuple from its values, without its generated __new__ (the planner's per-hash keys).
+new_tuple = tuple.__new__
+
 
 class GroupKey(NamedTuple):
     model: str

@@ -1,7 +1,7 @@
 """The index rules: decoded messages + the state they touch → a plan (pure, no I/O).
 
-:func:`needs` says what a batch touches (for the store to load); :func:`make_plan` walks
-the batch in order over a :class:`~.model.Snapshot` and returns a :class:`~.model.Plan`.
+:func:`~.needs.needs` says what a batch touches (for the store to load); :func:`make_plan`
+walks the batch in order over a :class:`~.model.Snapshot` and returns a :class:`~.model.Plan`.
 Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`), then:
 
 - GroupSpec: a new group's shape is recorded (declared specs win; a different shape is a
@@ -37,22 +37,22 @@ from datetime import datetime
 
 from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving, utc
 from kvledger.consumer.core.model import (
+    PRIMARY_OWNERSHIP,
     AuditRow,
     BlockKey,
     BlockRow,
     BlockWrite,
     GroupKey,
     HeldSpec,
-    HolderKey,
     HolderScope,
     LifecycleEvent,
-    Needs,
     Plan,
     Rejection,
     ResidencyKey,
     Snapshot,
     SourceKey,
     SourceState,
+    new_tuple,
 )
 from kvledger.consumer.core.refs import References
 from kvledger.consumer.core.sequence import Verdict, advance
@@ -67,6 +67,7 @@ from kvledger.consumer.core.validate import (
     check_stored,
     conflicts,
     explode,
+    upgrades,
 )
 from kvledger.consumer.inbound import Decoded, Inbound
 from kvledger.schemas.events import (
@@ -82,54 +83,9 @@ from kvledger.schemas.events import (
     medium_of,
 )
 
-PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
-# Keys built in the per-hash loops skip the named constructor's extra call.
-_new = tuple.__new__
-
 
 def event_time(env: Envelope) -> datetime:
     return utc(env.event_time_ms)
-
-
-def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
-    """What ``batch`` touches: the block rows, residencies, whole holders and sources."""
-    out = Needs()
-    restarts, residencies, blocks = out.restarts, out.residencies, out.blocks
-    for d in batch:
-        env = d.envelope
-        if env is None:
-            continue
-        source, model, ev = env.source, env.model, env.event
-        out.sources.add(source)
-        group = group_of(ev)
-        stream = _new(SourceKey, (source, model, group))
-        if restarts.get(stream, -1) < env.epoch:
-            restarts[stream] = env.epoch
-        if isinstance(ev, BlockStored | BlockRemoved):
-            own = ev.ownership or PRIMARY_OWNERSHIP
-            holder = _new(HolderKey, (model, group, source, medium_of(ev), own))
-            hashes = residencies.get(holder)
-            if hashes is None:
-                hashes = residencies[holder] = set()
-            hashes.update(ev.block_hashes)
-            if isinstance(ev, BlockStored):
-                if not check_sequence:
-                    m = d.message
-                    out.replayed.append((holder, m.topic, m.partition, m.offset))
-                wanted = blocks.setdefault(_new(GroupKey, (model, group)), set())
-                wanted.update(ev.block_hashes)
-                if ev.token_start is None and ev.parent_block_hash is not None:
-                    wanted.add(ev.parent_block_hash)  # its position follows the parent's
-        elif isinstance(ev, AllBlocksCleared):
-            out.scopes.add(HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), None))
-        elif isinstance(ev, EventsLost):
-            out.scopes.add(HolderScope(env.model, group, env.source, None, None))
-        elif isinstance(ev, Goodbye):
-            out.scopes.add(HolderScope(env.model, None, env.source, None, None))
-    if not check_sequence:  # a replay: no sequence, no restarts
-        out.sources.clear()
-        out.restarts.clear()
-    return out
 
 
 def make_plan(batch: Sequence[Decoded], snapshot: Snapshot, replay: bool = False) -> Plan:
@@ -179,7 +135,7 @@ class _Planner:
             return
         when = event_time(env)  # once per message
         if not plan.replay:
-            key = _new(SourceKey, (env.source, env.model, group_of(env.event)))
+            key = new_tuple(SourceKey, (env.source, env.model, group_of(env.event)))
             state = self.sources.get(key)
             if state is None and (held := self.snap.sources.get(key)) is not None:
                 state = self.sources[key] = held.copy()  # the batch's own copy
@@ -265,13 +221,13 @@ class _Planner:
         self, env: Envelope, ev: BlockStored, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         group = group_of(ev)
-        invalid = check_stored(ev, self.specs.get(_new(GroupKey, (env.model, group))))
+        invalid = check_stored(ev, self.specs.get(new_tuple(GroupKey, (env.model, group))))
         start = ev.token_start
         if start is None and invalid is None and not ev.is_placeholder:
             start = self._start_after(env.model, group, ev.parent_block_hash)
         rows = explode(ev, start) if invalid is None else []
         model = env.model
-        keys = [_new(BlockKey, (model, group, h)) for h, _ in rows]
+        keys = [new_tuple(BlockKey, (model, group, h)) for h, _ in rows]
         known_rows = [self._known(k) for k in keys]
         for (h, row), known in zip(rows, known_rows, strict=True):
             if known is not None and (why := conflicts(known, row)) is not None:
@@ -303,8 +259,8 @@ class _Planner:
                 write.first_seen = min(write.first_seen, when)
                 write.last_seen = max(write.last_seen, when)
             if holders:
-                change(_new(ResidencyKey, (model, group, h, source, medium, ownership)), 1, when,
-                       ev.locality, msg)  # fmt: skip
+                key = new_tuple(ResidencyKey, (model, group, h, source, medium, ownership))
+                change(key, 1, when, ev.locality, msg)
         self.plan.block_events += len(rows)
         return None, len(rows), 0
 
@@ -313,21 +269,21 @@ class _Planner:
         parent's row ends (None when the parent or its position is unknown)."""
         if parent is None:
             return 0
-        row = self._known(_new(BlockKey, (model, group, parent)))
+        row = self._known(new_tuple(BlockKey, (model, group, parent)))
         return row.token_end if row is not None else None
 
     def _removed(
         self, env: Envelope, ev: BlockRemoved, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
         group = group_of(ev)
-        invalid = check_removed(ev, self.specs.get(_new(GroupKey, (env.model, group))))
+        invalid = check_removed(ev, self.specs.get(new_tuple(GroupKey, (env.model, group))))
         if invalid is not None:
             return invalid, 0, 0
         medium = medium_of(ev)
         ownership = ev.ownership or PRIMARY_OWNERSHIP
         noop = 0
         for h in ev.block_hashes:
-            key = _new(ResidencyKey, (env.model, group, h, env.source, medium, ownership))
+            key = new_tuple(ResidencyKey, (env.model, group, h, env.source, medium, ownership))
             if not self.refs.change(key, -1, when, ev.locality, msg):
                 noop += 1
         self.plan.noop_removals += noop
@@ -444,7 +400,7 @@ class _Planner:
                 env.seq, type(ev).__name__, group_of(ev), medium,
                 getattr(ev, "ownership", None), hashes, noop, status, reason, when,
             )  # fmt: skip
-        self.plan.audit.append(_new(AuditRow, values))
+        self.plan.audit.append(new_tuple(AuditRow, values))
 
     def _reject(self, d: Decoded, reason: Reason, detail: str, when: datetime | None) -> None:
         env = d.envelope
@@ -452,23 +408,6 @@ class _Planner:
         self.plan.rejected.append(Rejection(d.message, reason.value, detail, source))
         hashes = len(getattr(env.event, "block_hashes", ())) if env is not None else 0
         self._audit(d, "rejected", reason.value, hashes, 0, when)
-
-
-def upgrades(known: BlockRow, new: BlockRow) -> bool:
-    """A full-size or real row replaces a placeholder or partial-tail row of the same hash,
-    and a row that knows its position replaces one of the same size that does not."""
-    if new.placeholder:
-        return False
-    return (
-        known.placeholder
-        or (known.partial and not new.partial)
-        or (
-            known.token_start is None
-            and new.token_start is not None
-            and known.block_size == new.block_size
-            and known.partial == new.partial
-        )
-    )
 
 
 def replay_reason(reason: str | None) -> str:

@@ -286,3 +286,20 @@ def conflicts(existing: BlockRow, new: BlockRow) -> str | None:
     if longer[len(longer) - len(shorter) :] != shorter:
         return "same hash announced with different tokens"
     return None
+
+
+def upgrades(known: BlockRow, new: BlockRow) -> bool:
+    """A full-size or real row replaces a placeholder or partial-tail row of the same hash,
+    and a row that knows its position replaces one of the same size that does not."""
+    if new.placeholder:
+        return False
+    return (
+        known.placeholder
+        or (known.partial and not new.partial)
+        or (
+            known.token_start is None
+            and new.token_start is not None
+            and known.block_size == new.block_size
+            and known.partial == new.partial
+        )
+    )

@@ -33,7 +33,7 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
 )
-from kvledger.consumer.core.plan import upgrades
+from kvledger.consumer.core.validate import upgrades
 from kvledger.consumer.router.masks import HolderMasks, Masks
 from kvledger.consumer.store.staged import StagedStore
 

@@ -32,7 +32,8 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
 )
-from kvledger.consumer.core.plan import replay_reason, upgrades
+from kvledger.consumer.core.plan import replay_reason
+from kvledger.consumer.core.validate import upgrades
 from kvledger.consumer.store.staged import StagedStore
 from kvledger.schemas.events import DEFAULT_MEDIUM, GroupSpec
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import pytest
 
 from kvledger.consumer.core.model import BlockKey, ResidencyKey, SourceKey
-from kvledger.consumer.core.plan import make_plan, needs
+from kvledger.consumer.core.needs import needs
+from kvledger.consumer.core.plan import make_plan
 from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.pipeline import BatchResult, replay_batch, run_batch
 from kvledger.consumer.store.memory import MemoryStore

@@ -1,0 +1,67 @@
+"""What a batch touches (pure): the block rows, residencies, whole holders and sources the
+store loads into the :class:`~.model.Snapshot` that :func:`~.plan.make_plan` walks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvledger.consumer.core.model import (
+    PRIMARY_OWNERSHIP,
+    GroupKey,
+    HolderKey,
+    HolderScope,
+    Needs,
+    SourceKey,
+    new_tuple,
+)
+from kvledger.consumer.inbound import Decoded
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventsLost,
+    Goodbye,
+    group_of,
+    medium_of,
+)
+
+
+def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
+    """What ``batch`` touches: the block rows, residencies, whole holders and sources."""
+    out = Needs()
+    restarts, residencies, blocks = out.restarts, out.residencies, out.blocks
+    for d in batch:
+        env = d.envelope
+        if env is None:
+            continue
+        source, model, ev = env.source, env.model, env.event
+        out.sources.add(source)
+        group = group_of(ev)
+        stream = new_tuple(SourceKey, (source, model, group))
+        if restarts.get(stream, -1) < env.epoch:
+            restarts[stream] = env.epoch
+        if isinstance(ev, BlockStored | BlockRemoved):
+            own = ev.ownership or PRIMARY_OWNERSHIP
+            holder = new_tuple(HolderKey, (model, group, source, medium_of(ev), own))
+            hashes = residencies.get(holder)
+            if hashes is None:
+                hashes = residencies[holder] = set()
+            hashes.update(ev.block_hashes)
+            if isinstance(ev, BlockStored):
+                if not check_sequence:
+                    m = d.message
+                    out.replayed.append((holder, m.topic, m.partition, m.offset))
+                wanted = blocks.setdefault(new_tuple(GroupKey, (model, group)), set())
+                wanted.update(ev.block_hashes)
+                if ev.token_start is None and ev.parent_block_hash is not None:
+                    wanted.add(ev.parent_block_hash)  # its position follows the parent's
+        elif isinstance(ev, AllBlocksCleared):
+            out.scopes.add(HolderScope(env.model, ev.group_idx, env.source, medium_of(ev), None))
+        elif isinstance(ev, EventsLost):
+            out.scopes.add(HolderScope(env.model, group, env.source, None, None))
+        elif isinstance(ev, Goodbye):
+            out.scopes.add(HolderScope(env.model, None, env.source, None, None))
+    if not check_sequence:  # a replay: no sequence, no restarts
+        out.sources.clear()
+        out.restarts.clear()
+    return out

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import psycopg
 from confluent_kafka import (
@@ -41,6 +40,7 @@ from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.topics import admin_settings, refused
@@ -48,21 +48,6 @@ from kvledger.schemas.topics import admin_settings, refused
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = (psycopg.OperationalError, psycopg.errors.SerializationFailure, DeadLetterError)
-
-
-@dataclass
-class RunSummary:
-    batches: int = 0
-    messages: int = 0
-    applied: int = 0
-    rejected: int = 0
-    duplicates: int = 0
-    block_events: int = 0
-    fenced: int = 0
-    retries: int = 0
-    restarts: int = 0
-    rejected_by_reason: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
 
 
 ProgressFn = Callable[[RunSummary, int], None]
@@ -295,38 +280,9 @@ class IndexConsumer:
         self._apply(batch[middle:], poisoned)
 
     def _account(self, result: BatchResult) -> None:
-        plan, s = result.plan, self.summary
-        s.batches += 1
-        s.messages += plan.messages
-        s.applied += plan.applied
-        s.duplicates += plan.duplicates
-        s.block_events += plan.block_events
-        s.rejected += len(plan.rejected)
-        by_reason: dict[str, int] = {}
-        for r in plan.rejected:
-            by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
-            logger.debug(
-                "rejected %s[%d]@%d: %s (%s)",
-                r.message.topic,
-                r.message.partition,
-                r.message.offset,
-                r.reason,
-                r.detail,
-            )
-        for reason, count in by_reason.items():
-            s.rejected_by_reason[reason] = s.rejected_by_reason.get(reason, 0) + count
-            example = next(r for r in plan.rejected if r.reason == reason)
-            logger.info(
-                "rejected %d message(s) as %s, e.g. %s[%d]@%d: %s",
-                count,
-                reason,
-                example.message.topic,
-                example.message.partition,
-                example.message.offset,
-                example.detail,
-            )
+        self.summary.add(result.plan)
         if self.progress is not None:
-            self.progress(s, self.lag())
+            self.progress(self.summary, self.lag())
 
     # ------------------------------------------------------------------ offsets
     def _connect(self) -> psycopg.Connection:

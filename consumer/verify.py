@@ -20,9 +20,10 @@ import sqlalchemy as sa
 
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
-from kvledger.consumer.service import IndexConsumer, RunSummary, stored_offsets
+from kvledger.consumer.service import IndexConsumer, stored_offsets
 from kvledger.consumer.store.postgres import load_specs, upsert_group_specs
 from kvledger.consumer.store.tables import COMPARED
+from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.topics import admin_settings

@@ -13,7 +13,8 @@ from kvledger import settings
 from kvledger.consumer import admin
 from kvledger.consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
 from kvledger.consumer.db import connect, migrate
-from kvledger.consumer.service import IndexConsumer, RunSummary
+from kvledger.consumer.service import IndexConsumer
+from kvledger.consumer.summary import RunSummary
 from kvledger.process import freeze_startup_objects
 from kvledger.schemas.events import SPEC_KINDS, GroupSpec
 from kvledger.tables import print_table

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
-from kvledger.consumer.service import IndexConsumer, RunSummary
+from kvledger.consumer.service import IndexConsumer
+from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
     AllBlocksCleared,

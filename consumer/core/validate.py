@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvledger.consumer.core.model import BlockRow, HeldSpec
+from kvledger.consumer.core.model import BlockRow, HeldSpec, new_tuple
 from kvledger.schemas.events import (
     FULL_ATTENTION_KINDS,
     MEDIUMS,
@@ -244,12 +244,12 @@ def explode(event: BlockStored, start: int | None = None) -> list[tuple[bytes, B
     if event.token_start is not None:
         start = event.token_start
     tokens = event.token_ids if isinstance(event.token_ids, tuple) else tuple(event.token_ids)
-    partial, new = event.partial, tuple.__new__
+    partial = event.partial
     for i, h in enumerate(event.block_hashes):
         at = start + i * size if start is not None else None
         # (parent_hash, token_start, token_ids, block_size, partial): slices of a tuple
         rows.append(
-            (h, new(BlockRow, (parent, at, tokens[i * size : (i + 1) * size], size, partial)))
+            (h, new_tuple(BlockRow, (parent, at, tokens[i * size : (i + 1) * size], size, partial)))
         )
         parent = h
     return rows

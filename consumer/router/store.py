@@ -32,6 +32,7 @@ from kvledger.consumer.core.model import (
     SourceKey,
     SourceLife,
     SourceState,
+    new_tuple,
 )
 from kvledger.consumer.core.validate import upgrades
 from kvledger.consumer.router.masks import HolderMasks, Masks
@@ -39,7 +40,6 @@ from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
 _NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
-_new = tuple.__new__  # a named tuple from its values, without its generated __new__
 
 
 _PACKERS: dict[int, struct.Struct] = {}
@@ -85,7 +85,7 @@ class Row:
         return None if self.token_start is None else self.token_start + len(self.tokens) // 4
 
     def block_row(self) -> BlockRow:
-        return _new(BlockRow, (
+        return new_tuple(BlockRow, (
             self.parent, self.token_start, tuple(array("i", self.tokens)), self.block_size,
             self.partial,
         ))  # fmt: skip

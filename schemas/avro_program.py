@@ -25,6 +25,9 @@ NULL, BOOLEAN, INT, LONG, FLOAT, DOUBLE, BYTES, STRING, ARRAY, RECORD, UNION, TU
     13
 )
 Program = tuple[Any, ...]
+Decoder = Callable[
+    [Program, bytes, int], tuple[Any, int]
+]  # (program, data, offset) -> (value, end)
 
 _PRIMITIVES: dict[str, Program] = {
     "null": (NULL,), "boolean": (BOOLEAN,), "int": (INT,), "long": (LONG,),
@@ -41,14 +44,11 @@ def compile_schema(schema: Any, classes: Mapping[str, type] | None = None) -> Pr
     that builds those classes' instances (every record must have one)."""
     named: dict[str, Program] = {}
 
-    def full_name(name: str, namespace: str | None) -> str:
-        return name if "." in name or not namespace else f"{namespace}.{name}"
-
     def walk(s: Any, namespace: str | None) -> Program:
         if isinstance(s, str):
             if s in _PRIMITIVES:
                 return _PRIMITIVES[s]
-            ref = named.get(full_name(s, namespace)) or named.get(s)
+            ref = named.get(_full_name(s, namespace)) or named.get(s)
             if ref is None:
                 raise UnsupportedSchemaError(f"name {s!r} used before it is defined (or recursive)")
             return ref
@@ -69,7 +69,7 @@ def compile_schema(schema: Any, classes: Mapping[str, type] | None = None) -> Pr
                 raise UnsupportedSchemaError("array items that may take no byte")
             return (TUPLE if classes else ARRAY, item)
         if kind in ("record", "error"):
-            name = full_name(s["name"], s.get("namespace", namespace))
+            name = _full_name(s["name"], s.get("namespace", namespace))
             inner = name.rpartition(".")[0] or None
             # Registered once its fields are known: a field naming the record itself (a
             # recursive schema) is then "used before it is defined".
@@ -104,14 +104,16 @@ def _object(
     return (OBJECT, cls, slots, fields)
 
 
+def _full_name(name: str, namespace: str | None) -> str:
+    return name if "." in name or not namespace else f"{namespace}.{name}"
+
+
 def _label(s: Any, namespace: str | None, named: dict[str, Program]) -> str | None:
     """A union branch's name as fastavro reports it (records only)."""
     if isinstance(s, dict) and s.get("type") in ("record", "error"):
-        name = s["name"]
-        ns = s.get("namespace", namespace)
-        return name if "." in name or not ns else f"{ns}.{name}"
+        return _full_name(s["name"], s.get("namespace", namespace))
     if isinstance(s, str) and s not in _PRIMITIVES:
-        full = s if "." in s or not namespace else f"{namespace}.{s}"
+        full = _full_name(s, namespace)
         return full if full in named else s
     return None
 
@@ -129,7 +131,7 @@ def _min_size(p: Program) -> int:
     return 1  # a boolean, a varint, a length, a block count, a branch index
 
 
-def decoder() -> Callable[[Program, bytes, int], tuple[Any, int]] | None:
+def decoder() -> Decoder | None:
     try:
         from kvledger.schemas._avro import decode
     except ImportError:  # built without a C compiler

@@ -128,6 +128,8 @@ def _min_size(p: Program) -> int:
         return 8
     if op == RECORD:
         return sum(_min_size(f) for f in p[2])
+    if op == OBJECT:  # (OBJECT, class, slots, fields)
+        return sum(_min_size(f) for f in p[3])
     return 1  # a boolean, a varint, a length, a block count, a branch index
 
 

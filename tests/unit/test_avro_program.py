@@ -5,6 +5,7 @@ schemas it leaves to fastavro."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -194,6 +195,11 @@ def test_schemas_beyond_the_decoder_stay_with_fastavro() -> None:
     ):
         with pytest.raises(UnsupportedSchemaError):
             compile_schema(schema)
+    # In object mode too, array items must take at least one byte (the decoder's count
+    # bound relies on it).
+    empty = {"type": "record", "name": "E", "fields": [{"name": "x", "type": "null"}]}
+    with pytest.raises(UnsupportedSchemaError, match="no byte"):
+        compile_schema({"type": "array", "items": empty}, {"E": _Nothing})
     # Straight into classes: only slotted dataclasses whose fields are the record's.
     record = {"type": "record", "name": "P", "fields": [{"name": "x", "type": "long"}]}
     for classes in ({"Q": Heartbeat}, {"P": Heartbeat}, {"P": dict}):
@@ -203,3 +209,8 @@ def test_schemas_beyond_the_decoder_stay_with_fastavro() -> None:
         ["null", {"type": "record", "name": "A", "namespace": "x", "fields": []}, "x.A"]
     )
     assert union[2] == (None, "x.A", "x.A")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Nothing:
+    x: None

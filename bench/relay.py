@@ -27,7 +27,8 @@ from confluent_kafka.admin import AdminClient
 from bench.common import capture_produced, raw_produce, record
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
-from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
+from kvledger.producer.relay.config import RelayConfig, parse_group
+from kvledger.producer.relay.relay import Relay
 from kvledger.schemas.topics import ensure_topic
 from kvledger.vllm_engine import Event, ZmqEngine, removed, stored
 

@@ -42,7 +42,8 @@ from kvledger.fleet import (
     random_tokens,
     system_prompts,
 )
-from kvledger.producer.relay.relay import Relay, RelayConfig
+from kvledger.producer.relay.config import RelayConfig
+from kvledger.producer.relay.relay import Relay
 from kvledger.producer.tracker import group_announcement
 from kvledger.schemas.topics import ensure_topic
 from kvledger.simulate_cmd import run_simulation

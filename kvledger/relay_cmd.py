@@ -13,8 +13,9 @@ from prometheus_client import start_http_server
 
 from kvledger import settings
 from kvledger.producer.config import DEFAULT_TOPIC
+from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.metrics import RelayMetrics
-from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
+from kvledger.producer.relay.relay import Relay
 from kvledger.schemas.topics import DEFAULT_PARTITIONS, ensure_topic
 
 logger = logging.getLogger(__name__)

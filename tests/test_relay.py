@@ -22,7 +22,8 @@ import pytest
 
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex
-from kvledger.producer.relay.relay import Relay, RelayConfig, parse_group
+from kvledger.producer.relay.config import RelayConfig, parse_group
+from kvledger.producer.relay.relay import Relay
 from kvledger.producer.vllm import from_vllm_fields
 from kvledger.schemas.events import BlockRemoved, BlockStored
 from kvledger.schemas.topics import ensure_topic

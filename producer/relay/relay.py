@@ -34,54 +34,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
-from kvledger.producer.config import PublisherConfig
 from kvledger.producer.errors import PublishError
 from kvledger.producer.publisher import KVEventPublisher
+from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
 from kvledger.producer.relay.metrics import RelayMetrics
-from kvledger.producer.relay.position import PARTITIONER, StreamPosition, recover
 from kvledger.producer.relay.sequence import EngineSequence, Seen
+from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
 from kvledger.producer.relay.wire import EngineBatch, decode_batch
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import EventsLost, GroupSpec, Heartbeat
+from kvledger.schemas.events import EventsLost, Heartbeat
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RelayConfig:
-    """One engine's relay. ``source``: the engine's source id (with ``dp_size`` > 1 each
-    rank is ``<source>-dp<rank>``); ``groups``: the group specs to announce."""
-
-    endpoint: str
-    source: str
-    model: str
-    bootstrap_servers: str
-    replay_endpoint: str | None = None
-    dp_size: int = 1
-    groups: Sequence[GroupSpec] = ()
-    topic: str = "kv-events"
-    engine_topic: bytes = b""
-    kafka: dict[str, object] = field(default_factory=dict)
-    commit_interval_s: float = 0.1
-    commit_batches: int = 2000
-    heartbeat_interval_s: float = 5.0
-    # Confluent Schema Registry framing (a Codec with a registry and a subject); else the
-    # single-object framing.
-    codec: Codec | None = None
-    replay_timeout_ms: int = 2000
-    receive_hwm: int = 10_000
-    queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
-    surviving_media: tuple[str, ...] | None = None
-
-    def rank_source(self, rank: int) -> str:
-        return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"
 
 
 class RankRelay:
@@ -104,22 +73,14 @@ class RankRelay:
         self.sequence = EngineSequence()
         self.codec = config.codec or Codec()
         self.link: EngineLink | None = None
-        self.publisher: KVEventPublisher | None = None
-        # The transaction: open or not, batches in it, when it opened, the committed point.
-        self._open = False
-        self._in_txn = 0
-        self._opened_at = 0.0
-        self._committed_seq: int | None = None
-        self._committed_state: tuple[int, dict[int, int]] = (0, {})
-        self._announce = True
-        self._position: StreamPosition | None = None
+        self.txn = RelayTransactions(config, rank, self.codec, self.metrics, self._stop)
         self._last_activity = time.monotonic()
         self.ready = threading.Event()  # set once resynchronised with the engine
 
     @property
     def committed_seq(self) -> int | None:
         """The last engine batch whose transaction is committed (readers can see it)."""
-        return self._committed_seq
+        return self.txn.committed_seq
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
@@ -135,7 +96,7 @@ class RankRelay:
             cfg.receive_hwm,
         )
         try:
-            self._connect()
+            self.txn.connect()
             self._resync_at_start()
             self.ready.set()
             while not self._stop.is_set():
@@ -143,79 +104,25 @@ class RankRelay:
             self._commit()
         finally:
             self.link.close()
-            if self.publisher is not None:
-                try:
-                    self.publisher.close(timeout=10, goodbye=False)  # not the engine's goodbye
-                except PublishError as exc:
-                    logger.warning("relay %s: closing the producer: %s", self.source, exc)
-
-    def _connect(self) -> None:
-        """A transactional producer for this source; retried until the broker answers."""
-        cfg = self.config
-        settings = {
-            "message.timeout.ms": 30_000,  # within the transaction's timeout
-            "transaction.timeout.ms": 60_000,
-            **cfg.kafka,
-            "partitioner": PARTITIONER,
-            "queue.buffering.max.kbytes": cfg.queue_kbytes,
-        }
-        pub_config = PublisherConfig(
-            bootstrap_servers=cfg.bootstrap_servers,
-            source_id=self.source,
-            model=cfg.model,
-            topic=cfg.topic,
-            dp_rank=self.rank,
-            kafka=settings,
-            heartbeat_interval_s=0,
-            surviving_media=cfg.surviving_media,
-            transactional_id=f"kvledger-relay-{self.source}",
-        )
-        delay = 0.5
-        while not self._stop.is_set():
-            publisher = None
-            try:
-                publisher = KVEventPublisher(pub_config, codec=self.codec)
-                publisher.init_transactions(30)
-                recover_settings = {**cfg.kafka, "bootstrap.servers": cfg.bootstrap_servers}
-                groups = {g.group_idx for g in cfg.groups} | {0}
-                position = recover(recover_settings, cfg.topic, self.source, groups, self.codec)
-            except (KafkaException, PublishError) as exc:
-                if _misconfigured(exc):  # retrying cannot help: say so and stop
-                    raise
-                self.metrics.kafka_paused.labels(self.source).set(1)
-                logger.warning(
-                    "relay %s: Kafka not ready (%s); retrying in %.1f s", self.source, exc, delay
-                )
-                if publisher is not None:
-                    publisher.close(timeout=1, goodbye=False)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 10)
-                continue
-            self.metrics.kafka_paused.labels(self.source).set(0)
-            self.publisher = publisher
-            self._position = position
-            return
-        raise _StoppedError
+            self.txn.close()
 
     # ------------------------------------------------------------------ resynchronising
     def _resync_at_start(self) -> None:
-        position = self._position
+        position = self.txn.position
         pub = self._pub
         if position is None or position.engine_seq is None:
-            epoch = position.epoch if position is not None else self._now_ms()
             if position is not None:
                 pub.resume(position.epoch, position.next_seqs)
             else:
-                pub.epoch = epoch
+                pub.epoch = self._now_ms()
             logger.info("relay %s: no engine history on the topic; replaying from 0", self.source)
-            self._committed_state = (pub.epoch, pub.next_seqs())  # what the topic already has
+            self.txn.started(None)  # what the topic already has
             self._replay_from(0, verify=None)
             return
         pub.resume(position.epoch, position.next_seqs)
-        self._committed_state = (position.epoch, dict(position.next_seqs))
+        self.txn.started(position.engine_seq)
         self.sequence.relayed(position.engine_seq, position.engine_time_ms)
         self.sequence.committed()
-        self._committed_seq = position.engine_seq
         logger.info(
             "relay %s: resuming epoch %d after engine batch %d",
             self.source, position.epoch, position.engine_seq,
@@ -273,7 +180,7 @@ class RankRelay:
             self.source, f" to {seen}" if seen is not None else "", epoch,
         )  # fmt: skip
         self.metrics.engine_restarts.labels(self.source).inc()
-        self._begin()
+        self.txn.begin()
         pub.new_epoch(epoch)
         self.sequence.reset()
 
@@ -283,14 +190,16 @@ class RankRelay:
         try:
             got = self._link.receive(50)
             if got is None:
-                self._commit_if_due(idle=True)
+                if self.txn.due(idle=True):
+                    self._commit()
                 idle = time.monotonic() - self._last_activity
                 if cfg.heartbeat_interval_s > 0 and idle >= cfg.heartbeat_interval_s:
                     self._probe()
                 return
             seq, payload = got
             self._offer(seq, payload, from_replay=False)
-            self._commit_if_due(idle=False)
+            if self.txn.due(idle=False):
+                self._commit()
         except (KafkaException, PublishError) as exc:  # a produce failed: start over
             self._abort(exc)
 
@@ -327,7 +236,7 @@ class RankRelay:
         self._publish(seq, batch, time_ms)
 
     def _publish(self, seq: int, batch: EngineBatch | None, time_ms: int | None) -> None:
-        self._begin()
+        self.txn.begin()
         if batch is None:  # undecodable: what it changed is unknown, so it is lost
             self._lost(seq, seq)
             return
@@ -336,7 +245,7 @@ class RankRelay:
             batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
         )
         self.sequence.relayed(seq, time_ms)
-        self._in_txn += 1
+        self.txn.in_txn += 1
         self.metrics.events_relayed.labels(self.source).inc(count)
         if time_ms is not None:
             self.metrics.behind.labels(self.source).set(max(0.0, self._clock() - time_ms / 1000))
@@ -354,7 +263,7 @@ class RankRelay:
 
     def _lost(self, first: int, last: int) -> None:
         """Engine batches first..last cannot be recovered: every group is cleared."""
-        self._begin()
+        self.txn.begin()
         pub = self._pub
         groups = pub.groups or [0]
         logger.error(
@@ -366,7 +275,7 @@ class RankRelay:
         self.metrics.unrecoverable.labels(self.source).inc()
         self.metrics.lost_batches.labels(self.source).inc(max(0, last - first + 1))
         self.sequence.skip_to(last)
-        self._in_txn += 1
+        self.txn.in_txn += 1
 
     def _probe(self) -> None:
         """Idle: is the engine there? Its answer also brings any batch the SUB missed."""
@@ -381,116 +290,38 @@ class RankRelay:
         else:
             answered = self._replay_from(last + 1 if last is not None else 0)
         if answered:
-            self._begin()
+            self.txn.begin()
             pub = self._pub
             group = min(pub.groups) if pub.groups else 0
             interval = int(self.config.heartbeat_interval_s * 1000)
             pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
-            self._in_txn += 1
+            self.txn.in_txn += 1
             self.metrics.behind.labels(self.source).set(0)
         self._commit()
 
     # ------------------------------------------------------------------ transactions
-    def _begin(self) -> None:
-        if self._open:
-            return
-        pub = self._pub
-        pub.begin()
-        self._open = True
-        self._opened_at = time.monotonic()
-        if self._announce:  # at start and after an abort: the specs lead the transaction
-            for spec in self.config.groups:
-                held = pub.announced(spec.group_idx)
-                if held is None:
-                    pub.announce_group_spec(spec)
-                else:
-                    pub.publish_events([held])
-            self._announce = False
-
-    def _commit_if_due(self, idle: bool) -> None:
-        if not self._open:
-            return
-        cfg = self.config
-        if (
-            idle
-            or self._in_txn >= cfg.commit_batches
-            or time.monotonic() - self._opened_at >= cfg.commit_interval_s
-        ):
-            self._commit()
-
     def _commit(self) -> None:
-        """Commit the open transaction; on failure abort it and replay from the last
-        committed batch once Kafka takes writes again."""
-        if not self._open:
+        if not self.txn.open:
             return
-        pub = self._pub
-        delay = 0.5
-        while True:
-            try:
-                pub.commit(30)
-                break
-            except (KafkaException, PublishError) as exc:
-                retriable = (
-                    isinstance(exc, KafkaException)
-                    and exc.args
-                    and getattr(exc.args[0], "retriable", lambda: False)()
-                )
-                self.metrics.kafka_paused.labels(self.source).set(1)
-                if retriable and not self._stop.is_set():
-                    logger.warning(
-                        "relay %s: Kafka unreachable, not reading the engine (%s); retrying",
-                        self.source, exc,
-                    )  # fmt: skip
-                    time.sleep(delay)
-                    delay = min(delay * 2, 5)
-                    continue
-                self._abort(exc)
-                return
-        self.metrics.kafka_paused.labels(self.source).set(0)
-        self._open = False
-        self._in_txn = 0
-        self._committed_seq = self.sequence.last
-        self._committed_state = (pub.epoch, pub.next_seqs())
-        self.sequence.committed()
+        if self.txn.commit(self.sequence.last):
+            self.sequence.committed()
+        else:
+            self._rewind_and_replay()
 
     def _abort(self, exc: BaseException) -> None:
-        logger.warning(
-            "relay %s: transaction failed (%s); it is aborted and batches after %s will be "
-            "replayed from the engine once Kafka is back",
-            self.source, exc, self._committed_seq,
-        )  # fmt: skip
-        pub = self._pub
-        try:
-            pub.abort(30)
-        except KafkaException as abort_error:  # a fenced or fatal producer: start over
-            logger.warning("relay %s: abort failed (%s); reconnecting", self.source, abort_error)
-            pub.close(timeout=1, goodbye=False)
-            self.publisher = None
-            self._open = False
-            self._connect()
-            self._open = False
-            self._announce = True
-            self._rewind_and_replay()
-            return
-        self._open = False
-        self._in_txn = 0
-        self._announce = True
-        epoch, seqs = self._committed_state
-        pub.resume(epoch, seqs)
+        self.txn.abort(exc)
         self._rewind_and_replay()
 
     def _rewind_and_replay(self) -> None:
-        self.sequence.rewind(self._committed_seq)
-        epoch, seqs = self._committed_state
-        self._pub.resume(epoch, seqs)
+        """After an abort: the engine's batches again from the last committed one + 1."""
+        self.sequence.rewind(self.txn.committed_seq)
         last = self.sequence.last
         self._replay_from(last + 1 if last is not None else 0)
 
     # ------------------------------------------------------------------ helpers
     @property
     def _pub(self) -> KVEventPublisher:
-        assert self.publisher is not None
-        return self.publisher
+        return self.txn.pub
 
     @property
     def _link(self) -> EngineLink:
@@ -499,16 +330,6 @@ class RankRelay:
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
-
-
-class _StoppedError(Exception):
-    """Stopped before the broker ever answered."""
-
-
-def _misconfigured(exc: BaseException) -> bool:
-    """A Kafka client setting the client refuses (not an outage)."""
-    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
-    return error is not None and getattr(error, "code", lambda: None)() == KafkaError._INVALID_ARG
 
 
 def _ms(ts: float) -> int:
@@ -536,7 +357,7 @@ class Relay:
     def _run(self, rank: RankRelay) -> None:
         try:
             rank.run()
-        except _StoppedError:
+        except StoppedError:
             pass
         except BaseException as exc:  # reported by wait(); the other ranks go on
             logger.exception("relay %s stopped on an error", rank.source)
@@ -563,16 +384,3 @@ class Relay:
 
     def __iter__(self) -> Iterator[RankRelay]:
         return iter(self.ranks)
-
-
-def parse_group(text: str, model: str) -> GroupSpec:
-    """``IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]`` as a group spec."""
-    parts = text.split(":")
-    if len(parts) not in (3, 4):
-        raise ValueError(f"--group {text!r}: expected IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]")
-    try:
-        idx, size = int(parts[0]), int(parts[2])
-        hash_size = int(parts[3]) if len(parts) == 4 else size
-    except ValueError:
-        raise ValueError(f"--group {text!r}: IDX and sizes must be integers") from None
-    return GroupSpec(model, idx, parts[1], size, hash_size)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvledger.producer.relay.config import parse_group
 from kvledger.producer.relay.engine import offset_endpoint
-from kvledger.producer.relay.relay import parse_group
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.wire import decode_batch, seq_of
 from kvledger.producer.vllm import VllmEventError, fit_to_spec

@@ -1,0 +1,53 @@
+"""A relay's configuration: the engine it listens to, the source it writes as, the groups it
+announces (``--group IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import GroupSpec
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """One engine's relay. ``source``: the engine's source id (with ``dp_size`` > 1 each
+    rank is ``<source>-dp<rank>``); ``groups``: the group specs to announce."""
+
+    endpoint: str
+    source: str
+    model: str
+    bootstrap_servers: str
+    replay_endpoint: str | None = None
+    dp_size: int = 1
+    groups: Sequence[GroupSpec] = ()
+    topic: str = "kv-events"
+    engine_topic: bytes = b""
+    kafka: dict[str, object] = field(default_factory=dict)
+    commit_interval_s: float = 0.1
+    commit_batches: int = 2000
+    heartbeat_interval_s: float = 5.0
+    # Confluent Schema Registry framing (a Codec with a registry and a subject); else the
+    # single-object framing.
+    codec: Codec | None = None
+    replay_timeout_ms: int = 2000
+    receive_hwm: int = 10_000
+    queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
+    surviving_media: tuple[str, ...] | None = None
+
+    def rank_source(self, rank: int) -> str:
+        return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"
+
+
+def parse_group(text: str, model: str) -> GroupSpec:
+    """``IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]`` as a group spec."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--group {text!r}: expected IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]")
+    try:
+        idx, size = int(parts[0]), int(parts[2])
+        hash_size = int(parts[3]) if len(parts) == 4 else size
+    except ValueError:
+        raise ValueError(f"--group {text!r}: IDX and sizes must be integers") from None
+    return GroupSpec(model, idx, parts[1], size, hash_size)

@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvledger.consumer.core.model import Rejection
 from kvledger.schemas.errors import KvledgerError
-from kvledger.schemas.topics import admin_settings, ensure_topic
+from kvledger.schemas.topics import TOO_LARGE, admin_settings, ensure_topic
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class DeadLetterProducer:
             if not self._produce(i, r, truncated=False):
                 too_large.append(i)
         remaining = self._producer.flush(self.timeout)
-        too_large += [i for i, err in self._failed.items() if err.code() in _TOO_LARGE]
-        errors = [str(err) for err in self._failed.values() if err.code() not in _TOO_LARGE]
+        too_large += [i for i, err in self._failed.items() if err.code() in TOO_LARGE]
+        errors = [str(err) for err in self._failed.values() if err.code() not in TOO_LARGE]
         if too_large and not remaining and not errors:
             self._failed.clear()
             for i in too_large:
@@ -125,13 +125,9 @@ class DeadLetterProducer:
             except BufferError:
                 self._producer.poll(0.05)
             except KafkaException as exc:
-                if not truncated and exc.args[0].code() in _TOO_LARGE:
+                if not truncated and exc.args[0].code() in TOO_LARGE:
                     return False
                 raise DeadLetterError(f"dead-letter topic {self.topic}: {exc}") from exc
 
     def close(self) -> None:
         self._producer.flush(self.timeout)
-
-
-# Refused as too large by the client or the broker.
-_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})  # -141: librdkafka's own check

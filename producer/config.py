@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from confluent_kafka import KafkaError, KafkaException
+
+from kvledger.producer.errors import BrokerUnreachableError
+from kvledger.schemas.topics import topic_limit
+
 HashFormat = Literal["int64", "digest"]
 
 DEFAULT_TOPIC = "kv-events"
@@ -60,4 +65,27 @@ class PublisherConfig:
         settings.setdefault("client.id", f"kvledger-{self.source_id}")
         if self.transactional_id is not None:
             settings["transactional.id"] = self.transactional_id
+        return settings
+
+    def sized_settings(self) -> dict[str, object]:
+        """The producer's settings with batches and single messages sized to what the topic
+        takes (asked of the broker unless ``startup_timeout_s`` is 0): a message too large is
+        then refused when produced (no sequence number spent, the rest of the call goes on),
+        and no batch of good messages is refused whole by the broker. Raises
+        :class:`BrokerUnreachableError` when no broker answers in time."""
+        settings = self.producer_settings()
+        timeout = self.startup_timeout_s
+        if timeout <= 0:
+            return settings
+        try:
+            limit = topic_limit(settings, self.topic, timeout)
+        except KafkaException as exc:
+            if exc.args and exc.args[0].code() == KafkaError._INVALID_ARG:
+                raise  # a setting the client refuses: no broker would change that
+            raise BrokerUnreachableError(
+                f"no Kafka broker at {self.bootstrap_servers} answered within {timeout:.0f} s "
+                f"({exc.args[0] if exc.args else exc})"
+            ) from exc
+        for name in ("message.max.bytes", "batch.size"):
+            settings[name] = min(int(str(settings.get(name, 1_000_000))), limit)
         return settings

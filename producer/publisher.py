@@ -33,19 +33,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaException, Producer
 
 from kvledger.producer.config import PublisherConfig
-from kvledger.producer.errors import (
-    BrokerUnreachableError,
-    DeliveryError,
-    FatalProducerError,
-    MessageTooLargeError,
-    PublishError,
-)
+from kvledger.producer.delivery import Deliveries, PublisherStats
+from kvledger.producer.errors import PublishError
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -55,7 +49,6 @@ from kvledger.producer.tracker import (
 )
 from kvledger.producer.vllm import fit_to_spec, from_vllm_event
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.events import (
     DEFAULT_GROUP_IDX,
     AllBlocksCleared,
@@ -67,26 +60,16 @@ from kvledger.schemas.events import (
     Heartbeat,
     KVEvent,
     group_of,
+    with_int64_hashes,
 )
-from kvledger.schemas.hashing import to_int64_bytes
-from kvledger.schemas.topics import admin_settings, message_key, refused
+from kvledger.schemas.topics import TOO_LARGE, message_key
 
 logger = logging.getLogger(__name__)
 
-_MAX_ERRORS_KEPT = 20
 # An envelope's event time, engine batch and data-parallel rank when the caller knows them.
 _Stamp = tuple[int | None, int | None, int | None]
 
-
-@dataclass
-class PublisherStats:
-    """Counters of one publisher (messages, not blocks)."""
-
-    produced: int = 0
-    acked: int = 0
-    failed: int = 0
-    retries_on_full_queue: int = 0
-    by_type: dict[str, int] = field(default_factory=dict)
+__all__ = ["KVEventPublisher", "PublisherStats"]
 
 
 class KVEventPublisher:
@@ -104,26 +87,17 @@ class KVEventPublisher:
         self.tracker = tracker if tracker is not None else OffloadingEventsTracker()
         self.codec = codec if codec is not None else Codec()
         self.epoch = epoch if epoch is not None else int(clock() * 1000)
-        self.stats = PublisherStats()
+        self._deliveries = Deliveries(config.topic)
+        self.stats = self._deliveries.stats
         self._clock = clock
         self._lock = threading.Lock()
         self._seq: dict[int, int] = {}
         self._announced: dict[int, GroupSpec] = {}
-        self._errors: list[str] = []
-        self._fatal: KafkaError | None = None
         self._closed = False
         self._warned_unannounced: set[int] = set()
-        settings = config.producer_settings()
-        if config.startup_timeout_s > 0:
-            limit = _topic_limit(config, settings)
-            # Batches and single messages sized to what the topic takes: a message too large
-            # is refused when produced (no sequence number spent, the rest of the call goes
-            # on), and no batch of good messages is refused whole by the broker.
-            for name in ("message.max.bytes", "batch.size"):
-                settings[name] = min(int(str(settings.get(name, 1_000_000))), limit)
-        settings["error_cb"] = self._on_error
+        settings = config.sized_settings()
+        settings["error_cb"] = self._deliveries.on_error
         self._producer = Producer(settings)
-        self._refused: list[str] = []
         self._last_produce = time.monotonic()
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -162,11 +136,11 @@ class KVEventPublisher:
         with self._lock:
             self._check_healthy()
             events = self.tracker.take_events(offloading_events)
-            self._refused = []
+            self._deliveries.refused = []
             for event in events:
                 self._produce(group_of(event), self._wire_form(event))
             self._producer.poll(0)
-            self._raise_refused()
+            self._deliveries.raise_refused()
             return len(events)
 
     def publish_events(
@@ -186,7 +160,7 @@ class KVEventPublisher:
         stamp = (time_ms, engine_seq, dp_rank)
         with self._lock:
             self._check_healthy()
-            self._refused = []
+            self._deliveries.refused = []
             count = 0
             for event in events:
                 if isinstance(event, GroupSpec):
@@ -200,7 +174,7 @@ class KVEventPublisher:
                     self._produce(group_of(event), event, stamp)
                 count += 1
             self._producer.poll(0)
-            self._raise_refused()
+            self._deliveries.raise_refused()
             return count
 
     def publish_vllm_batch(self, batch: Any, engine_seq: int | None = None) -> int:
@@ -246,13 +220,12 @@ class KVEventPublisher:
         """Commit the open transaction: every message of it is acknowledged, or this raises
         (``KafkaException``; ``txn_requires_abort()`` says whether to abort)."""
         self._producer.commit_transaction(timeout)
-        self._raise_failures()
+        self._deliveries.raise_failures()
 
     def abort(self, timeout: float = 30.0) -> None:
         self._producer.abort_transaction(timeout)
         with self._lock:  # the aborted messages' failures belong to the aborted transaction
-            self.stats.failed = 0
-            self._errors.clear()
+            self._deliveries.forget_failures()
 
     # ------------------------------------------------------------------ epochs
     def resume(self, epoch: int, next_seqs: dict[int, int]) -> None:
@@ -293,7 +266,7 @@ class KVEventPublisher:
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for every produced message to be acknowledged; raise if any is not."""
         remaining = self._producer.flush(timeout)
-        self._raise_failures()
+        self._deliveries.raise_failures()
         if remaining:
             raise PublishError(
                 f"{remaining} message(s) still unacknowledged after {timeout:.1f} s "
@@ -311,7 +284,7 @@ class KVEventPublisher:
             return
         self._stopping.set()
         with self._lock:
-            if goodbye and self._fatal is None and (self._seq or self._announced):
+            if goodbye and self._deliveries.fatal is None and (self._seq or self._announced):
                 self._produce(self._home_group(), Goodbye(group_idx=self._home_group()))
             self._closed = True
         if self._heartbeat is not None:
@@ -346,7 +319,7 @@ class KVEventPublisher:
         beat = Heartbeat(interval_ms=int(interval * 1000))
         while not self._stopping.wait(min(interval, 1.0)):
             with self._lock:
-                if self._closed or self._fatal is not None:
+                if self._closed or self._deliveries.fatal is not None:
                     return
                 if time.monotonic() - self._last_produce < interval:
                     continue
@@ -364,34 +337,7 @@ class KVEventPublisher:
         return len(groups)
 
     def _wire_form(self, event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
-        if self.config.hash_format == "digest":
-            return event
-        parent = event.parent_block_hash if isinstance(event, BlockStored) else None
-        if (parent is None or len(parent) == 8) and all(len(h) == 8 for h in event.block_hashes):
-            return event  # already in the int64 form (vLLM's int hashes)
-        hashes = tuple(to_int64_bytes(h) for h in event.block_hashes)
-        if isinstance(event, BlockRemoved):
-            return BlockRemoved(
-                hashes, event.medium, event.group_idx, event.locality, event.ownership
-            )
-        parent = event.parent_block_hash
-        return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=to_int64_bytes(parent) if parent is not None else None,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=event.lora_id,
-            medium=event.medium,
-            lora_name=event.lora_name,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
-            locality=event.locality,
-            ownership=event.ownership,
-            token_start=event.token_start,
-            partial=event.partial,
-        )
+        return event if self.config.hash_format == "digest" else with_int64_hashes(event)
 
     def _produce(self, group: int, event: KVEvent, stamp: _Stamp = (None, None, None)) -> None:
         if (
@@ -424,7 +370,7 @@ class KVEventPublisher:
         while True:
             try:
                 self._producer.produce(
-                    self.config.topic, value=value, key=key, on_delivery=self._on_delivery
+                    self.config.topic, value, key, on_delivery=self._deliveries.on_delivery
                 )
                 break
             except BufferError:
@@ -433,87 +379,20 @@ class KVEventPublisher:
                 self._producer.poll(0.05)
                 self._check_healthy()
             except KafkaException as exc:
-                if exc.args and exc.args[0].code() in _TOO_LARGE:
+                if exc.args and exc.args[0].code() in TOO_LARGE:
                     self._seq[group] = seq  # not produced: its number goes to the next one
-                    self._refused.append(f"{type(event).__name__} of {len(value)} bytes")
+                    self._deliveries.refused.append(f"{type(event).__name__} of {len(value)} bytes")
                     logger.error(
                         "%s of %d bytes is larger than %s takes: not produced",
                         type(event).__name__, len(value), self.config.topic,
                     )  # fmt: skip
                     return
                 raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
-        self.stats.produced += 1
+        self._deliveries.produced(type(event).__name__)
         self._last_produce = time.monotonic()
-        name = type(event).__name__
-        self.stats.by_type[name] = self.stats.by_type.get(name, 0) + 1
-
-    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is None:
-            self.stats.acked += 1
-            return
-        self.stats.failed += 1
-        if len(self._errors) < _MAX_ERRORS_KEPT:
-            self._errors.append(f"{err.name()}: {err.str()} (key {msg.key()!r})")
-        logger.error("delivery failed: %s", err)
-
-    def _on_error(self, err: KafkaError) -> None:
-        if err.fatal():
-            self._fatal = err
-            logger.error("fatal Kafka producer error: %s", err)
-        else:
-            logger.warning("Kafka producer: %s", err)
-
-    def _raise_refused(self) -> None:
-        if self._refused:
-            refused, self._refused = self._refused, []
-            raise MessageTooLargeError(
-                f"{len(refused)} event(s) larger than topic {self.config.topic} takes were not "
-                f"produced (the others were): {'; '.join(refused[:3])}",
-                refused,
-            )
 
     def _check_healthy(self) -> None:
         if self._closed:
             raise PublishError("the publisher is closed")
-        if self._fatal is not None:
-            raise FatalProducerError(f"fatal producer error: {self._fatal}")
-        self._raise_failures()
-
-    def _raise_failures(self) -> None:
-        if self.stats.failed:
-            raise DeliveryError(
-                f"{self.stats.failed} message(s) were not delivered to "
-                f"{self.config.topic}: {'; '.join(self._errors[:3])}",
-                list(self._errors),
-            )
-
-
-# Refused as too large (by the broker, or by the client's own check before sending).
-_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})
-
-
-def _topic_limit(config: PublisherConfig, settings: dict[str, object]) -> int:
-    """The topic's max.message.bytes (the broker's default when the topic does not exist
-    yet); raises :class:`BrokerUnreachableError` when no broker answers in time."""
-    from confluent_kafka.admin import AdminClient, ConfigResource
-
-    timeout = config.startup_timeout_s
-    admin = AdminClient({**admin_settings(settings), "log_level": 3})
-    try:
-        topics = admin.list_topics(config.topic, timeout=timeout).topics
-        meta = topics.get(config.topic)
-        if meta is None or meta.error is not None:
-            return 1_000_000
-        resource = ConfigResource(ConfigResource.Type.TOPIC, config.topic)
-        entries = admin.describe_configs([resource])[resource].result(timeout=timeout)
-        return int(entries["max.message.bytes"].value)
-    except KafkaException as exc:
-        if exc.args and refused(exc.args[0]):
-            raise NotAuthorizedError(
-                f"the broker refused this principal on topic {config.topic!r} "
-                f"({exc.args[0].name()}): it needs DESCRIBE, DESCRIBE_CONFIGS and WRITE there"
-            ) from exc
-        raise BrokerUnreachableError(
-            f"no Kafka broker at {config.bootstrap_servers} answered within {timeout:.0f} s "
-            f"({exc.args[0] if exc.args else exc})"
-        ) from exc
+        self._deliveries.raise_fatal()
+        self._deliveries.raise_failures()

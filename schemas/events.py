@@ -11,7 +11,9 @@ Hashes are ``bytes`` everywhere: the digest, or its last 8 bytes in vLLM's int64
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from kvledger.schemas.hashing import to_int64_bytes
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -184,3 +186,19 @@ def medium_of(event: BlockStored | BlockRemoved | AllBlocksCleared) -> str:
     """The event's medium, with the wire default applied."""
     medium = event.medium
     return medium if medium is not None else DEFAULT_MEDIUM
+
+
+def with_int64_hashes(event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
+    """The event with its hashes in vLLM's int64 wire form (each digest's last 8 bytes);
+    the event itself when they already are, every other field kept."""
+    parent = event.parent_block_hash if isinstance(event, BlockStored) else None
+    if (parent is None or len(parent) == 8) and all(len(h) == 8 for h in event.block_hashes):
+        return event
+    hashes = tuple(to_int64_bytes(h) for h in event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        return replace(event, block_hashes=hashes)
+    return replace(
+        event,
+        block_hashes=hashes,
+        parent_block_hash=to_int64_bytes(parent) if parent is not None else None,
+    )

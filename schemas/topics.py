@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kvledger.schemas.errors import NotAuthorizedError, TopicMismatchError
 
@@ -98,6 +98,44 @@ def refused(err: KafkaError) -> bool:
     """Whether the broker refused who we are (authentication) or what we may do (an ACL):
     no retry will change that, so it is reported, not retried."""
     return err.code() in _REFUSED
+
+
+def partition_offsets(
+    admin: AdminClient, topic: str, earliest: bool = False, timeout: float = 10.0
+) -> dict[int, int]:
+    """Each partition's end offset (the next to be written), or its earliest; one metadata
+    request and one offsets request. Raises ``KafkaException`` when the broker does not
+    answer."""
+    metadata = admin.list_topics(topic, timeout=timeout)
+    spec = OffsetSpec.earliest() if earliest else OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    request = {TopicPartition(topic, p): spec for p in metadata.topics[topic].partitions}
+    futures = admin.list_offsets(request, request_timeout=timeout)
+    return {tp.partition: future.result().offset for tp, future in futures.items()}
+
+
+# Refused as too large, by the broker or by the client's own check before sending (-141).
+TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})
+
+
+def topic_limit(settings: Mapping[str, object], topic: str, timeout: float) -> int:
+    """The topic's max.message.bytes (the broker's default when the topic does not exist
+    yet). Raises :class:`NotAuthorizedError` when the broker refuses this principal, and
+    ``KafkaException`` when no broker answers within ``timeout``."""
+    admin = AdminClient({**admin_settings(settings), "log_level": 3})  # a bad setting raises
+    try:
+        meta = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return 1_000_000
+        resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        entries = admin.describe_configs([resource])[resource].result(timeout=timeout)
+        return int(entries["max.message.bytes"].value)
+    except KafkaException as exc:
+        if exc.args and refused(exc.args[0]):
+            raise NotAuthorizedError(
+                f"the broker refused this principal on topic {topic!r} "
+                f"({exc.args[0].name()}): it needs DESCRIBE, DESCRIBE_CONFIGS and WRITE there"
+            ) from exc
+        raise
 
 
 def _ensure_topic(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvledger.schemas.events import BlockRemoved, BlockStored, with_int64_hashes
 from kvledger.schemas.hashing import (
     block_extra_keys,
     hash_block_tokens,
@@ -69,6 +70,26 @@ def test_int64_wire_form() -> None:
     as_int = int.from_bytes(digest[-8:], "big")
     assert to_int64_bytes(digest) == int_to_hash_bytes(as_int) == digest[-8:]
     assert int_to_hash_bytes(2**64 - 1) == b"\xff" * 8
+
+
+def test_events_in_int64_form_keep_every_other_field() -> None:
+    digest = bytes.fromhex(VLLM["sha256"]["b0"])
+    parent = bytes.fromhex(VLLM["sha256"]["none"])
+    stored = BlockStored(
+        (digest,), parent, (1, 2, 3, 4), 4, 7, "CPU", "ad", ('["x"]',), 1, "mamba", None,
+        "remote", "shared", 8, True, "session-9", ((5, 6),),
+    )  # fmt: skip
+    wire = with_int64_hashes(stored)
+    assert isinstance(wire, BlockStored)
+    assert wire.block_hashes == (digest[-8:],) and wire.parent_block_hash == parent[-8:]
+    for name in BlockStored.__dataclass_fields__:
+        if name not in ("block_hashes", "parent_block_hash"):
+            assert getattr(wire, name) == getattr(stored, name), name
+    removed = BlockRemoved((digest, digest[-8:]), "GPU", 2, "local", "primary")
+    assert with_int64_hashes(removed) == BlockRemoved(
+        (digest[-8:],) * 2, "GPU", 2, "local", "primary"
+    )
+    assert with_int64_hashes(wire) is wire  # already in the wire form
 
 
 def test_unknown_algorithm() -> None:

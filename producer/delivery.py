@@ -1,0 +1,83 @@
+"""What became of a publisher's messages: counts, failed deliveries, messages refused as too
+large, a fatal producer error; and the errors a publisher raises for them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaError, Message
+
+from kvledger.producer.errors import DeliveryError, FatalProducerError, MessageTooLargeError
+
+logger = logging.getLogger(__name__)
+
+_MAX_ERRORS_KEPT = 20
+
+
+@dataclass
+class PublisherStats:
+    """Counters of one publisher (messages, not blocks)."""
+
+    produced: int = 0
+    acked: int = 0
+    failed: int = 0
+    retries_on_full_queue: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+
+class Deliveries:
+    """One publisher's delivery reports, fed by the Kafka client's callbacks."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.stats = PublisherStats()
+        self.fatal: KafkaError | None = None
+        self.refused: list[str] = []  # refused as too large during the current call
+        self._errors: list[str] = []
+
+    def produced(self, event_type: str) -> None:
+        self.stats.produced += 1
+        self.stats.by_type[event_type] = self.stats.by_type.get(event_type, 0) + 1
+
+    def on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            self.stats.acked += 1
+            return
+        self.stats.failed += 1
+        if len(self._errors) < _MAX_ERRORS_KEPT:
+            self._errors.append(f"{err.name()}: {err.str()} (key {msg.key()!r})")
+        logger.error("delivery failed: %s", err)
+
+    def on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self.fatal = err
+            logger.error("fatal Kafka producer error: %s", err)
+        else:
+            logger.warning("Kafka producer: %s", err)
+
+    def forget_failures(self) -> None:
+        """An aborted transaction's failures belong to it, not to what comes next."""
+        self.stats.failed = 0
+        self._errors.clear()
+
+    def raise_refused(self) -> None:
+        if self.refused:
+            refused, self.refused = self.refused, []
+            raise MessageTooLargeError(
+                f"{len(refused)} event(s) larger than topic {self.topic} takes were not "
+                f"produced (the others were): {'; '.join(refused[:3])}",
+                refused,
+            )
+
+    def raise_fatal(self) -> None:
+        if self.fatal is not None:
+            raise FatalProducerError(f"fatal producer error: {self.fatal}")
+
+    def raise_failures(self) -> None:
+        if self.stats.failed:
+            raise DeliveryError(
+                f"{self.stats.failed} message(s) were not delivered to "
+                f"{self.topic}: {'; '.join(self._errors[:3])}",
+                list(self._errors),
+            )

@@ -10,7 +10,8 @@ import psycopg
 from kvledger.consumer.core.validate import check_announcement
 from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.pipeline import replay_batch
-from kvledger.consumer.store.postgres import PostgresStore, upsert_group_specs
+from kvledger.consumer.store.pg_state import upsert_group_specs
+from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.events import GroupSpec

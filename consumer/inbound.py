@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Message
+
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import Envelope
@@ -21,6 +23,15 @@ class Inbound:
     # The record's log time in ms (the broker's append time on a LogAppendTime topic, else
     # the producer's create time); None when the client had none.
     timestamp_ms: int | None = None
+
+
+def from_kafka(m: Message) -> Inbound:
+    """A consumed Kafka message as the pipeline takes it (coordinates, bytes, log time)."""
+    topic, partition, offset = m.topic(), m.partition(), m.offset()
+    assert topic is not None and partition is not None and offset is not None
+    kind, timestamp = m.timestamp()
+    log_time = timestamp if kind != TIMESTAMP_NOT_AVAILABLE else None
+    return Inbound(topic, partition, offset, m.key(), m.value() or b"", log_time)
 
 
 @dataclass(frozen=True, slots=True)

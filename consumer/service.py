@@ -22,28 +22,26 @@ from collections.abc import Callable, Mapping
 import psycopg
 from confluent_kafka import (
     OFFSET_BEGINNING,
-    TIMESTAMP_NOT_AVAILABLE,
     Consumer,
     KafkaError,
     KafkaException,
-    Message,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka.admin import AdminClient
 from prometheus_client import start_http_server
 
 from kvledger.consumer import metrics
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
 from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
-from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import NotAuthorizedError
-from kvledger.schemas.topics import admin_settings, refused
+from kvledger.schemas.topics import admin_settings, partition_offsets, refused
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +54,6 @@ ProgressFn = Callable[[RunSummary, int], None]
 def stored_offsets(conn: psycopg.Connection, group: str, topic: str) -> dict[int, int]:
     """Each partition's next offset for ``group`` as the index stored it."""
     return PostgresStore(conn).stored_offsets(group, topic)
-
-
-def inbound(m: Message) -> Inbound:
-    """A consumed Kafka message as the pipeline takes it (coordinates, bytes, log time)."""
-    topic, partition, offset = m.topic(), m.partition(), m.offset()
-    assert topic is not None and partition is not None and offset is not None
-    kind, timestamp = m.timestamp()
-    log_time = timestamp if kind != TIMESTAMP_NOT_AVAILABLE else None
-    return Inbound(topic, partition, offset, m.key(), m.value() or b"", log_time)
 
 
 class IndexConsumer:
@@ -131,7 +120,7 @@ class IndexConsumer:
                         elif err.code() != KafkaError._PARTITION_EOF:
                             logger.warning("consumer error: %s", err)
                         continue
-                    message = inbound(m)
+                    message = from_kafka(m)
                     if cfg.stop_at is not None and message.offset >= cfg.stop_at.get(
                         message.partition, 0
                     ):
@@ -347,18 +336,10 @@ class IndexConsumer:
                 logger.warning("seek %s[%d] failed: %s", tp.topic, tp.partition, exc)
 
     def _end_offsets(self) -> dict[int, tuple[int, int]]:
-        """(low, high) watermark of every partition of the topic, in two admin requests."""
-        admin = self._admin
-        topic = self.config.topic
-        metadata = admin.list_topics(topic, timeout=10)
-        partitions = list(metadata.topics[topic].partitions)
-        out: dict[int, list[int]] = {p: [0, 0] for p in partitions}
-        specs = ((0, OffsetSpec.earliest()), (1, OffsetSpec.latest()))  # type: ignore[no-untyped-call]
-        for index, spec in specs:
-            request = {TopicPartition(topic, p): spec for p in partitions}
-            for tp, future in admin.list_offsets(request, request_timeout=10).items():
-                out[tp.partition][index] = future.result().offset
-        return {p: (low, high) for p, (low, high) in out.items()}
+        """(low, high) watermark of every partition of the topic."""
+        low = partition_offsets(self._admin, self.config.topic, earliest=True)
+        high = partition_offsets(self._admin, self.config.topic)
+        return {p: (low.get(p, 0), end) for p, end in high.items()}
 
     def lag(self) -> int:
         """Messages between the stored offsets and the partitions' ends (-1 if unknown)."""

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
 from kvledger.consumer.service import IndexConsumer, stored_offsets
-from kvledger.consumer.store.postgres import load_specs, upsert_group_specs
+from kvledger.consumer.store.pg_state import load_specs, upsert_group_specs
 from kvledger.consumer.store.tables import COMPARED
 from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec

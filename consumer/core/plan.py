@@ -35,10 +35,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
+from kvledger.consumer.core.audit import audit_row
 from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving, utc
 from kvledger.consumer.core.model import (
     PRIMARY_OWNERSHIP,
-    AuditRow,
     BlockKey,
     BlockRow,
     BlockWrite,
@@ -381,26 +381,9 @@ class _Planner:
         self, d: Decoded, status: str, reason: str | None, hashes: int, noop: int,
         when: datetime | None,
     ) -> None:  # fmt: skip
-        """One audit row; ``when`` is the event time (None for an undecodable message)."""
-        if not self.snap.history:
-            return
-        msg, env = d.message, d.envelope
-        if env is None:
-            values: tuple[object, ...] = (
-                msg.topic, msg.partition, msg.offset, None, None, None, None, None, None,
-                None, None, hashes, 0, status, reason, None,
-            )  # fmt: skip
-        else:
-            ev = env.event
-            medium = (
-                ev.medium if isinstance(ev, BlockStored | BlockRemoved | AllBlocksCleared) else None
-            )
-            values = (
-                msg.topic, msg.partition, msg.offset, env.source, env.model, env.epoch,
-                env.seq, type(ev).__name__, group_of(ev), medium,
-                getattr(ev, "ownership", None), hashes, noop, status, reason, when,
-            )  # fmt: skip
-        self.plan.audit.append(new_tuple(AuditRow, values))
+        """One audit row, unless the store keeps none."""
+        if self.snap.history:
+            self.plan.audit.append(audit_row(d, status, reason, hashes, noop, when))
 
     def _reject(self, d: Decoded, reason: Reason, detail: str, when: datetime | None) -> None:
         env = d.envelope
@@ -408,8 +391,3 @@ class _Planner:
         self.plan.rejected.append(Rejection(d.message, reason.value, detail, source))
         hashes = len(getattr(env.event, "block_hashes", ())) if env is not None else 0
         self._audit(d, "rejected", reason.value, hashes, 0, when)
-
-
-def replay_reason(reason: str | None) -> str:
-    """The audit log's reason for a message a replay applied."""
-    return reason if reason == "replayed_without_holders" else "replayed"

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 
+from kvledger.consumer.core.audit import replay_reason
 from kvledger.consumer.core.model import (
     AuditRow,
     BlockKey,
@@ -32,7 +33,6 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
 )
-from kvledger.consumer.core.plan import replay_reason
 from kvledger.consumer.core.validate import upgrades
 from kvledger.consumer.store.staged import StagedStore
 from kvledger.schemas.events import DEFAULT_MEDIUM, GroupSpec

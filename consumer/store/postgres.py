@@ -9,32 +9,35 @@ together.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
 
+from kvledger.consumer.core.audit import replay_reason
 from kvledger.consumer.core.model import (
     BlockKey,
     BlockRow,
-    GroupKey,
-    HeldSpec,
     HolderKey,
-    LifecycleEvent,
     Needs,
     Plan,
     Residency,
     ResidencyKey,
     Snapshot,
-    SourceKey,
-    SourceLife,
-    SourceState,
 )
-from kvledger.consumer.core.plan import replay_reason
 from kvledger.consumer.store import pg_sql as sql
 from kvledger.consumer.store.base import FencedError, TopicPartition
 from kvledger.consumer.store.copy import copy_rows, int4_array
+from kvledger.consumer.store.pg_state import (
+    life_row,
+    lifecycle_row,
+    load_source_lives,
+    load_source_states,
+    load_specs,
+    source_row,
+    upsert_group_specs,
+)
 from kvledger.consumer.store.tables import (
     BLOCKS,
     EVENTS,
@@ -44,85 +47,12 @@ from kvledger.consumer.store.tables import (
     RESIDENCIES,
     RESIDENCY_HISTORY,
 )
-from kvledger.schemas.events import GroupSpec
-
-
-def upsert_group_specs(
-    conn: psycopg.Connection | psycopg.Cursor,
-    specs: Iterable[tuple[GroupSpec, str | None]],
-    origin: Literal["declared", "announced"],
-) -> None:
-    """Write group specs. A declared spec replaces whatever is held (an operator's word
-    wins); an announced one is written only for a group with no spec yet."""
-    conflict = (
-        "DO UPDATE SET kind = EXCLUDED.kind, block_size = EXCLUDED.block_size, "
-        "hash_block_size = EXCLUDED.hash_block_size, sliding_window = "
-        "EXCLUDED.sliding_window, origin = 'declared', announced_by = NULL, updated_at = now()"
-        if origin == "declared"
-        else "DO NOTHING"
-    )
-    rows = [
-        (s.model, s.group_idx, s.kind, s.block_size, s.hash_block_size, s.sliding_window,
-         origin, by)
-        for s, by in specs
-    ]  # fmt: skip
-    if not rows:
-        return
-    cur = conn.cursor() if isinstance(conn, psycopg.Connection) else conn
-    cur.executemany(
-        "INSERT INTO kvledger.group_specs (model, group_idx, kind, block_size, "
-        "hash_block_size, sliding_window, origin, announced_by) "
-        f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (model, group_idx) {conflict}",
-        rows,
-    )
-
-
-def load_specs(conn: psycopg.Connection | psycopg.Cursor) -> dict[GroupKey, HeldSpec]:
-    cur = conn.cursor() if isinstance(conn, psycopg.Connection) else conn
-    cur.execute(
-        "SELECT model, group_idx, kind, block_size, hash_block_size, sliding_window, origin "
-        "FROM kvledger.group_specs"
-    )
-    return {
-        GroupKey(model, group): HeldSpec(GroupSpec(model, group, kind, bs, hbs, sw), origin)
-        for model, group, kind, bs, hbs, sw, origin in cur.fetchall()
-    }
-
-
-def load_source_states(
-    cur: psycopg.Cursor, sources: list[str] | None = None
-) -> dict[SourceKey, SourceState]:
-    """The source streams' sequence states (``sources``: only theirs; None: all)."""
-    cur.execute(
-        "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-        "epoch_changes, duplicates, last_event_time, surviving_media, lost_gaps, lost_batches "
-        "FROM kvledger.source_health WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
-        (sources, sources),
-    )
-    out = {}
-    for row in cur.fetchall():
-        epoch, last, gaps, missing, changes, dups, when, media, lost_gaps, lost = row[3:]
-        out[SourceKey(*row[:3])] = SourceState(
-            epoch, last, gaps, missing, changes, dups, when,
-            tuple(media) if media is not None else None, lost_gaps, lost,
-        )  # fmt: skip
-    return out
-
-
-def load_source_lives(
-    cur: psycopg.Cursor, sources: list[str] | None = None
-) -> dict[str, SourceLife]:
-    """The sources' lives (``sources``: only theirs; None: all)."""
-    cur.execute(
-        "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
-        "FROM kvledger.sources WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
-        (sources, sources),
-    )
-    return {row[0]: SourceLife(*row[1:]) for row in cur.fetchall()}
 
 
 class PostgresStore:
     """The index in PostgreSQL, on one connection (autocommit off between transactions)."""
+
+    in_process = False  # load() reads what the needs name
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
@@ -328,16 +258,16 @@ class PostgresStore:
         if plan.lives:
             cur.executemany(
                 sql.UPSERT_LIFE,
-                [(source, *_life_row(life)) for source, life in plan.lives.items()],
+                [(source, *life_row(life)) for source, life in plan.lives.items()],
             )
         if plan.lifecycle:
             copy_rows(
                 cur, LIFECYCLE_EVENTS.qualified, LIFECYCLE_EVENTS.columns,
-                [_lifecycle_row(e) for e in plan.lifecycle],
+                [lifecycle_row(e) for e in plan.lifecycle],
             )  # fmt: skip
         if plan.sources:
             cur.executemany(
-                sql.UPSERT_SOURCE, [(*k, *_source_row(s)) for k, s in plan.sources.items()]
+                sql.UPSERT_SOURCE, [(*k, *source_row(s)) for k, s in plan.sources.items()]
             )
         if plan.replay:
             self._write_replay_updates(plan)
@@ -403,20 +333,3 @@ class PostgresStore:
             """,
             [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in applied],
         )
-
-
-def _source_row(s: SourceState) -> tuple[object, ...]:
-    media = list(s.surviving_media) if s.surviving_media is not None else None
-    return (s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes, s.duplicates,
-            s.last_event_time, media, s.lost_gaps, s.lost_batches)  # fmt: skip
-
-
-def _life_row(life: SourceLife) -> tuple[object, ...]:
-    return (life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
-            life.restarts)  # fmt: skip
-
-
-def _lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:
-    return (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
-            e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
-            e.ended_storage, e.first_lost_seq, e.last_lost_seq)  # fmt: skip

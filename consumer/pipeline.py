@@ -85,7 +85,7 @@ def run_batch(
                 starts[tp] = began
     with store.transaction():
         store.fence(consumer_group, starts)
-        plan = make_plan(batch, store.load(needs(batch)))
+        plan = make_plan(batch, store.load(needs(batch, keys=not store.in_process)))
         store.write(plan, consumer_group, next_offsets)
         if dead_letters is not None:
             dead_letters.send(plan.rejected)
@@ -98,6 +98,7 @@ def replay_batch(batch: Sequence[Decoded], store: IndexStore) -> Plan:
     Applied ones update their audit rows and leave the reject list; the others stay.
     """
     with store.transaction():
-        plan = make_plan(batch, store.load(needs(batch, check_sequence=False)), replay=True)
+        wanted = needs(batch, check_sequence=False, keys=not store.in_process)
+        plan = make_plan(batch, store.load(wanted), replay=True)
         store.write(plan)
     return plan

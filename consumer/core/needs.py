@@ -26,9 +26,16 @@ from kvledger.schemas.events import (
 )
 
 
-def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
-    """What ``batch`` touches: the block rows, residencies, whole holders and sources."""
+def needs(batch: Sequence[Decoded], check_sequence: bool = True, keys: bool = True) -> Needs:
+    """What ``batch`` touches: the block rows, residencies, whole holders and sources.
+
+    ``keys=False``: only a replay's stores (``Needs.replayed``), for a store that holds the
+    whole index in process (it answers any key)."""
     out = Needs()
+    if not keys:
+        if not check_sequence:
+            out.replayed = _replayed(batch)
+        return out
     restarts, residencies, blocks = out.restarts, out.residencies, out.blocks
     for d in batch:
         env = d.envelope
@@ -48,9 +55,6 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
                 hashes = residencies[holder] = set()
             hashes.update(ev.block_hashes)
             if isinstance(ev, BlockStored):
-                if not check_sequence:
-                    m = d.message
-                    out.replayed.append((holder, m.topic, m.partition, m.offset))
                 wanted = blocks.setdefault(new_tuple(GroupKey, (model, group)), set())
                 wanted.update(ev.block_hashes)
                 if ev.token_start is None and ev.parent_block_hash is not None:
@@ -64,4 +68,18 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True) -> Needs:
     if not check_sequence:  # a replay: no sequence, no restarts
         out.sources.clear()
         out.restarts.clear()
+        out.replayed = _replayed(batch)
+    return out
+
+
+def _replayed(batch: Sequence[Decoded]) -> list[tuple[HolderKey, str, int, int]]:
+    """A replay's stores: each one's holder and its message's coordinates."""
+    out = []
+    for d in batch:
+        env = d.envelope
+        if env is not None and isinstance(ev := env.event, BlockStored):
+            own = ev.ownership or PRIMARY_OWNERSHIP
+            holder = HolderKey(env.model, group_of(ev), env.source, medium_of(ev), own)
+            m = d.message
+            out.append((holder, m.topic, m.partition, m.offset))
     return out

@@ -30,6 +30,10 @@ class FencedError(KvledgerError):
 class IndexStore(Protocol):
     """Where the index lives. Calls other than ``transaction`` run inside one."""
 
+    #: The store holds the whole index in this process and :meth:`load` answers any key,
+    #: reading of the needs only ``Needs.replayed``: the pipeline computes only that.
+    in_process: bool
+
     def transaction(self) -> AbstractContextManager[None]:
         """One batch's unit of work: committed on a normal exit, undone on an exception."""
 

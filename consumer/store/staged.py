@@ -15,6 +15,8 @@ Staged = tuple[Plan, str | None, Mapping[TopicPartition, int] | None]
 class StagedStore:
     """The transaction half of :class:`~.base.IndexStore`; subclasses load and apply."""
 
+    in_process = True  # the whole index is here: load() needs no keys
+
     def __init__(self) -> None:
         self.offsets: dict[tuple[str, str, int], int] = {}  # (group, topic, partition)
         self._staged: list[Staged] = []

@@ -11,7 +11,8 @@ then decodes straight into its own types.
 :func:`compile_schema` raises :class:`UnsupportedSchemaError` for what the C decoder does
 not cover (maps, enums, fixed, logical types, recursive or zero-byte array items); the
 codec then decodes with fastavro. ``decoder()`` is the compiled ``decode`` or None where
-the extension was not built.
+the extension was not built; ``encoder()`` likewise its ``encode``, which walks the same
+programs to write a value's body (the codec's encoding of its own types).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ Program = tuple[Any, ...]
 Decoder = Callable[
     [Program, bytes, int], tuple[Any, int]
 ]  # (program, data, offset) -> (value, end)
+Encoder = Callable[[Program, Any, bytes], bytes]  # (program, value, header) -> header + body
 
 _PRIMITIVES: dict[str, Program] = {
     "null": (NULL,), "boolean": (BOOLEAN,), "int": (INT,), "long": (LONG,),
@@ -139,3 +141,11 @@ def decoder() -> Decoder | None:
     except ImportError:  # built without a C compiler
         return None
     return decode
+
+
+def encoder() -> Encoder | None:
+    try:
+        from kvledger.schemas._avro import encode
+    except ImportError:  # built without a C compiler
+        return None
+    return encode

@@ -31,6 +31,7 @@ from kvledger.schemas.avro_program import (
     UnsupportedSchemaError,
     compile_schema,
     decoder,
+    encoder,
 )
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import (
@@ -47,10 +48,10 @@ from kvledger.schemas.events import (
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
-_EVENT_CLASSES = (
+EVENT_CLASSES = (
     BlockStored, BlockRemoved, AllBlocksCleared, GroupSpec, Heartbeat, Goodbye, EventsLost,
 )  # fmt: skip
-EVENT_TYPES = tuple(cls.__name__ for cls in _EVENT_CLASSES)  # the union's branches, in order
+EVENT_TYPES = tuple(cls.__name__ for cls in EVENT_CLASSES)  # the union's branches, in order
 NAMESPACE = "kvledger"
 _FP = struct.Struct("<Q")
 _CONFLUENT_ID = struct.Struct(">I")
@@ -123,6 +124,8 @@ class Codec:
         # it was built (the same values as fastavro and record_to_envelope, ~6x faster);
         # the others with fastavro.
         self._program, self._objects, self._compiled = _compiled_programs(self.schema_json)
+        # And encode through the compiled encoder (the same bytes, ~8x faster).
+        self._encode = encoder() if self._compiled is not None else None
         self.fingerprint = schema_fingerprint(self.schema_json)
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
@@ -167,6 +170,8 @@ class Codec:
 
     # ------------------------------------------------------------------ encode
     def encode(self, envelope: Envelope) -> bytes:
+        if self._encode is not None:
+            return self._encode(self._objects, envelope, self._header)
         out = io.BytesIO()
         out.write(self._header)
         fastavro.schemaless_writer(out, self._schema, envelope_to_record(envelope))
@@ -268,7 +273,7 @@ def _compiled_programs(schema_json: str) -> tuple[Program, Program, Decoder | No
     if decode is None or os.environ.get("KVLEDGER_PURE_AVRO", "") not in ("", "0"):
         return (), (), None
     schema = json.loads(schema_json)
-    types = {f"{NAMESPACE}.{cls.__name__}": cls for cls in (Envelope, *_EVENT_CLASSES)}
+    types = {f"{NAMESPACE}.{cls.__name__}": cls for cls in (Envelope, *EVENT_CLASSES)}
     try:
         return compile_schema(schema), compile_schema(schema, types), decode
     except UnsupportedSchemaError:

@@ -93,6 +93,7 @@ class KVEventPublisher:
         self._lock = threading.Lock()
         self._seq: dict[int, int] = {}
         self._announced: dict[int, GroupSpec] = {}
+        self._keys: dict[int, bytes] = {}  # each group's message key
         self._closed = False
         self._warned_unannounced: set[int] = set()
         settings = config.sized_settings()
@@ -366,7 +367,9 @@ class KVEventPublisher:
             engine_seq=engine_seq,
         )
         value = self.codec.encode(envelope)
-        key = message_key(self.config.source_id, group)
+        key = self._keys.get(group)
+        if key is None:
+            key = self._keys[group] = message_key(self.config.source_id, group)
         while True:
             try:
                 self._producer.produce(

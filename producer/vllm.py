@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvledger.schemas.errors import KvledgerError
@@ -43,6 +43,7 @@ REQUIRED: Mapping[str, int] = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCl
 # kvledger's extensions an engine that knows them may set on its objects.
 _EXTENSIONS = ("token_start", "partial")
 _MAX_U64 = 2**64 - 1
+_INT, _BYTES = frozenset({int}), frozenset({bytes})
 
 
 class VllmEventError(KvledgerError, ValueError):
@@ -77,7 +78,7 @@ def from_vllm_fields(kind: str, fields: Mapping[str, Any]) -> KVEvent:
             return BlockStored(
                 block_hashes=_hashes(fields["block_hashes"]),
                 parent_block_hash=_hash_bytes(parent) if parent is not None else None,
-                token_ids=tuple(_int(t) for t in fields["token_ids"]),
+                token_ids=_ints(fields["token_ids"]),
                 block_size=_int(fields["block_size"]),
                 lora_id=_opt_int(get("lora_id")),
                 medium=_opt_str(get("medium")),
@@ -136,7 +137,20 @@ def _hash_bytes(value: object) -> bytes:
 def _hashes(values: object) -> tuple[bytes, ...]:
     if not isinstance(values, list | tuple):
         raise TypeError(f"block_hashes must be a list, got {type(values).__name__}")
+    kinds = set(map(type, values))
+    if kinds == _INT and min(values) >= 0 and max(values) <= _MAX_U64:  # vLLM's int hashes
+        return tuple([h.to_bytes(8, "big") for h in values])
+    if kinds == _BYTES:
+        return tuple(values)
     return tuple(_hash_bytes(h) for h in values)
+
+
+def _ints(values: Iterable[object]) -> tuple[int, ...]:
+    """Token ids as a tuple of ints (checked at C speed when they are plain ints)."""
+    out = tuple(values)
+    if set(map(type, out)) <= _INT:
+        return out  # type: ignore[return-value]  # every item's type is int
+    return tuple(_int(t) for t in out)  # names the first that is not
 
 
 def _int(value: object) -> int:

@@ -188,11 +188,14 @@ def medium_of(event: BlockStored | BlockRemoved | AllBlocksCleared) -> str:
     return medium if medium is not None else DEFAULT_MEDIUM
 
 
+_EIGHT = frozenset({8})
+
+
 def with_int64_hashes(event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
     """The event with its hashes in vLLM's int64 wire form (each digest's last 8 bytes);
     the event itself when they already are, every other field kept."""
     parent = event.parent_block_hash if isinstance(event, BlockStored) else None
-    if (parent is None or len(parent) == 8) and all(len(h) == 8 for h in event.block_hashes):
+    if (parent is None or len(parent) == 8) and set(map(len, event.block_hashes)) <= _EIGHT:
         return event
     hashes = tuple(to_int64_bytes(h) for h in event.block_hashes)
     if isinstance(event, BlockRemoved):

@@ -65,9 +65,12 @@ class EngineLink:
 
         A message not in the protocol's shape is logged and skipped: its number is unknown,
         so the next good batch shows the gap and replay recovers what it was."""
-        if not self._sub.poll(timeout_ms):
-            return None
-        frames = self._sub.recv_multipart()
+        try:  # a busy stream has the next batch waiting: no poll for it
+            frames = self._sub.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            if not self._sub.poll(timeout_ms):
+                return None
+            frames = self._sub.recv_multipart()
         try:
             if len(frames) != 3:
                 raise VllmEventError(f"a live message has 3 frames, not {len(frames)}")

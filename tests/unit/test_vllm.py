@@ -70,3 +70,34 @@ def test_anything_else_is_refused() -> None:
         from_vllm_event(VllmBlockStored(["x"], None, [1, 2], 2))
     with pytest.raises(VllmEventError, match="unsigned 64-bit"):
         from_vllm_event(VllmBlockStored([2**64], None, [1, 2], 2))
+
+
+@pytest.mark.parametrize(
+    ("hashes", "tokens", "match"),
+    [
+        ([-1, 2], [1, 2], "unsigned 64-bit"),  # one bad int among good ones
+        ([1, 2**64], [1, 2], "unsigned 64-bit"),
+        ([1, True], [1, 2], "int or bytes"),
+        ([1, 2], [1, True], "expected an int, got bool"),
+        ([1, 2], [1, 2.0], "expected an int, got float"),
+        ([1, 2], [1, "2"], "expected an int, got str"),
+    ],
+)
+def test_a_bad_item_among_good_ones_is_named(
+    hashes: list[object], tokens: list[object], match: str
+) -> None:
+    """Hashes and token ids are checked all at once when they are plain ints; one that is
+    not is still found and named."""
+    with pytest.raises(VllmEventError, match=match):
+        from_vllm_event(VllmBlockStored(hashes, None, tokens, 1))  # type: ignore[arg-type]
+
+
+def test_int_subclasses_and_mixed_hashes_are_read_item_by_item() -> None:
+    class Token(int):
+        pass
+
+    ev = from_vllm_event(VllmBlockStored([1, b"\x02" * 8], None, [Token(5), 6], 2))
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == ((1).to_bytes(8, "big"), b"\x02" * 8)
+    assert ev.token_ids == (5, 6)
+    assert from_vllm_event(VllmBlockStored([], None, (t for t in (1, 2)), 2)).token_ids == (1, 2)  # type: ignore[arg-type, union-attr]

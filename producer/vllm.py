@@ -17,6 +17,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import msgspec
+
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.events import (
     DEFAULT_MEDIUM,
@@ -44,6 +46,8 @@ REQUIRED: Mapping[str, int] = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCl
 _EXTENSIONS = ("token_start", "partial")
 _MAX_U64 = 2**64 - 1
 _INT, _BYTES = frozenset({int}), frozenset({bytes})
+_INT_TUPLE = tuple[int, ...]
+_ABSENT = object()
 
 
 class VllmEventError(KvledgerError, ValueError):
@@ -57,7 +61,9 @@ def from_vllm_event(event: Any) -> KVEvent:
     names = FIELDS.get(kind)
     if names is None:
         raise TypeError(f"not a vLLM KV cache event: {kind}")
-    fields = {n: getattr(event, n) for n in (*names, *_EXTENSIONS) if hasattr(event, n)}
+    fields = {
+        n: v for n in (*names, *_EXTENSIONS) if (v := getattr(event, n, _ABSENT)) is not _ABSENT
+    }
     return from_vllm_fields(kind, fields)
 
 
@@ -146,11 +152,11 @@ def _hashes(values: object) -> tuple[bytes, ...]:
 
 
 def _ints(values: Iterable[object]) -> tuple[int, ...]:
-    """Token ids as a tuple of ints (checked at C speed when they are plain ints)."""
-    out = tuple(values)
-    if set(map(type, out)) <= _INT:
-        return out  # type: ignore[return-value]  # every item's type is int
-    return tuple(_int(t) for t in out)  # names the first that is not
+    """Token ids as a tuple of ints (checked in C by msgspec, which refuses bools too)."""
+    try:
+        return msgspec.convert(values, _INT_TUPLE)
+    except msgspec.ValidationError:
+        return tuple(_int(t) for t in values)  # names the first that is not an int
 
 
 def _int(value: object) -> int:

@@ -4,12 +4,17 @@ prefix walk agrees with a brute-force one."""
 
 from __future__ import annotations
 
+import gc
 import random
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
-from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.router import match as m
+from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
 from kvledger.consumer.router.store import RouterStore, Row, pack
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
@@ -113,3 +118,46 @@ def test_a_block_learnt_after_its_holder_gives_its_token_end() -> None:
     store.hold(ResidencyKey("m", 0, h, "e1", "GPU", ""), 0)
     store.hold(ResidencyKey("m", 0, h, "e2", "CPU", ""), 1)  # held anew: the end is found again
     assert g.masks.runs([h]) == [(1, 1, 32)]
+
+
+def test_apply_pauses_the_collector_per_chunk_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RouterIndex.apply runs each chunk with Python's cycle collector off (the pipeline
+    makes no cycles), turns it back on after every chunk, even one that raises, and leaves a
+    collector its process turned off alone. The applied index equals the router store fed
+    by run_batch directly."""
+    messages = fleet_stream(FleetConfig(instances=2, requests=40, seed=3), partitions=1).messages
+    seen: list[bool] = []
+
+    def watching(*args: Any, **kwargs: Any) -> BatchResult:
+        seen.append(gc.isenabled())
+        return run_batch(*args, **kwargs)
+
+    def failing(*args: Any, **kwargs: Any) -> BatchResult:
+        raise RuntimeError("a bug")
+
+    direct = RouterStore()
+    run_batch(messages, Codec(), direct, "g")
+    router = RouterIndex("localhost:1", "fleet", "g")  # never connects
+    monkeypatch.setattr("kvledger.consumer.router.index.run_batch", watching)
+    assert gc.isenabled()
+    router.apply(messages)
+    assert gc.isenabled() and seen and not any(seen)
+    assert len(seen) == -(-len(messages) // APPLY_CHUNK)
+    assert router_residencies(router.store) == router_residencies(direct)
+    assert router.applied_messages == len(messages)
+
+    monkeypatch.setattr("kvledger.consumer.router.index.run_batch", failing)
+    with pytest.raises(RuntimeError):
+        RouterIndex("localhost:1", "fleet", "g").apply(messages)
+    assert gc.isenabled()
+
+    monkeypatch.setattr("kvledger.consumer.router.index.run_batch", watching)
+    seen.clear()
+    gc.disable()
+    try:
+        RouterIndex("localhost:1", "fleet", "g").apply(messages[:10])
+        assert not gc.isenabled() and seen == [False]
+    finally:
+        gc.enable()

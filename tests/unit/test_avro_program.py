@@ -21,16 +21,10 @@ from hypothesis import strategies as st
 from kvledger.fleet import FleetConfig
 from kvledger.schemas import avro_program
 from kvledger.schemas.avro_program import UnsupportedSchemaError, compile_schema
-from kvledger.schemas.codec import (
-    EVENT_CLASSES,
-    NAMESPACE,
-    Codec,
-    envelope_schema_json,
-    envelope_to_record,
-    record_to_envelope,
-)
+from kvledger.schemas.codec import EVENT_CLASSES, NAMESPACE, Codec, envelope_schema_json
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec, Heartbeat
+from kvledger.schemas.records import envelope_to_record, record_to_envelope
 from tests.helpers.streams import edge_stream, fleet_stream
 
 DECODE = avro_program.decoder()

@@ -38,7 +38,7 @@ from typing import Any
 from confluent_kafka import KafkaException, Producer
 
 from kvledger.producer.config import PublisherConfig
-from kvledger.producer.delivery import Deliveries, PublisherStats
+from kvledger.producer.delivery import Deliveries
 from kvledger.producer.errors import PublishError
 from kvledger.producer.tracker import (
     GroupConfigLike,
@@ -68,8 +68,6 @@ logger = logging.getLogger(__name__)
 
 # An envelope's event time, engine batch and data-parallel rank when the caller knows them.
 _Stamp = tuple[int | None, int | None, int | None]
-
-__all__ = ["KVEventPublisher", "PublisherStats"]
 
 
 class KVEventPublisher:

@@ -437,7 +437,10 @@ static int write_record(PyObject *names, PyObject *progs, PyObject *v, Writer *w
         PyObject *field = PyDict_GetItemWithError(v, PyTuple_GET_ITEM(names, i));
         if (field == NULL && PyErr_Occurred())
             return -1;
-        if (encode(PyTuple_GET_ITEM(progs, i), field != NULL ? field : Py_None, w) < 0)
+        field = Py_NewRef(field != NULL ? field : Py_None); /* held: an __index__ may change v */
+        int rc = encode(PyTuple_GET_ITEM(progs, i), field, w);
+        Py_DECREF(field);
+        if (rc < 0)
             return -1;
     }
     return 0;

@@ -17,7 +17,11 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import msgspec
+try:  # vLLM brings msgspec; kvledger's base install (an embedded engine's) does not need it
+    from msgspec import ValidationError as _ValidationError
+    from msgspec import convert as _convert
+except ImportError:  # pragma: no cover - exercised by the base-install test
+    _convert = None  # type: ignore[assignment]
 
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.events import (
@@ -152,11 +156,19 @@ def _hashes(values: object) -> tuple[bytes, ...]:
 
 
 def _ints(values: Iterable[object]) -> tuple[int, ...]:
-    """Token ids as a tuple of ints (checked in C by msgspec, which refuses bools too)."""
-    try:
-        return msgspec.convert(values, _INT_TUPLE)
-    except msgspec.ValidationError:
-        return tuple(_int(t) for t in values)  # names the first that is not an int
+    """Token ids as a tuple of ints, checked in C: by msgspec where it is installed (it
+    refuses bools too), else by the set of the items' types."""
+    if _convert is not None:
+        try:
+            return _convert(values, _INT_TUPLE)
+        except _ValidationError:
+            pass
+    else:
+        out = tuple(values)
+        if set(map(type, out)) <= _INT:
+            return out  # type: ignore[return-value,unused-ignore]  # every item is an int
+        values = out
+    return tuple(_int(t) for t in values)  # names the first that is not an int
 
 
 def _int(value: object) -> int:

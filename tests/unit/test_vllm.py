@@ -101,3 +101,15 @@ def test_int_subclasses_and_mixed_hashes_are_read_item_by_item() -> None:
     assert ev.block_hashes == ((1).to_bytes(8, "big"), b"\x02" * 8)
     assert ev.token_ids == (5, 6)
     assert from_vllm_event(VllmBlockStored([], None, (t for t in (1, 2)), 2)).token_ids == (1, 2)  # type: ignore[arg-type, union-attr]
+
+
+def test_without_msgspec_token_ids_are_checked_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvledger's base install has no msgspec: token ids are then checked by their types,
+    with the same results and the same errors."""
+    monkeypatch.setattr("kvledger.producer.vllm._convert", None)
+    ev = from_vllm_event(VllmBlockStored([1], None, [5, 6], 2))
+    assert isinstance(ev, BlockStored) and ev.token_ids == (5, 6)
+    with pytest.raises(VllmEventError, match="expected an int, got bool"):
+        from_vllm_event(VllmBlockStored([1], None, [5, True], 2))
+    gen = from_vllm_event(VllmBlockStored([1], None, (t for t in (7, 8)), 2))  # type: ignore[arg-type]
+    assert isinstance(gen, BlockStored) and gen.token_ids == (7, 8)

@@ -284,10 +284,11 @@ static PyObject *avro_decode(PyObject *module, PyObject *const *args, Py_ssize_t
  * OP_RECORD a dict's keys, OP_ARRAY and OP_TUPLE a list or a tuple. A union takes its first
  * branch the value fits (None: null; bool: boolean; int: int or long; float: float or double;
  * bytes; str: string; list or tuple: array; an instance of a branch's class, exactly: that
- * record). A boolean takes any truth value, an int anything with __index__. Stricter than fastavro, which writes what it is
- * given as best it can: an int outside its type's range, a value of another type than its
- * field's, a value that fits no branch of a union, raise. Otherwise the bytes are fastavro's
- * (tests/unit/test_avro_program.py compares them). */
+ * record). A boolean takes any truth value, an int anything with __index__ (numpy's
+ * integers). Stricter than fastavro, which writes what it is given as best it can: an int
+ * outside its type's range, a value of another type than its field's, a value that fits no
+ * branch of a union, raise. Otherwise the bytes are fastavro's (tests/unit/test_avro_program.py
+ * compares them). */
 
 typedef struct {
     char *buf;
@@ -351,9 +352,15 @@ static int fits(PyObject *prog, PyObject *v) {
         return v == Py_None;
     case OP_BOOLEAN:
         return PyBool_Check(v);
-    case OP_INT:
+    case OP_INT: /* an int32 (a bigger int fits a long branch, if there is one) */
+        if (PyLong_Check(v) && !PyBool_Check(v)) {
+            int overflow = 0;
+            long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+            return !overflow && x >= INT32_MIN && x <= INT32_MAX;
+        }
+        return PyIndex_Check(v) && !PyBool_Check(v);
     case OP_LONG:
-        return PyLong_Check(v) && !PyBool_Check(v);
+        return PyIndex_Check(v) && !PyBool_Check(v) && !PyFloat_Check(v);
     case OP_FLOAT:
     case OP_DOUBLE:
         return PyFloat_Check(v) || (PyLong_Check(v) && !PyBool_Check(v));

@@ -274,6 +274,25 @@ def test_dict_programs_encode_as_fastavro_writes() -> None:
         ENCODE(program, [1], b"")
 
 
+@compiled
+def test_a_union_takes_the_first_branch_its_value_fits() -> None:
+    assert ENCODE is not None
+    schema = ["null", "int", "long", "double", "string"]
+    program, parsed = compile_schema(schema), fastavro.parse_schema(schema)
+    for value in (None, 5, -(2**31), 2**31, -(2**40), 0.5, "x"):
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, parsed, value)
+        assert ENCODE(program, value, b"") == out.getvalue(), value
+
+    class Index:
+        def __index__(self) -> int:
+            return 2**40
+
+    assert ENCODE(compile_schema(["null", "long"]), Index(), b"") == b"\x02\x80\x80\x80\x80\x80\x40"
+    with pytest.raises(ValueError, match="no branch"):
+        ENCODE(compile_schema(["null", "long"]), True, b"")
+
+
 def stored_event() -> BlockStored:
     return BlockStored((b"h" * 8,), None, (1, 2), 2, None, "GPU", None)
 

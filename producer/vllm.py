@@ -86,8 +86,8 @@ def from_vllm_fields(kind: str, fields: Mapping[str, Any]) -> KVEvent:
         if kind == "BlockStored":
             parent = get("parent_block_hash")
             return BlockStored(
-                block_hashes=_hashes(fields["block_hashes"]),
-                parent_block_hash=_hash_bytes(parent) if parent is not None else None,
+                block_hashes=hash_tuple(fields["block_hashes"]),
+                parent_block_hash=hash_bytes(parent) if parent is not None else None,
                 token_ids=_ints(fields["token_ids"]),
                 block_size=_int(fields["block_size"]),
                 lora_id=_opt_int(get("lora_id")),
@@ -106,7 +106,7 @@ def from_vllm_fields(kind: str, fields: Mapping[str, Any]) -> KVEvent:
             )
         if kind == "BlockRemoved":
             return BlockRemoved(
-                block_hashes=_hashes(fields["block_hashes"]),
+                block_hashes=hash_tuple(fields["block_hashes"]),
                 medium=_opt_str(get("medium")),
                 group_idx=_opt_int(get("group_idx")),
                 locality=_opt_str(get("locality")),
@@ -134,7 +134,8 @@ def fit_to_spec(event: KVEvent, spec: GroupSpec | None) -> KVEvent:
     return event
 
 
-def _hash_bytes(value: object) -> bytes:
+def hash_bytes(value: object) -> bytes:
+    """A vLLM block hash (unsigned 64-bit int, or bytes) as bytes."""
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -144,7 +145,8 @@ def _hash_bytes(value: object) -> bytes:
     raise TypeError(f"a block hash must be int or bytes, got {type(value).__name__}")
 
 
-def _hashes(values: object) -> tuple[bytes, ...]:
+def hash_tuple(values: object) -> tuple[bytes, ...]:
+    """A list of vLLM block hashes as bytes (int hashes checked at C speed)."""
     if not isinstance(values, list | tuple):
         raise TypeError(f"block_hashes must be a list, got {type(values).__name__}")
     kinds = set(map(type, values))
@@ -152,7 +154,7 @@ def _hashes(values: object) -> tuple[bytes, ...]:
         return tuple([h.to_bytes(8, "big") for h in values])
     if kinds == _BYTES:
         return tuple(values)
-    return tuple(_hash_bytes(h) for h in values)
+    return tuple(hash_bytes(h) for h in values)
 
 
 def _ints(values: Iterable[object]) -> tuple[int, ...]:

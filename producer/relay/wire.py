@@ -15,7 +15,14 @@ from typing import Any
 
 import msgspec
 
-from kvledger.producer.vllm import FIELDS, VllmEventError, extra_keys_json, from_vllm_fields
+from kvledger.producer.vllm import (
+    FIELDS,
+    VllmEventError,
+    extra_keys_json,
+    from_vllm_fields,
+    hash_bytes,
+    hash_tuple,
+)
 from kvledger.schemas.events import (
     DEFAULT_MEDIUM,
     AllBlocksCleared,
@@ -163,22 +170,14 @@ _TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
 _POSITIONAL = msgspec.msgpack.Decoder(_PositionalBatch)
 
 
-def _hash(value: int | bytes) -> bytes:
-    return value if isinstance(value, bytes) else value.to_bytes(8, "big")
-
-
-def _hashes(values: list[int | bytes]) -> tuple[bytes, ...]:
-    return tuple([v.to_bytes(8, "big") if v.__class__ is int else _hash(v) for v in values])
-
-
 def _from_typed(ev: _Stored | _Removed | _Cleared) -> KVEvent:
     """As :func:`~kvledger.producer.vllm.from_vllm_fields` maps the same fields."""
     if isinstance(ev, _Stored):
         parent = ev.parent_block_hash
         look = ev.lookahead_token_ids
         return BlockStored(
-            _hashes(ev.block_hashes),
-            _hash(parent) if parent is not None else None,
+            hash_tuple(ev.block_hashes),
+            hash_bytes(parent) if parent is not None else None,
             tuple(ev.token_ids), ev.block_size, ev.lora_id, ev.medium, ev.lora_name,
             extra_keys_json(ev.extra_keys), ev.group_idx, ev.kv_cache_spec_kind,
             ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership, None, False,
@@ -186,7 +185,7 @@ def _from_typed(ev: _Stored | _Removed | _Cleared) -> KVEvent:
         )  # fmt: skip
     if isinstance(ev, _Removed):
         return BlockRemoved(
-            _hashes(ev.block_hashes), ev.medium, ev.group_idx, ev.locality,
+            hash_tuple(ev.block_hashes), ev.medium, ev.group_idx, ev.locality,
             ev.ownership,
         )  # fmt: skip
     return AllBlocksCleared(medium=DEFAULT_MEDIUM)

@@ -337,8 +337,8 @@ class IndexConsumer:
 
     def _end_offsets(self) -> dict[int, tuple[int, int]]:
         """(low, high) watermark of every partition of the topic."""
-        low = partition_offsets(self._admin, self.config.topic, earliest=True)
         high = partition_offsets(self._admin, self.config.topic)
+        low = partition_offsets(self._admin, self.config.topic, earliest=True, partitions=high)
         return {p: (low.get(p, 0), end) for p, end in high.items()}
 
     def lag(self) -> int:

@@ -8,7 +8,7 @@ partition and stays in publish order. The events topic and the dead-letter topic
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -101,14 +101,19 @@ def refused(err: KafkaError) -> bool:
 
 
 def partition_offsets(
-    admin: AdminClient, topic: str, earliest: bool = False, timeout: float = 10.0
+    admin: AdminClient,
+    topic: str,
+    earliest: bool = False,
+    partitions: Iterable[int] | None = None,
+    timeout: float = 10.0,
 ) -> dict[int, int]:
-    """Each partition's end offset (the next to be written), or its earliest; one metadata
-    request and one offsets request. Raises ``KafkaException`` when the broker does not
-    answer."""
-    metadata = admin.list_topics(topic, timeout=timeout)
+    """Each partition's end offset (the next to be written), or its earliest; one offsets
+    request, after a metadata request unless ``partitions`` names them. Raises
+    ``KafkaException`` when the broker does not answer."""
+    if partitions is None:
+        partitions = admin.list_topics(topic, timeout=timeout).topics[topic].partitions
     spec = OffsetSpec.earliest() if earliest else OffsetSpec.latest()  # type: ignore[no-untyped-call]
-    request = {TopicPartition(topic, p): spec for p in metadata.topics[topic].partitions}
+    request = {TopicPartition(topic, p): spec for p in partitions}
     futures = admin.list_offsets(request, request_timeout=timeout)
     return {tp.partition: future.result().offset for tp, future in futures.items()}
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
 from kvledger.producer.errors import BrokerUnreachableError
-from kvledger.schemas.topics import topic_limit
+from kvledger.schemas.topics import misconfigured, topic_limit
 
 HashFormat = Literal["int64", "digest"]
 
@@ -80,7 +80,7 @@ class PublisherConfig:
         try:
             limit = topic_limit(settings, self.topic, timeout)
         except KafkaException as exc:
-            if exc.args and exc.args[0].code() == KafkaError._INVALID_ARG:
+            if misconfigured(exc):
                 raise  # a setting the client refuses: no broker would change that
             raise BrokerUnreachableError(
                 f"no Kafka broker at {self.bootstrap_servers} answered within {timeout:.0f} s "

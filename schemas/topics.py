@@ -100,6 +100,13 @@ def refused(err: KafkaError) -> bool:
     return err.code() in _REFUSED
 
 
+def misconfigured(exc: BaseException) -> bool:
+    """Whether the Kafka client refused one of its own settings (not an outage: no broker,
+    and no retry, would change that)."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error is not None and getattr(error, "code", lambda: None)() == KafkaError._INVALID_ARG
+
+
 def partition_offsets(
     admin: AdminClient,
     topic: str,

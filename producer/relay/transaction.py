@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.errors import PublishError
@@ -25,6 +25,7 @@ from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.metrics import RelayMetrics
 from kvledger.producer.relay.position import PARTITIONER, StreamPosition, recover
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.topics import misconfigured
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class RelayTransactions:
                 groups = {g.group_idx for g in cfg.groups} | {0}
                 position = recover(recover_settings, cfg.topic, self.source, groups, self.codec)
             except (KafkaException, PublishError) as exc:
-                if _misconfigured(exc):  # retrying cannot help: say so and stop
+                if misconfigured(exc):  # retrying cannot help: say so and stop
                     raise
                 self.metrics.kafka_paused.labels(self.source).set(1)
                 logger.warning(
@@ -216,9 +217,3 @@ class RelayTransactions:
                 self.publisher.close(timeout=10, goodbye=False)  # not the engine's goodbye
             except PublishError as exc:
                 logger.warning("relay %s: closing the producer: %s", self.source, exc)
-
-
-def _misconfigured(exc: BaseException) -> bool:
-    """A Kafka client setting the client refuses (not an outage)."""
-    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
-    return error is not None and getattr(error, "code", lambda: None)() == KafkaError._INVALID_ARG

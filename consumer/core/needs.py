@@ -48,8 +48,7 @@ def needs(batch: Sequence[Decoded], check_sequence: bool = True, keys: bool = Tr
         if restarts.get(stream, -1) < env.epoch:
             restarts[stream] = env.epoch
         if isinstance(ev, BlockStored | BlockRemoved):
-            own = ev.ownership or PRIMARY_OWNERSHIP
-            holder = new_tuple(HolderKey, (model, group, source, medium_of(ev), own))
+            holder = _holder(model, group, source, ev)
             hashes = residencies.get(holder)
             if hashes is None:
                 hashes = residencies[holder] = set()
@@ -78,8 +77,13 @@ def _replayed(batch: Sequence[Decoded]) -> list[tuple[HolderKey, str, int, int]]
     for d in batch:
         env = d.envelope
         if env is not None and isinstance(ev := env.event, BlockStored):
-            own = ev.ownership or PRIMARY_OWNERSHIP
-            holder = HolderKey(env.model, group_of(ev), env.source, medium_of(ev), own)
             m = d.message
+            holder = _holder(env.model, group_of(ev), env.source, ev)
             out.append((holder, m.topic, m.partition, m.offset))
     return out
+
+
+def _holder(model: str, group: int, source: str, ev: BlockStored | BlockRemoved) -> HolderKey:
+    """The holder an event's blocks belong to (medium and ownership with their defaults)."""
+    own = ev.ownership or PRIMARY_OWNERSHIP
+    return new_tuple(HolderKey, (model, group, source, medium_of(ev), own))

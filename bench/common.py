@@ -151,9 +151,9 @@ def capture_produced(publisher: Any, captured: list[tuple[bytes, bytes]]) -> Non
     inner = publisher._producer
 
     class _Capturing:
-        def produce(self, topic: str, value: bytes, key: bytes, on_delivery: object) -> None:
+        def produce(self, topic: str, value: bytes, key: bytes) -> None:
             captured.append((key, value))
-            inner.produce(topic, value=value, key=key, on_delivery=on_delivery)
+            inner.produce(topic, value, key)
 
         def __getattr__(self, name: str) -> object:
             return getattr(inner, name)

@@ -20,7 +20,7 @@ class PublisherStats:
     """Counters of one publisher (messages, not blocks)."""
 
     produced: int = 0
-    acked: int = 0
+    acked: int = 0  # set when read (KVEventPublisher.stats)
     failed: int = 0
     retries_on_full_queue: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
@@ -41,8 +41,7 @@ class Deliveries:
         self.stats.by_type[event_type] = self.stats.by_type.get(event_type, 0) + 1
 
     def on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is None:
-            self.stats.acked += 1
+        if err is None:  # reported where delivery.report.only.error is off
             return
         self.stats.failed += 1
         if len(self._errors) < _MAX_ERRORS_KEPT:
@@ -57,7 +56,9 @@ class Deliveries:
             logger.warning("Kafka producer: %s", err)
 
     def forget_failures(self) -> None:
-        """An aborted transaction's failures belong to it, not to what comes next."""
+        """An aborted transaction's failures belong to it, not to what comes next: the
+        messages it failed count as neither produced nor failed (nor acknowledged)."""
+        self.stats.produced -= self.stats.failed
         self.stats.failed = 0
         self._errors.clear()
 

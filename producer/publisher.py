@@ -38,8 +38,9 @@ from typing import Any
 from confluent_kafka import KafkaException, Producer
 
 from kvledger.producer.config import PublisherConfig
-from kvledger.producer.delivery import Deliveries
+from kvledger.producer.delivery import Deliveries, PublisherStats
 from kvledger.producer.errors import PublishError
+from kvledger.producer.prepared import Prepared, WireForm
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -47,20 +48,16 @@ from kvledger.producer.tracker import (
     OffloadingEventsTracker,
     group_announcement,
 )
-from kvledger.producer.vllm import fit_to_spec, from_vllm_event
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
     DEFAULT_GROUP_IDX,
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     Envelope,
     Goodbye,
     GroupSpec,
     Heartbeat,
     KVEvent,
     group_of,
-    with_int64_hashes,
 )
 from kvledger.schemas.topics import TOO_LARGE, message_key
 
@@ -86,16 +83,21 @@ class KVEventPublisher:
         self.codec = codec if codec is not None else Codec()
         self.epoch = epoch if epoch is not None else int(clock() * 1000)
         self._deliveries = Deliveries(config.topic)
-        self.stats = self._deliveries.stats
         self._clock = clock
         self._lock = threading.Lock()
         self._seq: dict[int, int] = {}
-        self._announced: dict[int, GroupSpec] = {}
+        self._form = WireForm(config.hash_format == "digest", compiled=self.codec.frames_current)
+        self._announced = self._form.specs  # changed through self._form.announce
         self._keys: dict[int, bytes] = {}  # each group's message key
+        self._heads: dict[tuple[int, int], bytes] = {}  # envelope heads by (rank, epoch)
         self._closed = False
         self._warned_unannounced: set[int] = set()
         settings = config.sized_settings()
         settings["error_cb"] = self._deliveries.on_error
+        # Reports of failures only: a message leaves librdkafka's queue delivered or failed,
+        # so the acknowledged are counted without a callback each (``stats``).
+        settings["on_delivery"] = self._deliveries.on_delivery
+        settings["delivery.report.only.error"] = True
         self._producer = Producer(settings)
         self._last_produce = time.monotonic()
         self._stopping = threading.Event()
@@ -116,7 +118,7 @@ class KVEventPublisher:
                     continue
                 self.tracker.set_group_spec(cfg.group_idx, cfg.kv_event_group_spec)
                 announcement = self._with_policy(group_announcement(self.config.model, cfg))
-                self._announced[cfg.group_idx] = announcement
+                self._form.announce(announcement)
                 self._produce(cfg.group_idx, announcement)
 
     def announce_group_spec(self, spec: GroupSpec) -> None:
@@ -124,7 +126,7 @@ class KVEventPublisher:
         with self._lock:
             if spec.group_idx not in self._announced:
                 spec = self._with_policy(spec)
-                self._announced[spec.group_idx] = spec
+                self._form.announce(spec)
                 self.tracker.set_group_spec(
                     spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
                 )
@@ -137,7 +139,7 @@ class KVEventPublisher:
             events = self.tracker.take_events(offloading_events)
             self._deliveries.refused = []
             for event in events:
-                self._produce(group_of(event), self._wire_form(event))
+                self._produce(group_of(event), self._form.hashes(event))
             self._producer.poll(0)
             self._deliveries.raise_refused()
             return len(events)
@@ -150,7 +152,47 @@ class KVEventPublisher:
         engine_seq: int | None = None,
         dp_rank: int | None = None,
     ) -> int:
-        """Produce events that are already self-describing (kvledger types).
+        """Produce events that are already self-describing (kvledger's types); the keywords
+        as :meth:`publish_prepared` takes them."""
+        return self.publish_prepared(events, time_ms=time_ms, engine_seq=engine_seq,
+                                     dp_rank=dp_rank)  # fmt: skip
+
+    def publish_vllm_batch(self, batch: Any, engine_seq: int | None = None) -> int:
+        """vLLM's entry point: a KVEventBatch (``events``; ``ts`` and ``data_parallel_rank``
+        when it has them), published with the batch's time and rank.
+
+        Events carry vLLM's field names (:mod:`.vllm`); partial recurrent tails are marked
+        from the group's announced spec. A batch with an event that cannot be read raises
+        :class:`~.vllm.VllmEventError` and publishes nothing. ``engine_seq``: the batch's
+        number in the engine's stream (the relay's position).
+        """
+        ts = getattr(batch, "ts", None)
+        with self._lock:
+            items = self._form.prepare(batch.events)
+        return self.publish_prepared(
+            items,
+            time_ms=int(ts * 1000) if ts is not None else None,
+            engine_seq=engine_seq,
+            dp_rank=getattr(batch, "data_parallel_rank", None),
+        )
+
+    def prepare_vllm(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
+        """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
+        this source's wire form, for :meth:`publish_prepared`; raises
+        :class:`~.vllm.VllmEventError` for one that cannot be read."""
+        with self._lock:
+            return self._form.prepare(events)
+
+    def publish_prepared(
+        self,
+        items: Iterable[Prepared | KVEvent],
+        *,
+        time_ms: int | None = None,
+        engine_seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> int:
+        """Produce events that are self-describing: kvledger's types, or vLLM events
+        prepared by :meth:`prepare_vllm`.
 
         ``time_ms``: their event time (default: now); ``engine_seq``: the engine batch they
         came in (relayed engines); ``dp_rank``: the engine's data-parallel rank when it says
@@ -160,51 +202,32 @@ class KVEventPublisher:
         with self._lock:
             self._check_healthy()
             self._deliveries.refused = []
-            count = 0
-            for event in events:
-                if isinstance(event, GroupSpec):
-                    self._announced.setdefault(event.group_idx, event)
-                    self._produce(event.group_idx, event, stamp)
-                elif isinstance(event, AllBlocksCleared):
-                    self._clear_all_locked(event.medium, stamp)
-                elif isinstance(event, BlockStored | BlockRemoved):
-                    self._produce(group_of(event), self._wire_form(event), stamp)
+            head, now_ms, count, frame = b"", 0, 0, self._form.frame
+            for item in items:
+                if type(item) is tuple:  # Prepared: framed here, not encoded
+                    if not head:
+                        head = self._head(dp_rank)
+                        now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
+                    kind, group, body = item
+                    if group not in self._announced:
+                        self._check_announced(group)
+                    seq = self._seq.get(group, 0)
+                    self._seq[group] = seq + 1
+                    self._send(group, seq, kind, frame(head, seq, now_ms, body, engine_seq))
                 else:
-                    self._produce(group_of(event), event, stamp)
+                    self._publish_one(item, stamp)  # type: ignore[arg-type]
                 count += 1
             self._producer.poll(0)
             self._deliveries.raise_refused()
             return count
 
-    def publish_vllm_batch(self, batch: Any, engine_seq: int | None = None) -> int:
-        """vLLM's entry point: a KVEventBatch (``events``; ``ts`` and ``data_parallel_rank``
-        when it has them), published with the batch's time and rank.
-
-        Events carry vLLM's field names (:mod:`.vllm`); partial recurrent tails are marked
-        from the group's announced spec. ``engine_seq``: the batch's number in the engine's
-        stream (the relay's position).
-        """
-        ts = getattr(batch, "ts", None)
-        rank = getattr(batch, "data_parallel_rank", None)
-        return self.publish_vllm_events(
-            [from_vllm_event(ev) for ev in batch.events],
-            time_ms=int(ts * 1000) if ts is not None else None,
-            engine_seq=engine_seq,
-            dp_rank=rank,
-        )
-
-    def publish_vllm_events(
-        self,
-        events: Iterable[KVEvent],
-        *,
-        time_ms: int | None = None,
-        engine_seq: int | None = None,
-        dp_rank: int | None = None,
-    ) -> int:
-        """Events read from a vLLM engine (already mapped by :mod:`.vllm`), fitted to the
-        announced specs (partial tails), then published as :meth:`publish_events` does."""
-        fitted = [fit_to_spec(ev, self._announced.get(group_of(ev))) for ev in events]
-        return self.publish_events(fitted, time_ms=time_ms, engine_seq=engine_seq, dp_rank=dp_rank)
+    @property
+    def stats(self) -> PublisherStats:
+        """The publisher's counters. ``acked``: produced, less failed, less still queued
+        (librdkafka reports failures only; exact once flushed)."""
+        stats = self._deliveries.stats
+        stats.acked = max(0, stats.produced - stats.failed - len(self._producer))
+        return stats
 
     # ------------------------------------------------------------------ transactions
     def init_transactions(self, timeout: float = 30.0) -> None:
@@ -335,22 +358,19 @@ class KVEventPublisher:
             self._produce(group, AllBlocksCleared(group_idx=group, medium=medium), stamp)
         return len(groups)
 
-    def _wire_form(self, event: BlockStored | BlockRemoved) -> BlockStored | BlockRemoved:
-        return event if self.config.hash_format == "digest" else with_int64_hashes(event)
+    def _publish_one(self, event: KVEvent, stamp: _Stamp) -> None:
+        if isinstance(event, GroupSpec):
+            if event.group_idx not in self._announced:
+                self._form.announce(event)
+            self._produce(event.group_idx, event, stamp)
+        elif isinstance(event, AllBlocksCleared):
+            self._clear_all_locked(event.medium, stamp)
+        else:
+            self._produce(group_of(event), self._form.hashes(event), stamp)
 
     def _produce(self, group: int, event: KVEvent, stamp: _Stamp = (None, None, None)) -> None:
-        if (
-            group not in self._announced
-            and not isinstance(event, GroupSpec | Heartbeat | Goodbye)  # the source's own
-            and group not in self._warned_unannounced
-        ):
-            self._warned_unannounced.add(group)
-            logger.warning(
-                "source %s publishes group %d without announcing it: consumers reject its "
-                "events unless an operator declares the group",
-                self.config.source_id,
-                group,
-            )
+        if not isinstance(event, GroupSpec | Heartbeat | Goodbye):  # not the source's own
+            self._check_announced(group)
         seq = self._seq.get(group, 0)
         self._seq[group] = seq + 1
         time_ms, engine_seq, dp_rank = stamp
@@ -364,15 +384,37 @@ class KVEventPublisher:
             event=event,
             engine_seq=engine_seq,
         )
-        value = self.codec.encode(envelope)
+        self._send(group, seq, type(event).__name__, self.codec.encode(envelope))
+
+    def _head(self, dp_rank: int | None) -> bytes:
+        """The envelope head of this epoch's messages for a rank (default: the configured)."""
+        rank = dp_rank if dp_rank is not None else self.config.dp_rank
+        head = self._heads.get((rank, self.epoch))
+        if head is None:
+            head = self._heads[rank, self.epoch] = self.codec.envelope_head(
+                self.config.source_id, self.config.model, rank, self.epoch
+            )
+        return head
+
+    def _check_announced(self, group: int) -> None:
+        if group not in self._announced and group not in self._warned_unannounced:
+            self._warned_unannounced.add(group)
+            logger.warning(
+                "source %s publishes group %d without announcing it: consumers reject its "
+                "events unless an operator declares the group",
+                self.config.source_id,
+                group,
+            )
+
+    def _send(self, group: int, seq: int, kind: str, value: bytes) -> None:
+        """Produce message ``seq`` of ``group``; a message too large for the topic is not
+        produced, and its number goes to the next one."""
         key = self._keys.get(group)
         if key is None:
             key = self._keys[group] = message_key(self.config.source_id, group)
         while True:
             try:
-                self._producer.produce(
-                    self.config.topic, value, key, on_delivery=self._deliveries.on_delivery
-                )
+                self._producer.produce(self.config.topic, value, key)
                 break
             except BufferError:
                 # The local queue is full: wait for the broker (backpressure), never drop.
@@ -382,14 +424,14 @@ class KVEventPublisher:
             except KafkaException as exc:
                 if exc.args and exc.args[0].code() in TOO_LARGE:
                     self._seq[group] = seq  # not produced: its number goes to the next one
-                    self._deliveries.refused.append(f"{type(event).__name__} of {len(value)} bytes")
+                    self._deliveries.refused.append(f"{kind} of {len(value)} bytes")
                     logger.error(
                         "%s of %d bytes is larger than %s takes: not produced",
-                        type(event).__name__, len(value), self.config.topic,
+                        kind, len(value), self.config.topic,
                     )  # fmt: skip
                     return
                 raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
-        self._deliveries.produced(type(event).__name__)
+        self._deliveries.produced(kind)
         self._last_produce = time.monotonic()
 
     def _check_healthy(self) -> None:

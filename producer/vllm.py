@@ -52,16 +52,27 @@ _MAX_U64 = 2**64 - 1
 _INT, _BYTES = frozenset({int}), frozenset({bytes})
 _INT_TUPLE = tuple[int, ...]
 _ABSENT = object()
+_KIND_OF: dict[type, str] = {}  # classes read as vLLM's events under another name
 
 
 class VllmEventError(KvledgerError, ValueError):
     """A vLLM event that cannot be read (missing field, wrong type)."""
 
 
+def register_kind(cls: type, kind: str) -> None:
+    """Read instances of ``cls`` as vLLM's ``kind`` events (a decoder's own types)."""
+    _KIND_OF[cls] = kind
+
+
+def kind_of(event: object) -> str:
+    """The vLLM event type an object is: its class's name, or the name it was registered as."""
+    return _KIND_OF.get(type(event)) or type(event).__name__
+
+
 def from_vllm_event(event: Any) -> KVEvent:
     """Map one vLLM KV cache event object (msgspec struct, dataclass, anything with vLLM's
     attribute names) to ours."""
-    kind = type(event).__name__
+    kind = kind_of(event)
     names = FIELDS.get(kind)
     if names is None:
         raise TypeError(f"not a vLLM KV cache event: {kind}")
@@ -198,9 +209,9 @@ def _lookahead(value: object) -> tuple[tuple[int, ...], ...] | None:
 
 
 def extra_keys_json(extra: object) -> tuple[str | None, ...] | None:
+    """Per block: its extra keys as canonical JSON text (None where it has none)."""
     if extra is None:
         return None
-    """Per block: its extra keys as canonical JSON text (None where it has none)."""
     if not isinstance(extra, list | tuple):
         raise TypeError("extra_keys must be a list with one entry per block")
     return tuple(

@@ -128,6 +128,10 @@ class Codec:
         # And encode through the compiled encoder (the same bytes, ~8x faster).
         self._encode = encoder() if self._compiled is not None else None
         self.fingerprint = schema_fingerprint(self.schema_json)
+        # Whether compiled writers may frame this codec's messages themselves (envelope_head).
+        self.frames_current = self._encode is not None and self.fingerprint == schema_fingerprint(
+            envelope_schema_json()
+        )
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
         for writer in released_schemas() if known_writers is None else known_writers:
@@ -170,6 +174,20 @@ class Codec:
         return self._registry
 
     # ------------------------------------------------------------------ encode
+    def envelope_head(self, source: str, model: str, dp_rank: int, epoch: int) -> bytes:
+        """What every message of one source, model, rank and epoch starts with: the header,
+        then the envelope's first four fields (the current schema's order). Compiled writers
+        (``producer/_vllm.c``) write the rest; only where :attr:`frames_current`."""
+        if not self.frames_current:
+            raise ValueError("this codec's messages are framed by its encoder alone")
+        if not -(2**31) <= dp_rank < 2**31 or not -(2**63) <= epoch < 2**63:
+            raise ValueError(f"dp_rank {dp_rank} or epoch {epoch} is out of its Avro range")
+        out = bytearray(self._header)
+        for text in (source, model):
+            data = text.encode()
+            out += _zigzag(len(data)) + data
+        return bytes(out + _zigzag(dp_rank) + _zigzag(epoch))
+
     def encode(self, envelope: Envelope) -> bytes:
         if self._encode is not None:
             return self._encode(self._objects, envelope, self._header)
@@ -279,3 +297,14 @@ def _compiled_programs(schema_json: str) -> tuple[Program, Program, Decoder | No
         return compile_schema(schema), compile_schema(schema, types), decode
     except UnsupportedSchemaError:
         return (), (), None
+
+
+def _zigzag(n: int) -> bytes:
+    """An Avro int or long."""
+    z = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)

@@ -45,7 +45,7 @@ from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offse
 from kvledger.producer.relay.metrics import RelayMetrics
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
-from kvledger.producer.relay.wire import EngineBatch, decode_batch
+from kvledger.producer.relay.wire import EngineBatch, read_batch
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import EventsLost, Heartbeat
@@ -240,14 +240,17 @@ class RankRelay:
         self._publish(seq, batch, time_ms)
 
     def _publish(self, seq: int, batch: EngineBatch | None, time_ms: int | None) -> None:
-        self.txn.begin()
-        if batch is None:  # undecodable: what it changed is unknown, so it is lost
+        self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
+        pub = self._pub
+        try:
+            items = pub.prepare_vllm(batch.events) if batch is not None else None
+        except VllmEventError as exc:
+            self._undecodable(seq, exc)
+            items = None
+        if batch is None or items is None:  # undecodable: what it changed is unknown: lost
             self._lost(seq, seq)
             return
-        pub = self._pub
-        count = pub.publish_vllm_events(
-            batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
-        )
+        count = pub.publish_prepared(items, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank)
         self.sequence.relayed(seq, time_ms)
         self.txn.in_txn += 1
         self._relayed.inc(count)
@@ -255,15 +258,19 @@ class RankRelay:
             self._behind.set(max(0.0, self._clock() - time_ms / 1000))
 
     def _decode(self, seq: int, payload: bytes) -> EngineBatch | None:
+        """The batch, its events still vLLM's (checked as they are prepared), or None."""
         try:
-            return decode_batch(payload)
+            return read_batch(payload)
         except VllmEventError as exc:
-            self.metrics.undecodable.labels(self.source).inc()
-            logger.error(
-                "relay %s: engine batch %d does not decode (%s); recorded as lost",
-                self.source, seq, exc,
-            )  # fmt: skip
+            self._undecodable(seq, exc)
             return None
+
+    def _undecodable(self, seq: int, exc: VllmEventError) -> None:
+        self.metrics.undecodable.labels(self.source).inc()
+        logger.error(
+            "relay %s: engine batch %d does not decode (%s); recorded as lost",
+            self.source, seq, exc,
+        )  # fmt: skip
 
     def _lost(self, first: int, last: int) -> None:
         """Engine batches first..last cannot be recovered: every group is cleared."""

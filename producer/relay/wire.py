@@ -18,18 +18,11 @@ import msgspec
 from kvledger.producer.vllm import (
     FIELDS,
     VllmEventError,
-    extra_keys_json,
+    from_vllm_event,
     from_vllm_fields,
-    hash_bytes,
-    hash_tuple,
+    register_kind,
 )
-from kvledger.schemas.events import (
-    DEFAULT_MEDIUM,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-)
+from kvledger.schemas.events import KVEvent
 
 END_SEQ = b"\xff" * 8
 _decoder = msgspec.msgpack.Decoder()
@@ -37,10 +30,13 @@ _decoder = msgspec.msgpack.Decoder()
 
 @dataclass(frozen=True, slots=True)
 class EngineBatch:
-    """One decoded batch: the engine's time (seconds), its events, its rank if it said."""
+    """One decoded batch: the engine's time (seconds), its events, its rank if it said.
+
+    From :func:`decode_batch`, the events are kvledger's; from :func:`read_batch`, vLLM's
+    (for a publisher's ``prepare_vllm``)."""
 
     ts: float
-    events: list[KVEvent]
+    events: list[Any]
     dp_rank: int | None
 
 
@@ -52,7 +48,18 @@ def seq_of(frame: bytes) -> int:
 
 
 def decode_batch(payload: bytes) -> EngineBatch:
-    """Decode one batch payload; raises :class:`VllmEventError` with the reason.
+    """Decode one batch payload into kvledger's events; raises :class:`VllmEventError` with
+    the reason."""
+    batch = read_batch(payload)
+    events = [e if isinstance(e, KVEvent) else from_vllm_event(e) for e in batch.events]
+    return EngineBatch(batch.ts, events, batch.dp_rank)
+
+
+def read_batch(payload: bytes) -> EngineBatch:
+    """Decode one batch payload, its events still vLLM's: decoded structs with vLLM's
+    names, or kvledger events where the payload had to be read field by field. Raises
+    :class:`VllmEventError` for a payload that is no batch; what an event's fields hold is
+    checked as it is mapped (a publisher's ``prepare_vllm``, :func:`decode_batch`).
 
     The typed decoders (msgspec validates in C) read a well-formed batch in either encoding;
     anything they refuse is read again field by field, which accepts what they cannot
@@ -62,11 +69,7 @@ def decode_batch(payload: bytes) -> EngineBatch:
             typed = decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             continue
-        try:
-            return EngineBatch(typed.ts, [_from_typed(e) for e in typed.events],
-                               typed.data_parallel_rank)  # fmt: skip
-        except (OverflowError, ValueError):
-            break  # e.g. a negative hash: the field-by-field reading names it
+        return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank)
     return _decode_fields(payload)
 
 
@@ -168,24 +171,8 @@ class _PositionalBatch(msgspec.Struct, array_like=True):
 
 _TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
 _POSITIONAL = msgspec.msgpack.Decoder(_PositionalBatch)
-
-
-def _from_typed(ev: _Stored | _Removed | _Cleared) -> KVEvent:
-    """As :func:`~kvledger.producer.vllm.from_vllm_fields` maps the same fields."""
-    if isinstance(ev, _Stored):
-        parent = ev.parent_block_hash
-        look = ev.lookahead_token_ids
-        return BlockStored(
-            hash_tuple(ev.block_hashes),
-            hash_bytes(parent) if parent is not None else None,
-            tuple(ev.token_ids), ev.block_size, ev.lora_id, ev.medium, ev.lora_name,
-            extra_keys_json(ev.extra_keys), ev.group_idx, ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership, None, False,
-            ev.session_id, tuple(map(tuple, look)) if look is not None else None,
-        )  # fmt: skip
-    if isinstance(ev, _Removed):
-        return BlockRemoved(
-            hash_tuple(ev.block_hashes), ev.medium, ev.group_idx, ev.locality,
-            ev.ownership,
-        )  # fmt: skip
-    return AllBlocksCleared(medium=DEFAULT_MEDIUM)
+for _kind, _classes in (("BlockStored", (_Stored, _StoredArray)),
+                        ("BlockRemoved", (_Removed, _RemovedArray)),
+                        ("AllBlocksCleared", (_Cleared, _ClearedArray))):  # fmt: skip
+    for _cls in _classes:
+        register_kind(_cls, _kind)

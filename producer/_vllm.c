@@ -1,0 +1,437 @@
+/* vLLM's KV cache events straight to the Avro bytes kvledger publishes, compiled.
+ *
+ * Why: an embedded engine publishes on its scheduler thread, and a relay shares two cores
+ * with its engine. Mapping a vLLM event to kvledger's Python objects, fitting it to its
+ * group, building its envelope and encoding it cost ~15 us a message (a 16-block store),
+ * several times what Kafka's own produce of the same bytes costs. Here one pass reads the
+ * event's attributes and writes its bytes.
+ *
+ * body(kind, event, digest, partial) -> (kind name, group, bytes) | None
+ *     kind: 0 BlockStored, 1 BlockRemoved; event: any object with vLLM's attribute names (a
+ *     vLLM msgspec struct, the relay's decoded structs); digest: hashes given as bytes are
+ *     published whole (else as their last 8 bytes, vLLM's int64 form); partial: {group:
+ *     hash block size} for the groups whose spec hashes at another size than its blocks
+ *     (a store of that size there is a partial recurrent tail).
+ *     Returns the event's type name and group, and the bytes of the envelope's event
+ *     branch (the union index, then the record), exactly as kvledger.producer.vllm's
+ *     mapping followed by the codec writes them. Returns None for anything this pass does
+ *     not take as it is: a field of an unexpected type or range, a missing required field,
+ *     extra keys, a bool where an int belongs (a missing field with a default takes it,
+ *     None). The caller then takes the Python mapping, which gives the same bytes or the
+ *     reason the event is refused; tests/unit/test_vllm_compiled.py holds the two to the
+ *     same answers.
+ *
+ * frame(head, seq, time_ms, body, engine_seq) -> bytes
+ *     One message: head (the codec's header, then the envelope's source, model, dp_rank and
+ *     epoch, written once per epoch), the seq and event time, the body, the engine batch. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../schemas/_avro_writer.h"
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define lookup_attr PyObject_GetOptionalAttr
+#else
+#define lookup_attr _PyObject_LookupAttr
+#endif
+
+enum { SLOW = 1 }; /* a field this pass does not take: the Python mapping decides */
+
+enum {
+    F_BLOCK_HASHES, F_PARENT_BLOCK_HASH, F_TOKEN_IDS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
+    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP_IDX, F_SPEC_KIND, F_SLIDING_WINDOW, F_LOCALITY,
+    F_OWNERSHIP, F_SESSION_ID, F_LOOKAHEAD, F_TOKEN_START, F_PARTIAL, F_COUNT
+};
+static const char *const field_names[F_COUNT] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+    "lookahead_token_ids", "token_start", "partial",
+};
+static PyObject *names[F_COUNT]; /* interned */
+static PyObject *zero;           /* the default group */
+static PyObject *kind_names[2];  /* BlockStored, BlockRemoved */
+
+/* An attribute: 0 and *out set (NULL when the object lacks it); SLOW when reading fails. */
+static int attr(PyObject *event, int field, PyObject **out) {
+    if (lookup_attr(event, names[field], out) < 0) {
+        PyErr_Clear();
+        return SLOW;
+    }
+    return 0;
+}
+
+/* An int of one internal digit (token ids, sizes) read in place, without a call. */
+static inline int small_int(PyObject *v, int64_t *out) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)v))
+        return 0;
+    *out = PyUnstable_Long_CompactValue((PyLongObject *)v);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(v); /* the digit count, signed; no digit for 0 */
+    if (size < -1 || size > 1)
+        return 0;
+    *out = size == 0 ? 0 : size * (int64_t)((PyLongObject *)v)->ob_digit[0];
+    return 1;
+#endif
+}
+
+static inline int exact_int(PyObject *v, int64_t lo, int64_t hi, int64_t *out) {
+    if (!PyLong_CheckExact(v))
+        return SLOW;
+    int64_t x;
+    if (!small_int(v, &x)) {
+        int overflow = 0;
+        x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow)
+            return SLOW;
+    }
+    if (x < lo || x > hi)
+        return SLOW;
+    *out = x;
+    return 0;
+}
+
+static int write_hash(Writer *w, PyObject *h, int digest) {
+    if (PyLong_CheckExact(h)) { /* vLLM's unsigned 64-bit int: 8 bytes, big-endian */
+        unsigned long long x = PyLong_AsUnsignedLongLong(h);
+        if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return SLOW;
+        }
+        unsigned char b[8];
+        for (int i = 0; i < 8; i++)
+            b[i] = (unsigned char)(x >> (56 - 8 * i));
+        return write_long(w, 8) < 0 || write_raw(w, b, 8) < 0 ? -1 : 0;
+    }
+    if (!PyBytes_CheckExact(h))
+        return SLOW;
+    const char *data = PyBytes_AS_STRING(h);
+    Py_ssize_t n = PyBytes_GET_SIZE(h);
+    if (!digest && n > 8) { /* the int64 wire form: the digest's last 8 bytes */
+        data += n - 8;
+        n = 8;
+    }
+    return write_long(w, n) < 0 || write_raw(w, data, n) < 0 ? -1 : 0;
+}
+
+static int is_sequence(PyObject *v) { return PyList_CheckExact(v) || PyTuple_CheckExact(v); }
+
+/* An Avro array of hashes. */
+static int write_hashes(Writer *w, PyObject *v, int digest) {
+    if (!is_sequence(v))
+        return SLOW;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    if (n > 0 && write_long(w, n) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) { /* exact ints and bytes run no Python code */
+        int rc = write_hash(w, items[i], digest);
+        if (rc != 0)
+            return rc;
+    }
+    return write_long(w, 0);
+}
+
+/* An Avro array of ints (lo..hi): token ids, the bulk of a store (a tight loop: the
+ * room for every item is made first, and one-digit ints are read in place). */
+static int write_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
+    if (!is_sequence(v))
+        return SLOW;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    if (n > 0 && (write_long(w, n) < 0 || grow(w, n * 10 + 1) < 0))
+        return -1;
+    unsigned char *p = (unsigned char *)w->buf + w->len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t x;
+        if (exact_int(items[i], lo, hi, &x))
+            return SLOW;
+        uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
+        while (u >= 0x80) {
+            *p++ = (unsigned char)(u | 0x80);
+            u >>= 7;
+        }
+        *p++ = (unsigned char)u;
+    }
+    *p++ = 0; /* the array's end */
+    w->len = (char *)p - w->buf;
+    return 0;
+}
+
+/* A union [null, int] or [null, long]. */
+static int write_opt_int(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
+    if (v == Py_None)
+        return write_long(w, 0);
+    int64_t x;
+    if (exact_int(v, lo, hi, &x))
+        return SLOW;
+    return write_long(w, 1) < 0 || write_long(w, x) < 0 ? -1 : 0;
+}
+
+/* A union [null, string]. */
+static int write_opt_str(Writer *w, PyObject *v) {
+    if (v == Py_None)
+        return write_long(w, 0);
+    if (!PyUnicode_CheckExact(v))
+        return SLOW;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(v, &n);
+    if (s == NULL) { /* e.g. a lone surrogate: the mapping's encoder says so */
+        PyErr_Clear();
+        return SLOW;
+    }
+    return write_long(w, 1) < 0 || write_long(w, n) < 0 || write_raw(w, s, n) < 0 ? -1 : 0;
+}
+
+/* extra_keys, taken here only when no block has any (None, or a list of None). */
+static int write_extra_keys(Writer *w, PyObject *v) {
+    if (v == Py_None)
+        return write_long(w, 0);
+    if (!is_sequence(v))
+        return SLOW;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (items[i] != Py_None)
+            return SLOW; /* keys to canonical JSON: the mapping's work */
+    if (write_long(w, 1) < 0 || (n > 0 && write_long(w, n) < 0) || grow(w, n) < 0)
+        return -1;
+    memset(w->buf + w->len, 0, (size_t)n); /* each the union's null branch */
+    w->len += n;
+    return write_long(w, 0);
+}
+
+/* lookahead_token_ids: None, or a list of lists of longs. */
+static int write_lookahead(Writer *w, PyObject *v) {
+    if (v == Py_None)
+        return write_long(w, 0);
+    if (!is_sequence(v))
+        return SLOW;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    if (write_long(w, 1) < 0 || (n > 0 && write_long(w, n) < 0))
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int rc = write_ints(w, items[i], INT64_MIN, INT64_MAX);
+        if (rc != 0)
+            return rc;
+    }
+    return write_long(w, 0);
+}
+
+/* The value of each field, read before anything is written (a read may run Python code). */
+typedef struct {
+    PyObject *v[F_COUNT];
+} Fields;
+
+static void release(Fields *f) {
+    for (int i = 0; i < F_COUNT; i++)
+        Py_CLEAR(f->v[i]);
+}
+
+/* Each event's fields in vLLM's order, the first ones required (the others have defaults,
+ * and lora_id, medium, lora_name are absent from older engines' stores: None), then
+ * kvledger's extensions (absent from vLLM's objects). */
+static const int stored_fields[] = {
+    F_BLOCK_HASHES, F_PARENT_BLOCK_HASH, F_TOKEN_IDS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
+    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP_IDX, F_SPEC_KIND, F_SLIDING_WINDOW, F_LOCALITY,
+    F_OWNERSHIP, F_SESSION_ID, F_LOOKAHEAD, F_TOKEN_START, F_PARTIAL,
+};
+static const int removed_fields[] = {F_BLOCK_HASHES, F_MEDIUM, F_GROUP_IDX, F_LOCALITY,
+                                     F_OWNERSHIP};
+enum { STORED_REQUIRED = 4, REMOVED_REQUIRED = 2 };
+
+static int read_fields(PyObject *event, int stored, Fields *f) {
+    const int *which = stored ? stored_fields : removed_fields;
+    int n = stored ? (int)(sizeof stored_fields / sizeof *stored_fields)
+                   : (int)(sizeof removed_fields / sizeof *removed_fields);
+    int required = stored ? STORED_REQUIRED : REMOVED_REQUIRED;
+    for (int i = 0; i < n; i++) {
+        PyObject **slot = &f->v[which[i]];
+        if (attr(event, which[i], slot))
+            return SLOW;
+        if (*slot == NULL) {
+            if (i < required)
+                return SLOW; /* the mapping says which is missing */
+            *slot = Py_NewRef(Py_None);
+        }
+    }
+    return 0;
+}
+
+/* Whether a store is a partial tail: flagged so, or its size is its group's hash size. */
+static int is_partial(Fields *f, int64_t block_size, PyObject *group, PyObject *partial,
+                      int *out) {
+    PyObject *flag = f->v[F_PARTIAL];
+    if (flag != Py_None && flag != Py_True && flag != Py_False)
+        return SLOW;
+    *out = flag == Py_True;
+    if (*out || block_size == 0 || partial == Py_None)
+        return 0;
+    PyObject *hash_size = PyDict_GetItemWithError(partial, group);
+    if (hash_size == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    int64_t size;
+    if (exact_int(hash_size, INT64_MIN, INT64_MAX, &size))
+        return SLOW;
+    *out = size == block_size;
+    return 0;
+}
+
+static int write_stored(Writer *w, Fields *f, int digest, PyObject *group, PyObject *partial) {
+    PyObject **v = f->v;
+    int64_t block_size;
+    int part, rc;
+    if (exact_int(v[F_BLOCK_SIZE], INT32_MIN, INT32_MAX, &block_size))
+        return SLOW;
+    if ((rc = is_partial(f, block_size, group, partial, &part)) != 0)
+        return rc;
+    if (write_long(w, 0) < 0) /* the envelope's union: BlockStored */
+        return -1;
+    if ((rc = write_hashes(w, v[F_BLOCK_HASHES], digest)) != 0)
+        return rc;
+    PyObject *parent = v[F_PARENT_BLOCK_HASH];
+    if (parent == Py_None)
+        rc = write_long(w, 0);
+    else
+        rc = write_long(w, 1) < 0 ? -1 : write_hash(w, parent, digest);
+    if (rc != 0 || (rc = write_ints(w, v[F_TOKEN_IDS], INT32_MIN, INT32_MAX)) != 0)
+        return rc;
+    if (write_long(w, block_size) < 0)
+        return -1;
+    if ((rc = write_opt_int(w, v[F_LORA_ID], INT32_MIN, INT32_MAX)) ||
+        (rc = write_opt_str(w, v[F_MEDIUM])) || (rc = write_opt_str(w, v[F_LORA_NAME])) ||
+        (rc = write_extra_keys(w, v[F_EXTRA_KEYS])) ||
+        (rc = write_opt_int(w, v[F_GROUP_IDX], INT32_MIN, INT32_MAX)) ||
+        (rc = write_opt_str(w, v[F_SPEC_KIND])) ||
+        (rc = write_opt_int(w, v[F_SLIDING_WINDOW], INT32_MIN, INT32_MAX)) ||
+        (rc = write_opt_str(w, v[F_LOCALITY])) || (rc = write_opt_str(w, v[F_OWNERSHIP])) ||
+        (rc = write_opt_int(w, v[F_TOKEN_START], INT64_MIN, INT64_MAX)))
+        return rc;
+    char b = (char)part;
+    if (write_raw(w, &b, 1) < 0)
+        return -1;
+    if ((rc = write_opt_str(w, v[F_SESSION_ID])) || (rc = write_lookahead(w, v[F_LOOKAHEAD])))
+        return rc;
+    return 0;
+}
+
+static int write_removed(Writer *w, Fields *f, int digest) {
+    PyObject **v = f->v;
+    int rc;
+    if (write_long(w, 1) < 0) /* the envelope's union: BlockRemoved */
+        return -1;
+    if ((rc = write_hashes(w, v[F_BLOCK_HASHES], digest)) ||
+        (rc = write_opt_str(w, v[F_MEDIUM])) ||
+        (rc = write_opt_int(w, v[F_GROUP_IDX], INT32_MIN, INT32_MAX)) ||
+        (rc = write_opt_str(w, v[F_LOCALITY])) || (rc = write_opt_str(w, v[F_OWNERSHIP])))
+        return rc;
+    return 0;
+}
+
+static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyLong_Check(args[0]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "body(kind: int, event, digest: bool, partial: dict | None)");
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[0]);
+    if (kind != 0 && kind != 1) {
+        PyErr_SetString(PyExc_ValueError, "kind is 0 (BlockStored) or 1 (BlockRemoved)");
+        return NULL;
+    }
+    int digest = PyObject_IsTrue(args[2]);
+    if (digest < 0)
+        return NULL;
+    Fields f = {{NULL}};
+    Writer w = {NULL, 0, 0};
+    PyObject *out = NULL;
+    int rc = read_fields(args[1], kind == 0, &f);
+    PyObject *group = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
+    if (rc == 0 && group != NULL && !PyLong_CheckExact(group))
+        rc = SLOW; /* the field's check below names the reason */
+    if (rc == 0) {
+        w.buf = PyMem_Malloc(1024);
+        w.cap = 1024;
+        if (w.buf == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+        }
+    }
+    if (rc == 0)
+        rc = kind == 0 ? write_stored(&w, &f, digest, group, args[3])
+                       : write_removed(&w, &f, digest);
+    if (rc == 0) {
+        PyObject *data = PyBytes_FromStringAndSize(w.buf, w.len);
+        out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
+        Py_XDECREF(data);
+    } else if (rc == SLOW)
+        out = Py_NewRef(Py_None);
+    PyMem_Free(w.buf);
+    release(&f);
+    return out;
+}
+
+static int long_arg(PyObject *v, int64_t *out) {
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "expected an int, got %.80s", Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static PyObject *vllm_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "frame(head: bytes, seq: int, time_ms: int, "
+                                         "body: bytes, engine_seq: int | None)");
+        return NULL;
+    }
+    int64_t seq, time_ms, engine_seq = 0;
+    int has_engine_seq = args[4] != Py_None;
+    if (long_arg(args[1], &seq) < 0 || long_arg(args[2], &time_ms) < 0 ||
+        (has_engine_seq && long_arg(args[4], &engine_seq) < 0))
+        return NULL;
+    Py_ssize_t head = PyBytes_GET_SIZE(args[0]), body = PyBytes_GET_SIZE(args[3]);
+    Writer w = {PyMem_Malloc((size_t)(head + body + 32)), 0, head + body + 32};
+    if (w.buf == NULL)
+        return PyErr_NoMemory();
+    PyObject *out = NULL;
+    if (write_raw(&w, PyBytes_AS_STRING(args[0]), head) == 0 && write_long(&w, seq) == 0 &&
+        write_long(&w, time_ms) == 0 && write_raw(&w, PyBytes_AS_STRING(args[3]), body) == 0 &&
+        write_long(&w, has_engine_seq) == 0 && (!has_engine_seq || write_long(&w, engine_seq) == 0))
+        out = PyBytes_FromStringAndSize(w.buf, w.len);
+    PyMem_Free(w.buf);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"body", (PyCFunction)(void (*)(void))vllm_body, METH_FASTCALL,
+     "body(kind, event, digest, partial) -> (kind name, group, event branch bytes) | None."},
+    {"frame", (PyCFunction)(void (*)(void))vllm_frame, METH_FASTCALL,
+     "frame(head, seq, time_ms, body, engine_seq) -> one message's bytes."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_vllm", "vLLM's KV cache events to kvledger's Avro, compiled.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__vllm(void) {
+    for (int i = 0; i < F_COUNT; i++)
+        if ((names[i] = PyUnicode_InternFromString(field_names[i])) == NULL)
+            return NULL;
+    if ((zero = PyLong_FromLong(0)) == NULL ||
+        (kind_names[0] = PyUnicode_InternFromString("BlockStored")) == NULL ||
+        (kind_names[1] = PyUnicode_InternFromString("BlockRemoved")) == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,102 @@
+"""A source's events in their wire form, checked before any of them is numbered or produced.
+
+vLLM's events (an embedded engine's objects, a relay's decoded structs) take the compiled
+pass (``producer/_vllm.c``: the object's attributes straight to the Avro bytes of the
+envelope's event branch) wherever it takes the event as it is. The rest take the vLLM
+adapter's mapping (:mod:`.vllm`), which writes the same bytes through the codec, or says
+why the event is refused; tests/unit/test_vllm_compiled.py holds the two to the same answers.
+
+A whole batch is prepared before any of it is produced: an event that cannot be read
+refuses its batch, and no batch is half published for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvledger.producer.vllm import fit_to_spec, from_vllm_event, kind_of
+from kvledger.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventsLost,
+    Goodbye,
+    GroupSpec,
+    Heartbeat,
+    KVEvent,
+    group_of,
+    with_int64_hashes,
+)
+
+try:
+    from kvledger.producer import _vllm
+except ImportError:  # pragma: no cover - built where a C compiler is (setup.py)
+    _vllm = None  # type: ignore[assignment]
+
+COMPILED = _vllm is not None
+# A vLLM event as the bytes of its envelope's event branch (framed when produced): its type
+# name (BlockStored or BlockRemoved), its group, the bytes. A plain tuple, as the compiled
+# pass makes it; kvledger's events are never tuples.
+Prepared = tuple[str, int, bytes]
+_KIND_CODES = {"BlockStored": 0, "BlockRemoved": 1}  # the compiled pass's kinds
+_NOT_COMPILED = -1
+
+
+class WireForm:
+    """One source's rules for its events on the wire: hashes whole (``digest``) or in vLLM's
+    int64 form, and its groups' announced specs (a vLLM store whose size is its group's hash
+    size is a partial recurrent tail). ``compiled``: vLLM's events take the compiled pass."""
+
+    def __init__(self, digest: bool, compiled: bool) -> None:
+        self.digest = digest
+        self.specs: dict[int, GroupSpec] = {}
+        self._partial_sizes: dict[int, int] = {}  # the compiled pass's view of the specs
+        # Each class seen: its compiled kind, or _NOT_COMPILED (kvledger's own among them).
+        self._codes: dict[type, int] = dict.fromkeys(
+            (BlockStored, BlockRemoved, AllBlocksCleared, GroupSpec, Heartbeat, Goodbye,
+             EventsLost), _NOT_COMPILED,
+        )  # fmt: skip
+        self._body = _vllm.body if compiled and _vllm is not None else None
+        # frame(head, seq, time_ms, body, engine_seq): the message of a Prepared event.
+        self.frame = _vllm.frame if self._body is not None else _uncompiled
+
+    @property
+    def compiled(self) -> bool:
+        return self._body is not None
+
+    def announce(self, spec: GroupSpec) -> None:
+        self.specs[spec.group_idx] = spec
+        if spec.hash_block_size != spec.block_size:
+            self._partial_sizes[spec.group_idx] = spec.hash_block_size
+        else:
+            self._partial_sizes.pop(spec.group_idx, None)
+
+    def hashes(self, event: KVEvent) -> KVEvent:
+        """A store or removal with its hashes in the source's form; other events as they are."""
+        if self.digest or not isinstance(event, BlockStored | BlockRemoved):
+            return event
+        return with_int64_hashes(event)
+
+    def prepare(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
+        """vLLM events (objects with vLLM's names, or kvledger events already mapped from
+        them) in their wire form; raises :class:`~.vllm.VllmEventError` for one that cannot
+        be read."""
+        body, digest, partial, codes = self._body, self.digest, self._partial_sizes, self._codes
+        out: list[Prepared | KVEvent] = []
+        for item in events:
+            code = codes.get(type(item))
+            if code is None:
+                code = codes[type(item)] = _KIND_CODES.get(kind_of(item), _NOT_COMPILED)
+            if code != _NOT_COMPILED and body is not None:
+                got = body(code, item, digest, partial)
+                if got is not None:
+                    out.append(got)
+                    continue
+            event = item if isinstance(item, KVEvent) else from_vllm_event(item)
+            out.append(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
+        return out
+
+
+def _uncompiled(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None) -> bytes:
+    raise RuntimeError("only the compiled pass prepares events to frame")

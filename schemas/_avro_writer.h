@@ -1,0 +1,53 @@
+/* The Avro writer shared by the compiled encoders (schemas/_avro.c, producer/_vllm.c): a
+ * growing buffer, raw bytes, zigzag varints. Each function returns 0, or -1 with a Python
+ * error set. */
+#ifndef KVLEDGER_AVRO_WRITER_H
+#define KVLEDGER_AVRO_WRITER_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    char *buf;
+    Py_ssize_t len, cap;
+} Writer;
+
+static inline int grow(Writer *w, Py_ssize_t more) {
+    if (w->len + more <= w->cap)
+        return 0;
+    Py_ssize_t cap = w->cap * 2;
+    while (cap < w->len + more)
+        cap *= 2;
+    char *buf = PyMem_Realloc(w->buf, (size_t)cap);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    w->buf = buf;
+    w->cap = cap;
+    return 0;
+}
+
+static inline int write_raw(Writer *w, const void *data, Py_ssize_t n) {
+    if (grow(w, n) < 0)
+        return -1;
+    memcpy(w->buf + w->len, data, (size_t)n);
+    w->len += n;
+    return 0;
+}
+
+static inline int write_long(Writer *w, int64_t v) {
+    if (grow(w, 10) < 0)
+        return -1;
+    uint64_t u = ((uint64_t)v << 1) ^ (uint64_t)(v >> 63);
+    while (u >= 0x80) {
+        w->buf[w->len++] = (char)((u & 0x7f) | 0x80);
+        u >>= 7;
+    }
+    w->buf[w->len++] = (char)u;
+    return 0;
+}
+
+#endif

@@ -1,6 +1,6 @@
 from typing import Any
 
 def body(
-    kind: int, event: Any, digest: bool, partial: dict[int, int] | None, /
+    kind: int, event: Any, digest: bool, partial: dict[int, int] | None, raw: type | None, /
 ) -> tuple[str, int, bytes] | None: ...
 def frame(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None, /) -> bytes: ...

@@ -34,6 +34,11 @@ try:
 except ImportError:  # pragma: no cover - built where a C compiler is (setup.py)
     _vllm = None  # type: ignore[assignment]
 
+try:  # a relay's batches (msgspec is the relay's, not an embedded engine's)
+    from msgspec import Raw as _Raw
+except ImportError:  # pragma: no cover - the base install
+    _Raw = None  # type: ignore[assignment,misc]
+
 COMPILED = _vllm is not None
 # A vLLM event as the bytes of its envelope's event branch (framed when produced): its type
 # name (BlockStored or BlockRemoved), its group, the bytes. A plain tuple, as the compiled
@@ -41,6 +46,10 @@ COMPILED = _vllm is not None
 Prepared = tuple[str, int, bytes]
 _KIND_CODES = {"BlockStored": 0, "BlockRemoved": 1}  # the compiled pass's kinds
 _NOT_COMPILED = -1
+
+
+class NotCompiledError(Exception):
+    """A packed batch holds an event the compiled pass does not take: decode it whole."""
 
 
 class WireForm:
@@ -78,21 +87,25 @@ class WireForm:
             return event
         return with_int64_hashes(event)
 
-    def prepare(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
+    def prepare(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or kvledger events already mapped from
         them) in their wire form; raises :class:`~.vllm.VllmEventError` for one that cannot
-        be read."""
+        be read. ``packed``: their block hashes and token ids are still msgpack
+        (msgspec.Raw); one the compiled pass does not take raises :class:`NotCompiledError`."""
         body, digest, partial, codes = self._body, self.digest, self._partial_sizes, self._codes
+        raw = _Raw if packed else None
         out: list[Prepared | KVEvent] = []
         for item in events:
             code = codes.get(type(item))
             if code is None:
                 code = codes[type(item)] = _KIND_CODES.get(kind_of(item), _NOT_COMPILED)
             if code != _NOT_COMPILED and body is not None:
-                got = body(code, item, digest, partial)
+                got = body(code, item, digest, partial, raw)
                 if got is not None:
                     out.append(got)
                     continue
+            if packed and code != _NOT_COMPILED:
+                raise NotCompiledError(kind_of(item))
             event = item if isinstance(item, KVEvent) else from_vllm_event(item)
             out.append(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
         return out

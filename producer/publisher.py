@@ -176,12 +176,18 @@ class KVEventPublisher:
             dp_rank=getattr(batch, "data_parallel_rank", None),
         )
 
-    def prepare_vllm(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
+    def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
         this source's wire form, for :meth:`publish_prepared`; raises
-        :class:`~.vllm.VllmEventError` for one that cannot be read."""
+        :class:`~.vllm.VllmEventError` for one that cannot be read (``packed``: see
+        :meth:`.prepared.WireForm.prepare`)."""
         with self._lock:
-            return self._form.prepare(events)
+            return self._form.prepare(events, packed)
+
+    @property
+    def compiles_vllm(self) -> bool:
+        """vLLM's events take the compiled pass here (:mod:`.prepared`)."""
+        return self._form.compiled
 
     def publish_prepared(
         self,

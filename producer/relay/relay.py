@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from confluent_kafka import KafkaException
 
 from kvledger.producer.errors import PublishError
+from kvledger.producer.prepared import NotCompiledError, Prepared
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
@@ -48,7 +49,7 @@ from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
 from kvledger.producer.relay.wire import EngineBatch, read_batch
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import EventsLost, Heartbeat
+from kvledger.schemas.events import EventsLost, Heartbeat, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -237,13 +238,15 @@ class RankRelay:
                 again = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
                 if again is not Seen.NEXT:
                     return
-        self._publish(seq, batch, time_ms)
+        self._publish(seq, payload, batch, time_ms)
 
-    def _publish(self, seq: int, batch: EngineBatch | None, time_ms: int | None) -> None:
+    def _publish(
+        self, seq: int, payload: bytes, batch: EngineBatch | None, time_ms: int | None
+    ) -> None:
         self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
         pub = self._pub
         try:
-            items = pub.prepare_vllm(batch.events) if batch is not None else None
+            items = self._prepare(payload, batch) if batch is not None else None
         except VllmEventError as exc:
             self._undecodable(seq, exc)
             items = None
@@ -257,10 +260,19 @@ class RankRelay:
         if time_ms is not None:
             self._behind.set(max(0.0, self._clock() - time_ms / 1000))
 
+    def _prepare(self, payload: bytes, batch: EngineBatch) -> list[Prepared | KVEvent]:
+        pub = self._pub
+        if batch.packed:
+            try:
+                return pub.prepare_vllm(batch.events, packed=True)
+            except NotCompiledError:  # not all for the compiled pass: decode it whole
+                batch = read_batch(payload)
+        return pub.prepare_vllm(batch.events)
+
     def _decode(self, seq: int, payload: bytes) -> EngineBatch | None:
         """The batch, its events still vLLM's (checked as they are prepared), or None."""
         try:
-            return read_batch(payload)
+            return read_batch(payload, packed=self._pub.compiles_vllm)
         except VllmEventError as exc:
             self._undecodable(seq, exc)
             return None

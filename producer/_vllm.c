@@ -213,7 +213,7 @@ static int open_packed(PyObject *v, Py_buffer *view, Packed *m) {
     return 0;
 }
 
-/* Token ids as a msgpack array of ints (lo..hi). */
+/* Token ids as a msgpack array of ints (lo..hi); the common widths read inline. */
 static int write_packed_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
     Py_buffer view;
     Packed m;
@@ -223,17 +223,37 @@ static int write_packed_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
     int rc = packed_array(&m, &n);
     if (rc == 0 && n > 0 && (write_long(w, n) < 0 || grow(w, n * 10 + 1) < 0))
         rc = -1;
+    unsigned char *o = (unsigned char *)w->buf + w->len;
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
         int64_t x;
-        if (packed_int(&m, &x, NULL) || x < lo || x > hi)
+        unsigned char b = m.p < m.end ? *m.p : 0xc1; /* 0xc1: never used by msgpack */
+        if (b <= 0x7f) {
+            x = b;
+            m.p++;
+        } else if (b == 0xcd && m.end - m.p >= 3) { /* uint 16: vocabularies' ids */
+            x = (int64_t)m.p[1] << 8 | m.p[2];
+            m.p += 3;
+        } else if (packed_int(&m, &x, NULL)) {
             rc = SLOW;
-        else
-            write_long(w, x); /* room made above */
+            break;
+        }
+        if (x < lo || x > hi) {
+            rc = SLOW;
+            break;
+        }
+        uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
+        while (u >= 0x80) {
+            *o++ = (unsigned char)(u | 0x80);
+            u >>= 7;
+        }
+        *o++ = (unsigned char)u;
     }
     if (rc == 0 && m.p != m.end)
         rc = SLOW;
-    if (rc == 0)
-        rc = write_long(w, 0);
+    if (rc == 0) {
+        *o++ = 0; /* the array's end */
+        w->len = (char *)o - w->buf;
+    }
     PyBuffer_Release(&view);
     return rc;
 }

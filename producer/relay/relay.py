@@ -73,6 +73,10 @@ class RankRelay:
         self._received = self.metrics.batches_received.labels(self.source)
         self._relayed = self.metrics.events_relayed.labels(self.source)
         self._behind = self.metrics.behind.labels(self.source)
+        # Counted per batch, reported to the metrics at each commit or idle moment (a
+        # metric's update costs more than a batch's bookkeeping).
+        self._unreported = [0, 0]  # batches received, events relayed
+        self._behind_s: float | None = None
         self._clock = clock
         self._stop = threading.Event()
         self.sequence = EngineSequence()
@@ -195,6 +199,7 @@ class RankRelay:
         try:
             got = self._link.receive(50)
             if got is None:
+                self._report()
                 if self.txn.due(idle=True):
                     self._commit()
                 idle = time.monotonic() - self._last_activity
@@ -211,7 +216,7 @@ class RankRelay:
     def _offer(self, seq: int, payload: bytes, from_replay: bool) -> None:
         """One batch from the engine, live or replayed."""
         self._last_activity = time.monotonic()
-        self._received.inc()
+        self._unreported[0] += 1
         batch = self._decode(seq, payload)
         time_ms = _ms(batch.ts) if batch is not None else None
         seen = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
@@ -256,9 +261,9 @@ class RankRelay:
         count = pub.publish_prepared(items, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank)
         self.sequence.relayed(seq, time_ms)
         self.txn.in_txn += 1
-        self._relayed.inc(count)
+        self._unreported[1] += count
         if time_ms is not None:
-            self._behind.set(max(0.0, self._clock() - time_ms / 1000))
+            self._behind_s = max(0.0, self._clock() - time_ms / 1000)
 
     def _prepare(self, payload: bytes, batch: EngineBatch) -> list[Prepared | KVEvent]:
         pub = self._pub
@@ -319,11 +324,24 @@ class RankRelay:
             interval = int(self.config.heartbeat_interval_s * 1000)
             pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
             self.txn.in_txn += 1
-            self._behind.set(0)
+            self._behind_s = 0.0  # caught up (reported as the probe commits)
         self._commit()
 
     # ------------------------------------------------------------------ transactions
+    def _report(self) -> None:
+        """The batches and events counted since the last report, to the metrics."""
+        received, relayed = self._unreported
+        if received:
+            self._received.inc(received)
+        if relayed:
+            self._relayed.inc(relayed)
+        if self._behind_s is not None:
+            self._behind.set(self._behind_s)
+        self._unreported = [0, 0]
+        self._behind_s = None
+
     def _commit(self) -> None:
+        self._report()
         if not self.txn.open:
             return
         if self.txn.commit(self.sequence.last):

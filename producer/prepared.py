@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvledger.producer.vllm import fit_to_spec, from_vllm_event, kind_of
+from kvledger.producer.vllm import VllmEventError, fit_to_spec, from_vllm_event, kind_of
+from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Envelope,
     EventsLost,
     Goodbye,
     GroupSpec,
@@ -55,10 +57,12 @@ class NotCompiledError(Exception):
 class WireForm:
     """One source's rules for its events on the wire: hashes whole (``digest``) or in vLLM's
     int64 form, and its groups' announced specs (a vLLM store whose size is its group's hash
-    size is a partial recurrent tail). ``compiled``: vLLM's events take the compiled pass."""
+    size is a partial recurrent tail). ``compiled``: vLLM's events take the compiled pass;
+    ``codec``: the one the events are written with (the mapped ones are tried with it)."""
 
-    def __init__(self, digest: bool, compiled: bool) -> None:
+    def __init__(self, digest: bool, compiled: bool, codec: Codec | None = None) -> None:
         self.digest = digest
+        self._codec = codec
         self.specs: dict[int, GroupSpec] = {}
         self._partial_sizes: dict[int, int] = {}  # the compiled pass's view of the specs
         # Each class seen: its compiled kind, or _NOT_COMPILED (kvledger's own among them).
@@ -107,8 +111,20 @@ class WireForm:
             if packed and code != _NOT_COMPILED:
                 raise NotCompiledError(kind_of(item))
             event = item if isinstance(item, KVEvent) else from_vllm_event(item)
-            out.append(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
+            out.append(
+                self._writable(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
+            )
         return out
+
+    def _writable(self, event: KVEvent) -> KVEvent:
+        """A mapped event the contract cannot carry (an int beyond its Avro type) refused
+        here, before any of its batch is produced, not as it is written."""
+        if self._codec is not None:
+            try:
+                self._codec.encode(Envelope("", "", 0, 0, 0, 0, event))
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise VllmEventError(f"{type(event).__name__}: {exc}") from exc
+        return event
 
 
 def _uncompiled(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None) -> bytes:

@@ -86,7 +86,9 @@ class KVEventPublisher:
         self._clock = clock
         self._lock = threading.Lock()
         self._seq: dict[int, int] = {}
-        self._form = WireForm(config.hash_format == "digest", compiled=self.codec.frames_current)
+        self._form = WireForm(
+            config.hash_format == "digest", compiled=self.codec.frames_current, codec=self.codec
+        )
         self._announced = self._form.specs  # changed through self._form.announce
         self._keys: dict[int, bytes] = {}  # each group's message key
         self._heads: dict[tuple[int, int], bytes] = {}  # envelope heads by (rank, epoch)
@@ -206,25 +208,39 @@ class KVEventPublisher:
         """
         stamp = (time_ms, engine_seq, dp_rank)
         with self._lock:
-            self._check_healthy()
-            self._deliveries.refused = []
-            head, now_ms, count, frame = b"", 0, 0, self._form.frame
+            deliveries = self._deliveries
+            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+                self._check_healthy()
+            deliveries.refused = []
+            head, now_ms, count = b"", 0, 0
+            frame, seqs, keys = self._form.frame, self._seq, self._keys
+            produce, topic = self._producer.produce, self.config.topic
             for item in items:
-                if type(item) is tuple:  # Prepared: framed here, not encoded
-                    if not head:
-                        head = self._head(dp_rank)
-                        now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
-                    kind, group, body = item
-                    if group not in self._announced:
-                        self._check_announced(group)
-                    seq = self._seq.get(group, 0)
-                    self._seq[group] = seq + 1
-                    self._send(group, seq, kind, frame(head, seq, now_ms, body, engine_seq))
-                else:
-                    self._publish_one(item, stamp)  # type: ignore[arg-type]
                 count += 1
+                if type(item) is not tuple:  # kvledger's types
+                    self._publish_one(item, stamp)  # type: ignore[arg-type]
+                    continue
+                # Prepared: framed here, not encoded, and produced inline.
+                if not head:
+                    head = self._head(dp_rank)
+                    now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
+                kind, group, body = item
+                if group not in self._announced:
+                    self._check_announced(group)
+                seq = seqs.get(group, 0)
+                seqs[group] = seq + 1
+                value = frame(head, seq, now_ms, body, engine_seq)
+                try:
+                    produce(topic, value, keys.get(group) or self._key(group))
+                except (BufferError, KafkaException):  # the general path retries or refuses
+                    self._send(group, seq, kind, value)
+                    continue
+                deliveries.produced(kind)
+            if count:
+                self._last_produce = time.monotonic()
             self._producer.poll(0)
-            self._deliveries.raise_refused()
+            if deliveries.refused:
+                deliveries.raise_refused()
             return count
 
     @property
@@ -415,9 +431,7 @@ class KVEventPublisher:
     def _send(self, group: int, seq: int, kind: str, value: bytes) -> None:
         """Produce message ``seq`` of ``group``; a message too large for the topic is not
         produced, and its number goes to the next one."""
-        key = self._keys.get(group)
-        if key is None:
-            key = self._keys[group] = message_key(self.config.source_id, group)
+        key = self._keys.get(group) or self._key(group)
         while True:
             try:
                 self._producer.produce(self.config.topic, value, key)
@@ -439,6 +453,10 @@ class KVEventPublisher:
                 raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
         self._deliveries.produced(kind)
         self._last_produce = time.monotonic()
+
+    def _key(self, group: int) -> bytes:
+        key = self._keys[group] = message_key(self.config.source_id, group)
+        return key
 
     def _check_healthy(self) -> None:
         if self._closed:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+import msgspec
 import pytest
 
 from kvledger.consumer.db import connect
@@ -476,9 +477,10 @@ def test_what_cannot_be_recovered_is_recorded_lost(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
     engines: list[ZmqEngine],
 ) -> None:  # fmt: skip
-    """A batch that does not decode, and a missed batch with no replay socket to ask: each
-    is published as EventsLost for its exact range (the index clears the source's groups),
-    and relaying goes on; messages not in the protocol's shape are skipped."""
+    """A batch that does not decode (not msgpack; an int beyond the contract's range), and a
+    missed batch with no replay socket to ask: each is published as EventsLost for its exact
+    range (the index clears the source's groups), and relaying goes on; messages not in the
+    protocol's shape are skipped."""
     engine = engine_pair(engines)
     work = Workload(9)
     config = dataclasses.replace(
@@ -492,6 +494,10 @@ def test_what_cannot_be_recovered_is_recorded_lost(
         engine.pub.send_multipart([engine.topic, b"two frames"])  # not the protocol:
         engine.pub.send_multipart([engine.topic, b"\x01", b"x"])  # skipped, the relay goes on
         garbage = engine.publish_payload(b"\x93not msgpack at all")
+        huge = engine.publish_payload(msgspec.msgpack.encode([time.time(), [
+            {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+             "token_ids": [1, 2, 3, 4], "block_size": 2**40},
+        ]]))  # fmt: skip
         for _ in range(10):
             engine.publish(work.batch())
         hidden = engine.publish(work.batch(), hide=True)  # no replay socket: lost
@@ -501,18 +507,18 @@ def test_what_cannot_be_recovered_is_recorded_lost(
     finally:
         relay.stop()
     metrics = relay.metrics
-    assert metrics.undecodable.labels("blind")._value.get() == 1
-    assert metrics.unrecoverable.labels("blind")._value.get() == 2
+    assert metrics.undecodable.labels("blind")._value.get() == 2
+    assert metrics.unrecoverable.labels("blind")._value.get() == 3
     consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
-    lost = {garbage, hidden}
-    batches = sorted([*engine.published, (garbage, 0.0, [])])  # the garbage carried nothing
+    lost = {garbage, huge, hidden}
+    batches = sorted([*engine.published, (garbage, 0.0, []), (huge, 0.0, [])])  # nothing kept
     assert index_of(fresh_database, "blind") == reference([batches], lambda i, s: s in lost)
     with connect(fresh_database, autocommit=True) as conn:
         ranges = conn.execute(
             "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
             "WHERE kind = 'lost' ORDER BY 1"
         ).fetchall()
-    assert ranges == [(garbage, garbage), (hidden, hidden)]
+    assert ranges == [(garbage, garbage), (huge, huge), (hidden, hidden)]
 
 
 def test_the_kafka_settings_reach_every_client(

@@ -235,6 +235,18 @@ def test_what_the_compiled_pass_leaves_gets_the_python_paths_bytes(
     assert got == python_path(_store(**changes), form, 7, 9)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{"block_size": 2**40}, {"token_ids": [2**40]}, {"lookahead_token_ids": [[2**63]]}],
+)
+def test_an_int_the_contract_cannot_carry_refuses_its_batch_before_any_is_produced(
+    changes: dict[str, Any],
+) -> None:
+    form = WireForm(False, compiled=True, codec=CODEC)
+    with pytest.raises(VllmEventError, match="out of range for an Avro"):
+        form.prepare([_store(), _store(**changes)])
+
+
 def test_absent_fields_take_their_defaults_and_a_missing_required_one_is_named() -> None:
     # An older engine's store (no lora_id, medium, lora_name) and fields left at defaults.
     old = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2)

@@ -17,7 +17,7 @@ venv: $(VENV)/.installed
 # The versions installed are constraints.txt's (the ones CI tested); `make lock` rewrites it
 # from the venv after a dependency change in pyproject.toml.
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py consumer/router/_masks.c schemas/_avro.c \
-		schemas/_avro_writer.h producer/_vllm.c
+		schemas/_avro_writer.h producer/_vllm.c producer/_vllm_packed.h
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	@$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'

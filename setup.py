@@ -27,7 +27,7 @@ setup(
         Extension(
             "kvledger.producer._vllm",
             ["producer/_vllm.c"],
-            depends=["schemas/_avro_writer.h"],
+            depends=["schemas/_avro_writer.h", "producer/_vllm_packed.h"],
             extra_compile_args=["-O2"],
             optional=True,
         ),

@@ -6,13 +6,12 @@
  * several times what Kafka's own produce of the same bytes costs. Here one pass reads the
  * event's attributes and writes its bytes.
  *
- * body(kind, event, digest, partial, raw) -> (kind name, group, bytes) | None
+ * body(kind, event, digest, partial) -> (kind name, group, bytes) | None
  *     kind: 0 BlockStored, 1 BlockRemoved; event: any object with vLLM's attribute names (a
  *     vLLM msgspec struct, the relay's decoded structs); digest: hashes given as bytes are
  *     published whole (else as their last 8 bytes, vLLM's int64 form); partial: {group:
  *     hash block size} for the groups whose spec hashes at another size than its blocks
- *     (a store of that size there is a partial recurrent tail); raw: msgspec.Raw, whose
- *     instances in block_hashes and token_ids are read as their msgpack (or None).
+ *     (a store of that size there is a partial recurrent tail).
  *     Returns the event's type name and group, and the bytes of the envelope's event
  *     branch (the union index, then the record), exactly as kvledger.producer.vllm's
  *     mapping followed by the codec writes them. Returns None for anything this pass does
@@ -21,6 +20,10 @@
  *     None). The caller then takes the Python mapping, which gives the same bytes or the
  *     reason the event is refused; tests/unit/test_vllm_compiled.py holds the two to the
  *     same answers.
+ *
+ * event(packed, digest, partial) -> (kind name, group, bytes) | None
+ *     The same for one event still in msgpack (a buffer: msgspec.Raw), as a relay
+ *     receives it (producer/_vllm_packed.h).
  *
  * frame(head, seq, time_ms, body, engine_seq) -> bytes
  *     One message: head (the codec's header, then the envelope's source, model, dp_rank and
@@ -123,190 +126,8 @@ static int write_hash(Writer *w, PyObject *h, int digest) {
 
 static int is_sequence(PyObject *v) { return PyList_CheckExact(v) || PyTuple_CheckExact(v); }
 
-/* ---------------------------------------------------------------- msgpack, still encoded
- * A relay decodes a batch's bulky fields (token ids, block hashes) as msgspec.Raw: their
- * msgpack bytes, not a Python int per item. They are read here: arrays of ints, and of
- * ints or bin for hashes; anything else is SLOW (the relay then decodes the batch whole). */
-typedef struct {
-    const unsigned char *p, *end;
-} Packed;
-
-static PyObject *raw_type; /* msgspec.Raw while body() runs, if its caller passes it */
-
-static int is_raw(PyObject *v) { return raw_type != NULL && Py_TYPE(v) == (PyTypeObject *)raw_type; }
-
-static int take(Packed *m, int n, uint64_t *out) { /* n big-endian bytes */
-    if (m->end - m->p < n)
-        return SLOW;
-    uint64_t x = 0;
-    for (int i = 0; i < n; i++)
-        x = x << 8 | m->p[i];
-    m->p += n;
-    *out = x;
-    return 0;
-}
-
-static int packed_array(Packed *m, Py_ssize_t *n) {
-    if (m->p >= m->end)
-        return SLOW;
-    unsigned char b = *m->p++;
-    uint64_t size;
-    if ((b & 0xf0) == 0x90)
-        size = b & 0x0f;
-    else if (b == 0xdc || b == 0xdd) {
-        if (take(m, b == 0xdc ? 2 : 4, &size))
-            return SLOW;
-    } else
-        return SLOW;
-    if (size > (uint64_t)(m->end - m->p)) /* every item takes a byte at least */
-        return SLOW;
-    *n = (Py_ssize_t)size;
-    return 0;
-}
-
-/* One msgpack int: 0 and *out; SLOW for another type or an unsigned beyond int64 (*big
- * then holds it, for hashes). */
-static int packed_int(Packed *m, int64_t *out, uint64_t *big) {
-    if (m->p >= m->end)
-        return SLOW;
-    unsigned char b = *m->p++;
-    uint64_t u;
-    if (b <= 0x7f) {
-        *out = b;
-        return 0;
-    }
-    if (b >= 0xe0) {
-        *out = (int8_t)b;
-        return 0;
-    }
-    switch (b) {
-    case 0xcc: case 0xcd: case 0xce: case 0xcf: /* uint 8..64 */
-        if (take(m, 1 << (b - 0xcc), &u))
-            return SLOW;
-        if (u > INT64_MAX) {
-            if (big != NULL)
-                *big = u;
-            return SLOW;
-        }
-        *out = (int64_t)u;
-        return 0;
-    case 0xd0: case 0xd1: case 0xd2: case 0xd3: { /* int 8..64 */
-        int n = 1 << (b - 0xd0);
-        if (take(m, n, &u))
-            return SLOW;
-        *out = n == 8 ? (int64_t)u : (int64_t)(u << (64 - 8 * n)) >> (64 - 8 * n);
-        return 0;
-    }
-    default:
-        m->p--;
-        return SLOW;
-    }
-}
-
-static int open_packed(PyObject *v, Py_buffer *view, Packed *m) {
-    if (PyObject_GetBuffer(v, view, PyBUF_SIMPLE) < 0) {
-        PyErr_Clear();
-        return SLOW;
-    }
-    m->p = view->buf;
-    m->end = m->p + view->len;
-    return 0;
-}
-
-/* Token ids as a msgpack array of ints (lo..hi); the common widths read inline. */
-static int write_packed_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
-    Py_buffer view;
-    Packed m;
-    Py_ssize_t n;
-    if (open_packed(v, &view, &m))
-        return SLOW;
-    int rc = packed_array(&m, &n);
-    if (rc == 0 && n > 0 && (write_long(w, n) < 0 || grow(w, n * 10 + 1) < 0))
-        rc = -1;
-    unsigned char *o = (unsigned char *)w->buf + w->len;
-    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
-        int64_t x;
-        unsigned char b = m.p < m.end ? *m.p : 0xc1; /* 0xc1: never used by msgpack */
-        if (b <= 0x7f) {
-            x = b;
-            m.p++;
-        } else if (b == 0xcd && m.end - m.p >= 3) { /* uint 16: vocabularies' ids */
-            x = (int64_t)m.p[1] << 8 | m.p[2];
-            m.p += 3;
-        } else if (packed_int(&m, &x, NULL)) {
-            rc = SLOW;
-            break;
-        }
-        if (x < lo || x > hi) {
-            rc = SLOW;
-            break;
-        }
-        uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
-        while (u >= 0x80) {
-            *o++ = (unsigned char)(u | 0x80);
-            u >>= 7;
-        }
-        *o++ = (unsigned char)u;
-    }
-    if (rc == 0 && m.p != m.end)
-        rc = SLOW;
-    if (rc == 0) {
-        *o++ = 0; /* the array's end */
-        w->len = (char *)o - w->buf;
-    }
-    PyBuffer_Release(&view);
-    return rc;
-}
-
-/* Block hashes as a msgpack array of unsigned 64-bit ints or bin. */
-static int write_packed_hashes(Writer *w, PyObject *v, int digest) {
-    Py_buffer view;
-    Packed m;
-    Py_ssize_t n;
-    if (open_packed(v, &view, &m))
-        return SLOW;
-    int rc = packed_array(&m, &n);
-    if (rc == 0 && n > 0 && write_long(w, n) < 0)
-        rc = -1;
-    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
-        unsigned char b = m.p < m.end ? *m.p : 0;
-        if (b >= 0xc4 && b <= 0xc6) { /* bin 8..32 */
-            uint64_t len;
-            m.p++;
-            if (take(&m, 1 << (b - 0xc4), &len) || len > (uint64_t)(m.end - m.p)) {
-                rc = SLOW;
-                break;
-            }
-            rc = write_hash_bytes(w, (const char *)m.p, (Py_ssize_t)len, digest);
-            m.p += len;
-            continue;
-        }
-        int64_t x;
-        uint64_t u = 0;
-        int got = packed_int(&m, &x, &u);
-        if (got == 0 && x >= 0)
-            u = (uint64_t)x;
-        else if (got == 0 || u <= INT64_MAX) { /* negative, or not an int */
-            rc = SLOW;
-            break;
-        }
-        unsigned char be[8];
-        for (int k = 0; k < 8; k++)
-            be[k] = (unsigned char)(u >> (56 - 8 * k));
-        rc = write_long(w, 8) < 0 || write_raw(w, be, 8) < 0 ? -1 : 0;
-    }
-    if (rc == 0 && m.p != m.end)
-        rc = SLOW;
-    if (rc == 0)
-        rc = write_long(w, 0);
-    PyBuffer_Release(&view);
-    return rc;
-}
-
 /* An Avro array of hashes. */
 static int write_hashes(Writer *w, PyObject *v, int digest) {
-    if (is_raw(v))
-        return write_packed_hashes(w, v, digest);
     if (!is_sequence(v))
         return SLOW;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
@@ -324,8 +145,6 @@ static int write_hashes(Writer *w, PyObject *v, int digest) {
 /* An Avro array of ints (lo..hi): token ids, the bulk of a store (a tight loop: the
  * room for every item is made first, and one-digit ints are read in place). */
 static int write_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
-    if (is_raw(v))
-        return write_packed_ints(w, v, lo, hi);
     if (!is_sequence(v))
         return SLOW;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
@@ -520,11 +339,12 @@ static int write_removed(Writer *w, Fields *f, int digest) {
     return 0;
 }
 
+#include "_vllm_packed.h"
+
 static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyLong_Check(args[0]) || (args[3] != Py_None && !PyDict_Check(args[3])) ||
-        (args[4] != Py_None && !PyType_Check(args[4]))) {
-        PyErr_SetString(PyExc_TypeError, "body(kind: int, event, digest: bool, "
-                                         "partial: dict | None, raw: type | None)");
+    if (nargs != 4 || !PyLong_Check(args[0]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "body(kind: int, event, digest: bool, partial: dict | None)");
         return NULL;
     }
     long kind = PyLong_AsLong(args[0]);
@@ -550,11 +370,9 @@ static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t n
             rc = -1;
         }
     }
-    raw_type = args[4] == Py_None ? NULL : args[4];
     if (rc == 0)
         rc = kind == 0 ? write_stored(&w, &f, digest, group, args[3])
                        : write_removed(&w, &f, digest);
-    raw_type = NULL;
     if (rc == 0) {
         PyObject *data = PyBytes_FromStringAndSize(w.buf, w.len);
         out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
@@ -604,7 +422,9 @@ static PyObject *vllm_frame(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef methods[] = {
     {"body", (PyCFunction)(void (*)(void))vllm_body, METH_FASTCALL,
-     "body(kind, event, digest, partial, raw) -> (kind name, group, branch bytes) | None."},
+     "body(kind, event, digest, partial) -> (kind name, group, branch bytes) | None."},
+    {"event", (PyCFunction)(void (*)(void))vllm_event, METH_FASTCALL,
+     "event(packed, digest, partial) -> (kind name, group, branch bytes) | None."},
     {"frame", (PyCFunction)(void (*)(void))vllm_frame, METH_FASTCALL,
      "frame(head, seq, time_ms, body, engine_seq) -> one message's bytes."},
     {NULL, NULL, 0, NULL},
@@ -616,9 +436,11 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__vllm(void) {
-    for (int i = 0; i < F_COUNT; i++)
+    for (int i = 0; i < F_COUNT; i++) {
+        name_lengths[i] = (Py_ssize_t)strlen(field_names[i]);
         if ((names[i] = PyUnicode_InternFromString(field_names[i])) == NULL)
             return NULL;
+    }
     if ((zero = PyLong_FromLong(0)) == NULL ||
         (kind_names[0] = PyUnicode_InternFromString("BlockStored")) == NULL ||
         (kind_names[1] = PyUnicode_InternFromString("BlockRemoved")) == NULL)

@@ -1,6 +1,9 @@
 from typing import Any
 
 def body(
-    kind: int, event: Any, digest: bool, partial: dict[int, int] | None, raw: type | None, /
+    kind: int, event: Any, digest: bool, partial: dict[int, int] | None, /
+) -> tuple[str, int, bytes] | None: ...
+def event(
+    packed: Any, digest: bool, partial: dict[int, int] | None, /
 ) -> tuple[str, int, bytes] | None: ...
 def frame(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None, /) -> bytes: ...

@@ -36,11 +36,6 @@ try:
 except ImportError:  # pragma: no cover - built where a C compiler is (setup.py)
     _vllm = None  # type: ignore[assignment]
 
-try:  # a relay's batches (msgspec is the relay's, not an embedded engine's)
-    from msgspec import Raw as _Raw
-except ImportError:  # pragma: no cover - the base install
-    _Raw = None  # type: ignore[assignment,misc]
-
 COMPILED = _vllm is not None
 # A vLLM event as the bytes of its envelope's event branch (framed when produced): its type
 # name (BlockStored or BlockRemoved), its group, the bytes. A plain tuple, as the compiled
@@ -94,26 +89,37 @@ class WireForm:
     def prepare(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or kvledger events already mapped from
         them) in their wire form; raises :class:`~.vllm.VllmEventError` for one that cannot
-        be read. ``packed``: their block hashes and token ids are still msgpack
-        (msgspec.Raw); one the compiled pass does not take raises :class:`NotCompiledError`."""
+        be read. ``packed``: each event is still its msgpack (msgspec.Raw, a relay's); one
+        the compiled pass does not take raises :class:`NotCompiledError`."""
         body, digest, partial, codes = self._body, self.digest, self._partial_sizes, self._codes
-        raw = _Raw if packed else None
+        if packed:
+            return self._packed(events)
         out: list[Prepared | KVEvent] = []
         for item in events:
             code = codes.get(type(item))
             if code is None:
                 code = codes[type(item)] = _KIND_CODES.get(kind_of(item), _NOT_COMPILED)
             if code != _NOT_COMPILED and body is not None:
-                got = body(code, item, digest, partial, raw)
+                got = body(code, item, digest, partial)
                 if got is not None:
                     out.append(got)
                     continue
-            if packed and code != _NOT_COMPILED:
-                raise NotCompiledError(kind_of(item))
             event = item if isinstance(item, KVEvent) else from_vllm_event(item)
             out.append(
                 self._writable(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
             )
+        return out
+
+    def _packed(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
+        if self._body is None or _vllm is None:
+            raise NotCompiledError("the compiled pass was not built")
+        read, digest, partial = _vllm.event, self.digest, self._partial_sizes
+        out: list[Prepared | KVEvent] = []
+        for packed in events:
+            got = read(packed, digest, partial)
+            if got is None:
+                raise NotCompiledError("an event the compiled pass does not take")
+            out.append(got)
         return out
 
     def _writable(self, event: KVEvent) -> KVEvent:

@@ -38,7 +38,7 @@ class EngineBatch:
     ts: float
     events: list[Any]
     dp_rank: int | None
-    packed: bool = False  # block hashes and token ids still msgpack (read_batch)
+    packed: bool = False  # each event still its msgpack (read_batch)
 
 
 def seq_of(frame: bytes) -> int:
@@ -65,16 +65,15 @@ def read_batch(payload: bytes, packed: bool = False) -> EngineBatch:
     The typed decoders (msgspec validates in C) read a well-formed batch in either encoding;
     anything they refuse is read again field by field, which accepts what they cannot
     express and says precisely what is wrong with the rest. ``packed``: try first the
-    decoders that leave block hashes and token ids as msgpack (``EngineBatch.packed``: for
+    decoder that leaves each event as its msgpack (``EngineBatch.packed``: for
     ``prepare_vllm(..., packed=True)`` only)."""
-    decoders = (_TAGGED_PACKED, _POSITIONAL_PACKED) if packed else ()
-    for decoder in (*decoders, _TAGGED, _POSITIONAL):
+    for decoder in (_PACKED, _TAGGED, _POSITIONAL) if packed else (_TAGGED, _POSITIONAL):
         try:
             typed = decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             continue
         return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank,
-                           decoder in decoders)  # fmt: skip
+                           decoder is _PACKED)  # fmt: skip
     return _decode_fields(payload)
 
 
@@ -177,38 +176,17 @@ class _PositionalBatch(msgspec.Struct, array_like=True):
 _TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
 _POSITIONAL = msgspec.msgpack.Decoder(_PositionalBatch)
 
-# The same, with the bulky fields (block hashes, token ids) left as their msgpack
-# (msgspec.Raw): no Python int per item, for the compiled pass to read (producer/_vllm.c).
-_BULKY = frozenset({"block_hashes", "token_ids"})
+
+class _PackedBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch's outline, each event left as its msgpack (either encoding) for the compiled
+    pass to read (producer/_vllm_packed.h): no Python object per token id or hash."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
 
 
-def _packed(cls: Any) -> Any:
-    fields = [
-        (f.name, msgspec.Raw if f.name in _BULKY else f.type)
-        if f.default is msgspec.NODEFAULT
-        else (f.name, f.type, f.default)
-        for f in msgspec.structs.fields(cls)
-    ]
-    config = cls.__struct_config__
-    return msgspec.defstruct(f"{cls.__name__}Packed", fields, tag=config.tag,
-                             array_like=config.array_like)  # fmt: skip
-
-
-def _packed_decoder(*classes: Any) -> msgspec.msgpack.Decoder[Any]:
-    packed = [_packed(cls) for cls in classes]
-    for cls, kind in zip(packed, ("BlockStored", "BlockRemoved", "AllBlocksCleared"), strict=True):
-        register_kind(cls, kind)
-    events = list[packed[0] | packed[1] | packed[2]]  # type: ignore[valid-type]
-    batch = msgspec.defstruct(
-        "PackedBatch",
-        [("ts", float), ("events", events), ("data_parallel_rank", int | None, None)],
-        array_like=True,
-    )
-    return msgspec.msgpack.Decoder(batch)
-
-
-_TAGGED_PACKED = _packed_decoder(_Stored, _Removed, _Cleared)
-_POSITIONAL_PACKED = _packed_decoder(_StoredArray, _RemovedArray, _ClearedArray)
+_PACKED = msgspec.msgpack.Decoder(_PackedBatch)
 for _kind, _classes in (("BlockStored", (_Stored, _StoredArray)),
                         ("BlockRemoved", (_Removed, _RemovedArray)),
                         ("AllBlocksCleared", (_Cleared, _ClearedArray))):  # fmt: skip

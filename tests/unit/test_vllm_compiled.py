@@ -88,7 +88,8 @@ def vllm_events(count: int, seed: int = 3) -> Iterator[Any]:
             "block_hashes": hashes, "parent_block_hash": _maybe(rng, _hash(rng)),
             "token_ids": [rng.randrange(-(2**31), 2**31) for _ in range(rng.randrange(40))],
             "block_size": size, "lora_id": _maybe(rng, rng.randrange(-5, 2**31)),
-            "medium": _maybe(rng, "CPU"), "lora_name": _maybe(rng, "adapter-\u4e2d"),
+            "medium": _maybe(rng, "CPU"),
+            "lora_name": _maybe(rng, rng.choice(["adapter-1", "adapter-\u4e2d"])),
             "extra_keys": rng.choice([None, [None] * n, []]), "group_idx": group,
             "kv_cache_spec_kind": _maybe(rng, "mamba"),
             "kv_cache_spec_sliding_window": _maybe(rng, 4096),
@@ -317,6 +318,17 @@ def _payload(events: list[Any], positional: bool) -> bytes:
     return msgspec.msgpack.encode([1_764_000_000.5, encoded, 0])
 
 
+def _left_to_the_mapping(event: Any) -> bool:
+    """What the packed pass leaves: a pool reset, extra keys, a string beyond ASCII."""
+    if type(event).__name__ == "AllBlocksCleared":
+        return True
+    values = [getattr(event, n, None) for n in FIELDS[type(event).__name__]]
+    extra = getattr(event, "extra_keys", None) or []
+    return any(k is not None for k in extra) or any(
+        isinstance(v, str) and not v.isascii() for v in values
+    )
+
+
 def _prepared_bytes(items: list[Any], form: WireForm) -> list[bytes]:
     return [
         compiled_path(item, form, i, 5) if taken(item) else CODEC.encode(_envelope(item, i, 5))
@@ -329,18 +341,21 @@ def test_packed_batches_take_the_compiled_pass_with_the_same_bytes(positional: b
     form = _form(False)
     events: list[Any] = [e for e in vllm_events(400, seed=11) if not hasattr(e, "partial")]
     events[7:7] = [AllBlocksCleared()]  # vLLM's pool reset, among them
+    packed = 0
     for start in range(0, len(events), 4):
         payload = _payload(events[start : start + 4], positional)
         want = _prepared_bytes(form.prepare(decode_batch(payload).events), form)
         batch = read_batch(payload, packed=True)
+        assert batch.packed
         try:
             items = form.prepare(batch.events, packed=True)
-        except NotCompiledError:  # extra keys: the relay decodes such a batch whole
-            assert any(getattr(e, "extra_keys", None) for e in events[start : start + 4])
+        except NotCompiledError:  # the relay decodes such a batch whole
+            assert any(_left_to_the_mapping(e) for e in events[start : start + 4])
             continue
-        assert batch.packed
-        assert all(taken(i) or type(i).__name__ == "AllBlocksCleared" for i in items)
+        assert all(taken(item) for item in items)
         assert _prepared_bytes(items, form) == want
+        packed += 1
+    assert packed >= 25  # of 100 batches
 
 
 @pytest.mark.parametrize(
@@ -370,3 +385,32 @@ def test_a_packed_batch_the_compiled_pass_declines_is_decoded_whole(
     with pytest.raises((VllmEventError, ValueError)):  # whole, the mapping refuses it
         items = form.prepare(read_batch(payload).events)
         CODEC.encode(_envelope(items[0], 0, None))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "event, taken_here",
+    [
+        ({"session_id": "s" * 40, "lora_name": "x" * 300}, True),  # str 8 and str 16
+        ({"token_ids": [0, 127, -1, -32, -33, 128, 255, 256, 65535, 65536, -(2**31)]}, True),
+        ({"block_hashes": [2**63, 2**64 - 1, 0, b"\x01" * 40]}, True),
+        ({"extra_keys": [None, None]}, True),
+        ({"somebody_elses_field": 1}, False),  # msgspec ignores it; the mapping decides
+        ({"token_ids": [1, True]}, False),
+        ({"block_size": 1.0}, False),
+        ({"medium": "GPU\u00e9"}, False),  # beyond ASCII: msgspec checks the UTF-8
+    ],
+)
+def test_packed_event_edges(event: dict[str, Any], taken_here: bool) -> None:
+    fields = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": 5,
+              "token_ids": [1, 2, 3, 4], "block_size": 2, **event}  # fmt: skip
+    payload = msgspec.msgpack.encode([1.0, [fields], 3])
+    form = _form(False)
+    batch = read_batch(payload, packed=True)
+    if not taken_here:
+        with pytest.raises(NotCompiledError):
+            form.prepare(batch.events, packed=True)
+        return
+    items = form.prepare(batch.events, packed=True)
+    assert _prepared_bytes(items, form) == _prepared_bytes(
+        form.prepare(decode_batch(payload).events), form
+    )

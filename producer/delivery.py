@@ -1,14 +1,22 @@
 """What became of a publisher's messages: counts, failed deliveries, messages refused as too
-large, a fatal producer error; and the errors a publisher raises for them."""
+large, a fatal producer error; the errors a publisher raises for them; and the handing of
+each message to the Kafka client (waiting while its queue is full, never dropping)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import KafkaError, Message
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from kvledger.producer.errors import DeliveryError, FatalProducerError, MessageTooLargeError
+from kvledger.producer.errors import (
+    DeliveryError,
+    FatalProducerError,
+    MessageTooLargeError,
+    PublishError,
+)
+from kvledger.schemas.topics import TOO_LARGE
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +43,39 @@ class Deliveries:
         self.fatal: KafkaError | None = None
         self.refused: list[str] = []  # refused as too large during the current call
         self._errors: list[str] = []
+
+    def send(
+        self, producer: Producer, topic: str, key: bytes, value: bytes, kind: str,
+        healthy: Callable[[], None],
+    ) -> bool:  # fmt: skip
+        """Produce one message; while the client's queue is full, wait for the broker
+        (backpressure: ``healthy`` raises if the publisher cannot go on). False when the
+        topic refuses it as too large (said by :meth:`raise_refused`)."""
+        while True:
+            try:
+                producer.produce(topic, value, key)
+                break
+            except BufferError:
+                self.stats.retries_on_full_queue += 1
+                producer.poll(0.05)
+                healthy()
+            except KafkaException as exc:
+                if exc.args and exc.args[0].code() in TOO_LARGE:
+                    self.refused.append(f"{kind} of {len(value)} bytes")
+                    logger.error(
+                        "%s of %d bytes is larger than %s takes: not produced",
+                        kind, len(value), topic,
+                    )  # fmt: skip
+                    return False
+                raise PublishError(f"could not produce to {topic}: {exc}") from exc
+        self.produced(kind)
+        return True
+
+    def counted(self, queued: int) -> PublisherStats:
+        """The counters, ``acked`` as produced less failed less the ``queued`` (librdkafka
+        reports failures only; exact once flushed)."""
+        self.stats.acked = max(0, self.stats.produced - self.stats.failed - queued)
+        return self.stats
 
     def produced(self, event_type: str) -> None:
         self.stats.produced += 1

@@ -59,7 +59,7 @@ from kvledger.schemas.events import (
     KVEvent,
     group_of,
 )
-from kvledger.schemas.topics import TOO_LARGE, message_key
+from kvledger.schemas.topics import message_key
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +247,7 @@ class KVEventPublisher:
     def stats(self) -> PublisherStats:
         """The publisher's counters. ``acked``: produced, less failed, less still queued
         (librdkafka reports failures only; exact once flushed)."""
-        stats = self._deliveries.stats
-        stats.acked = max(0, stats.produced - stats.failed - len(self._producer))
-        return stats
+        return self._deliveries.counted(queued=len(self._producer))
 
     # ------------------------------------------------------------------ transactions
     def init_transactions(self, timeout: float = 30.0) -> None:
@@ -432,27 +430,11 @@ class KVEventPublisher:
         """Produce message ``seq`` of ``group``; a message too large for the topic is not
         produced, and its number goes to the next one."""
         key = self._keys.get(group) or self._key(group)
-        while True:
-            try:
-                self._producer.produce(self.config.topic, value, key)
-                break
-            except BufferError:
-                # The local queue is full: wait for the broker (backpressure), never drop.
-                self.stats.retries_on_full_queue += 1
-                self._producer.poll(0.05)
-                self._check_healthy()
-            except KafkaException as exc:
-                if exc.args and exc.args[0].code() in TOO_LARGE:
-                    self._seq[group] = seq  # not produced: its number goes to the next one
-                    self._deliveries.refused.append(f"{kind} of {len(value)} bytes")
-                    logger.error(
-                        "%s of %d bytes is larger than %s takes: not produced",
-                        kind, len(value), self.config.topic,
-                    )  # fmt: skip
-                    return
-                raise PublishError(f"could not produce to {self.config.topic}: {exc}") from exc
-        self._deliveries.produced(kind)
-        self._last_produce = time.monotonic()
+        topic = self.config.topic
+        if self._deliveries.send(self._producer, topic, key, value, kind, self._check_healthy):
+            self._last_produce = time.monotonic()
+        else:
+            self._seq[group] = seq
 
     def _key(self, group: int) -> bytes:
         key = self._keys[group] = message_key(self.config.source_id, group)

@@ -79,3 +79,26 @@ class RelayMetrics:
             self.behind, self.kafka_paused,
         ):  # fmt: skip
             metric.labels(source)
+
+
+class StreamTally:
+    """One stream's per-batch counts, reported to its series at each commit or idle moment
+    (a metric's update costs more than a batch's bookkeeping)."""
+
+    def __init__(self, metrics: RelayMetrics, source: str) -> None:
+        self._received = metrics.batches_received.labels(source)
+        self._relayed = metrics.events_relayed.labels(source)
+        self._behind = metrics.behind.labels(source)
+        self.received = 0  # batches received since the last report
+        self.relayed = 0  # events relayed since the last report
+        self.behind_s: float | None = None  # how far behind the engine the last one was
+
+    def report(self) -> None:
+        if self.received:
+            self._received.inc(self.received)
+        if self.relayed:
+            self._relayed.inc(self.relayed)
+        if self.behind_s is not None:
+            self._behind.set(self.behind_s)
+        self.received = self.relayed = 0
+        self.behind_s = None

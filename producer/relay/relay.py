@@ -39,17 +39,16 @@ from collections.abc import Callable, Iterator
 from confluent_kafka import KafkaException
 
 from kvledger.producer.errors import PublishError
-from kvledger.producer.prepared import NotCompiledError, Prepared
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
-from kvledger.producer.relay.metrics import RelayMetrics
+from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
-from kvledger.producer.relay.wire import EngineBatch, read_batch
+from kvledger.producer.relay.wire import EngineBatch, prepared, read_batch
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import EventsLost, Heartbeat, KVEvent
+from kvledger.schemas.events import EventsLost, Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +68,7 @@ class RankRelay:
         self.source = config.rank_source(rank)
         self.metrics = metrics or RelayMetrics()
         self.metrics.start(self.source)
-        # The per-batch series, looked up once (a labels() lookup per batch costs ~1 us).
-        self._received = self.metrics.batches_received.labels(self.source)
-        self._relayed = self.metrics.events_relayed.labels(self.source)
-        self._behind = self.metrics.behind.labels(self.source)
-        # Counted per batch, reported to the metrics at each commit or idle moment (a
-        # metric's update costs more than a batch's bookkeeping).
-        self._unreported = [0, 0]  # batches received, events relayed
-        self._behind_s: float | None = None
+        self._tally = StreamTally(self.metrics, self.source)
         self._clock = clock
         self._stop = threading.Event()
         self.sequence = EngineSequence()
@@ -199,7 +191,7 @@ class RankRelay:
         try:
             got = self._link.receive(50)
             if got is None:
-                self._report()
+                self._tally.report()
                 if self.txn.due(idle=True):
                     self._commit()
                 idle = time.monotonic() - self._last_activity
@@ -216,7 +208,7 @@ class RankRelay:
     def _offer(self, seq: int, payload: bytes, from_replay: bool) -> None:
         """One batch from the engine, live or replayed."""
         self._last_activity = time.monotonic()
-        self._unreported[0] += 1
+        self._tally.received += 1
         batch = self._decode(seq, payload)
         time_ms = _ms(batch.ts) if batch is not None else None
         seen = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
@@ -251,7 +243,7 @@ class RankRelay:
         self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
         pub = self._pub
         try:
-            items = self._prepare(payload, batch) if batch is not None else None
+            items = prepared(payload, batch, pub.prepare_vllm) if batch is not None else None
         except VllmEventError as exc:
             self._undecodable(seq, exc)
             items = None
@@ -261,18 +253,9 @@ class RankRelay:
         count = pub.publish_prepared(items, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank)
         self.sequence.relayed(seq, time_ms)
         self.txn.in_txn += 1
-        self._unreported[1] += count
+        self._tally.relayed += count
         if time_ms is not None:
-            self._behind_s = max(0.0, self._clock() - time_ms / 1000)
-
-    def _prepare(self, payload: bytes, batch: EngineBatch) -> list[Prepared | KVEvent]:
-        pub = self._pub
-        if batch.packed:
-            try:
-                return pub.prepare_vllm(batch.events, packed=True)
-            except NotCompiledError:  # not all for the compiled pass: decode it whole
-                batch = read_batch(payload)
-        return pub.prepare_vllm(batch.events)
+            self._tally.behind_s = max(0.0, self._clock() - time_ms / 1000)
 
     def _decode(self, seq: int, payload: bytes) -> EngineBatch | None:
         """The batch, its events still vLLM's (checked as they are prepared), or None."""
@@ -324,24 +307,12 @@ class RankRelay:
             interval = int(self.config.heartbeat_interval_s * 1000)
             pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
             self.txn.in_txn += 1
-            self._behind_s = 0.0  # caught up (reported as the probe commits)
+            self._tally.behind_s = 0.0  # caught up (reported as the probe commits)
         self._commit()
 
     # ------------------------------------------------------------------ transactions
-    def _report(self) -> None:
-        """The batches and events counted since the last report, to the metrics."""
-        received, relayed = self._unreported
-        if received:
-            self._received.inc(received)
-        if relayed:
-            self._relayed.inc(relayed)
-        if self._behind_s is not None:
-            self._behind.set(self._behind_s)
-        self._unreported = [0, 0]
-        self._behind_s = None
-
     def _commit(self) -> None:
-        self._report()
+        self._tally.report()
         if not self.txn.open:
             return
         if self.txn.commit(self.sequence.last):

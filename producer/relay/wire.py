@@ -10,11 +10,13 @@ the seq of eight 0xff bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from kvledger.producer.prepared import NotCompiledError, Prepared
 from kvledger.producer.vllm import (
     FIELDS,
     VllmEventError,
@@ -75,6 +77,19 @@ def read_batch(payload: bytes, packed: bool = False) -> EngineBatch:
         return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank,
                            decoder is _PACKED)  # fmt: skip
     return _decode_fields(payload)
+
+
+def prepared(
+    payload: bytes, batch: EngineBatch, prepare: Callable[..., list[Prepared | KVEvent]]
+) -> list[Prepared | KVEvent]:
+    """The batch's events prepared by ``prepare`` (a publisher's ``prepare_vllm``); a packed
+    batch the compiled pass does not take whole is decoded whole and prepared from that."""
+    if batch.packed:
+        try:
+            return prepare(batch.events, packed=True)
+        except NotCompiledError:
+            batch = read_batch(payload)
+    return prepare(batch.events)
 
 
 def _decode_fields(payload: bytes) -> EngineBatch:

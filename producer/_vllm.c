@@ -27,7 +27,9 @@
  *
  * frame(head, seq, time_ms, body, engine_seq) -> bytes
  *     One message: head (the codec's header, then the envelope's source, model, dp_rank and
- *     epoch, written once per epoch), the seq and event time, the body, the engine batch. */
+ *     epoch, written once per epoch), the seq and event time, the body, the engine batch.
+ *
+ * produce(...): frames and produces a run of prepared events (see vllm_produce). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -56,6 +58,7 @@ static const char *const field_names[F_COUNT] = {
 };
 static PyObject *names[F_COUNT]; /* interned */
 static PyObject *zero;           /* the default group */
+static PyObject *one;
 static PyObject *kind_names[2];  /* BlockStored, BlockRemoved */
 
 /* An attribute: 0 and *out set (NULL when the object lacks it); SLOW when reading fails. */
@@ -80,6 +83,26 @@ static inline int small_int(PyObject *v, int64_t *out) {
         return 0;
     *out = size == 0 ? 0 : size * (int64_t)((PyLongObject *)v)->ob_digit[0];
     return 1;
+#endif
+}
+
+/* A non-negative int below 2**64 read from its digits in place (CPython before 3.12, with
+ * 30-bit digits: most 64-bit hashes take three); 0 where the general call must read it. */
+static inline int u64_in_place(PyObject *v, unsigned long long *out) {
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+    Py_ssize_t size = Py_SIZE(v);
+    const digit *d = ((PyLongObject *)v)->ob_digit;
+    if (size < 0 || size > 3 || (size == 3 && d[2] >> 4))
+        return 0;
+    unsigned long long x = 0;
+    for (Py_ssize_t i = size - 1; i >= 0; i--)
+        x = x << 30 | d[i];
+    *out = x;
+    return 1;
+#else
+    (void)v;
+    (void)out;
+    return 0;
 #endif
 }
 
@@ -109,10 +132,13 @@ static int write_hash_bytes(Writer *w, const char *data, Py_ssize_t n, int diges
 
 static int write_hash(Writer *w, PyObject *h, int digest) {
     if (PyLong_CheckExact(h)) { /* vLLM's unsigned 64-bit int: 8 bytes, big-endian */
-        unsigned long long x = PyLong_AsUnsignedLongLong(h);
-        if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return SLOW;
+        unsigned long long x;
+        if (!u64_in_place(h, &x)) {
+            x = PyLong_AsUnsignedLongLong(h);
+            if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return SLOW;
+            }
         }
         unsigned char b[8];
         for (int i = 0; i < 8; i++)
@@ -154,6 +180,8 @@ static int write_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
     unsigned char *p = (unsigned char *)w->buf + w->len;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t x;
+        if (i + 8 < n) /* each int is an object of its own: ask for it before it is read */
+            __builtin_prefetch(items[i + 8]);
         if (exact_int(items[i], lo, hi, &x))
             return SLOW;
         uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
@@ -396,6 +424,37 @@ static int long_arg(PyObject *v, int64_t *out) {
     return 0;
 }
 
+static inline unsigned char *put_long(unsigned char *p, int64_t x) { /* zigzag varint */
+    uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
+    while (u >= 0x80) {
+        *p++ = (unsigned char)(u | 0x80);
+        u >>= 7;
+    }
+    *p++ = (unsigned char)u;
+    return p;
+}
+
+/* One message: head, seq, time, body, engine batch, written straight into its bytes. */
+static PyObject *make_frame(PyObject *head, int64_t seq, int64_t time_ms, PyObject *body,
+                            int has_engine_seq, int64_t engine_seq) {
+    Py_ssize_t h = PyBytes_GET_SIZE(head), b = PyBytes_GET_SIZE(body);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, h + b + 32); /* 3 varints at most */
+    if (out == NULL)
+        return NULL;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = start;
+    memcpy(p, PyBytes_AS_STRING(head), (size_t)h);
+    p = put_long(p + h, seq);
+    p = put_long(p, time_ms);
+    memcpy(p, PyBytes_AS_STRING(body), (size_t)b);
+    p += b;
+    *p++ = has_engine_seq ? 2 : 0; /* engine_seq: the union's long branch, or null */
+    if (has_engine_seq)
+        p = put_long(p, engine_seq);
+    if (_PyBytes_Resize(&out, p - start) < 0)
+        return NULL;
+    return out;
+}
+
 static PyObject *vllm_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "frame(head: bytes, seq: int, time_ms: int, "
@@ -407,17 +466,84 @@ static PyObject *vllm_frame(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (long_arg(args[1], &seq) < 0 || long_arg(args[2], &time_ms) < 0 ||
         (has_engine_seq && long_arg(args[4], &engine_seq) < 0))
         return NULL;
-    Py_ssize_t head = PyBytes_GET_SIZE(args[0]), body = PyBytes_GET_SIZE(args[3]);
-    Writer w = {PyMem_Malloc((size_t)(head + body + 32)), 0, head + body + 32};
-    if (w.buf == NULL)
-        return PyErr_NoMemory();
-    PyObject *out = NULL;
-    if (write_raw(&w, PyBytes_AS_STRING(args[0]), head) == 0 && write_long(&w, seq) == 0 &&
-        write_long(&w, time_ms) == 0 && write_raw(&w, PyBytes_AS_STRING(args[3]), body) == 0 &&
-        write_long(&w, has_engine_seq) == 0 && (!has_engine_seq || write_long(&w, engine_seq) == 0))
-        out = PyBytes_FromStringAndSize(w.buf, w.len);
-    PyMem_Free(w.buf);
-    return out;
+    return make_frame(args[0], seq, time_ms, args[3], has_engine_seq, engine_seq);
+}
+
+/* produce(produce, topic, head, time_ms, engine_seq, items, start, seqs, keys, counts)
+ *     -> the index of the first item not produced here (len(items): all were)
+ * Frames and produces, in order from items[start], the prepared events (kind, group, body)
+ * whose group has its key in keys: each numbered from seqs (then advanced) and counted in
+ * counts[kind]. Stops at anything else (a kvledger event, a group not keyed yet) and at a
+ * produce that raises (cleared; its number not spent): the caller takes that item itself,
+ * retrying or refusing it, and calls again after it. */
+static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10 || !PyBytes_Check(args[2]) || !PyList_Check(args[5]) ||
+        !PyDict_Check(args[7]) || !PyDict_Check(args[8]) || !PyDict_Check(args[9])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "produce(produce, topic, head: bytes, time_ms: int, engine_seq: "
+                        "int | None, items: list, start: int, seqs: dict, keys: dict, "
+                        "counts: dict)");
+        return NULL;
+    }
+    PyObject *produce = args[0], *topic = args[1], *head = args[2], *items = args[5];
+    PyObject *seqs = args[7], *keys = args[8], *counts = args[9];
+    int64_t time_ms, engine_seq = 0, start;
+    int has_engine_seq = args[4] != Py_None;
+    if (long_arg(args[3], &time_ms) < 0 || long_arg(args[6], &start) < 0 ||
+        (has_engine_seq && long_arg(args[4], &engine_seq) < 0))
+        return NULL;
+    Py_ssize_t i = start < 0 ? 0 : (Py_ssize_t)start;
+    for (; i < PyList_GET_SIZE(items); i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 3 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(item, 2)))
+            break;
+        PyObject *kind = PyTuple_GET_ITEM(item, 0), *group = PyTuple_GET_ITEM(item, 1);
+        PyObject *key = PyDict_GetItemWithError(keys, group);
+        if (key == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            break; /* a group not keyed yet: the caller checks it is announced first */
+        }
+        PyObject *seq_obj = PyDict_GetItemWithError(seqs, group);
+        int64_t seq = 0;
+        if (seq_obj == NULL && PyErr_Occurred())
+            return NULL;
+        if (seq_obj != NULL && long_arg(seq_obj, &seq) < 0)
+            return NULL;
+        Py_INCREF(item); /* held while Python code (produce) runs */
+        PyObject *value = make_frame(head, seq, time_ms, PyTuple_GET_ITEM(item, 2),
+                                     has_engine_seq, engine_seq);
+        PyObject *call[4] = {NULL, topic, value, key};
+        PyObject *got = value == NULL ? NULL
+                                      : PyObject_Vectorcall(produce, call + 1,
+                                                            3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                            NULL);
+        Py_XDECREF(value);
+        if (got == NULL) {
+            Py_DECREF(item);
+            if (value == NULL)
+                return NULL;
+            PyErr_Clear(); /* the caller produces it again and says why it cannot */
+            break;
+        }
+        Py_DECREF(got);
+        PyObject *next = PyLong_FromLongLong(seq + 1);
+        PyObject *count = PyDict_GetItemWithError(counts, kind);
+        PyObject *more = NULL;
+        if (next != NULL && !(count == NULL && PyErr_Occurred()))
+            more = count == NULL ? Py_NewRef(one) : PyNumber_Add(count, one);
+        int rc = next == NULL || more == NULL || PyDict_SetItem(seqs, group, next) < 0 ||
+                         PyDict_SetItem(counts, kind, more) < 0
+                     ? -1
+                     : 0;
+        Py_XDECREF(next);
+        Py_XDECREF(more);
+        Py_DECREF(item);
+        if (rc < 0)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(i);
 }
 
 static PyMethodDef methods[] = {
@@ -425,6 +551,9 @@ static PyMethodDef methods[] = {
      "body(kind, event, digest, partial) -> (kind name, group, branch bytes) | None."},
     {"event", (PyCFunction)(void (*)(void))vllm_event, METH_FASTCALL,
      "event(packed, digest, partial) -> (kind name, group, branch bytes) | None."},
+    {"produce", (PyCFunction)(void (*)(void))vllm_produce, METH_FASTCALL,
+     "produce(produce, topic, head, time_ms, engine_seq, items, start, seqs, keys, counts) "
+     "-> the index of the first item not produced."},
     {"frame", (PyCFunction)(void (*)(void))vllm_frame, METH_FASTCALL,
      "frame(head, seq, time_ms, body, engine_seq) -> one message's bytes."},
     {NULL, NULL, 0, NULL},
@@ -441,7 +570,7 @@ PyMODINIT_FUNC PyInit__vllm(void) {
         if ((names[i] = PyUnicode_InternFromString(field_names[i])) == NULL)
             return NULL;
     }
-    if ((zero = PyLong_FromLong(0)) == NULL ||
+    if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL ||
         (kind_names[0] = PyUnicode_InternFromString("BlockStored")) == NULL ||
         (kind_names[1] = PyUnicode_InternFromString("BlockRemoved")) == NULL)
         return NULL;

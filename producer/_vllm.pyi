@@ -7,3 +7,16 @@ def event(
     packed: Any, digest: bool, partial: dict[int, int] | None, /
 ) -> tuple[str, int, bytes] | None: ...
 def frame(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None, /) -> bytes: ...
+def produce(
+    produce: Any,
+    topic: str,
+    head: bytes,
+    time_ms: int,
+    engine_seq: int | None,
+    items: list[Any],
+    start: int,
+    seqs: dict[int, int],
+    keys: dict[int, bytes],
+    counts: dict[str, int],
+    /,
+) -> int: ...

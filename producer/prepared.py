@@ -66,8 +66,10 @@ class WireForm:
              EventsLost), _NOT_COMPILED,
         )  # fmt: skip
         self._body = _vllm.body if compiled and _vllm is not None else None
-        # frame(head, seq, time_ms, body, engine_seq): the message of a Prepared event.
+        # frame(head, seq, time_ms, body, engine_seq): the message of a Prepared event;
+        # produce(...): a run of them framed and produced (producer/_vllm.c).
         self.frame = _vllm.frame if self._body is not None else _uncompiled
+        self.produce = _vllm.produce if self._body is not None else _uncompiled
 
     @property
     def compiled(self) -> bool:
@@ -133,5 +135,5 @@ class WireForm:
         return event
 
 
-def _uncompiled(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None) -> bytes:
+def _uncompiled(*args: Any) -> Any:
     raise RuntimeError("only the compiled pass prepares events to frame")

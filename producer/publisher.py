@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import Producer
 
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.delivery import Deliveries, PublisherStats
@@ -207,41 +207,44 @@ class KVEventPublisher:
         (default: the configured one).
         """
         stamp = (time_ms, engine_seq, dp_rank)
+        items = items if isinstance(items, list) else list(items)
         with self._lock:
             deliveries = self._deliveries
             if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
                 self._check_healthy()
             deliveries.refused = []
-            head, now_ms, count = b"", 0, 0
-            frame, seqs, keys = self._form.frame, self._seq, self._keys
-            produce, topic = self._producer.produce, self.config.topic
-            for item in items:
-                count += 1
+            head, now_ms, i, n = b"", 0, 0, len(items)
+            seqs, keys, form = self._seq, self._keys, self._form
+            while i < n:
+                item = items[i]
                 if type(item) is not tuple:  # kvledger's types
                     self._publish_one(item, stamp)  # type: ignore[arg-type]
+                    i += 1
                     continue
-                # Prepared: framed here, not encoded, and produced inline.
                 if not head:
                     head = self._head(dp_rank)
                     now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
-                kind, group, body = item
-                if group not in self._announced:
-                    self._check_announced(group)
-                seq = seqs.get(group, 0)
-                seqs[group] = seq + 1
-                value = frame(head, seq, now_ms, body, engine_seq)
-                try:
-                    produce(topic, value, keys.get(group) or self._key(group))
-                except (BufferError, KafkaException):  # the general path retries or refuses
-                    self._send(group, seq, kind, value)
-                    continue
-                deliveries.produced(kind)
-            if count:
+                # Prepared events, framed (not encoded) and produced by the compiled pass, up
+                # to one of a group not keyed yet or one the client refused: that one here.
+                stats = deliveries.stats
+                done = form.produce(self._producer.produce, self.config.topic, head, now_ms,
+                                    engine_seq, items, i, seqs, keys, stats.by_type)  # fmt: skip
+                stats.produced += done - i
+                i = done
+                if i < n and type(items[i]) is tuple:
+                    kind, group, body = items[i]  # type: ignore[misc]
+                    if group not in self._announced:
+                        self._check_announced(group)
+                    seq = seqs.get(group, 0)
+                    seqs[group] = seq + 1
+                    self._send(group, seq, kind, form.frame(head, seq, now_ms, body, engine_seq))
+                    i += 1
+            if n:
                 self._last_produce = time.monotonic()
             self._producer.poll(0)
             if deliveries.refused:
                 deliveries.raise_refused()
-            return count
+            return n
 
     @property
     def stats(self) -> PublisherStats:

@@ -6,6 +6,7 @@ import random
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.errors import DeliveryError, MessageTooLargeError, PublishError
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.tracker import Medium, OffloadingEvent, make_offload_key
+from kvledger.producer.vllm import FIELDS
 from kvledger.schemas import events
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Goodbye, GroupSpec
@@ -223,12 +225,23 @@ def test_vllm_style_batch(kafka_bootstrap: str, make_topic, group_id: str) -> No
     assert envs[1].event == events.AllBlocksCleared(group_idx=0, medium="GPU")
 
 
+class _VllmStored:  # a kvledger store as vLLM's object (its class name, its fields)
+    def __init__(self, event: BlockStored) -> None:
+        for name in FIELDS["BlockStored"]:
+            setattr(self, name, getattr(event, name))
+
+
+_VllmStored.__name__ = "BlockStored"
+
+
+@pytest.mark.parametrize("via", ["publish_events", "publish_vllm_batch"])
 def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
-    kafka_bootstrap: str, make_topic
+    kafka_bootstrap: str, make_topic, via: str
 ) -> None:
     """The topic takes 2,000-byte messages: a 5 kB event in the middle of a call is refused
     when produced (MessageTooLargeError names it); the call's other events are produced with
-    contiguous sequence numbers, and the goodbye after it is delivered."""
+    contiguous sequence numbers, and the goodbye after it is delivered. Kvledger's events,
+    and vLLM's (prepared, framed and produced by the compiled pass)."""
     topic = make_topic("small", partitions=1, **{"max.message.bytes": "2000"})
     rng = random.Random(5)
     pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-big", "m", topic=topic))
@@ -236,8 +249,13 @@ def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
         stored(rng, 0, n_blocks=1, block_size=16),
         stored(rng, 0, n_blocks=64, block_size=16),
     )
+    three = [small, big, stored(rng, 0, n_blocks=1, block_size=16)]
     with pytest.raises(MessageTooLargeError, match="1 event") as info:
-        pub.publish_events([small, big, stored(rng, 0, n_blocks=1, block_size=16)])
+        if via == "publish_events":
+            pub.publish_events(three)
+        else:
+            batch = SimpleNamespace(ts=1.0, events=[_VllmStored(e) for e in three])
+            pub.publish_vllm_batch(batch)
     assert info.value.refused and "BlockStored" in info.value.refused[0]
     pub.close(30)  # everything else acknowledged, the goodbye included
     assert pub.stats.failed == 0 and pub.stats.acked == 3

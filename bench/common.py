@@ -155,6 +155,9 @@ def capture_produced(publisher: Any, captured: list[tuple[bytes, bytes]]) -> Non
             captured.append((key, value))
             inner.produce(topic, value, key)
 
+        def __len__(self) -> int:  # what is still queued (not a name __getattr__ serves)
+            return len(inner)
+
         def __getattr__(self, name: str) -> object:
             return getattr(inner, name)
 

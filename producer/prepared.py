@@ -2,9 +2,11 @@
 
 vLLM's events (an embedded engine's objects, a relay's decoded structs) take the compiled
 pass (``producer/_vllm.c``: the object's attributes straight to the Avro bytes of the
-envelope's event branch) wherever it takes the event as it is. The rest take the vLLM
-adapter's mapping (:mod:`.vllm`), which writes the same bytes through the codec, or says
-why the event is refused; tests/unit/test_vllm_compiled.py holds the two to the same answers.
+envelope's event branch) wherever it takes the event as it is; a relay's events still in
+msgpack take its reader (``producer/_vllm_packed.h``) or, where it declines one, go back
+to be decoded whole. The rest take the vLLM adapter's mapping (:mod:`.vllm`), which writes
+the same bytes through the codec, or says why the event is refused (an int beyond the
+contract's range included); tests/unit/test_vllm_compiled.py holds them to the same answers.
 
 A whole batch is prepared before any of it is produced: an event that cannot be read
 refuses its batch, and no batch is half published for that.

@@ -369,6 +369,37 @@ static int write_removed(Writer *w, Fields *f, int digest) {
 
 #include "_vllm_packed.h"
 
+/* One event's (kind name, group, bytes), None (SLOW), or NULL with an error set. */
+static PyObject *prepare_one(long kind, PyObject *event, int digest, PyObject *partial) {
+    Fields f = {{NULL}};
+    Writer w = {NULL, 0, 0};
+    PyObject *out = NULL;
+    int rc = read_fields(event, kind == 0, &f);
+    PyObject *group = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
+    if (rc == 0 && group != NULL && !PyLong_CheckExact(group))
+        rc = SLOW; /* the field's check below names the reason */
+    if (rc == 0) {
+        w.buf = PyMem_Malloc(1024);
+        w.cap = 1024;
+        if (w.buf == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+        }
+    }
+    if (rc == 0)
+        rc = kind == 0 ? write_stored(&w, &f, digest, group, partial)
+                       : write_removed(&w, &f, digest);
+    if (rc == 0) {
+        PyObject *data = PyBytes_FromStringAndSize(w.buf, w.len);
+        out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
+        Py_XDECREF(data);
+    } else if (rc == SLOW)
+        out = Py_NewRef(Py_None);
+    PyMem_Free(w.buf);
+    release(&f);
+    return out;
+}
+
 static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyLong_Check(args[0]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
         PyErr_SetString(PyExc_TypeError,
@@ -383,33 +414,66 @@ static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t n
     int digest = PyObject_IsTrue(args[2]);
     if (digest < 0)
         return NULL;
-    Fields f = {{NULL}};
-    Writer w = {NULL, 0, 0};
-    PyObject *out = NULL;
-    int rc = read_fields(args[1], kind == 0, &f);
-    PyObject *group = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
-    if (rc == 0 && group != NULL && !PyLong_CheckExact(group))
-        rc = SLOW; /* the field's check below names the reason */
-    if (rc == 0) {
-        w.buf = PyMem_Malloc(1024);
-        w.cap = 1024;
-        if (w.buf == NULL) {
-            PyErr_NoMemory();
-            rc = -1;
-        }
+    return prepare_one(kind, args[1], digest, args[3]);
+}
+
+/* prepare(events, digest, partial, codes) -> (items, left)
+ * body() over a list of events: items[i] is events[i] prepared, or events[i] itself where
+ * this pass leaves it (its class not in codes as 0 or 1, or a field it does not take);
+ * left counts those. None instead when an event is itself a tuple (a prepared event's
+ * shape: the caller takes the list one by one). */
+static PyObject *vllm_prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[0]) || (args[2] != Py_None && !PyDict_Check(args[2])) ||
+        !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "prepare(events: list, digest: bool, "
+                                         "partial: dict | None, codes: dict)");
+        return NULL;
     }
-    if (rc == 0)
-        rc = kind == 0 ? write_stored(&w, &f, digest, group, args[3])
-                       : write_removed(&w, &f, digest);
-    if (rc == 0) {
-        PyObject *data = PyBytes_FromStringAndSize(w.buf, w.len);
-        out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
-        Py_XDECREF(data);
-    } else if (rc == SLOW)
-        out = Py_NewRef(Py_None);
-    PyMem_Free(w.buf);
-    release(&f);
+    int digest = PyObject_IsTrue(args[1]);
+    if (digest < 0)
+        return NULL;
+    PyObject *events = args[0], *codes = args[3];
+    Py_ssize_t n = PyList_GET_SIZE(events), left = 0;
+    PyObject *items = PyList_New(n);
+    if (items == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(events)) { /* an attribute read may run Python code */
+            PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+            goto fail;
+        }
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i)), *got = NULL;
+        if (PyTuple_Check(event)) {
+            Py_DECREF(event);
+            Py_DECREF(items);
+            return Py_NewRef(Py_None);
+        }
+        PyObject *code = PyDict_GetItemWithError(codes, (PyObject *)Py_TYPE(event));
+        long kind = code != NULL && PyLong_CheckExact(code) ? PyLong_AsLong(code) : -1;
+        if (code == NULL && PyErr_Occurred()) {
+            Py_DECREF(event);
+            goto fail;
+        }
+        if (kind == 0 || kind == 1) {
+            got = prepare_one(kind, event, digest, args[2]);
+            if (got == NULL) {
+                Py_DECREF(event);
+                goto fail;
+            }
+        }
+        if (got == NULL || got == Py_None) {
+            Py_XDECREF(got);
+            got = Py_NewRef(event);
+            left++;
+        }
+        Py_DECREF(event);
+        PyList_SET_ITEM(items, i, got);
+    }
+    PyObject *out = Py_BuildValue("(Nn)", items, left);
     return out;
+fail:
+    Py_DECREF(items);
+    return NULL;
 }
 
 static int long_arg(PyObject *v, int64_t *out) {
@@ -549,6 +613,8 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
 static PyMethodDef methods[] = {
     {"body", (PyCFunction)(void (*)(void))vllm_body, METH_FASTCALL,
      "body(kind, event, digest, partial) -> (kind name, group, branch bytes) | None."},
+    {"prepare", (PyCFunction)(void (*)(void))vllm_prepare, METH_FASTCALL,
+     "prepare(events, digest, partial, codes) -> (items, left) | None."},
     {"event", (PyCFunction)(void (*)(void))vllm_event, METH_FASTCALL,
      "event(packed, digest, partial) -> (kind name, group, branch bytes) | None."},
     {"produce", (PyCFunction)(void (*)(void))vllm_produce, METH_FASTCALL,

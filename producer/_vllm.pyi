@@ -3,6 +3,9 @@ from typing import Any
 def body(
     kind: int, event: Any, digest: bool, partial: dict[int, int] | None, /
 ) -> tuple[str, int, bytes] | None: ...
+def prepare(
+    events: list[Any], digest: bool, partial: dict[int, int] | None, codes: dict[type, int], /
+) -> tuple[list[Any], int] | None: ...
 def event(
     packed: Any, digest: bool, partial: dict[int, int] | None, /
 ) -> tuple[str, int, bytes] | None: ...

@@ -95,24 +95,31 @@ class WireForm:
         them) in their wire form; raises :class:`~.vllm.VllmEventError` for one that cannot
         be read. ``packed``: each event is still its msgpack (msgspec.Raw, a relay's); one
         the compiled pass does not take raises :class:`NotCompiledError`."""
-        body, digest, partial, codes = self._body, self.digest, self._partial_sizes, self._codes
         if packed:
             return self._packed(events)
-        out: list[Prepared | KVEvent] = []
-        for item in events:
-            code = codes.get(type(item))
-            if code is None:
-                code = codes[type(item)] = _KIND_CODES.get(kind_of(item), _NOT_COMPILED)
-            if code != _NOT_COMPILED and body is not None:
-                got = body(code, item, digest, partial)
-                if got is not None:
-                    out.append(got)
-                    continue
-            event = item if isinstance(item, KVEvent) else from_vllm_event(item)
-            out.append(
-                self._writable(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
-            )
-        return out
+        if self._body is not None and _vllm is not None:
+            listed = events if type(events) is list else list(events)
+            got = _vllm.prepare(listed, self.digest, self._partial_sizes, self._codes)
+            if got is not None:  # the compiled pass over the whole list
+                items, left = got
+                if left:  # what it left: a class not seen before, or a field it does not take
+                    for i, item in enumerate(items):
+                        if type(item) is not tuple:
+                            items[i] = self._one(item)
+                return items
+            events = listed
+        return [self._one(item) for item in events]
+
+    def _one(self, item: Any) -> Prepared | KVEvent:
+        code = self._codes.get(type(item))
+        if code is None:
+            code = self._codes[type(item)] = _KIND_CODES.get(kind_of(item), _NOT_COMPILED)
+        if code != _NOT_COMPILED and self._body is not None:
+            got = self._body(code, item, self.digest, self._partial_sizes)
+            if got is not None:
+                return got
+        event = item if isinstance(item, KVEvent) else from_vllm_event(item)
+        return self._writable(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
 
     def _packed(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
         if self._body is None or _vllm is None:

@@ -414,3 +414,22 @@ def test_packed_event_edges(event: dict[str, Any], taken_here: bool) -> None:
     assert _prepared_bytes(items, form) == _prepared_bytes(
         form.prepare(decode_batch(payload).events), form
     )
+
+
+def test_a_list_prepared_whole_matches_one_by_one() -> None:
+    """The compiled pass over a whole list (classes seen before, and one it has not seen,
+    and kvledger's own events among them) gives each event's own answer."""
+    form = _form(False)
+    events: list[Any] = list(vllm_events(60, seed=21))
+
+    class Fresh(BlockStored):  # a class the pass has not seen: left, then learnt
+        pass
+
+    Fresh.__name__ = "BlockStored"
+    events[5] = Fresh(**vars(events[0]))
+    events[9] = from_vllm_event(events[1])  # already kvledger's
+    whole = form.prepare(events)
+    one_by_one = [form.prepare([e])[0] for e in events]
+    assert whole == one_by_one
+    with pytest.raises(TypeError, match="not a vLLM KV cache event"):
+        form.prepare([events[0], (1, 2)])  # a tuple is no event (nor taken for a prepared one)

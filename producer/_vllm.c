@@ -21,6 +21,9 @@
  *     reason the event is refused; tests/unit/test_vllm_compiled.py holds the two to the
  *     same answers.
  *
+ * prepare(events, digest, partial, codes) -> (items, left) | None
+ *     body() over a list, each event's class looked up in codes (see vllm_prepare).
+ *
  * event(packed, digest, partial) -> (kind name, group, bytes) | None
  *     The same for one event still in msgpack (a buffer: msgspec.Raw), as a relay
  *     receives it (producer/_vllm_packed.h).
@@ -575,7 +578,8 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
             return NULL;
         if (seq_obj != NULL && long_arg(seq_obj, &seq) < 0)
             return NULL;
-        Py_INCREF(item); /* held while Python code (produce) runs */
+        Py_INCREF(item); /* item and key held while Python code (produce) runs */
+        Py_INCREF(key);
         PyObject *value = make_frame(head, seq, time_ms, PyTuple_GET_ITEM(item, 2),
                                      has_engine_seq, engine_seq);
         PyObject *call[4] = {NULL, topic, value, key};
@@ -584,6 +588,7 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
                                                             3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                                                             NULL);
         Py_XDECREF(value);
+        Py_DECREF(key);
         if (got == NULL) {
             Py_DECREF(item);
             if (value == NULL)

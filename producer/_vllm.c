@@ -187,12 +187,7 @@ static int write_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
             __builtin_prefetch(items[i + 8]);
         if (exact_int(items[i], lo, hi, &x))
             return SLOW;
-        uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
-        while (u >= 0x80) {
-            *p++ = (unsigned char)(u | 0x80);
-            u >>= 7;
-        }
-        *p++ = (unsigned char)u;
+        p = put_long(p, x);
     }
     *p++ = 0; /* the array's end */
     w->len = (char *)p - w->buf;
@@ -235,11 +230,7 @@ static int write_extra_keys(Writer *w, PyObject *v) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (items[i] != Py_None)
             return SLOW; /* keys to canonical JSON: the mapping's work */
-    if (write_long(w, 1) < 0 || (n > 0 && write_long(w, n) < 0) || grow(w, n) < 0)
-        return -1;
-    memset(w->buf + w->len, 0, (size_t)n); /* each the union's null branch */
-    w->len += n;
-    return write_long(w, 0);
+    return write_long(w, 1) < 0 || write_nulls(w, n) < 0 ? -1 : 0; /* each block: null */
 }
 
 /* lookahead_token_ids: None, or a list of lists of longs. */
@@ -489,16 +480,6 @@ static int long_arg(PyObject *v, int64_t *out) {
         return -1;
     *out = x;
     return 0;
-}
-
-static inline unsigned char *put_long(unsigned char *p, int64_t x) { /* zigzag varint */
-    uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
-    while (u >= 0x80) {
-        *p++ = (unsigned char)(u | 0x80);
-        u >>= 7;
-    }
-    *p++ = (unsigned char)u;
-    return p;
 }
 
 /* One message: head, seq, time, body, engine batch, written straight into its bytes. */

@@ -192,12 +192,7 @@ static int mp_write_ints(Writer *w, Packed *m, int64_t lo, int64_t hi) {
         }
         if (x < lo || x > hi)
             return SLOW;
-        uint64_t u = ((uint64_t)x << 1) ^ (uint64_t)(x >> 63);
-        while (u >= 0x80) {
-            *o++ = (unsigned char)(u | 0x80);
-            u >>= 7;
-        }
-        *o++ = (unsigned char)u;
+        o = put_long(o, x);
     }
     *o++ = 0; /* the array's end */
     w->len = (char *)o - w->buf;
@@ -421,12 +416,7 @@ static int mp_write_stored(Writer *w, Located *e, int digest, int64_t group, PyO
         for (Py_ssize_t i = 0; i < n; i++)
             if (!mp_nil(&m))
                 return SLOW;
-        rc = write_long(w, 1) < 0 || (n > 0 && write_long(w, n) < 0) || grow(w, n) < 0 ? -1 : 0;
-        if (rc == 0) {
-            memset(w->buf + w->len, 0, (size_t)n);
-            w->len += n;
-            rc = write_long(w, 0);
-        }
+        rc = write_long(w, 1) < 0 || write_nulls(w, n) < 0 ? -1 : 0;
     }
     if (rc != 0 || (rc = mp_write_opt_int(w, e, F_GROUP_IDX, INT32_MIN, INT32_MAX)) ||
         (rc = mp_write_opt_str(w, e, F_SPEC_KIND)) ||

@@ -38,15 +38,30 @@ static inline int write_raw(Writer *w, const void *data, Py_ssize_t n) {
     return 0;
 }
 
+/* A zigzag varint at p (room for 10 bytes); returns p past it. */
+static inline unsigned char *put_long(unsigned char *p, int64_t v) {
+    uint64_t u = ((uint64_t)v << 1) ^ (uint64_t)(v >> 63);
+    while (u >= 0x80) {
+        *p++ = (unsigned char)(u | 0x80);
+        u >>= 7;
+    }
+    *p++ = (unsigned char)u;
+    return p;
+}
+
 static inline int write_long(Writer *w, int64_t v) {
     if (grow(w, 10) < 0)
         return -1;
-    uint64_t u = ((uint64_t)v << 1) ^ (uint64_t)(v >> 63);
-    while (u >= 0x80) {
-        w->buf[w->len++] = (char)((u & 0x7f) | 0x80);
-        u >>= 7;
-    }
-    w->buf[w->len++] = (char)u;
+    w->len = (char *)put_long((unsigned char *)w->buf + w->len, v) - w->buf;
+    return 0;
+}
+
+/* An Avro array of n nulls (or of a union's null branch): the count, n zero bytes, the end. */
+static inline int write_nulls(Writer *w, Py_ssize_t n) {
+    if ((n > 0 && write_long(w, n) < 0) || grow(w, n + 1) < 0)
+        return -1;
+    memset(w->buf + w->len, 0, (size_t)n + 1); /* each item's null, then the array's end */
+    w->len += n + 1;
     return 0;
 }
 

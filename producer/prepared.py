@@ -18,16 +18,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvledger.producer.vllm import VllmEventError, fit_to_spec, from_vllm_event, kind_of
-from kvledger.schemas.codec import Codec
+from kvledger.schemas.codec import EVENT_CLASSES, Codec
 from kvledger.schemas.events import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Envelope,
-    EventsLost,
-    Goodbye,
     GroupSpec,
-    Heartbeat,
     KVEvent,
     group_of,
     with_int64_hashes,
@@ -63,10 +59,7 @@ class WireForm:
         self.specs: dict[int, GroupSpec] = {}
         self._partial_sizes: dict[int, int] = {}  # the compiled pass's view of the specs
         # Each class seen: its compiled kind, or _NOT_COMPILED (kvledger's own among them).
-        self._codes: dict[type, int] = dict.fromkeys(
-            (BlockStored, BlockRemoved, AllBlocksCleared, GroupSpec, Heartbeat, Goodbye,
-             EventsLost), _NOT_COMPILED,
-        )  # fmt: skip
+        self._codes: dict[type, int] = dict.fromkeys(EVENT_CLASSES, _NOT_COMPILED)
         self._body = _vllm.body if compiled and _vllm is not None else None
         # frame(head, seq, time_ms, body, engine_seq): the message of a Prepared event;
         # produce(...): a run of them framed and produced (producer/_vllm.c).
@@ -119,7 +112,7 @@ class WireForm:
             if got is not None:
                 return got
         event = item if isinstance(item, KVEvent) else from_vllm_event(item)
-        return self._writable(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
+        return self._written(self.hashes(fit_to_spec(event, self.specs.get(group_of(event)))))
 
     def _packed(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
         if self._body is None or _vllm is None:
@@ -133,14 +126,24 @@ class WireForm:
             out.append(got)
         return out
 
-    def _writable(self, event: KVEvent) -> KVEvent:
-        """A mapped event the contract cannot carry (an int beyond its Avro type) refused
-        here, before any of its batch is produced, not as it is written."""
-        if self._codec is not None:
-            try:
-                self._codec.encode(Envelope("", "", 0, 0, 0, 0, event))
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise VllmEventError(f"{type(event).__name__}: {exc}") from exc
+    def _written(self, event: KVEvent) -> Prepared | KVEvent:
+        """A mapped event in its wire form, written once, here: a store or removal as its
+        branch's bytes where the compiled pass frames messages, any other event as it is.
+        One the contract cannot carry (an int beyond its Avro type) is refused here, before
+        any of its batch is produced, not as it is written."""
+        codec = self._codec
+        if codec is None:
+            return event
+        try:
+            if (
+                self._body is not None
+                and codec.frames_current
+                and isinstance(event, BlockStored | BlockRemoved)
+            ):
+                return (type(event).__name__, group_of(event), codec.event_branch(event))
+            codec.encode(Envelope("", "", 0, 0, 0, 0, event))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise VllmEventError(f"{type(event).__name__}: {exc}") from exc
         return event
 
 

@@ -44,6 +44,7 @@ from kvledger.schemas.events import (
     Goodbye,
     GroupSpec,
     Heartbeat,
+    KVEvent,
 )
 from kvledger.schemas.records import envelope_to_record, record_to_envelope
 
@@ -187,6 +188,17 @@ class Codec:
             data = text.encode()
             out += _zigzag(len(data)) + data
         return bytes(out + _zigzag(dp_rank) + _zigzag(epoch))
+
+    def event_branch(self, event: KVEvent) -> bytes:
+        """An event as its envelope's event branch (the union index, then the record): what
+        compiled writers frame with :meth:`envelope_head` (``producer/_vllm.c``). Raises as
+        :meth:`encode` does; only where :attr:`frames_current`."""
+        if not self.frames_current:
+            raise ValueError("this codec's messages are framed by its encoder alone")
+        data = self.encode(Envelope("", "", 0, 0, 0, 0, event))
+        # Before it: the header, then two empty strings and four zeros (a byte each); after
+        # it: the null engine_seq (a byte).
+        return data[len(self._header) + 6 : -1]
 
     def encode(self, envelope: Envelope) -> bytes:
         if self._encode is not None:

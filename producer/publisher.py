@@ -233,10 +233,8 @@ class KVEventPublisher:
                 i = done
                 if i < n and type(items[i]) is tuple:
                     kind, group, body = items[i]  # type: ignore[misc]
-                    if group not in self._announced:
-                        self._check_announced(group)
-                    seq = seqs.get(group, 0)
-                    seqs[group] = seq + 1
+                    self._check_announced(group)
+                    seq = self._number(group)
                     self._send(group, seq, kind, form.frame(head, seq, now_ms, body, engine_seq))
                     i += 1
             if n:
@@ -394,8 +392,7 @@ class KVEventPublisher:
     def _produce(self, group: int, event: KVEvent, stamp: _Stamp = (None, None, None)) -> None:
         if not isinstance(event, GroupSpec | Heartbeat | Goodbye):  # not the source's own
             self._check_announced(group)
-        seq = self._seq.get(group, 0)
-        self._seq[group] = seq + 1
+        seq = self._number(group)
         time_ms, engine_seq, dp_rank = stamp
         envelope = Envelope(
             source=self.config.source_id,
@@ -418,6 +415,12 @@ class KVEventPublisher:
                 self.config.source_id, self.config.model, rank, self.epoch
             )
         return head
+
+    def _number(self, group: int) -> int:
+        """The next sequence number of ``group``, taken (``_send`` gives back a refused one's)."""
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        return seq
 
     def _check_announced(self, group: int) -> None:
         if group not in self._announced and group not in self._warned_unannounced:

@@ -183,9 +183,22 @@ static int write_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
     unsigned char *p = (unsigned char *)w->buf + w->len;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t x;
+        PyObject *v = items[i];
         if (i + 8 < n) /* each int is an object of its own: ask for it before it is read */
             __builtin_prefetch(items[i + 8]);
-        if (exact_int(items[i], lo, hi, &x))
+#if PY_VERSION_HEX < 0x030C0000
+        /* the common case first: an exact int of one digit, 0 < x < 2**30 <= hi */
+        if (Py_IS_TYPE(v, &PyLong_Type) && Py_SIZE(v) == 1 && lo <= 0 && hi >= (1 << 30)) {
+            uint32_t u = ((PyLongObject *)v)->ob_digit[0] << 1;
+            while (u >= 0x80) {
+                *p++ = (unsigned char)(u | 0x80);
+                u >>= 7;
+            }
+            *p++ = (unsigned char)u;
+            continue;
+        }
+#endif
+        if (exact_int(v, lo, hi, &x))
             return SLOW;
         p = put_long(p, x);
     }

@@ -41,6 +41,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.delivery import Deliveries, PublisherStats
 from kvledger.producer.errors import PublishError
 from kvledger.producer.prepared import Prepared, WireForm
+from kvledger.producer.stream import SourceStream, Stamp
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -49,22 +50,9 @@ from kvledger.producer.tracker import (
     group_announcement,
 )
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import (
-    DEFAULT_GROUP_IDX,
-    AllBlocksCleared,
-    Envelope,
-    Goodbye,
-    GroupSpec,
-    Heartbeat,
-    KVEvent,
-    group_of,
-)
-from kvledger.schemas.topics import message_key
+from kvledger.schemas.events import Goodbye, GroupSpec, Heartbeat, KVEvent, group_of
 
 logger = logging.getLogger(__name__)
-
-# An envelope's event time, engine batch and data-parallel rank when the caller knows them.
-_Stamp = tuple[int | None, int | None, int | None]
 
 
 class KVEventPublisher:
@@ -81,19 +69,12 @@ class KVEventPublisher:
         self.config = config
         self.tracker = tracker if tracker is not None else OffloadingEventsTracker()
         self.codec = codec if codec is not None else Codec()
-        self.epoch = epoch if epoch is not None else int(clock() * 1000)
         self._deliveries = Deliveries(config.topic)
-        self._clock = clock
         self._lock = threading.Lock()
-        self._seq: dict[int, int] = {}
         self._form = WireForm(
             config.hash_format == "digest", compiled=self.codec.frames_current, codec=self.codec
         )
-        self._announced = self._form.specs  # changed through self._form.announce
-        self._keys: dict[int, bytes] = {}  # each group's message key
-        self._heads: dict[tuple[int, int], bytes] = {}  # envelope heads by (rank, epoch)
         self._closed = False
-        self._warned_unannounced: set[int] = set()
         settings = config.sized_settings()
         settings["error_cb"] = self._deliveries.on_error
         # Reports of failures only: a message leaves librdkafka's queue delivered or failed,
@@ -101,7 +82,11 @@ class KVEventPublisher:
         settings["on_delivery"] = self._deliveries.on_delivery
         settings["delivery.report.only.error"] = True
         self._producer = Producer(settings)
-        self._last_produce = time.monotonic()
+        self._stream = SourceStream(
+            config, self.codec, self._form, self._deliveries, self._producer,
+            healthy=self._check_healthy, clock=clock,
+            epoch=epoch if epoch is not None else int(clock() * 1000),
+        )  # fmt: skip
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._transactional = config.transactional_id is not None
@@ -116,23 +101,23 @@ class KVEventPublisher:
         """Announce each group's shape the first time it is seen, before any of its events."""
         with self._lock:
             for cfg in group_configs:
-                if cfg.group_idx in self._announced:
+                if cfg.group_idx in self._form.specs:
                     continue
                 self.tracker.set_group_spec(cfg.group_idx, cfg.kv_event_group_spec)
                 announcement = self._with_policy(group_announcement(self.config.model, cfg))
                 self._form.announce(announcement)
-                self._produce(cfg.group_idx, announcement)
+                self._stream.encode(cfg.group_idx, announcement)
 
     def announce_group_spec(self, spec: GroupSpec) -> None:
         """Announce a group from an explicit spec (for engines without group configs)."""
         with self._lock:
-            if spec.group_idx not in self._announced:
+            if spec.group_idx not in self._form.specs:
                 spec = self._with_policy(spec)
                 self._form.announce(spec)
                 self.tracker.set_group_spec(
                     spec.group_idx, OffloadingEventGroupSpec(spec.kind, spec.sliding_window)
                 )
-                self._produce(spec.group_idx, spec)
+                self._stream.encode(spec.group_idx, spec)
 
     def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int:
         """Translate one batch of the manager's events and produce them; returns messages."""
@@ -141,8 +126,8 @@ class KVEventPublisher:
             events = self.tracker.take_events(offloading_events)
             self._deliveries.refused = []
             for event in events:
-                self._produce(group_of(event), self._form.hashes(event))
-            self._producer.poll(0)
+                self._stream.encode(group_of(event), self._form.hashes(event))
+            self._stream.poll(time.monotonic())
             self._deliveries.raise_refused()
             return len(events)
 
@@ -169,14 +154,13 @@ class KVEventPublisher:
         number in the engine's stream (the relay's position).
         """
         ts = getattr(batch, "ts", None)
-        with self._lock:
-            items = self._form.prepare(batch.events)
-        return self.publish_prepared(
-            items,
-            time_ms=int(ts * 1000) if ts is not None else None,
-            engine_seq=engine_seq,
-            dp_rank=getattr(batch, "data_parallel_rank", None),
+        stamp = (
+            int(ts * 1000) if ts is not None else None,
+            engine_seq,
+            getattr(batch, "data_parallel_rank", None),
         )
+        with self._lock:
+            return self._write(self._form.prepare(batch.events), stamp)
 
     def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
@@ -206,43 +190,9 @@ class KVEventPublisher:
         came in (relayed engines); ``dp_rank``: the engine's data-parallel rank when it says
         (default: the configured one).
         """
-        stamp = (time_ms, engine_seq, dp_rank)
-        items = items if isinstance(items, list) else list(items)
+        items = items if type(items) is list else list(items)
         with self._lock:
-            deliveries = self._deliveries
-            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
-                self._check_healthy()
-            deliveries.refused = []
-            head, now_ms, i, n = b"", 0, 0, len(items)
-            seqs, keys, form = self._seq, self._keys, self._form
-            while i < n:
-                item = items[i]
-                if type(item) is not tuple:  # kvledger's types
-                    self._publish_one(item, stamp)  # type: ignore[arg-type]
-                    i += 1
-                    continue
-                if not head:
-                    head = self._head(dp_rank)
-                    now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
-                # Prepared events, framed (not encoded) and produced by the compiled pass, up
-                # to one of a group not keyed yet or one the client refused: that one here.
-                stats = deliveries.stats
-                done = form.produce(self._producer.produce, self.config.topic, head, now_ms,
-                                    engine_seq, items, i, seqs, keys, stats.by_type)  # fmt: skip
-                stats.produced += done - i
-                i = done
-                if i < n and type(items[i]) is tuple:
-                    kind, group, body = items[i]  # type: ignore[misc]
-                    self._check_announced(group)
-                    seq = self._number(group)
-                    self._send(group, seq, kind, form.frame(head, seq, now_ms, body, engine_seq))
-                    i += 1
-            if n:
-                self._last_produce = time.monotonic()
-            self._producer.poll(0)
-            if deliveries.refused:
-                deliveries.raise_refused()
-            return n
+            return self._write(items, (time_ms, engine_seq, dp_rank))
 
     @property
     def stats(self) -> PublisherStats:
@@ -271,40 +221,50 @@ class KVEventPublisher:
             self._deliveries.forget_failures()
 
     # ------------------------------------------------------------------ epochs
+    @property
+    def epoch(self) -> int:
+        """This stream's epoch (ms at the publisher's start, unless set)."""
+        return self._stream.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        with self._lock:
+            self._stream.epoch = epoch
+
     def resume(self, epoch: int, next_seqs: dict[int, int]) -> None:
         """Continue a stream another process wrote (a relay after its restart): its epoch
         and each group's next sequence number."""
         with self._lock:
-            self.epoch = epoch
-            self._seq = dict(next_seqs)
+            self._stream.epoch = epoch
+            self._stream.seqs = dict(next_seqs)
 
     def new_epoch(self, epoch: int) -> None:
         """Start a new epoch (an engine restart seen by its relay): sequences from 0, each
         announced group announced again as the new epoch's first message."""
         with self._lock:
-            self.epoch = epoch
-            self._seq = {}
-            for group, spec in sorted(self._announced.items()):
-                self._produce(group, spec)
+            self._stream.epoch = epoch
+            self._stream.seqs = {}
+            for group, spec in sorted(self._form.specs.items()):
+                self._stream.encode(group, spec)
 
     def next_seqs(self) -> dict[int, int]:
         """Each group's next sequence number in this epoch."""
         with self._lock:
-            return dict(self._seq)
+            return dict(self._stream.seqs)
 
     @property
     def groups(self) -> list[int]:
         """The groups this source has announced or published in."""
-        return sorted(set(self._seq) | set(self._announced))
+        return self._stream.groups
 
     def announced(self, group: int) -> GroupSpec | None:
-        return self._announced.get(group)
+        return self._form.specs.get(group)
 
     def clear_all(self, medium: str = "GPU") -> int:
         """Write AllBlocksCleared once for every group this source has used."""
         with self._lock:
             self._check_healthy()
-            return self._clear_all_locked(medium)
+            return self._stream.clear_all(medium)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for every produced message to be acknowledged; raise if any is not."""
@@ -327,8 +287,9 @@ class KVEventPublisher:
             return
         self._stopping.set()
         with self._lock:
-            if goodbye and self._deliveries.fatal is None and (self._seq or self._announced):
-                self._produce(self._home_group(), Goodbye(group_idx=self._home_group()))
+            if goodbye and self._deliveries.fatal is None and self._stream.groups:
+                home = self._stream.home_group()
+                self._stream.encode(home, Goodbye(group_idx=home))
             self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
@@ -347,15 +308,22 @@ class KVEventPublisher:
                 logger.error("while closing after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
+    def _write(self, items: list[Prepared | KVEvent], stamp: Stamp) -> int:
+        """Write ``items`` to the stream (the lock held); raise for what it refused."""
+        deliveries = self._deliveries
+        if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+            self._check_healthy()
+        if deliveries.refused:
+            deliveries.refused = []
+        n = self._stream.write(items, stamp)
+        if deliveries.refused:
+            deliveries.raise_refused()
+        return n
+
     def _with_policy(self, spec: GroupSpec) -> GroupSpec:
         if self.config.surviving_media is None or spec.surviving_media is not None:
             return spec
         return dataclasses.replace(spec, surviving_media=self.config.surviving_media)
-
-    def _home_group(self) -> int:
-        """The stream that carries the source's own messages (heartbeats, goodbye)."""
-        groups = set(self._seq) | set(self._announced)
-        return min(groups) if groups else DEFAULT_GROUP_IDX
 
     def _beat(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -364,87 +332,15 @@ class KVEventPublisher:
             with self._lock:
                 if self._closed or self._deliveries.fatal is not None:
                     return
-                if time.monotonic() - self._last_produce < interval:
+                now = time.monotonic()
+                if now - self._stream.last_produce < interval:
                     continue
-                group = self._home_group()
+                group = self._stream.home_group()
                 try:
-                    self._produce(group, dataclasses.replace(beat, group_idx=group))
-                    self._producer.poll(0)
+                    self._stream.encode(group, dataclasses.replace(beat, group_idx=group))
+                    self._stream.poll(now)
                 except PublishError as exc:  # reported by the next publish or close
                     logger.warning("heartbeat not sent: %s", exc)
-
-    def _clear_all_locked(self, medium: str | None, stamp: _Stamp = (None, None, None)) -> int:
-        groups = sorted(set(self._seq) | set(self._announced))
-        for group in groups:
-            self._produce(group, AllBlocksCleared(group_idx=group, medium=medium), stamp)
-        return len(groups)
-
-    def _publish_one(self, event: KVEvent, stamp: _Stamp) -> None:
-        if isinstance(event, GroupSpec):
-            if event.group_idx not in self._announced:
-                self._form.announce(event)
-            self._produce(event.group_idx, event, stamp)
-        elif isinstance(event, AllBlocksCleared):
-            self._clear_all_locked(event.medium, stamp)
-        else:
-            self._produce(group_of(event), self._form.hashes(event), stamp)
-
-    def _produce(self, group: int, event: KVEvent, stamp: _Stamp = (None, None, None)) -> None:
-        if not isinstance(event, GroupSpec | Heartbeat | Goodbye):  # not the source's own
-            self._check_announced(group)
-        seq = self._number(group)
-        time_ms, engine_seq, dp_rank = stamp
-        envelope = Envelope(
-            source=self.config.source_id,
-            model=self.config.model,
-            dp_rank=dp_rank if dp_rank is not None else self.config.dp_rank,
-            epoch=self.epoch,
-            seq=seq,
-            event_time_ms=time_ms if time_ms is not None else int(self._clock() * 1000),
-            event=event,
-            engine_seq=engine_seq,
-        )
-        self._send(group, seq, type(event).__name__, self.codec.encode(envelope))
-
-    def _head(self, dp_rank: int | None) -> bytes:
-        """The envelope head of this epoch's messages for a rank (default: the configured)."""
-        rank = dp_rank if dp_rank is not None else self.config.dp_rank
-        head = self._heads.get((rank, self.epoch))
-        if head is None:
-            head = self._heads[rank, self.epoch] = self.codec.envelope_head(
-                self.config.source_id, self.config.model, rank, self.epoch
-            )
-        return head
-
-    def _number(self, group: int) -> int:
-        """The next sequence number of ``group``, taken (``_send`` gives back a refused one's)."""
-        seq = self._seq.get(group, 0)
-        self._seq[group] = seq + 1
-        return seq
-
-    def _check_announced(self, group: int) -> None:
-        if group not in self._announced and group not in self._warned_unannounced:
-            self._warned_unannounced.add(group)
-            logger.warning(
-                "source %s publishes group %d without announcing it: consumers reject its "
-                "events unless an operator declares the group",
-                self.config.source_id,
-                group,
-            )
-
-    def _send(self, group: int, seq: int, kind: str, value: bytes) -> None:
-        """Produce message ``seq`` of ``group``; a message too large for the topic is not
-        produced, and its number goes to the next one."""
-        key = self._keys.get(group) or self._key(group)
-        topic = self.config.topic
-        if self._deliveries.send(self._producer, topic, key, value, kind, self._check_healthy):
-            self._last_produce = time.monotonic()
-        else:
-            self._seq[group] = seq
-
-    def _key(self, group: int) -> bytes:
-        key = self._keys[group] = message_key(self.config.source_id, group)
-        return key
 
     def _check_healthy(self) -> None:
         if self._closed:

@@ -161,7 +161,7 @@ def capture_produced(publisher: Any, captured: list[tuple[bytes, bytes]]) -> Non
         def __getattr__(self, name: str) -> object:
             return getattr(inner, name)
 
-    publisher._producer = _Capturing()
+    publisher._producer = publisher._stream.producer = _Capturing()
 
 
 def raw_produce(

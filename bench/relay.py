@@ -38,6 +38,7 @@ from bench.common import capture_produced, raw_produce, record
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay.config import RelayConfig, parse_group
+from kvledger.producer.relay.engine import receive_message
 from kvledger.producer.relay.relay import Relay
 from kvledger.schemas.topics import ensure_topic
 from kvledger.vllm_engine import Event, ZmqEngine, removed, stored
@@ -111,7 +112,7 @@ def _raw_receive(batches: int) -> float:
     start = time.perf_counter()
     engine.go.set()
     for _ in range(batches):
-        sub.recv_multipart()
+        receive_message(sub)  # as the relay receives
     seconds = time.perf_counter() - start
     sub.close(0)
     ctx.term()

@@ -24,6 +24,17 @@ class ReplayTimeoutError(Exception):
     """The engine did not answer a replay request (or stopped answering mid-way)."""
 
 
+def receive_message(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
+    """One whole multipart message's frames. Each frame says whether more follow (as
+    ``recv_multipart`` asks the socket, through a slower option read, after every frame)."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame.bytes]
+    while frame.more:  # the rest of a message arrives with its first frame: no wait
+        frame = sock.recv(copy=False)
+        frames.append(frame.bytes)
+    return frames
+
+
 def offset_endpoint(endpoint: str, rank: int) -> str:
     """A data-parallel rank's endpoint: the tcp port plus the rank (as vLLM offsets it)."""
     if rank == 0:
@@ -66,11 +77,11 @@ class EngineLink:
         A message not in the protocol's shape is logged and skipped: its number is unknown,
         so the next good batch shows the gap and replay recovers what it was."""
         try:  # a busy stream has the next batch waiting: no poll for it
-            frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            frames = receive_message(self._sub, zmq.NOBLOCK)
         except zmq.Again:
             if not self._sub.poll(timeout_ms):
                 return None
-            frames = self._sub.recv_multipart()
+            frames = receive_message(self._sub)
         try:
             if len(frames) != 3:
                 raise VllmEventError(f"a live message has 3 frames, not {len(frames)}")
@@ -95,7 +106,7 @@ class EngineLink:
                     raise ReplayTimeoutError(
                         f"no answer from {self.replay_endpoint} within {timeout_ms} ms"
                     )
-                frames = dealer.recv_multipart()
+                frames = receive_message(dealer)
                 try:
                     if len(frames) != 4 or frames[0]:
                         raise VllmEventError(f"a replay answer has 4 frames, got {len(frames)}")

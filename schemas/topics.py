@@ -8,7 +8,9 @@ partition and stays in publish order. The events topic and the dead-letter topic
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -150,6 +152,27 @@ def topic_limit(settings: Mapping[str, object], topic: str, timeout: float) -> i
         raise
 
 
+def _described(admin: AdminClient, name: str, timeout: float, exists: bool = False) -> Any:
+    """The topic's metadata (None: no such topic). A topic another client has just created
+    can show no partitions, or no leader, for a moment, and a broker that has just started
+    can say it does not know a topic that exists (``exists``: the creation said it does);
+    no topic has no partitions, so it is read again until it shows them with their leaders
+    (or ``timeout`` passes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        topic = admin.list_topics(topic=name, timeout=timeout).topics.get(name)
+        if topic is None or topic.error is not None:
+            error = topic.error if topic is not None else None
+            settling = (exists and not (error is not None and refused(error))) or (
+                error is not None and error.code() == KafkaError.LEADER_NOT_AVAILABLE
+            )
+        else:
+            settling = not topic.partitions
+        if not settling or time.monotonic() >= deadline:
+            return topic
+        time.sleep(0.1)
+
+
 def _ensure_topic(
     admin: AdminClient,
     name: str,
@@ -161,8 +184,7 @@ def _ensure_topic(
     log_append_time: bool,
     config: Mapping[str, str] | None,
 ) -> bool:
-    metadata = admin.list_topics(topic=name, timeout=timeout)
-    topic = metadata.topics.get(name)
+    topic = _described(admin, name, timeout)
     if topic is not None and topic.error is not None and refused(topic.error):
         raise KafkaException(topic.error)
     exists = topic is not None and topic.error is None
@@ -183,9 +205,13 @@ def _ensure_topic(
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
-        metadata = admin.list_topics(topic=name, timeout=timeout)
-        topic = metadata.topics[name]
-    assert topic is not None
+        topic = _described(admin, name, timeout, exists=True)
+    if topic is None or topic.error is not None:
+        raise KafkaException(
+            topic.error
+            if topic is not None
+            else KafkaError(KafkaError._UNKNOWN_TOPIC, f"topic {name!r} is not in the metadata")
+        )
     have = len(topic.partitions)
     if exact_partitions and have != partitions:
         raise TopicMismatchError(

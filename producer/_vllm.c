@@ -32,7 +32,10 @@
  *     One message: head (the codec's header, then the envelope's source, model, dp_rank and
  *     epoch, written once per epoch), the seq and event time, the body, the engine batch.
  *
- * produce(...): frames and produces a run of prepared events (see vllm_produce). */
+ * produce(...): frames and produces a run of prepared events (see vllm_produce).
+ *
+ * publish(events, ...): prepare() and produce() over one batch in one call (an embedded
+ * engine's batch: see vllm_publish). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -609,6 +612,41 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
     return PyLong_FromSsize_t(i);
 }
 
+/* publish(events, digest, partial, codes, produce, topic, head, time_ms, engine_seq, seqs,
+ *         keys, counts) -> (items, done) | None
+ * prepare() over the whole batch, then produce() from its start, in one call: (items, done)
+ * with items[:done] produced (done < len(items): produce stopped there, as it says). None,
+ * with nothing produced, when this pass leaves any event of the batch (the caller prepares
+ * and writes it itself). */
+static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "publish(events, digest, partial, codes, produce, topic, head, "
+                        "time_ms, engine_seq, seqs, keys, counts)");
+        return NULL;
+    }
+    PyObject *got = vllm_prepare(module, args, 4);
+    if (got == NULL || got == Py_None)
+        return got;
+    PyObject *items = PyTuple_GET_ITEM(got, 0);
+    Py_ssize_t left = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 1));
+    if (left != 0) {
+        Py_DECREF(got);
+        if (left < 0 && PyErr_Occurred())
+            return NULL;
+        return Py_NewRef(Py_None);
+    }
+    PyObject *start = PyLong_FromLong(0);
+    PyObject *call[10] = {args[4], args[5], args[6], args[7], args[8],
+                          items,   start,   args[9], args[10], args[11]};
+    PyObject *done = start == NULL ? NULL : vllm_produce(module, call, 10);
+    Py_XDECREF(start);
+    PyObject *out = done == NULL ? NULL : PyTuple_Pack(2, items, done);
+    Py_XDECREF(done);
+    Py_DECREF(got);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"body", (PyCFunction)(void (*)(void))vllm_body, METH_FASTCALL,
      "body(kind, event, digest, partial) -> (kind name, group, branch bytes) | None."},
@@ -619,6 +657,9 @@ static PyMethodDef methods[] = {
     {"produce", (PyCFunction)(void (*)(void))vllm_produce, METH_FASTCALL,
      "produce(produce, topic, head, time_ms, engine_seq, items, start, seqs, keys, counts) "
      "-> the index of the first item not produced."},
+    {"publish", (PyCFunction)(void (*)(void))vllm_publish, METH_FASTCALL,
+     "publish(events, digest, partial, codes, produce, topic, head, time_ms, engine_seq, "
+     "seqs, keys, counts) -> (items, done) | None."},
     {"frame", (PyCFunction)(void (*)(void))vllm_frame, METH_FASTCALL,
      "frame(head, seq, time_ms, body, engine_seq) -> one message's bytes."},
     {NULL, NULL, 0, NULL},

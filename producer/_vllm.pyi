@@ -23,3 +23,18 @@ def produce(
     counts: dict[str, int],
     /,
 ) -> int: ...
+def publish(
+    events: list[Any],
+    digest: bool,
+    partial: dict[int, int] | None,
+    codes: dict[type, int],
+    produce: Any,
+    topic: str,
+    head: bytes,
+    time_ms: int,
+    engine_seq: int | None,
+    seqs: dict[int, int],
+    keys: dict[int, bytes],
+    counts: dict[str, int],
+    /,
+) -> tuple[list[Any], int] | None: ...

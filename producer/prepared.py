@@ -103,6 +103,20 @@ class WireForm:
             events = listed
         return [self._one(item) for item in events]
 
+    def publish(
+        self, events: list[Any], produce: Any, topic: str, head: bytes, time_ms: int,
+        engine_seq: int | None, seqs: dict[int, int], keys: dict[int, bytes],
+        counts: dict[str, int],
+    ) -> tuple[list[Prepared | KVEvent], int] | None:  # fmt: skip
+        """One batch of vLLM's objects prepared whole by the compiled pass, then framed and
+        produced from its start (``producer/_vllm.c``: publish): (items, done) with
+        items[:done] produced; None, nothing produced, where the pass leaves any of its
+        events (the batch takes :meth:`prepare`)."""
+        if self._body is None or _vllm is None:
+            return None
+        return _vllm.publish(events, self.digest, self._partial_sizes, self._codes, produce,
+                             topic, head, time_ms, engine_seq, seqs, keys, counts)  # fmt: skip
+
     def _one(self, item: Any) -> Prepared | KVEvent:
         code = self._codes.get(type(item))
         if code is None:

@@ -160,7 +160,11 @@ class KVEventPublisher:
             getattr(batch, "data_parallel_rank", None),
         )
         with self._lock:
-            return self._write(self._form.prepare(batch.events), stamp)
+            self._writing()
+            n = self._stream.write_vllm(batch.events, stamp)
+            if self._deliveries.refused:
+                self._deliveries.raise_refused()
+            return n
 
     def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
@@ -308,16 +312,21 @@ class KVEventPublisher:
                 logger.error("while closing after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
-    def _write(self, items: list[Prepared | KVEvent], stamp: Stamp) -> int:
-        """Write ``items`` to the stream (the lock held); raise for what it refused."""
+    def _writing(self) -> None:
+        """Before a write to the stream (the lock held): raise if the publisher cannot go
+        on; nothing refused yet."""
         deliveries = self._deliveries
         if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
             self._check_healthy()
         if deliveries.refused:
             deliveries.refused = []
+
+    def _write(self, items: list[Prepared | KVEvent], stamp: Stamp) -> int:
+        """Write ``items`` to the stream (the lock held); raise for what it refused."""
+        self._writing()
         n = self._stream.write(items, stamp)
-        if deliveries.refused:
-            deliveries.raise_refused()
+        if self._deliveries.refused:
+            self._deliveries.raise_refused()
         return n
 
     def _with_policy(self, spec: GroupSpec) -> GroupSpec:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from confluent_kafka import Producer
 
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 # An envelope's event time, engine batch and data-parallel rank when the caller knows them.
 Stamp = tuple[int | None, int | None, int | None]
 NO_STAMP: Stamp = (None, None, None)
-# How often a publish serves the client's reports (failures only: none while all is well).
+# How often a write serves the client's reports (failures only: none while all is well).
 POLL_INTERVAL_S = 0.005
 
 
@@ -82,13 +83,41 @@ class SourceStream:
         return min(groups) if groups else DEFAULT_GROUP_IDX
 
     # ------------------------------------------------------------------ writing
-    def write(self, items: list[Prepared | KVEvent], stamp: Stamp = NO_STAMP) -> int:
-        """Produce, in order, prepared vLLM events and kvledger's own; returns how many.
+    def write_vllm(self, events: Iterable[Any], stamp: Stamp = NO_STAMP) -> int:
+        """One batch of vLLM's event objects, prepared whole before any is produced (raises
+        :class:`~.vllm.VllmEventError` for one that cannot be read); returns how many.
+
+        Where the compiled pass takes every event, one call prepares, frames and produces
+        them; else the batch is prepared (:meth:`.prepared.WireForm.prepare`) and written."""
+        form = self.form
+        events = events if type(events) is list else list(events)  # read once
+        if not form.compiled:
+            return self.write(form.prepare(events), stamp)
+        time_ms, engine_seq, dp_rank = stamp
+        if time_ms is None:
+            time_ms = int(self._clock() * 1000)
+        got = form.publish(events, self.producer.produce, self.config.topic,
+                           self._head(dp_rank), time_ms, engine_seq, self.seqs, self._keys,
+                           self.deliveries.stats.by_type)  # fmt: skip
+        if got is None:
+            return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
+        items, done = got
+        self.deliveries.stats.produced += done
+        if done < len(items):  # produce stopped there: the rest as write takes it
+            return self.write(items, (time_ms, engine_seq, dp_rank), start=done)
+        self._produced(len(items))
+        return len(items)
+
+    def write(
+        self, items: list[Prepared | KVEvent], stamp: Stamp = NO_STAMP, start: int = 0
+    ) -> int:
+        """Produce, in order, prepared vLLM events and kvledger's own (from ``start``);
+        returns how many items there are.
 
         Runs of prepared events are framed and produced by the compiled pass up to one of a
         group not keyed yet or one the client refused, which is produced here."""
         time_ms, engine_seq, dp_rank = stamp
-        head, now_ms, i, n = b"", 0, 0, len(items)
+        head, now_ms, i, n = b"", 0, start, len(items)
         seqs, keys, form, stats = self.seqs, self._keys, self.form, self.deliveries.stats
         while i < n:
             item = items[i]
@@ -109,11 +138,7 @@ class SourceStream:
                 seq = self._number(group)
                 self._send(group, seq, kind, form.frame(head, seq, now_ms, body, engine_seq))
                 i += 1
-        now = time.monotonic()
-        if n:
-            self.last_produce = now
-        if now - self._last_poll >= POLL_INTERVAL_S:
-            self.poll(now)
+        self._produced(n)
         return n
 
     def event(self, event: KVEvent, stamp: Stamp = NO_STAMP) -> None:
@@ -159,6 +184,15 @@ class SourceStream:
         self.producer.poll(0)
 
     # ------------------------------------------------------------------ internals
+    def _produced(self, n: int) -> None:
+        """After a write of ``n`` items: the time of the last produce, and the client's
+        reports served if they have waited long enough (failures only come)."""
+        now = time.monotonic()
+        if n:
+            self.last_produce = now
+        if now - self._last_poll >= POLL_INTERVAL_S:
+            self.poll(now)
+
     def _head(self, dp_rank: int | None) -> bytes:
         """The envelope head of this epoch's messages for a rank (default: the configured)."""
         rank = dp_rank if dp_rank is not None else self.config.dp_rank

@@ -437,3 +437,60 @@ def test_a_list_prepared_whole_matches_one_by_one() -> None:
     assert whole == one_by_one
     with pytest.raises(TypeError, match="not a vLLM KV cache event"):
         form.prepare([events[0], (1, 2)])  # a tuple is no event (nor taken for a prepared one)
+
+
+def _recorder(fail_at: int | None = None) -> tuple[list[tuple[str, bytes, bytes]], Any]:
+    """A produce function that records (topic, value, key); the call numbered ``fail_at``
+    raises, as the Kafka client does for a message it refuses."""
+    calls: list[tuple[str, bytes, bytes]] = []
+
+    def produce(topic: str, value: bytes, key: bytes) -> None:
+        if len(calls) == fail_at:
+            raise BufferError("queue full")
+        calls.append((topic, value, key))
+
+    return calls, produce
+
+
+def test_a_batch_published_in_one_call_is_what_prepare_then_produce_give() -> None:
+    """publish (prepare and produce in one call, an embedded engine's batch) produces the
+    same messages, numbers and counts as prepare then produce; a batch with an event the
+    pass leaves produces nothing; a refused produce stops it where produce stops."""
+    form = _form(False)
+    head = CODEC.envelope_head(STAMP["source"], "m", 2, STAMP["epoch"])
+    events = [e for e in vllm_events(200, seed=5) if taken(form.prepare([e])[0])]
+    keys = {g: f"engine/{g}".encode() for g in (0, 1, 3, 7)}
+    assert len(events) > 50
+
+    want_calls, produce = _recorder()
+    want_seqs: dict[int, int] = {3: 40}
+    want_counts: dict[str, int] = {}
+    from kvledger.producer import _vllm
+
+    done = _vllm.produce(produce, "t", head, 1_764_000_000_500, 9, form.prepare(events), 0,
+                         want_seqs, keys, want_counts)  # fmt: skip
+    assert done == len(events)
+
+    calls, produce = _recorder()
+    seqs: dict[int, int] = {3: 40}
+    counts: dict[str, int] = {}
+    got = form.publish(events, produce, "t", head, 1_764_000_000_500, 9, seqs, keys, counts)
+    assert got is not None and got[1] == len(events) and len(got[0]) == len(events)
+    assert (calls, seqs, counts) == (want_calls, want_seqs, want_counts)
+
+    class Unseen(BlockStored):  # a class the pass has not learnt: the batch goes back
+        pass
+
+    calls, produce = _recorder()
+    seqs = {}
+    left = [*events[:5], Unseen(**vars(events[0]))]
+    assert form.publish(left, produce, "t", head, 1, None, seqs, keys, {}) is None
+    assert calls == [] and seqs == {}
+
+    calls, produce = _recorder(fail_at=7)
+    seqs = {3: 40}
+    got = form.publish(events, produce, "t", head, 1_764_000_000_500, 9, seqs, keys, {})
+    assert got is not None and got[1] == 7
+    assert calls == want_calls[:7]
+    numbered = [group_of(from_vllm_event(e)) for e in events[:7]]
+    assert all(seqs[g] == (40 if g == 3 else 0) + numbered.count(g) for g in set(numbered))

@@ -34,8 +34,8 @@
  *
  * produce(...): frames and produces a run of prepared events (see vllm_produce).
  *
- * publish(events, ...): prepare() and produce() over one batch in one call (an embedded
- * engine's batch: see vllm_publish). */
+ * publish(digest, partial, codes, events, ...): prepare() and produce() over one batch in
+ * one call (an embedded engine's batch: see vllm_publish). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -612,7 +612,7 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
     return PyLong_FromSsize_t(i);
 }
 
-/* publish(events, digest, partial, codes, produce, topic, head, time_ms, engine_seq, seqs,
+/* publish(digest, partial, codes, events, produce, topic, head, time_ms, engine_seq, seqs,
  *         keys, counts) -> (items, done) | None
  * prepare() over the whole batch, then produce() from its start, in one call: (items, done)
  * with items[:done] produced (done < len(items): produce stopped there, as it says). None,
@@ -621,11 +621,13 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
 static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 12) {
         PyErr_SetString(PyExc_TypeError,
-                        "publish(events, digest, partial, codes, produce, topic, head, "
+                        "publish(digest, partial, codes, events, produce, topic, head, "
                         "time_ms, engine_seq, seqs, keys, counts)");
         return NULL;
     }
-    PyObject *got = vllm_prepare(module, args, 4);
+    /* the first three first: a caller binds them once (its hash form and tables) */
+    PyObject *prepare_args[4] = {args[3], args[0], args[1], args[2]};
+    PyObject *got = vllm_prepare(module, prepare_args, 4);
     if (got == NULL || got == Py_None)
         return got;
     PyObject *items = PyTuple_GET_ITEM(got, 0);
@@ -658,7 +660,7 @@ static PyMethodDef methods[] = {
      "produce(produce, topic, head, time_ms, engine_seq, items, start, seqs, keys, counts) "
      "-> the index of the first item not produced."},
     {"publish", (PyCFunction)(void (*)(void))vllm_publish, METH_FASTCALL,
-     "publish(events, digest, partial, codes, produce, topic, head, time_ms, engine_seq, "
+     "publish(digest, partial, codes, events, produce, topic, head, time_ms, engine_seq, "
      "seqs, keys, counts) -> (items, done) | None."},
     {"frame", (PyCFunction)(void (*)(void))vllm_frame, METH_FASTCALL,
      "frame(head, seq, time_ms, body, engine_seq) -> one message's bytes."},

@@ -24,10 +24,10 @@ def produce(
     /,
 ) -> int: ...
 def publish(
-    events: list[Any],
     digest: bool,
     partial: dict[int, int] | None,
     codes: dict[type, int],
+    events: list[Any],
     produce: Any,
     topic: str,
     head: bytes,

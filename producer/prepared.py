@@ -14,6 +14,7 @@ refuses its batch, and no batch is half published for that.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,14 +62,20 @@ class WireForm:
         # Each class seen: its compiled kind, or _NOT_COMPILED (kvledger's own among them).
         self._codes: dict[type, int] = dict.fromkeys(EVENT_CLASSES, _NOT_COMPILED)
         self._body = _vllm.body if compiled and _vllm is not None else None
+        self.compiled = self._body is not None
         # frame(head, seq, time_ms, body, engine_seq): the message of a Prepared event;
-        # produce(...): a run of them framed and produced (producer/_vllm.c).
+        # produce(...): a run of them framed and produced; publish(events, produce, topic,
+        # head, time_ms, engine_seq, seqs, keys, counts): one batch of vLLM's objects
+        # prepared whole, then framed and produced from its start, in one call: (items,
+        # done) with items[:done] produced, or None, nothing produced, where the pass leaves
+        # any of its events (the batch takes prepare) (producer/_vllm.c).
         self.frame = _vllm.frame if self._body is not None else _uncompiled
         self.produce = _vllm.produce if self._body is not None else _uncompiled
-
-    @property
-    def compiled(self) -> bool:
-        return self._body is not None
+        self.publish = (
+            functools.partial(_vllm.publish, digest, self._partial_sizes, self._codes)
+            if self._body is not None
+            else _uncompiled
+        )
 
     def announce(self, spec: GroupSpec) -> None:
         self.specs[spec.group_idx] = spec
@@ -102,20 +109,6 @@ class WireForm:
                 return items
             events = listed
         return [self._one(item) for item in events]
-
-    def publish(
-        self, events: list[Any], produce: Any, topic: str, head: bytes, time_ms: int,
-        engine_seq: int | None, seqs: dict[int, int], keys: dict[int, bytes],
-        counts: dict[str, int],
-    ) -> tuple[list[Prepared | KVEvent], int] | None:  # fmt: skip
-        """One batch of vLLM's objects prepared whole by the compiled pass, then framed and
-        produced from its start (``producer/_vllm.c``: publish): (items, done) with
-        items[:done] produced; None, nothing produced, where the pass leaves any of its
-        events (the batch takes :meth:`prepare`)."""
-        if self._body is None or _vllm is None:
-            return None
-        return _vllm.publish(events, self.digest, self._partial_sizes, self._codes, produce,
-                             topic, head, time_ms, engine_seq, seqs, keys, counts)  # fmt: skip
 
     def _one(self, item: Any) -> Prepared | KVEvent:
         code = self._codes.get(type(item))

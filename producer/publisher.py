@@ -159,11 +159,15 @@ class KVEventPublisher:
             engine_seq,
             getattr(batch, "data_parallel_rank", None),
         )
+        deliveries = self._deliveries
         with self._lock:
-            self._writing()
+            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+                self._check_healthy()
+            if deliveries.refused:
+                deliveries.refused = []
             n = self._stream.write_vllm(batch.events, stamp)
-            if self._deliveries.refused:
-                self._deliveries.raise_refused()
+            if deliveries.refused:
+                deliveries.raise_refused()
             return n
 
     def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
@@ -312,21 +316,17 @@ class KVEventPublisher:
                 logger.error("while closing after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
-    def _writing(self) -> None:
-        """Before a write to the stream (the lock held): raise if the publisher cannot go
-        on; nothing refused yet."""
+    def _write(self, items: list[Prepared | KVEvent], stamp: Stamp) -> int:
+        """Write ``items`` to the stream (the lock held); raise for what it refused (as
+        :meth:`publish_vllm_batch` does around its own write)."""
         deliveries = self._deliveries
         if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
             self._check_healthy()
         if deliveries.refused:
             deliveries.refused = []
-
-    def _write(self, items: list[Prepared | KVEvent], stamp: Stamp) -> int:
-        """Write ``items`` to the stream (the lock held); raise for what it refused."""
-        self._writing()
         n = self._stream.write(items, stamp)
-        if self._deliveries.refused:
-            self._deliveries.raise_refused()
+        if deliveries.refused:
+            deliveries.raise_refused()
         return n
 
     def _with_policy(self, spec: GroupSpec) -> GroupSpec:

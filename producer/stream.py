@@ -69,7 +69,7 @@ class SourceStream:
         self._healthy = healthy
         self._clock = clock
         self._keys: dict[int, bytes] = {}
-        self._heads: dict[tuple[int, int], bytes] = {}  # envelope heads by (rank, epoch)
+        self._heads: dict[tuple[int | None, int], bytes] = {}  # by (rank or None, epoch)
         self._warned_unannounced: set[int] = set()
 
     @property
@@ -88,7 +88,8 @@ class SourceStream:
         :class:`~.vllm.VllmEventError` for one that cannot be read); returns how many.
 
         Where the compiled pass takes every event, one call prepares, frames and produces
-        them; else the batch is prepared (:meth:`.prepared.WireForm.prepare`) and written."""
+        them (an engine's scheduler thread waits on this: it is kept short); else the batch
+        is prepared (:meth:`.prepared.WireForm.prepare`) and written."""
         form = self.form
         events = events if type(events) is list else list(events)  # read once
         if not form.compiled:
@@ -96,17 +97,21 @@ class SourceStream:
         time_ms, engine_seq, dp_rank = stamp
         if time_ms is None:
             time_ms = int(self._clock() * 1000)
-        got = form.publish(events, self.producer.produce, self.config.topic,
-                           self._head(dp_rank), time_ms, engine_seq, self.seqs, self._keys,
-                           self.deliveries.stats.by_type)  # fmt: skip
+        head = self._heads.get((dp_rank, self.epoch)) or self._head(dp_rank)
+        stats = self.deliveries.stats
+        got = form.publish(events, self.producer.produce, self.config.topic, head, time_ms,
+                           engine_seq, self.seqs, self._keys, stats.by_type)  # fmt: skip
         if got is None:
             return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
         items, done = got
-        self.deliveries.stats.produced += done
+        stats.produced += done
         if done < len(items):  # produce stopped there: the rest as write takes it
             return self.write(items, (time_ms, engine_seq, dp_rank), start=done)
-        self._produced(len(items))
-        return len(items)
+        now = time.monotonic()
+        self.last_produce = now
+        if now - self._last_poll >= POLL_INTERVAL_S:
+            self.poll(now)
+        return done
 
     def write(
         self, items: list[Prepared | KVEvent], stamp: Stamp = NO_STAMP, start: int = 0
@@ -194,11 +199,12 @@ class SourceStream:
             self.poll(now)
 
     def _head(self, dp_rank: int | None) -> bytes:
-        """The envelope head of this epoch's messages for a rank (default: the configured)."""
-        rank = dp_rank if dp_rank is not None else self.config.dp_rank
-        head = self._heads.get((rank, self.epoch))
+        """The envelope head of this epoch's messages for a rank (default: the configured),
+        kept under (dp_rank as given, epoch)."""
+        head = self._heads.get((dp_rank, self.epoch))
         if head is None:
-            head = self._heads[rank, self.epoch] = self.codec.envelope_head(
+            rank = dp_rank if dp_rank is not None else self.config.dp_rank
+            head = self._heads[dp_rank, self.epoch] = self.codec.envelope_head(
                 self.config.source_id, self.config.model, rank, self.epoch
             )
         return head

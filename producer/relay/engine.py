@@ -25,8 +25,9 @@ class ReplayTimeoutError(Exception):
 
 
 def receive_message(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
-    """One whole multipart message's frames. Each frame says whether more follow (as
-    ``recv_multipart`` asks the socket, through a slower option read, after every frame)."""
+    """One whole multipart message's frames, each frame's own flag saying whether more
+    follow (``recv_multipart`` reads the socket's RCVMORE option after every frame instead,
+    a slower call)."""
     frame = sock.recv(flags, copy=False)
     frames = [frame.bytes]
     while frame.more:  # the rest of a message arrives with its first frame: no wait

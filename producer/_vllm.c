@@ -35,7 +35,8 @@
  * produce(...): frames and produces a run of prepared events (see vllm_produce).
  *
  * publish(digest, partial, codes, events, ...): prepare() and produce() over one batch in
- * one call (an embedded engine's batch: see vllm_publish). */
+ * one call (an embedded engine's batch: see vllm_publish); publish_packed(digest, partial,
+ * events, ...) the same with event() (a relay's batch: see vllm_publish_packed). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -649,6 +650,50 @@ static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_
     return out;
 }
 
+/* publish_packed(digest, partial, events, produce, topic, head, time_ms, engine_seq, seqs,
+ *                keys, counts) -> (items, done) | None
+ * As publish(), for a relay's batch whose events are still msgpack (buffers): event() over
+ * the whole batch, then produce() from its start. None, nothing produced, when event()
+ * declines any of them (the caller decodes the batch whole). */
+static PyObject *vllm_publish_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "publish_packed(digest, partial, events: list, produce, topic, head, "
+                        "time_ms, engine_seq, seqs, keys, counts)");
+        return NULL;
+    }
+    PyObject *events = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    PyObject *items = PyList_New(n);
+    if (items == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(events)) {
+            PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+            Py_DECREF(items);
+            return NULL;
+        }
+        PyObject *packed = Py_NewRef(PyList_GET_ITEM(events, i));
+        PyObject *event_args[3] = {packed, args[0], args[1]};
+        PyObject *got = vllm_event(module, event_args, 3);
+        Py_DECREF(packed);
+        if (got == NULL || got == Py_None) {
+            Py_DECREF(items);
+            return got;
+        }
+        PyList_SET_ITEM(items, i, got);
+    }
+    PyObject *start = PyLong_FromLong(0);
+    PyObject *call[10] = {args[3], args[4], args[5], args[6], args[7],
+                          items,   start,   args[8], args[9], args[10]};
+    PyObject *done = start == NULL ? NULL : vllm_produce(module, call, 10);
+    Py_XDECREF(start);
+    PyObject *out = done == NULL ? NULL : PyTuple_Pack(2, items, done);
+    Py_XDECREF(done);
+    Py_DECREF(items);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"body", (PyCFunction)(void (*)(void))vllm_body, METH_FASTCALL,
      "body(kind, event, digest, partial) -> (kind name, group, branch bytes) | None."},
@@ -661,6 +706,9 @@ static PyMethodDef methods[] = {
      "-> the index of the first item not produced."},
     {"publish", (PyCFunction)(void (*)(void))vllm_publish, METH_FASTCALL,
      "publish(digest, partial, codes, events, produce, topic, head, time_ms, engine_seq, "
+     "seqs, keys, counts) -> (items, done) | None."},
+    {"publish_packed", (PyCFunction)(void (*)(void))vllm_publish_packed, METH_FASTCALL,
+     "publish_packed(digest, partial, events, produce, topic, head, time_ms, engine_seq, "
      "seqs, keys, counts) -> (items, done) | None."},
     {"frame", (PyCFunction)(void (*)(void))vllm_frame, METH_FASTCALL,
      "frame(head, seq, time_ms, body, engine_seq) -> one message's bytes."},

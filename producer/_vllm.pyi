@@ -38,3 +38,17 @@ def publish(
     counts: dict[str, int],
     /,
 ) -> tuple[list[Any], int] | None: ...
+def publish_packed(
+    digest: bool,
+    partial: dict[int, int] | None,
+    events: list[Any],
+    produce: Any,
+    topic: str,
+    head: bytes,
+    time_ms: int,
+    engine_seq: int | None,
+    seqs: dict[int, int],
+    keys: dict[int, bytes],
+    counts: dict[str, int],
+    /,
+) -> tuple[list[Any], int] | None: ...

@@ -76,6 +76,13 @@ class WireForm:
             if self._body is not None
             else _uncompiled
         )
+        # publish_packed(events, produce, ...): the same for a relay's batch still in
+        # msgpack (each event a msgspec.Raw).
+        self.publish_packed = (
+            functools.partial(_vllm.publish_packed, digest, self._partial_sizes)
+            if self._body is not None
+            else _uncompiled
+        )
 
     def announce(self, spec: GroupSpec) -> None:
         self.specs[spec.group_idx] = spec

@@ -178,6 +178,30 @@ class KVEventPublisher:
         with self._lock:
             return self._form.prepare(events, packed)
 
+    def publish_packed(
+        self,
+        events: list[Any],
+        *,
+        time_ms: int | None = None,
+        engine_seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> int | None:
+        """A relay's batch whose events are still msgpack (msgspec.Raw, as
+        :func:`.relay.wire.read_batch` leaves them), prepared whole, framed and produced in
+        one compiled call; the keywords as :meth:`publish_prepared` takes them. None, with
+        nothing produced, where the compiled pass declines any of its events: the caller
+        decodes the batch whole (:meth:`prepare_vllm`, :meth:`publish_prepared`)."""
+        deliveries = self._deliveries
+        with self._lock:
+            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+                self._check_healthy()
+            if deliveries.refused:
+                deliveries.refused = []
+            n = self._stream.write_packed(events, (time_ms, engine_seq, dp_rank))
+            if deliveries.refused:
+                deliveries.raise_refused()
+            return n
+
     @property
     def compiles_vllm(self) -> bool:
         """vLLM's events take the compiled pass here (:mod:`.prepared`)."""

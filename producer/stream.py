@@ -103,15 +103,23 @@ class SourceStream:
                            engine_seq, self.seqs, self._keys, stats.by_type)  # fmt: skip
         if got is None:
             return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
-        items, done = got
-        stats.produced += done
-        if done < len(items):  # produce stopped there: the rest as write takes it
-            return self.write(items, (time_ms, engine_seq, dp_rank), start=done)
-        now = time.monotonic()
-        self.last_produce = now
-        if now - self._last_poll >= POLL_INTERVAL_S:
-            self.poll(now)
-        return done
+        return self._published(got, (time_ms, engine_seq, dp_rank))
+
+    def write_packed(self, events: list[Any], stamp: Stamp = NO_STAMP) -> int | None:
+        """A relay's batch whose events are still msgpack (msgspec.Raw), prepared whole,
+        framed and produced in one call; returns how many, or None, with nothing produced,
+        where the compiled pass declines any of them (the batch is then decoded whole)."""
+        form = self.form
+        if not form.compiled:
+            return None
+        time_ms, engine_seq, dp_rank = stamp
+        if time_ms is None:
+            time_ms = int(self._clock() * 1000)
+        head = self._heads.get((dp_rank, self.epoch)) or self._head(dp_rank)
+        got = form.publish_packed(events, self.producer.produce, self.config.topic, head,
+                                  time_ms, engine_seq, self.seqs, self._keys,
+                                  self.deliveries.stats.by_type)  # fmt: skip
+        return None if got is None else self._published(got, (time_ms, engine_seq, dp_rank))
 
     def write(
         self, items: list[Prepared | KVEvent], stamp: Stamp = NO_STAMP, start: int = 0
@@ -189,6 +197,16 @@ class SourceStream:
         self.producer.poll(0)
 
     # ------------------------------------------------------------------ internals
+    def _published(self, got: tuple[list[Prepared | KVEvent], int], stamp: Stamp) -> int:
+        """After a compiled publish of a whole batch (items, done): the rest from where
+        produce stopped, if it did, as :meth:`write` takes it."""
+        items, done = got
+        self.deliveries.stats.produced += done
+        if done < len(items):
+            return self.write(items, stamp, start=done)
+        self._produced(done)
+        return done
+
     def _produced(self, n: int) -> None:
         """After a write of ``n`` items: the time of the last produce, and the client's
         reports served if they have waited long enough (failures only come)."""

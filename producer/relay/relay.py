@@ -242,15 +242,23 @@ class RankRelay:
     ) -> None:
         self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
         pub = self._pub
-        try:
-            items = prepared(payload, batch, pub.prepare_vllm) if batch is not None else None
-        except VllmEventError as exc:
-            self._undecodable(seq, exc)
-            items = None
-        if batch is None or items is None:  # undecodable: what it changed is unknown: lost
-            self._lost(seq, seq)
-            return
-        count = pub.publish_prepared(items, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank)
+        count = None
+        if batch is not None and batch.packed:  # the compiled pass, in one call
+            count = pub.publish_packed(
+                batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
+            )
+        if count is None:
+            try:
+                items = prepared(payload, batch, pub.prepare_vllm) if batch is not None else None
+            except VllmEventError as exc:
+                self._undecodable(seq, exc)
+                items = None
+            if batch is None or items is None:  # undecodable: what it changed is unknown
+                self._lost(seq, seq)
+                return
+            count = pub.publish_prepared(
+                items, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
+            )
         self.sequence.relayed(seq, time_ms)
         self.txn.in_txn += 1
         self._tally.relayed += count

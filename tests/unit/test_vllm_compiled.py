@@ -494,3 +494,36 @@ def test_a_batch_published_in_one_call_is_what_prepare_then_produce_give() -> No
     assert calls == want_calls[:7]
     numbered = [group_of(from_vllm_event(e)) for e in events[:7]]
     assert all(seqs[g] == (40 if g == 3 else 0) + numbered.count(g) for g in set(numbered))
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_packed_batch_published_in_one_call_is_what_prepare_then_produce_give(
+    positional: bool,
+) -> None:
+    """publish_packed (a relay's batch, events still msgpack) produces what the packed
+    prepare then produce do, or nothing where the pass declines one of its events."""
+    from kvledger.producer import _vllm
+
+    form = _form(False)
+    head = CODEC.envelope_head(STAMP["source"], "m", 0, STAMP["epoch"])
+    keys = {g: f"engine/{g}".encode() for g in (0, 1, 3, 7)}
+    events: list[Any] = [e for e in vllm_events(400, seed=11) if not hasattr(e, "partial")]
+    published = declined = 0
+    for start in range(0, len(events), 4):
+        batch = read_batch(_payload(events[start : start + 4], positional), packed=True)
+        calls, produce = _recorder()
+        seqs: dict[int, int] = {0: 3}
+        got = form.publish_packed(batch.events, produce, "t", head, 77, start, seqs, keys, {})
+        try:
+            items = form.prepare(batch.events, packed=True)
+        except NotCompiledError:
+            assert got is None and calls == [] and seqs == {0: 3}
+            declined += 1
+            continue
+        want_calls, want_produce = _recorder()
+        want_seqs: dict[int, int] = {0: 3}
+        _vllm.produce(want_produce, "t", head, 77, start, items, 0, want_seqs, keys, {})
+        assert got is not None and got[1] == len(items)
+        assert (calls, seqs) == (want_calls, want_seqs)
+        published += 1
+    assert published >= 25 and declined >= 1

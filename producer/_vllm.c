@@ -613,6 +613,19 @@ static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_
     return PyLong_FromSsize_t(i);
 }
 
+/* A whole batch's prepared items produced from the start: (items, done) as produce() says.
+ * rest: produce, topic, head, time_ms, engine_seq, seqs, keys, counts (produce()'s order). */
+static PyObject *produce_batch(PyObject *module, PyObject *items, PyObject *const *rest) {
+    PyObject *start = PyLong_FromLong(0);
+    PyObject *call[10] = {rest[0], rest[1], rest[2], rest[3], rest[4],
+                          items,   start,   rest[5], rest[6], rest[7]};
+    PyObject *done = start == NULL ? NULL : vllm_produce(module, call, 10);
+    Py_XDECREF(start);
+    PyObject *out = done == NULL ? NULL : PyTuple_Pack(2, items, done);
+    Py_XDECREF(done);
+    return out;
+}
+
 /* publish(digest, partial, codes, events, produce, topic, head, time_ms, engine_seq, seqs,
  *         keys, counts) -> (items, done) | None
  * prepare() over the whole batch, then produce() from its start, in one call: (items, done)
@@ -639,13 +652,7 @@ static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_
             return NULL;
         return Py_NewRef(Py_None);
     }
-    PyObject *start = PyLong_FromLong(0);
-    PyObject *call[10] = {args[4], args[5], args[6], args[7], args[8],
-                          items,   start,   args[9], args[10], args[11]};
-    PyObject *done = start == NULL ? NULL : vllm_produce(module, call, 10);
-    Py_XDECREF(start);
-    PyObject *out = done == NULL ? NULL : PyTuple_Pack(2, items, done);
-    Py_XDECREF(done);
+    PyObject *out = produce_batch(module, items, args + 4);
     Py_DECREF(got);
     return out;
 }
@@ -683,13 +690,7 @@ static PyObject *vllm_publish_packed(PyObject *module, PyObject *const *args, Py
         }
         PyList_SET_ITEM(items, i, got);
     }
-    PyObject *start = PyLong_FromLong(0);
-    PyObject *call[10] = {args[3], args[4], args[5], args[6], args[7],
-                          items,   start,   args[8], args[9], args[10]};
-    PyObject *done = start == NULL ? NULL : vllm_produce(module, call, 10);
-    Py_XDECREF(start);
-    PyObject *out = done == NULL ? NULL : PyTuple_Pack(2, items, done);
-    Py_XDECREF(done);
+    PyObject *out = produce_batch(module, items, args + 3);
     Py_DECREF(items);
     return out;
 }

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import Producer
 
@@ -53,6 +53,8 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import Goodbye, GroupSpec, Heartbeat, KVEvent, group_of
 
 logger = logging.getLogger(__name__)
+
+_N = TypeVar("_N", int, int | None)  # what a stream's write returns
 
 
 class KVEventPublisher:
@@ -159,16 +161,8 @@ class KVEventPublisher:
             engine_seq,
             getattr(batch, "data_parallel_rank", None),
         )
-        deliveries = self._deliveries
         with self._lock:
-            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
-                self._check_healthy()
-            if deliveries.refused:
-                deliveries.refused = []
-            n = self._stream.write_vllm(batch.events, stamp)
-            if deliveries.refused:
-                deliveries.raise_refused()
-            return n
+            return self._write(self._stream.write_vllm, batch.events, stamp)
 
     def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
@@ -191,16 +185,8 @@ class KVEventPublisher:
         one compiled call; the keywords as :meth:`publish_prepared` takes them. None, with
         nothing produced, where the compiled pass declines any of its events: the caller
         decodes the batch whole (:meth:`prepare_vllm`, :meth:`publish_prepared`)."""
-        deliveries = self._deliveries
         with self._lock:
-            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
-                self._check_healthy()
-            if deliveries.refused:
-                deliveries.refused = []
-            n = self._stream.write_packed(events, (time_ms, engine_seq, dp_rank))
-            if deliveries.refused:
-                deliveries.raise_refused()
-            return n
+            return self._write(self._stream.write_packed, events, (time_ms, engine_seq, dp_rank))
 
     @property
     def compiles_vllm(self) -> bool:
@@ -224,7 +210,7 @@ class KVEventPublisher:
         """
         items = items if type(items) is list else list(items)
         with self._lock:
-            return self._write(items, (time_ms, engine_seq, dp_rank))
+            return self._write(self._stream.write, items, (time_ms, engine_seq, dp_rank))
 
     @property
     def stats(self) -> PublisherStats:
@@ -340,15 +326,15 @@ class KVEventPublisher:
                 logger.error("while closing after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
-    def _write(self, items: list[Prepared | KVEvent], stamp: Stamp) -> int:
-        """Write ``items`` to the stream (the lock held); raise for what it refused (as
-        :meth:`publish_vllm_batch` does around its own write)."""
+    def _write(self, write: Callable[[Any, Stamp], _N], items: Any, stamp: Stamp) -> _N:
+        """One of the stream's writes (the lock held): refused if the publisher cannot go
+        on, and raising for what the topic refused (the others produced)."""
         deliveries = self._deliveries
         if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
             self._check_healthy()
         if deliveries.refused:
             deliveries.refused = []
-        n = self._stream.write(items, stamp)
+        n = write(items, stamp)
         if deliveries.refused:
             deliveries.raise_refused()
         return n

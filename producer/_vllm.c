@@ -389,14 +389,8 @@ static PyObject *prepare_one(long kind, PyObject *event, int digest, PyObject *p
     PyObject *group = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
     if (rc == 0 && group != NULL && !PyLong_CheckExact(group))
         rc = SLOW; /* the field's check below names the reason */
-    if (rc == 0) {
-        w.buf = PyMem_Malloc(1024);
-        w.cap = 1024;
-        if (w.buf == NULL) {
-            PyErr_NoMemory();
-            rc = -1;
-        }
-    }
+    if (rc == 0)
+        rc = writer_start(&w, 1024);
     if (rc == 0)
         rc = kind == 0 ? write_stored(&w, &f, digest, group, partial)
                        : write_removed(&w, &f, digest);

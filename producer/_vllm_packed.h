@@ -250,14 +250,8 @@ typedef struct {
 static int pass_value(Packed *m, Located *e, int f) {
     if (f != F_TOKEN_IDS)
         return mp_skip(m, 0);
-    if (e->tokens.buf == NULL) {
-        e->tokens.buf = PyMem_Malloc(1024);
-        e->tokens.cap = 1024;
-        if (e->tokens.buf == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-    }
+    if (e->tokens.buf == NULL && writer_start(&e->tokens, 1024) < 0)
+        return -1;
     e->tokens.len = 0;
     return mp_write_ints(&e->tokens, m, INT32_MIN, INT32_MAX);
 }
@@ -481,14 +475,8 @@ static PyObject *vllm_event(PyObject *module, PyObject *const *args, Py_ssize_t 
         if (!mp_nil(&g) && (mp_int(&g, &group, NULL) || group < INT32_MIN || group > INT32_MAX))
             rc = SLOW;
     }
-    if (rc == 0) {
-        w.buf = PyMem_Malloc(1024);
-        w.cap = 1024;
-        if (w.buf == NULL) {
-            PyErr_NoMemory();
-            rc = -1;
-        }
-    }
+    if (rc == 0)
+        rc = writer_start(&w, 1024);
     if (rc == 0)
         rc = kind == 0 ? mp_write_stored(&w, &e, digest, group, args[2])
                        : mp_write_removed(&w, &e, digest);

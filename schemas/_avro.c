@@ -514,9 +514,9 @@ static PyObject *avro_encode(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "encode(program: tuple, value, header: bytes)");
         return NULL;
     }
-    Writer w = {PyMem_Malloc(512), 0, 512};
-    if (w.buf == NULL)
-        return PyErr_NoMemory();
+    Writer w;
+    if (writer_start(&w, 512) < 0)
+        return NULL;
     PyObject *out = NULL;
     if (write_raw(&w, PyBytes_AS_STRING(args[2]), PyBytes_GET_SIZE(args[2])) == 0 &&
         encode(args[0], args[1], &w) == 0)

@@ -14,6 +14,18 @@ typedef struct {
     Py_ssize_t len, cap;
 } Writer;
 
+/* An empty writer with room for cap bytes: 0, or -1 with MemoryError set. */
+static inline int writer_start(Writer *w, Py_ssize_t cap) {
+    w->buf = PyMem_Malloc((size_t)cap);
+    w->len = 0;
+    w->cap = cap;
+    if (w->buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
 static inline int grow(Writer *w, Py_ssize_t more) {
     if (w->len + more <= w->cap)
         return 0;

@@ -45,7 +45,7 @@ from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offse
 from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
-from kvledger.producer.relay.wire import EngineBatch, prepared, read_batch
+from kvledger.producer.relay.wire import EngineBatch, read_batch
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import EventsLost, Heartbeat
@@ -241,24 +241,24 @@ class RankRelay:
         self, seq: int, payload: bytes, batch: EngineBatch | None, time_ms: int | None
     ) -> None:
         self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
-        pub = self._pub
-        count = None
-        if batch is not None and batch.packed:  # the compiled pass, in one call
-            count = pub.publish_packed(
-                batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
-            )
-        if count is None:
-            try:
-                items = prepared(payload, batch, pub.prepare_vllm) if batch is not None else None
-            except VllmEventError as exc:
-                self._undecodable(seq, exc)
-                items = None
-            if batch is None or items is None:  # undecodable: what it changed is unknown
-                self._lost(seq, seq)
-                return
-            count = pub.publish_prepared(
-                items, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
-            )
+        pub, count = self._pub, None
+        try:
+            if batch is not None and batch.packed:  # the compiled pass, in one call
+                count = pub.publish_packed(
+                    batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
+                )
+                if count is None:  # it declines one of the events: decoded whole
+                    batch = read_batch(payload)
+            if batch is not None and count is None:  # read before any of it is produced
+                count = pub.publish_prepared(
+                    pub.prepare_vllm(batch.events),
+                    time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank,
+                )  # fmt: skip
+        except VllmEventError as exc:
+            self._undecodable(seq, exc)
+        if count is None:  # undecodable: what it changed is unknown
+            self._lost(seq, seq)
+            return
         self.sequence.relayed(seq, time_ms)
         self.txn.in_txn += 1
         self._tally.relayed += count

@@ -10,13 +10,11 @@ the seq of eight 0xff bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvledger.producer.prepared import NotCompiledError, Prepared
 from kvledger.producer.vllm import (
     FIELDS,
     VllmEventError,
@@ -67,8 +65,8 @@ def read_batch(payload: bytes, packed: bool = False) -> EngineBatch:
     The typed decoders (msgspec validates in C) read a well-formed batch in either encoding;
     anything they refuse is read again field by field, which accepts what they cannot
     express and says precisely what is wrong with the rest. ``packed``: try first the
-    decoder that leaves each event as its msgpack (``EngineBatch.packed``: for
-    ``prepare_vllm(..., packed=True)`` only)."""
+    decoder that leaves each event as its msgpack (``EngineBatch.packed``: for a
+    publisher's ``publish_packed``, or ``prepare_vllm(..., packed=True)``)."""
     for decoder in (_PACKED, _TAGGED, _POSITIONAL) if packed else (_TAGGED, _POSITIONAL):
         try:
             typed = decoder.decode(payload)
@@ -77,19 +75,6 @@ def read_batch(payload: bytes, packed: bool = False) -> EngineBatch:
         return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank,
                            decoder is _PACKED)  # fmt: skip
     return _decode_fields(payload)
-
-
-def prepared(
-    payload: bytes, batch: EngineBatch, prepare: Callable[..., list[Prepared | KVEvent]]
-) -> list[Prepared | KVEvent]:
-    """The batch's events prepared by ``prepare`` (a publisher's ``prepare_vllm``); a packed
-    batch the compiled pass does not take whole is decoded whole and prepared from that."""
-    if batch.packed:
-        try:
-            return prepare(batch.events, packed=True)
-        except NotCompiledError:
-            batch = read_batch(payload)
-    return prepare(batch.events)
 
 
 def _decode_fields(payload: bytes) -> EngineBatch:

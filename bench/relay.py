@@ -13,7 +13,8 @@ reported (this 2-core machine is noisy), with the worst and best ratio of a roun
    messages, read back from its topic, produced raw (no ZMQ, no decoding, no Avro) with the
    publisher's settings by a producer started before the clock, as the relay's is; no relay
    can go faster than that.
-2. Publish path shared with embedded engines: vLLM KVEventBatch objects in ->
+2. Publish path shared with embedded engines: vLLM's KVEventBatch objects (its msgspec
+   structs, as its engine hands them to a publisher) in ->
    ``publish_vllm_batch`` -> Avro -> Kafka, acknowledged, beside a raw produce of the same
    bytes with the same settings (no simulator in the loop; both producers started before
    the clock; the bytes recorded in an untimed round before the rounds), and the cost per
@@ -29,7 +30,6 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -43,7 +43,7 @@ from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.engine import receive_message
 from kvledger.producer.relay.relay import Relay
 from kvledger.schemas.topics import ensure_topic
-from kvledger.vllm_engine import Event, ZmqEngine, removed, stored
+from kvledger.vllm_engine import Event, ZmqEngine, removed, stored, vllm_batch
 
 MODEL = "bench-model"
 BLOCK = 16
@@ -211,30 +211,9 @@ def _read_back(bootstrap: str, topic: str) -> list[tuple[bytes, bytes]]:
     return out
 
 
-@dataclass
-class _Batch:
-    """vLLM's KVEventBatch shape (ts, events, data_parallel_rank)."""
-
-    ts: float
-    events: list[Any] = field(default_factory=list)
-    data_parallel_rank: int | None = 0
-
-
-def _vllm_objects(batches: list[list[Event]]) -> list[_Batch]:
-    """The workload as objects with vLLM's class and attribute names."""
-    kinds = {
-        kind: type(kind, (), {"__init__": lambda self, **f: self.__dict__.update(f)})
-        for kind in ("BlockStored", "BlockRemoved")
-    }
-    return [
-        _Batch(1_764_000_000.0 + i, [kinds[e.kind](**e.fields) for e in events])
-        for i, events in enumerate(batches)
-    ]
-
-
 def publish_path(bootstrap: str, batches: int = 30_000) -> dict[str, float]:
     work = workload(batches, seed=9)
-    objects = _vllm_objects(work)
+    objects = [vllm_batch(1_764_000_000.0 + i, events) for i, events in enumerate(work)]
     events = block_events(work)
     gc.freeze()  # the workload is neither side's work: no collection rescans it
     admin = AdminClient({"bootstrap.servers": bootstrap})

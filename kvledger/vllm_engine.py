@@ -32,7 +32,7 @@ from kvledger.producer.tracker import (
     OffloadingEventGroupSpec,
     OffloadingEventsTracker,
 )
-from kvledger.producer.vllm import FIELDS
+from kvledger.producer.vllm import FIELDS, REQUIRED
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, GroupSpec, KVEvent
 
 END = b"\xff" * 8
@@ -72,6 +72,28 @@ def removed(hashes: Sequence[int], medium: str | None = "GPU", **more: Any) -> E
 
 def cleared() -> Event:
     return Event("AllBlocksCleared")
+
+
+def _vllm_class(kind: str) -> type[msgspec.Struct]:
+    """vLLM's class for an event type: a msgspec struct of its name, fields in its order, those
+    past the required ones None by default, encoded as vLLM 0.33.0 encodes it (a tagged map)."""
+    names = FIELDS[kind]
+    fields = [(n, Any) if i < REQUIRED[kind] else (n, Any, None) for i, n in enumerate(names)]
+    return msgspec.defstruct(kind, fields, module=__name__, tag=True, omit_defaults=True,
+                             gc=False)  # fmt: skip
+
+
+# The objects an embedded vLLM engine hands its publisher (vLLM's KVEventBatch and events).
+VLLM_CLASSES: dict[str, type[msgspec.Struct]] = {kind: _vllm_class(kind) for kind in FIELDS}
+KVEventBatch = msgspec.defstruct(
+    "KVEventBatch", [("ts", float), ("events", list), ("data_parallel_rank", Any, None)],
+    module=__name__, array_like=True, omit_defaults=True, gc=False,
+)  # fmt: skip
+
+
+def vllm_batch(ts: float, events: Iterable[Event], rank: int | None = 0) -> Any:
+    """A batch as an embedded engine has it: vLLM's KVEventBatch of vLLM's event objects."""
+    return KVEventBatch(ts, [VLLM_CLASSES[e.kind](**e.fields) for e in events], rank)
 
 
 def encode_event(event: Event, positional: bool) -> Any:

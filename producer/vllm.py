@@ -47,7 +47,7 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
 # Fields without a default: every engine sends them.
 REQUIRED: Mapping[str, int] = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
 # kvledger's extensions an engine that knows them may set on its objects.
-_EXTENSIONS = ("token_start", "partial")
+EXTENSIONS = ("token_start", "partial")
 _MAX_U64 = 2**64 - 1
 _INT, _BYTES = frozenset({int}), frozenset({bytes})
 _INT_TUPLE = tuple[int, ...]
@@ -77,7 +77,7 @@ def from_vllm_event(event: Any) -> KVEvent:
     if names is None:
         raise TypeError(f"not a vLLM KV cache event: {kind}")
     fields = {
-        n: v for n in (*names, *_EXTENSIONS) if (v := getattr(event, n, _ABSENT)) is not _ABSENT
+        n: v for n in (*names, *EXTENSIONS) if (v := getattr(event, n, _ABSENT)) is not _ABSENT
     }
     return from_vllm_fields(kind, fields)
 

@@ -23,6 +23,7 @@ from kvledger.producer.relay.wire import (
     read_batch,
 )
 from kvledger.producer.vllm import (
+    EXTENSIONS,
     FIELDS,
     REQUIRED,
     VllmEventError,
@@ -58,6 +59,36 @@ class BlockRemoved(BlockStored):
 
 class AllBlocksCleared(BlockStored):
     pass
+
+
+def _init(self: object, **fields: Any) -> None:
+    for name, value in fields.items():
+        setattr(self, name, value)
+
+
+def slotted_classes(*names: str) -> dict[str, type]:
+    """vLLM's event classes with a slot per field, as msgspec structs keep theirs (the
+    compiled pass reads those at their offsets): ``names``, else every field and extension.
+    A field left unset is an absent attribute."""
+    return {
+        kind: type(kind, (), {"__slots__": names or (*FIELDS[kind], *EXTENSIONS),
+                              "__init__": _init})
+        for kind in ("BlockStored", "BlockRemoved")
+    }  # fmt: skip
+
+
+SLOTTED = slotted_classes()
+
+
+def slotted(event: Any) -> Any:
+    """The same event as an object of its slotted class."""
+    return SLOTTED[type(event).__name__](**vars(event))
+
+
+def fields_of(event: Any) -> dict[str, Any]:
+    if hasattr(event, "__dict__"):
+        return vars(event)
+    return {n: getattr(event, n) for n in type(event).__slots__ if hasattr(event, n)}
 
 
 def _hash(rng: random.Random) -> object:
@@ -137,19 +168,24 @@ def _form(digest: bool, codec: Codec | None = None) -> WireForm:
 
 @pytest.mark.parametrize("digest", [False, True])
 @pytest.mark.parametrize("with_codec", [False, True])
-def test_the_compiled_pass_writes_the_python_paths_bytes(digest: bool, with_codec: bool) -> None:
+@pytest.mark.parametrize("in_slots", [False, True])
+def test_the_compiled_pass_writes_the_python_paths_bytes(
+    digest: bool, with_codec: bool, in_slots: bool
+) -> None:
     """Without a codec, what the pass leaves stays a kvledger event; with one (as a
-    publisher has it), a store or removal is written to its branch's bytes as it is mapped."""
+    publisher has it), a store or removal is written to its branch's bytes as it is mapped.
+    Fields in an instance dict are read by name, fields in slots at their offsets."""
     form = _form(digest, CODEC if with_codec else None)
     count = 0
-    for i, event in enumerate(vllm_events(600)):
+    events = vllm_events(600)
+    for i, event in enumerate(map(slotted, events) if in_slots else events):
         [item] = form.prepare([event])
         engine_seq = None if i % 2 else i * 1000
         want = python_path(event, form, i, engine_seq)
         if taken(item):
             count += 1
             assert item[:2] == (type(event).__name__, group_of(from_vllm_event(event)))
-            assert compiled_path(item, form, i, engine_seq) == want, vars(event)
+            assert compiled_path(item, form, i, engine_seq) == want, fields_of(event)
         else:  # left to the mapping: only a block's extra keys or an extension value
             assert not with_codec
             assert CODEC.encode(_envelope(item, i, engine_seq)) == want
@@ -265,6 +301,32 @@ def test_absent_fields_take_their_defaults_and_a_missing_required_one_is_named()
                   BlockRemoved(block_hashes=[1])):  # fmt: skip
         with pytest.raises(VllmEventError, match=r"lacks (block_size|medium)"):
             form.prepare([event])
+
+
+def test_a_class_changed_after_its_events_were_read_is_read_as_it_now_is() -> None:
+    """The pass keeps where a class holds each field; a change to the class (a property over
+    a slot, a class attribute where its objects had nothing) is seen at once."""
+    cls = slotted_classes(*FIELDS["BlockStored"][:7])["BlockStored"]  # no slot past lora_name
+    event = cls(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2,
+                lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
+    form = _form(False)
+
+    def read() -> Any:
+        items = form.prepare([event, event])  # the first read after a change is by name
+        assert all(taken(item) for item in items) and items[0] == items[1]
+        assert compiled_path(items[1], form, 0, None) == python_path(event, form, 0, None)
+        return CODEC.decode(compiled_path(items[1], form, 0, None)).event
+
+    assert (read().medium, read().session_id) == ("GPU", None)
+    cls.medium = property(lambda self: "CPU")  # type: ignore[attr-defined]
+    assert read().medium == "CPU"
+    cls.session_id = "s-1"  # type: ignore[attr-defined]
+    assert read().session_id == "s-1"
+    del cls.session_id  # type: ignore[attr-defined]
+    assert read().session_id is None
+    sub = type("BlockStored", (cls,), {"__getattr__": lambda self, name: None})
+    event = sub(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2)
+    assert read().lora_id is None  # read by name: __getattr__ answers for what is unset
 
 
 def test_the_relays_decoded_structs_take_the_compiled_pass() -> None:

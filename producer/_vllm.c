@@ -495,26 +495,26 @@ static int write_removed(Writer *w, Fields *f, int digest) {
 #include "_vllm_packed.h"
 
 /* One event's (kind name, group, bytes), None (SLOW), or NULL with an error set. */
-static PyObject *prepare_one(long kind, PyObject *event, int digest, PyObject *partial) {
+/* One event's (kind name, group, bytes), or None; w: a started writer, emptied first (a
+ * list's events share one). */
+static PyObject *prepare_one(long kind, PyObject *event, int digest, PyObject *partial,
+                             Writer *w) {
     Fields f = {{NULL}};
-    Writer w = {NULL, 0, 0};
     PyObject *out = NULL;
     int rc = read_fields(event, kind == 0, &f);
     PyObject *group = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
     if (rc == 0 && group != NULL && !PyLong_CheckExact(group))
         rc = SLOW; /* the field's check below names the reason */
+    w->len = 0;
     if (rc == 0)
-        rc = writer_start(&w, 1024);
-    if (rc == 0)
-        rc = kind == 0 ? write_stored(&w, &f, digest, group, partial)
-                       : write_removed(&w, &f, digest);
+        rc = kind == 0 ? write_stored(w, &f, digest, group, partial)
+                       : write_removed(w, &f, digest);
     if (rc == 0) {
-        PyObject *data = PyBytes_FromStringAndSize(w.buf, w.len);
+        PyObject *data = PyBytes_FromStringAndSize(w->buf, w->len);
         out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
         Py_XDECREF(data);
     } else if (rc == SLOW)
         out = Py_NewRef(Py_None);
-    PyMem_Free(w.buf);
     release(&f);
     return out;
 }
@@ -533,7 +533,12 @@ static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t n
     int digest = PyObject_IsTrue(args[2]);
     if (digest < 0)
         return NULL;
-    return prepare_one(kind, args[1], digest, args[3]);
+    Writer w;
+    if (writer_start(&w, 1024) < 0)
+        return NULL;
+    PyObject *out = prepare_one(kind, args[1], digest, args[3], &w);
+    PyMem_Free(w.buf);
+    return out;
 }
 
 /* prepare(events, digest, partial, codes) -> (items, left)
@@ -553,9 +558,12 @@ static PyObject *vllm_prepare(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     PyObject *events = args[0], *codes = args[3];
     Py_ssize_t n = PyList_GET_SIZE(events), left = 0;
+    Writer w; /* the events' bytes, one after another (room for a 256-token store) */
+    if (writer_start(&w, 4096) < 0)
+        return NULL;
     PyObject *items = PyList_New(n);
     if (items == NULL)
-        return NULL;
+        goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i >= PyList_GET_SIZE(events)) { /* an attribute read may run Python code */
             PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
@@ -565,6 +573,7 @@ static PyObject *vllm_prepare(PyObject *module, PyObject *const *args, Py_ssize_
         if (PyTuple_Check(event)) {
             Py_DECREF(event);
             Py_DECREF(items);
+            PyMem_Free(w.buf);
             return Py_NewRef(Py_None);
         }
         PyObject *code = PyDict_GetItemWithError(codes, (PyObject *)Py_TYPE(event));
@@ -574,7 +583,7 @@ static PyObject *vllm_prepare(PyObject *module, PyObject *const *args, Py_ssize_
             goto fail;
         }
         if (kind == 0 || kind == 1) {
-            got = prepare_one(kind, event, digest, args[2]);
+            got = prepare_one(kind, event, digest, args[2], &w);
             if (got == NULL) {
                 Py_DECREF(event);
                 goto fail;
@@ -588,10 +597,11 @@ static PyObject *vllm_prepare(PyObject *module, PyObject *const *args, Py_ssize_
         Py_DECREF(event);
         PyList_SET_ITEM(items, i, got);
     }
-    PyObject *out = Py_BuildValue("(Nn)", items, left);
-    return out;
+    PyMem_Free(w.buf);
+    return Py_BuildValue("(Nn)", items, left);
 fail:
-    Py_DECREF(items);
+    Py_XDECREF(items);
+    PyMem_Free(w.buf);
     return NULL;
 }
 

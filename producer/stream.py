@@ -63,14 +63,33 @@ class SourceStream:
         self.form = form
         self.deliveries = deliveries
         self.producer = producer
+        self._heads: dict[int | None, bytes] = {}  # this epoch's, by rank as given (or None)
         self.epoch = epoch
         self.seqs: dict[int, int] = {}  # each group's next sequence number in this epoch
         self.last_produce = self._last_poll = time.monotonic()
         self._healthy = healthy
         self._clock = clock
         self._keys: dict[int, bytes] = {}
-        self._heads: dict[tuple[int | None, int], bytes] = {}  # by (rank or None, epoch)
         self._warned_unannounced: set[int] = set()
+
+    @property
+    def producer(self) -> Producer:
+        return self._producer
+
+    @producer.setter
+    def producer(self, producer: Producer) -> None:
+        self._producer = producer
+        self._produce = producer.produce  # bound once: the compiled writes call it
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        """A new epoch: envelope heads are made again (each carries its epoch)."""
+        self._epoch = epoch
+        self._heads.clear()
 
     @property
     def groups(self) -> list[int]:
@@ -97,10 +116,9 @@ class SourceStream:
         time_ms, engine_seq, dp_rank = stamp
         if time_ms is None:
             time_ms = int(self._clock() * 1000)
-        head = self._heads.get((dp_rank, self.epoch)) or self._head(dp_rank)
-        stats = self.deliveries.stats
-        got = form.publish(events, self.producer.produce, self.config.topic, head, time_ms,
-                           engine_seq, self.seqs, self._keys, stats.by_type)  # fmt: skip
+        head = self._heads.get(dp_rank) or self._head(dp_rank)
+        got = form.publish(events, self._produce, self.config.topic, head, time_ms, engine_seq,
+                           self.seqs, self._keys, self.deliveries.stats.by_type)  # fmt: skip
         if got is None:
             return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
         return self._published(got, (time_ms, engine_seq, dp_rank))
@@ -115,8 +133,8 @@ class SourceStream:
         time_ms, engine_seq, dp_rank = stamp
         if time_ms is None:
             time_ms = int(self._clock() * 1000)
-        head = self._heads.get((dp_rank, self.epoch)) or self._head(dp_rank)
-        got = form.publish_packed(events, self.producer.produce, self.config.topic, head,
+        head = self._heads.get(dp_rank) or self._head(dp_rank)
+        got = form.publish_packed(events, self._produce, self.config.topic, head,
                                   time_ms, engine_seq, self.seqs, self._keys,
                                   self.deliveries.stats.by_type)  # fmt: skip
         return None if got is None else self._published(got, (time_ms, engine_seq, dp_rank))
@@ -141,7 +159,7 @@ class SourceStream:
             if not head:
                 head = self._head(dp_rank)
                 now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
-            done = form.produce(self.producer.produce, self.config.topic, head, now_ms,
+            done = form.produce(self._produce, self.config.topic, head, now_ms,
                                 engine_seq, items, i, seqs, keys, stats.by_type)  # fmt: skip
             stats.produced += done - i
             i = done
@@ -218,12 +236,12 @@ class SourceStream:
 
     def _head(self, dp_rank: int | None) -> bytes:
         """The envelope head of this epoch's messages for a rank (default: the configured),
-        kept under (dp_rank as given, epoch)."""
-        head = self._heads.get((dp_rank, self.epoch))
+        kept under the rank as given."""
+        head = self._heads.get(dp_rank)
         if head is None:
             rank = dp_rank if dp_rank is not None else self.config.dp_rank
-            head = self._heads[dp_rank, self.epoch] = self.codec.envelope_head(
-                self.config.source_id, self.config.model, rank, self.epoch
+            head = self._heads[dp_rank] = self.codec.envelope_head(
+                self.config.source_id, self.config.model, rank, self._epoch
             )
         return head
 

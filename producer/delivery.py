@@ -27,8 +27,8 @@ _MAX_ERRORS_KEPT = 20
 class PublisherStats:
     """Counters of one publisher (messages, not blocks)."""
 
-    produced: int = 0
-    acked: int = 0  # set when read (KVEventPublisher.stats)
+    produced: int = 0  # produced and acked: set when read (KVEventPublisher.stats)
+    acked: int = 0
     failed: int = 0
     retries_on_full_queue: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
@@ -43,6 +43,7 @@ class Deliveries:
         self.fatal: KafkaError | None = None
         self.refused: list[str] = []  # refused as too large during the current call
         self._errors: list[str] = []
+        self._forgotten = 0  # produced in aborted transactions and failed there
 
     def send(
         self, producer: Producer, topic: str, key: bytes, value: bytes, kind: str,
@@ -72,13 +73,15 @@ class Deliveries:
         return True
 
     def counted(self, queued: int) -> PublisherStats:
-        """The counters, ``acked`` as produced less failed less the ``queued`` (librdkafka
+        """The counters: ``produced`` as the count by type says (the only count kept while
+        publishing), ``acked`` as produced less failed less the ``queued`` (librdkafka
         reports failures only; exact once flushed)."""
-        self.stats.acked = max(0, self.stats.produced - self.stats.failed - queued)
-        return self.stats
+        stats = self.stats
+        stats.produced = sum(stats.by_type.values()) - self._forgotten
+        stats.acked = max(0, stats.produced - stats.failed - queued)
+        return stats
 
     def produced(self, event_type: str) -> None:
-        self.stats.produced += 1
         self.stats.by_type[event_type] = self.stats.by_type.get(event_type, 0) + 1
 
     def on_delivery(self, err: KafkaError | None, msg: Message) -> None:
@@ -99,7 +102,7 @@ class Deliveries:
     def forget_failures(self) -> None:
         """An aborted transaction's failures belong to it, not to what comes next: the
         messages it failed count as neither produced nor failed (nor acknowledged)."""
-        self.stats.produced -= self.stats.failed
+        self._forgotten += self.stats.failed
         self.stats.failed = 0
         self._errors.clear()
 

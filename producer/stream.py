@@ -62,6 +62,7 @@ class SourceStream:
         self.codec = codec
         self.form = form
         self.deliveries = deliveries
+        self._counts = deliveries.stats.by_type  # messages produced, by event type
         self.producer = producer
         self._heads: dict[int | None, bytes] = {}  # this epoch's, by rank as given (or None)
         self.epoch = epoch
@@ -111,17 +112,22 @@ class SourceStream:
         is prepared (:meth:`.prepared.WireForm.prepare`) and written."""
         form = self.form
         events = events if type(events) is list else list(events)  # read once
-        if not form.compiled:
-            return self.write(form.prepare(events), stamp)
         time_ms, engine_seq, dp_rank = stamp
-        if time_ms is None:
-            time_ms = int(self._clock() * 1000)
-        head = self._heads.get(dp_rank) or self._head(dp_rank)
-        got = form.publish(events, self._produce, self.config.topic, head, time_ms, engine_seq,
-                           self.seqs, self._keys, self.deliveries.stats.by_type)  # fmt: skip
-        if got is None:
-            return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
-        return self._published(got, (time_ms, engine_seq, dp_rank))
+        if form.compiled:
+            if time_ms is None:
+                time_ms = int(self._clock() * 1000)
+            head = self._heads.get(dp_rank) or self._head(dp_rank)
+            got = form.publish(events, self._produce, self.config.topic, head, time_ms,
+                               engine_seq, self.seqs, self._keys, self._counts)  # fmt: skip
+            if got is not None:
+                items, done = got
+                if done < len(items):  # the client refused one: the rest as write() takes it
+                    return self.write(items, (time_ms, engine_seq, dp_rank), start=done)
+                now = self.last_produce = time.monotonic()  # _produced(), in line
+                if now - self._last_poll >= POLL_INTERVAL_S:
+                    self.poll(now)
+                return done
+        return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
 
     def write_packed(self, events: list[Any], stamp: Stamp = NO_STAMP) -> int | None:
         """A relay's batch whose events are still msgpack (msgspec.Raw), prepared whole,
@@ -134,9 +140,8 @@ class SourceStream:
         if time_ms is None:
             time_ms = int(self._clock() * 1000)
         head = self._heads.get(dp_rank) or self._head(dp_rank)
-        got = form.publish_packed(events, self._produce, self.config.topic, head,
-                                  time_ms, engine_seq, self.seqs, self._keys,
-                                  self.deliveries.stats.by_type)  # fmt: skip
+        got = form.publish_packed(events, self._produce, self.config.topic, head, time_ms,
+                                  engine_seq, self.seqs, self._keys, self._counts)  # fmt: skip
         return None if got is None else self._published(got, (time_ms, engine_seq, dp_rank))
 
     def write(
@@ -149,7 +154,7 @@ class SourceStream:
         group not keyed yet or one the client refused, which is produced here."""
         time_ms, engine_seq, dp_rank = stamp
         head, now_ms, i, n = b"", 0, start, len(items)
-        seqs, keys, form, stats = self.seqs, self._keys, self.form, self.deliveries.stats
+        seqs, keys, form = self.seqs, self._keys, self.form
         while i < n:
             item = items[i]
             if type(item) is not tuple:  # kvledger's types
@@ -159,10 +164,8 @@ class SourceStream:
             if not head:
                 head = self._head(dp_rank)
                 now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
-            done = form.produce(self._produce, self.config.topic, head, now_ms,
-                                engine_seq, items, i, seqs, keys, stats.by_type)  # fmt: skip
-            stats.produced += done - i
-            i = done
+            i = form.produce(self._produce, self.config.topic, head, now_ms, engine_seq,
+                             items, i, seqs, keys, self._counts)  # fmt: skip
             if i < n and type(items[i]) is tuple:
                 kind, group, body = items[i]  # type: ignore[misc]
                 self._check_announced(group)
@@ -219,7 +222,6 @@ class SourceStream:
         """After a compiled publish of a whole batch (items, done): the rest from where
         produce stopped, if it did, as :meth:`write` takes it."""
         items, done = got
-        self.deliveries.stats.produced += done
         if done < len(items):
             return self.write(items, stamp, start=done)
         self._produced(done)

@@ -781,34 +781,43 @@ static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_
  * the whole batch, then produce() from its start. None, nothing produced, when event()
  * declines any of them (the caller decodes the batch whole). */
 static PyObject *vllm_publish_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11 || !PyList_Check(args[2])) {
+    if (nargs != 11 || (args[1] != Py_None && !PyDict_Check(args[1])) || !PyList_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError,
-                        "publish_packed(digest, partial, events: list, produce, topic, head, "
-                        "time_ms, engine_seq, seqs, keys, counts)");
+                        "publish_packed(digest, partial: dict | None, events: list, produce, "
+                        "topic, head, time_ms, engine_seq, seqs, keys, counts)");
         return NULL;
     }
-    PyObject *events = args[2];
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    PyObject *items = PyList_New(n);
-    if (items == NULL)
+    int digest = PyObject_IsTrue(args[0]);
+    if (digest < 0)
         return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *events = args[2], *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    Writer w; /* shared by the batch's events, as their token ids' place is */
+    Located e = {.tokens = {NULL, 0, 0}};
+    if (writer_start(&w, 4096) < 0)
+        return NULL;
+    PyObject *items = PyList_New(n);
+    for (Py_ssize_t i = 0; items != NULL && i < n; i++) {
         if (i >= PyList_GET_SIZE(events)) {
             PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
-            Py_DECREF(items);
-            return NULL;
+            Py_CLEAR(items);
+            break;
         }
         PyObject *packed = Py_NewRef(PyList_GET_ITEM(events, i));
-        PyObject *event_args[3] = {packed, args[0], args[1]};
-        PyObject *got = vllm_event(module, event_args, 3);
+        PyObject *got = packed_one(packed, digest, args[1], &w, &e);
         Py_DECREF(packed);
         if (got == NULL || got == Py_None) {
-            Py_DECREF(items);
-            return got;
+            Py_CLEAR(items);
+            out = got; /* NULL (an error) or None (declined) */
+            break;
         }
         PyList_SET_ITEM(items, i, got);
     }
-    PyObject *out = produce_batch(module, items, args + 3);
+    PyMem_Free(w.buf);
+    PyMem_Free(e.tokens.buf);
+    if (items == NULL)
+        return out;
+    out = produce_batch(module, items, args + 3);
     Py_DECREF(items);
     return out;
 }
@@ -845,7 +854,8 @@ PyMODINIT_FUNC PyInit__vllm(void) {
         if ((names[i] = PyUnicode_InternFromString(field_names[i])) == NULL)
             return NULL;
     }
-    if ((layouts = PyDict_New()) == NULL || (zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL ||
+    if ((layouts = PyDict_New()) == NULL || (zero = PyLong_FromLong(0)) == NULL ||
+        (one = PyLong_FromLong(1)) == NULL ||
         (kind_names[0] = PyUnicode_InternFromString("BlockStored")) == NULL ||
         (kind_names[1] = PyUnicode_InternFromString("BlockRemoved")) == NULL)
         return NULL;

@@ -451,6 +451,41 @@ static int mp_write_removed(Writer *w, Located *e, int digest) {
     return 0;
 }
 
+/* One event still in msgpack: (kind name, group, bytes), or None; w: a started writer and
+ * e: a place for the event's fields and token ids, both emptied first (a batch's events
+ * share them). */
+static PyObject *packed_one(PyObject *packed, int digest, PyObject *partial, Writer *w,
+                            Located *e) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(packed, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Packed m = {view.buf, (const unsigned char *)view.buf + view.len};
+    int kind = -1;
+    int64_t group = 0;
+    PyObject *out = NULL;
+    int rc = locate(&m, e, &kind);
+    if (rc == 0 && e->at[F_GROUP_IDX] != NULL) {
+        Packed g = field(e, F_GROUP_IDX);
+        if (!mp_nil(&g) && (mp_int(&g, &group, NULL) || group < INT32_MIN || group > INT32_MAX))
+            rc = SLOW;
+    }
+    w->len = 0;
+    if (rc == 0)
+        rc = kind == 0 ? mp_write_stored(w, e, digest, group, partial)
+                       : mp_write_removed(w, e, digest);
+    if (rc == 0) {
+        PyObject *data = PyBytes_FromStringAndSize(w->buf, w->len);
+        PyObject *g = data == NULL ? NULL : PyLong_FromLongLong(group);
+        out = g == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], g, data);
+        Py_XDECREF(data);
+        Py_XDECREF(g);
+    } else if (rc == SLOW) {
+        out = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* event(packed, digest, partial) -> (kind name, group, bytes) | None */
 static PyObject *vllm_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || (args[2] != Py_None && !PyDict_Check(args[2]))) {
@@ -460,37 +495,12 @@ static PyObject *vllm_event(PyObject *module, PyObject *const *args, Py_ssize_t 
     int digest = PyObject_IsTrue(args[1]);
     if (digest < 0)
         return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    Packed m = {view.buf, (const unsigned char *)view.buf + view.len};
+    Writer w;
     Located e = {.tokens = {NULL, 0, 0}};
-    int kind = -1;
-    int64_t group = 0;
-    Writer w = {NULL, 0, 0};
-    PyObject *out = NULL;
-    int rc = locate(&m, &e, &kind);
-    if (rc == 0 && e.at[F_GROUP_IDX] != NULL) {
-        Packed g = field(&e, F_GROUP_IDX);
-        if (!mp_nil(&g) && (mp_int(&g, &group, NULL) || group < INT32_MIN || group > INT32_MAX))
-            rc = SLOW;
-    }
-    if (rc == 0)
-        rc = writer_start(&w, 1024);
-    if (rc == 0)
-        rc = kind == 0 ? mp_write_stored(&w, &e, digest, group, args[2])
-                       : mp_write_removed(&w, &e, digest);
-    if (rc == 0) {
-        PyObject *data = PyBytes_FromStringAndSize(w.buf, w.len);
-        PyObject *g = data == NULL ? NULL : PyLong_FromLongLong(group);
-        out = g == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], g, data);
-        Py_XDECREF(data);
-        Py_XDECREF(g);
-    } else if (rc == SLOW) {
-        out = Py_NewRef(Py_None);
-    }
+    if (writer_start(&w, 1024) < 0)
+        return NULL;
+    PyObject *out = packed_one(args[0], digest, args[2], &w, &e);
     PyMem_Free(w.buf);
     PyMem_Free(e.tokens.buf);
-    PyBuffer_Release(&view);
     return out;
 }

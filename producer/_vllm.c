@@ -492,31 +492,43 @@ static int write_removed(Writer *w, Fields *f, int digest) {
     return 0;
 }
 
+/* An item as the caller takes it: (kind name, group, bytes). Steals group. */
+static PyObject *item_of(long kind, PyObject *group, const char *body, Py_ssize_t len) {
+    PyObject *data = group == NULL ? NULL : PyBytes_FromStringAndSize(body, len);
+    PyObject *out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
+    Py_XDECREF(data);
+    Py_XDECREF(group);
+    return out;
+}
+
 #include "_vllm_packed.h"
 
-/* One event's (kind name, group, bytes), None (SLOW), or NULL with an error set. */
-/* One event's (kind name, group, bytes), or None; w: a started writer, emptied first (a
- * list's events share one). */
+/* One event's body appended to w: 0 with *group its group (a new reference), SLOW where
+ * this pass does not take the event, -1 on an error. */
+static int write_one(long kind, PyObject *event, int digest, PyObject *partial, Writer *w,
+                     PyObject **group) {
+    Fields f = {{NULL}};
+    int rc = read_fields(event, kind == 0, &f);
+    PyObject *g = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
+    if (rc == 0 && g != NULL && !PyLong_CheckExact(g))
+        rc = SLOW; /* the field's check below names the reason */
+    if (rc == 0)
+        rc = kind == 0 ? write_stored(w, &f, digest, g, partial) : write_removed(w, &f, digest);
+    *group = rc == 0 ? Py_NewRef(g) : NULL;
+    release(&f);
+    return rc;
+}
+
+/* One event's (kind name, group, bytes), None where this pass does not take it, or NULL
+ * with an error set; w: a started writer, emptied first (a list's events share one). */
 static PyObject *prepare_one(long kind, PyObject *event, int digest, PyObject *partial,
                              Writer *w) {
-    Fields f = {{NULL}};
-    PyObject *out = NULL;
-    int rc = read_fields(event, kind == 0, &f);
-    PyObject *group = f.v[F_GROUP_IDX] == Py_None ? zero : f.v[F_GROUP_IDX];
-    if (rc == 0 && group != NULL && !PyLong_CheckExact(group))
-        rc = SLOW; /* the field's check below names the reason */
+    PyObject *group;
     w->len = 0;
-    if (rc == 0)
-        rc = kind == 0 ? write_stored(w, &f, digest, group, partial)
-                       : write_removed(w, &f, digest);
-    if (rc == 0) {
-        PyObject *data = PyBytes_FromStringAndSize(w->buf, w->len);
-        out = data == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], group, data);
-        Py_XDECREF(data);
-    } else if (rc == SLOW)
-        out = Py_NewRef(Py_None);
-    release(&f);
-    return out;
+    int rc = write_one(kind, event, digest, partial, w, &group);
+    if (rc != 0)
+        return rc == SLOW ? Py_NewRef(Py_None) : NULL;
+    return item_of(kind, group, w->buf, w->len);
 }
 
 static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -618,23 +630,21 @@ static int long_arg(PyObject *v, int64_t *out) {
 }
 
 /* One message: head, seq, time, body, engine batch, written straight into its bytes. */
-static PyObject *make_frame(PyObject *head, int64_t seq, int64_t time_ms, PyObject *body,
-                            int has_engine_seq, int64_t engine_seq) {
-    Py_ssize_t h = PyBytes_GET_SIZE(head), b = PyBytes_GET_SIZE(body);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, h + b + 32); /* 3 varints at most */
+static PyObject *make_frame(PyObject *head, int64_t seq, int64_t time_ms, const char *body,
+                            Py_ssize_t len, int has_engine_seq, int64_t engine_seq) {
+    unsigned char numbers[20], tail[11]; /* the varints, first: the size is then exact */
+    size_t n = (size_t)(put_long(put_long(numbers, seq), time_ms) - numbers);
+    tail[0] = has_engine_seq ? 2 : 0; /* engine_seq: the union's long branch, or null */
+    size_t t = has_engine_seq ? (size_t)(put_long(tail + 1, engine_seq) - tail) : 1;
+    size_t h = (size_t)PyBytes_GET_SIZE(head), b = (size_t)len;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(h + n + b + t));
     if (out == NULL)
         return NULL;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = start;
-    memcpy(p, PyBytes_AS_STRING(head), (size_t)h);
-    p = put_long(p + h, seq);
-    p = put_long(p, time_ms);
-    memcpy(p, PyBytes_AS_STRING(body), (size_t)b);
-    p += b;
-    *p++ = has_engine_seq ? 2 : 0; /* engine_seq: the union's long branch, or null */
-    if (has_engine_seq)
-        p = put_long(p, engine_seq);
-    if (_PyBytes_Resize(&out, p - start) < 0)
-        return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    memcpy(p, PyBytes_AS_STRING(head), h);
+    memcpy(p + h, numbers, n);
+    memcpy(p + h + n, body, b);
+    memcpy(p + h + n + b, tail, t);
     return out;
 }
 
@@ -649,138 +659,230 @@ static PyObject *vllm_frame(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (long_arg(args[1], &seq) < 0 || long_arg(args[2], &time_ms) < 0 ||
         (has_engine_seq && long_arg(args[4], &engine_seq) < 0))
         return NULL;
-    return make_frame(args[0], seq, time_ms, args[3], has_engine_seq, engine_seq);
+    return make_frame(args[0], seq, time_ms, PyBytes_AS_STRING(args[3]),
+                      PyBytes_GET_SIZE(args[3]), has_engine_seq, engine_seq);
+}
+
+/* Where prepared events go and how they are stamped (produce()'s arguments but the items). */
+typedef struct {
+    PyObject *produce, *topic, *head, *seqs, *keys, *counts;
+    int64_t time_ms, engine_seq;
+    int has_engine_seq;
+} Outlet;
+
+/* a: produce, topic, head, time_ms, engine_seq, then seqs, keys, counts at a[5 + gap]... */
+static int outlet_of(Outlet *o, PyObject *const *a, PyObject *const *dicts) {
+    if (!PyBytes_Check(a[2]) || !PyDict_Check(dicts[0]) || !PyDict_Check(dicts[1]) ||
+        !PyDict_Check(dicts[2])) {
+        PyErr_SetString(PyExc_TypeError, "head: bytes, seqs, keys, counts: dict");
+        return -1;
+    }
+    *o = (Outlet){a[0], a[1], a[2], dicts[0], dicts[1], dicts[2], 0, 0, a[4] != Py_None};
+    return long_arg(a[3], &o->time_ms) < 0 ||
+                   (o->has_engine_seq && long_arg(a[4], &o->engine_seq) < 0)
+               ? -1
+               : 0;
+}
+
+/* One prepared event framed and produced, numbered from seqs (then advanced) and counted in
+ * counts[kind]: 1. 0 where the caller takes it itself: its group has no key yet, or
+ * produce raised (cleared; its number not spent). -1 on an error. */
+static int produce_one(const Outlet *o, PyObject *kind, PyObject *group, const char *body,
+                       Py_ssize_t len) {
+    PyObject *key = PyDict_GetItemWithError(o->keys, group);
+    if (key == NULL)
+        return PyErr_Occurred() ? -1 : 0; /* the caller checks it is announced first */
+    PyObject *seq_obj = PyDict_GetItemWithError(o->seqs, group);
+    int64_t seq = 0;
+    if ((seq_obj == NULL && PyErr_Occurred()) || (seq_obj != NULL && long_arg(seq_obj, &seq) < 0))
+        return -1;
+    PyObject *value =
+        make_frame(o->head, seq, o->time_ms, body, len, o->has_engine_seq, o->engine_seq);
+    if (value == NULL)
+        return -1;
+    Py_INCREF(key); /* key, kind and group held while Python code (produce) runs */
+    Py_INCREF(kind);
+    Py_INCREF(group);
+    PyObject *call[4] = {NULL, o->topic, value, key};
+    PyObject *got =
+        PyObject_Vectorcall(o->produce, call + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(value);
+    Py_DECREF(key);
+    int rc = 1;
+    if (got == NULL) {
+        PyErr_Clear(); /* the caller produces it again and says why it cannot */
+        rc = 0;
+    } else {
+        Py_DECREF(got);
+        PyObject *next = PyLong_FromLongLong(seq + 1);
+        PyObject *count = PyDict_GetItemWithError(o->counts, kind);
+        PyObject *more = NULL;
+        if (next != NULL && !(count == NULL && PyErr_Occurred()))
+            more = count == NULL ? Py_NewRef(one) : PyNumber_Add(count, one);
+        if (next == NULL || more == NULL || PyDict_SetItem(o->seqs, group, next) < 0 ||
+            PyDict_SetItem(o->counts, kind, more) < 0)
+            rc = -1;
+        Py_XDECREF(next);
+        Py_XDECREF(more);
+    }
+    Py_DECREF(kind);
+    Py_DECREF(group);
+    return rc;
 }
 
 /* produce(produce, topic, head, time_ms, engine_seq, items, start, seqs, keys, counts)
  *     -> the index of the first item not produced here (len(items): all were)
  * Frames and produces, in order from items[start], the prepared events (kind, group, body)
- * whose group has its key in keys: each numbered from seqs (then advanced) and counted in
- * counts[kind]. Stops at anything else (a kvledger event, a group not keyed yet) and at a
- * produce that raises (cleared; its number not spent): the caller takes that item itself,
- * retrying or refusing it, and calls again after it. */
+ * whose group has its key in keys (see produce_one). Stops at anything else (a kvledger
+ * event, a group not keyed yet) and at a produce that raises: the caller takes that item
+ * itself, retrying or refusing it, and calls again after it. */
 static PyObject *vllm_produce(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10 || !PyBytes_Check(args[2]) || !PyList_Check(args[5]) ||
-        !PyDict_Check(args[7]) || !PyDict_Check(args[8]) || !PyDict_Check(args[9])) {
+    Outlet o;
+    int64_t start;
+    if (nargs != 10 || !PyList_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError,
                         "produce(produce, topic, head: bytes, time_ms: int, engine_seq: "
                         "int | None, items: list, start: int, seqs: dict, keys: dict, "
                         "counts: dict)");
         return NULL;
     }
-    PyObject *produce = args[0], *topic = args[1], *head = args[2], *items = args[5];
-    PyObject *seqs = args[7], *keys = args[8], *counts = args[9];
-    int64_t time_ms, engine_seq = 0, start;
-    int has_engine_seq = args[4] != Py_None;
-    if (long_arg(args[3], &time_ms) < 0 || long_arg(args[6], &start) < 0 ||
-        (has_engine_seq && long_arg(args[4], &engine_seq) < 0))
+    if (outlet_of(&o, args, args + 7) < 0 || long_arg(args[6], &start) < 0)
         return NULL;
+    PyObject *items = args[5];
     Py_ssize_t i = start < 0 ? 0 : (Py_ssize_t)start;
-    for (; i < PyList_GET_SIZE(items); i++) {
+    for (; i < PyList_GET_SIZE(items); i++) { /* produce may run Python code: read again */
         PyObject *item = PyList_GET_ITEM(items, i);
         if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 3 ||
             !PyBytes_Check(PyTuple_GET_ITEM(item, 2)))
             break;
-        PyObject *kind = PyTuple_GET_ITEM(item, 0), *group = PyTuple_GET_ITEM(item, 1);
-        PyObject *key = PyDict_GetItemWithError(keys, group);
-        if (key == NULL) {
-            if (PyErr_Occurred())
-                return NULL;
-            break; /* a group not keyed yet: the caller checks it is announced first */
-        }
-        PyObject *seq_obj = PyDict_GetItemWithError(seqs, group);
-        int64_t seq = 0;
-        if (seq_obj == NULL && PyErr_Occurred())
-            return NULL;
-        if (seq_obj != NULL && long_arg(seq_obj, &seq) < 0)
-            return NULL;
-        Py_INCREF(item); /* item and key held while Python code (produce) runs */
-        Py_INCREF(key);
-        PyObject *value = make_frame(head, seq, time_ms, PyTuple_GET_ITEM(item, 2),
-                                     has_engine_seq, engine_seq);
-        PyObject *call[4] = {NULL, topic, value, key};
-        PyObject *got = value == NULL ? NULL
-                                      : PyObject_Vectorcall(produce, call + 1,
-                                                            3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                                            NULL);
-        Py_XDECREF(value);
-        Py_DECREF(key);
-        if (got == NULL) {
-            Py_DECREF(item);
-            if (value == NULL)
-                return NULL;
-            PyErr_Clear(); /* the caller produces it again and says why it cannot */
-            break;
-        }
-        Py_DECREF(got);
-        PyObject *next = PyLong_FromLongLong(seq + 1);
-        PyObject *count = PyDict_GetItemWithError(counts, kind);
-        PyObject *more = NULL;
-        if (next != NULL && !(count == NULL && PyErr_Occurred()))
-            more = count == NULL ? Py_NewRef(one) : PyNumber_Add(count, one);
-        int rc = next == NULL || more == NULL || PyDict_SetItem(seqs, group, next) < 0 ||
-                         PyDict_SetItem(counts, kind, more) < 0
-                     ? -1
-                     : 0;
-        Py_XDECREF(next);
-        Py_XDECREF(more);
+        PyObject *body = PyTuple_GET_ITEM(item, 2);
+        Py_INCREF(item);
+        int rc = produce_one(&o, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1),
+                             PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body));
         Py_DECREF(item);
         if (rc < 0)
             return NULL;
+        if (rc == 0)
+            break;
     }
     return PyLong_FromSsize_t(i);
 }
 
-/* A whole batch's prepared items produced from the start: (items, done) as produce() says.
- * rest: produce, topic, head, time_ms, engine_seq, seqs, keys, counts (produce()'s order). */
-static PyObject *produce_batch(PyObject *module, PyObject *items, PyObject *const *rest) {
-    PyObject *start = PyLong_FromLong(0);
-    PyObject *call[10] = {rest[0], rest[1], rest[2], rest[3], rest[4],
-                          items,   start,   rest[5], rest[6], rest[7]};
-    PyObject *done = start == NULL ? NULL : vllm_produce(module, call, 10);
-    Py_XDECREF(start);
-    PyObject *out = done == NULL ? NULL : PyTuple_Pack(2, items, done);
-    Py_XDECREF(done);
-    return out;
+/* A batch prepared whole into one buffer: each event's kind, group and body's place. */
+typedef struct {
+    Writer w;
+    Py_ssize_t n;
+    struct {
+        long kind;
+        PyObject *group;
+        Py_ssize_t at, len;
+    } *ev;
+} Batch;
+
+static int batch_start(Batch *b, Py_ssize_t n) {
+    b->n = 0;
+    b->ev = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *b->ev);
+    if (b->ev == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (writer_start(&b->w, 4096) < 0) { /* room for a 256-token store */
+        PyMem_Free(b->ev);
+        return -1;
+    }
+    return 0;
+}
+
+static void batch_end(Batch *b) {
+    for (Py_ssize_t i = 0; i < b->n; i++)
+        Py_XDECREF(b->ev[i].group);
+    PyMem_Free(b->ev);
+    PyMem_Free(b->w.buf);
+}
+
+/* The batch produced from its start: (rest, done), rest the items not produced (as
+ * prepare() gives them: the caller takes them from there, as produce() says). */
+static PyObject *produce_prepared(Batch *b, const Outlet *o) {
+    Py_ssize_t done = 0;
+    for (; done < b->n; done++) {
+        int rc = produce_one(o, kind_names[b->ev[done].kind], b->ev[done].group,
+                             b->w.buf + b->ev[done].at, b->ev[done].len);
+        if (rc < 0)
+            return NULL;
+        if (rc == 0)
+            break;
+    }
+    PyObject *rest = PyList_New(b->n - done);
+    for (Py_ssize_t i = done; rest != NULL && i < b->n; i++) {
+        PyObject *item = item_of(b->ev[i].kind, Py_NewRef(b->ev[i].group),
+                                 b->w.buf + b->ev[i].at, b->ev[i].len);
+        if (item == NULL)
+            Py_CLEAR(rest);
+        else
+            PyList_SET_ITEM(rest, i - done, item);
+    }
+    return rest == NULL ? NULL : Py_BuildValue("(Nn)", rest, done);
 }
 
 /* publish(digest, partial, codes, events, produce, topic, head, time_ms, engine_seq, seqs,
- *         keys, counts) -> (items, done) | None
- * prepare() over the whole batch, then produce() from its start, in one call: (items, done)
- * with items[:done] produced (done < len(items): produce stopped there, as it says). None,
- * with nothing produced, when this pass leaves any event of the batch (the caller prepares
- * and writes it itself). */
+ *         keys, counts) -> (rest, done) | None
+ * prepare() over the whole batch, then produce() from its start, in one call, each body
+ * framed straight from where it was written: done produced, rest the items after them
+ * (empty: all were; else produce stopped there, as it says). None, with nothing produced,
+ * when this pass leaves any event of the batch (the caller prepares and writes it). */
 static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
+    Outlet o;
+    if (nargs != 12 || (args[1] != Py_None && !PyDict_Check(args[1])) ||
+        !PyDict_Check(args[2]) || !PyList_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,
-                        "publish(digest, partial, codes, events, produce, topic, head, "
-                        "time_ms, engine_seq, seqs, keys, counts)");
+                        "publish(digest, partial: dict | None, codes: dict, events: list, "
+                        "produce, topic, head, time_ms, engine_seq, seqs, keys, counts)");
         return NULL;
     }
-    /* the first three first: a caller binds them once (its hash form and tables) */
-    PyObject *prepare_args[4] = {args[3], args[0], args[1], args[2]};
-    PyObject *got = vllm_prepare(module, prepare_args, 4);
-    if (got == NULL || got == Py_None)
-        return got;
-    PyObject *items = PyTuple_GET_ITEM(got, 0);
-    Py_ssize_t left = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 1));
-    if (left != 0) {
-        Py_DECREF(got);
-        if (left < 0 && PyErr_Occurred())
-            return NULL;
-        return Py_NewRef(Py_None);
+    int digest = PyObject_IsTrue(args[0]);
+    if (digest < 0 || outlet_of(&o, args + 4, args + 9) < 0)
+        return NULL;
+    PyObject *events = args[3], *codes = args[2], *out = NULL;
+    Batch b;
+    if (batch_start(&b, PyList_GET_SIZE(events)) < 0)
+        return NULL;
+    int rc = 0;
+    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(events); rc == 0 && i < n; i++) {
+        if (i >= PyList_GET_SIZE(events)) { /* an attribute read may run Python code */
+            PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+            rc = -1;
+            break;
+        }
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i));
+        PyObject *code = PyDict_GetItemWithError(codes, (PyObject *)Py_TYPE(event));
+        long kind = code != NULL && PyLong_CheckExact(code) ? PyLong_AsLong(code) : -1;
+        if (code == NULL && PyErr_Occurred())
+            rc = -1;
+        else if (kind != 0 && kind != 1) /* a class not seen yet, or not vLLM's */
+            rc = SLOW;
+        else {
+            Py_ssize_t at = b.w.len;
+            rc = write_one(kind, event, digest, args[1], &b.w, &b.ev[b.n].group);
+            if (rc == 0)
+                b.ev[b.n].kind = kind, b.ev[b.n].at = at, b.ev[b.n].len = b.w.len - at, b.n++;
+        }
+        Py_DECREF(event);
     }
-    PyObject *out = produce_batch(module, items, args + 4);
-    Py_DECREF(got);
+    if (rc == 0)
+        out = produce_prepared(&b, &o);
+    else if (rc == SLOW)
+        out = Py_NewRef(Py_None);
+    batch_end(&b);
     return out;
 }
 
 /* publish_packed(digest, partial, events, produce, topic, head, time_ms, engine_seq, seqs,
- *                keys, counts) -> (items, done) | None
+ *                keys, counts) -> (rest, done) | None
  * As publish(), for a relay's batch whose events are still msgpack (buffers): event() over
  * the whole batch, then produce() from its start. None, nothing produced, when event()
  * declines any of them (the caller decodes the batch whole). */
 static PyObject *vllm_publish_packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Outlet o;
     if (nargs != 11 || (args[1] != Py_None && !PyDict_Check(args[1])) || !PyList_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError,
                         "publish_packed(digest, partial: dict | None, events: list, produce, "
@@ -788,37 +890,35 @@ static PyObject *vllm_publish_packed(PyObject *module, PyObject *const *args, Py
         return NULL;
     }
     int digest = PyObject_IsTrue(args[0]);
-    if (digest < 0)
+    if (digest < 0 || outlet_of(&o, args + 3, args + 8) < 0)
         return NULL;
     PyObject *events = args[2], *out = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    Writer w; /* shared by the batch's events, as their token ids' place is */
-    Located e = {.tokens = {NULL, 0, 0}};
-    if (writer_start(&w, 4096) < 0)
+    Batch b;
+    Located e = {.tokens = {NULL, 0, 0}}; /* shared by the batch's events, as b's writer is */
+    if (batch_start(&b, PyList_GET_SIZE(events)) < 0)
         return NULL;
-    PyObject *items = PyList_New(n);
-    for (Py_ssize_t i = 0; items != NULL && i < n; i++) {
+    int rc = 0;
+    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(events); rc == 0 && i < n; i++) {
         if (i >= PyList_GET_SIZE(events)) {
             PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
-            Py_CLEAR(items);
+            rc = -1;
             break;
         }
-        PyObject *packed = Py_NewRef(PyList_GET_ITEM(events, i));
-        PyObject *got = packed_one(packed, digest, args[1], &w, &e);
-        Py_DECREF(packed);
-        if (got == NULL || got == Py_None) {
-            Py_CLEAR(items);
-            out = got; /* NULL (an error) or None (declined) */
-            break;
-        }
-        PyList_SET_ITEM(items, i, got);
+        int kind;
+        int64_t group;
+        Py_ssize_t at = b.w.len;
+        rc = packed_write(PyList_GET_ITEM(events, i), digest, args[1], &b.w, &e, &kind, &group);
+        if (rc == 0 && (b.ev[b.n].group = PyLong_FromLongLong(group)) == NULL)
+            rc = -1;
+        if (rc == 0)
+            b.ev[b.n].kind = kind, b.ev[b.n].at = at, b.ev[b.n].len = b.w.len - at, b.n++;
     }
-    PyMem_Free(w.buf);
+    if (rc == 0)
+        out = produce_prepared(&b, &o);
+    else if (rc == SLOW)
+        out = Py_NewRef(Py_None);
     PyMem_Free(e.tokens.buf);
-    if (items == NULL)
-        return out;
-    out = produce_batch(module, items, args + 3);
-    Py_DECREF(items);
+    batch_end(&b);
     return out;
 }
 

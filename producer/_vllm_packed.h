@@ -451,39 +451,28 @@ static int mp_write_removed(Writer *w, Located *e, int digest) {
     return 0;
 }
 
-/* One event still in msgpack: (kind name, group, bytes), or None; w: a started writer and
- * e: a place for the event's fields and token ids, both emptied first (a batch's events
- * share them). */
-static PyObject *packed_one(PyObject *packed, int digest, PyObject *partial, Writer *w,
-                            Located *e) {
+/* One event still in msgpack, its body appended to w: 0 with *kind and *group set, SLOW
+ * where this pass does not take it, -1 on an error; e: a place for the event's fields and
+ * token ids (a batch's events share one). */
+static int packed_write(PyObject *packed, int digest, PyObject *partial, Writer *w, Located *e,
+                        int *kind, int64_t *group) {
     Py_buffer view;
     if (PyObject_GetBuffer(packed, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
+        return -1;
     Packed m = {view.buf, (const unsigned char *)view.buf + view.len};
-    int kind = -1;
-    int64_t group = 0;
-    PyObject *out = NULL;
-    int rc = locate(&m, e, &kind);
+    *kind = -1;
+    *group = 0;
+    int rc = locate(&m, e, kind);
     if (rc == 0 && e->at[F_GROUP_IDX] != NULL) {
         Packed g = field(e, F_GROUP_IDX);
-        if (!mp_nil(&g) && (mp_int(&g, &group, NULL) || group < INT32_MIN || group > INT32_MAX))
+        if (!mp_nil(&g) && (mp_int(&g, group, NULL) || *group < INT32_MIN || *group > INT32_MAX))
             rc = SLOW;
     }
-    w->len = 0;
     if (rc == 0)
-        rc = kind == 0 ? mp_write_stored(w, e, digest, group, partial)
-                       : mp_write_removed(w, e, digest);
-    if (rc == 0) {
-        PyObject *data = PyBytes_FromStringAndSize(w->buf, w->len);
-        PyObject *g = data == NULL ? NULL : PyLong_FromLongLong(group);
-        out = g == NULL ? NULL : PyTuple_Pack(3, kind_names[kind], g, data);
-        Py_XDECREF(data);
-        Py_XDECREF(g);
-    } else if (rc == SLOW) {
-        out = Py_NewRef(Py_None);
-    }
+        rc = *kind == 0 ? mp_write_stored(w, e, digest, *group, partial)
+                        : mp_write_removed(w, e, digest);
     PyBuffer_Release(&view);
-    return out;
+    return rc;
 }
 
 /* event(packed, digest, partial) -> (kind name, group, bytes) | None */
@@ -497,9 +486,14 @@ static PyObject *vllm_event(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     Writer w;
     Located e = {.tokens = {NULL, 0, 0}};
+    int kind;
+    int64_t group;
     if (writer_start(&w, 1024) < 0)
         return NULL;
-    PyObject *out = packed_one(args[0], digest, args[2], &w, &e);
+    int rc = packed_write(args[0], digest, args[2], &w, &e, &kind, &group);
+    PyObject *out = rc == SLOW ? Py_NewRef(Py_None)
+                    : rc < 0   ? NULL
+                               : item_of(kind, PyLong_FromLongLong(group), w.buf, w.len);
     PyMem_Free(w.buf);
     PyMem_Free(e.tokens.buf);
     return out;

@@ -120,9 +120,9 @@ class SourceStream:
             got = form.publish(events, self._produce, self.config.topic, head, time_ms,
                                engine_seq, self.seqs, self._keys, self._counts)  # fmt: skip
             if got is not None:
-                items, done = got
-                if done < len(items):  # the client refused one: the rest as write() takes it
-                    return self.write(items, (time_ms, engine_seq, dp_rank), start=done)
+                rest, done = got
+                if rest:  # the client refused one: the rest as write() takes it
+                    return done + self.write(rest, (time_ms, engine_seq, dp_rank))
                 now = self.last_produce = time.monotonic()  # _produced(), in line
                 if now - self._last_poll >= POLL_INTERVAL_S:
                     self.poll(now)
@@ -219,11 +219,11 @@ class SourceStream:
 
     # ------------------------------------------------------------------ internals
     def _published(self, got: tuple[list[Prepared | KVEvent], int], stamp: Stamp) -> int:
-        """After a compiled publish of a whole batch (items, done): the rest from where
+        """After a compiled publish of a whole batch (rest, done): the rest from where
         produce stopped, if it did, as :meth:`write` takes it."""
-        items, done = got
-        if done < len(items):
-            return self.write(items, stamp, start=done)
+        rest, done = got
+        if rest:
+            return done + self.write(rest, stamp)
         self._produced(done)
         return done
 

@@ -517,7 +517,8 @@ def _recorder(fail_at: int | None = None) -> tuple[list[tuple[str, bytes, bytes]
 def test_a_batch_published_in_one_call_is_what_prepare_then_produce_give() -> None:
     """publish (prepare and produce in one call, an embedded engine's batch) produces the
     same messages, numbers and counts as prepare then produce; a batch with an event the
-    pass leaves produces nothing; a refused produce stops it where produce stops."""
+    pass leaves produces nothing; a refused produce stops it where produce stops, and
+    what was not produced comes back as prepare gives it."""
     form = _form(False)
     head = CODEC.envelope_head(STAMP["source"], "m", 2, STAMP["epoch"])
     events = [e for e in vllm_events(200, seed=5) if taken(form.prepare([e])[0])]
@@ -537,7 +538,7 @@ def test_a_batch_published_in_one_call_is_what_prepare_then_produce_give() -> No
     seqs: dict[int, int] = {3: 40}
     counts: dict[str, int] = {}
     got = form.publish(events, produce, "t", head, 1_764_000_000_500, 9, seqs, keys, counts)
-    assert got is not None and got[1] == len(events) and len(got[0]) == len(events)
+    assert got == ([], len(events))  # nothing left: every one produced
     assert (calls, seqs, counts) == (want_calls, want_seqs, want_counts)
 
     class Unseen(BlockStored):  # a class the pass has not learnt: the batch goes back
@@ -552,7 +553,7 @@ def test_a_batch_published_in_one_call_is_what_prepare_then_produce_give() -> No
     calls, produce = _recorder(fail_at=7)
     seqs = {3: 40}
     got = form.publish(events, produce, "t", head, 1_764_000_000_500, 9, seqs, keys, {})
-    assert got is not None and got[1] == 7
+    assert got == (form.prepare(events)[7:], 7)  # the rest, as prepare gives it
     assert calls == want_calls[:7]
     numbered = [group_of(from_vllm_event(e)) for e in events[:7]]
     assert all(seqs[g] == (40 if g == 3 else 0) + numbered.count(g) for g in set(numbered))
@@ -585,7 +586,11 @@ def test_a_packed_batch_published_in_one_call_is_what_prepare_then_produce_give(
         want_calls, want_produce = _recorder()
         want_seqs: dict[int, int] = {0: 3}
         _vllm.produce(want_produce, "t", head, 77, start, items, 0, want_seqs, keys, {})
-        assert got is not None and got[1] == len(items)
+        assert got == ([], len(items))
         assert (calls, seqs) == (want_calls, want_seqs)
+        if len(items) > 1:  # refused at the second: the rest comes back as prepared
+            calls, produce = _recorder(fail_at=1)
+            got = form.publish_packed(batch.events, produce, "t", head, 77, start, {0: 3}, keys, {})
+            assert got == (items[1:], 1) and calls == want_calls[:1]
         published += 1
     assert published >= 25 and declined >= 1

@@ -36,7 +36,13 @@
  *
  * publish(digest, partial, codes, events, ...): prepare() and produce() over one batch in
  * one call (an embedded engine's batch: see vllm_publish); publish_packed(digest, partial,
- * events, ...) the same with event() (a relay's batch: see vllm_publish_packed). */
+ * events, ...) the same with event() (a relay's batch: see vllm_publish_packed). The
+ * batch's bodies are written one after another into one buffer and each message framed
+ * from there; only what produce leaves becomes items.
+ *
+ * Reading an event: a class's fields are found once (see Layout: a msgspec struct's slots
+ * are read at their offsets), each int of a token list read in place. Most of what is left
+ * is waiting on memory: every token id is an object of its own. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

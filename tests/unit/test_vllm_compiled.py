@@ -365,6 +365,24 @@ def test_vllms_own_event_objects_take_the_compiled_pass(vllm_kv_events: ModuleTy
         assert compiled_path(item, form, i, None) == python_path(event, form, i, None)  # type: ignore[arg-type]
 
 
+def test_the_benchmarks_vllm_objects_are_vllms_own(vllm_kv_events: ModuleType) -> None:
+    """kvledger.vllm_engine.vllm_batch (the publish-path benchmark's batches) builds objects
+    that vLLM's own classes match field for field, encoding and all."""
+    from kvledger.vllm_engine import removed, stored, vllm_batch
+
+    kv = vllm_kv_events
+    events = [stored([2**64 - 1, 5], None, list(range(32)), 16, group_idx=1), removed([5])]
+    ours = vllm_batch(1_764_000_000.5, events, rank=3)
+    theirs = kv.KVEventBatch(
+        ts=1_764_000_000.5, data_parallel_rank=3,
+        events=[getattr(kv, e.kind)(**e.fields) for e in events],
+    )  # fmt: skip
+    assert msgspec.msgpack.encode(ours) == msgspec.msgpack.encode(theirs)
+    for mine, vllms in zip(ours.events, theirs.events, strict=True):
+        assert type(mine).__struct_fields__ == type(vllms).__struct_fields__
+        assert type(mine).__struct_config__.tag == type(vllms).__struct_config__.tag
+
+
 # ---------------------------------------------------------------------- a relay's packed batches
 def _payload(events: list[Any], positional: bool) -> bytes:
     """A batch on vLLM's wire: tagged maps, or positional arrays (vLLM's field order)."""

@@ -676,7 +676,7 @@ typedef struct {
     int has_engine_seq;
 } Outlet;
 
-/* a: produce, topic, head, time_ms, engine_seq, then seqs, keys, counts at a[5 + gap]... */
+/* a: produce, topic, head, time_ms, engine_seq; dicts: seqs, keys, counts. */
 static int outlet_of(Outlet *o, PyObject *const *a, PyObject *const *dicts) {
     if (!PyBytes_Check(a[2]) || !PyDict_Check(dicts[0]) || !PyDict_Check(dicts[1]) ||
         !PyDict_Check(dicts[2])) {

@@ -559,6 +559,15 @@ static PyObject *vllm_body(PyObject *module, PyObject *const *args, Py_ssize_t n
     return out;
 }
 
+/* Whether a list of events has lost item i while its events were read (an attribute read
+ * may run Python code): then RuntimeError is set. */
+static int shrank(PyObject *events, Py_ssize_t i) {
+    if (i < PyList_GET_SIZE(events))
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+    return 1;
+}
+
 /* prepare(events, digest, partial, codes) -> (items, left)
  * body() over a list of events: items[i] is events[i] prepared, or events[i] itself where
  * this pass leaves it (its class not in codes as 0 or 1, or a field it does not take);
@@ -583,10 +592,8 @@ static PyObject *vllm_prepare(PyObject *module, PyObject *const *args, Py_ssize_
     if (items == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= PyList_GET_SIZE(events)) { /* an attribute read may run Python code */
-            PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+        if (shrank(events, i))
             goto fail;
-        }
         PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i)), *got = NULL;
         if (PyTuple_Check(event)) {
             Py_DECREF(event);
@@ -806,6 +813,15 @@ static void batch_end(Batch *b) {
     PyMem_Free(b->w.buf);
 }
 
+/* An event written to b's buffer from at on: its kind and group (stolen) kept beside. */
+static void batch_add(Batch *b, long kind, PyObject *group, Py_ssize_t at) {
+    b->ev[b->n].kind = kind;
+    b->ev[b->n].group = group;
+    b->ev[b->n].at = at;
+    b->ev[b->n].len = b->w.len - at;
+    b->n++;
+}
+
 /* The batch produced from its start: (rest, done), rest the items not produced (as
  * prepare() gives them: the caller takes them from there, as produce() says). */
 static PyObject *produce_prepared(Batch *b, const Outlet *o) {
@@ -830,6 +846,14 @@ static PyObject *produce_prepared(Batch *b, const Outlet *o) {
     return rest == NULL ? NULL : Py_BuildValue("(Nn)", rest, done);
 }
 
+/* A publish's answer once its batch is prepared (rc as the last event's write gave it):
+ * the batch produced, None where this pass left an event, NULL on an error; b ended. */
+static PyObject *batch_finish(Batch *b, const Outlet *o, int rc) {
+    PyObject *out = rc == 0 ? produce_prepared(b, o) : rc == SLOW ? Py_NewRef(Py_None) : NULL;
+    batch_end(b);
+    return out;
+}
+
 /* publish(digest, partial, codes, events, produce, topic, head, time_ms, engine_seq, seqs,
  *         keys, counts) -> (rest, done) | None
  * prepare() over the whole batch, then produce() from its start, in one call, each body
@@ -848,14 +872,13 @@ static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_
     int digest = PyObject_IsTrue(args[0]);
     if (digest < 0 || outlet_of(&o, args + 4, args + 9) < 0)
         return NULL;
-    PyObject *events = args[3], *codes = args[2], *out = NULL;
+    PyObject *events = args[3], *codes = args[2];
     Batch b;
     if (batch_start(&b, PyList_GET_SIZE(events)) < 0)
         return NULL;
     int rc = 0;
     for (Py_ssize_t i = 0, n = PyList_GET_SIZE(events); rc == 0 && i < n; i++) {
-        if (i >= PyList_GET_SIZE(events)) { /* an attribute read may run Python code */
-            PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+        if (shrank(events, i)) {
             rc = -1;
             break;
         }
@@ -868,18 +891,13 @@ static PyObject *vllm_publish(PyObject *module, PyObject *const *args, Py_ssize_
             rc = SLOW;
         else {
             Py_ssize_t at = b.w.len;
-            rc = write_one(kind, event, digest, args[1], &b.w, &b.ev[b.n].group);
-            if (rc == 0)
-                b.ev[b.n].kind = kind, b.ev[b.n].at = at, b.ev[b.n].len = b.w.len - at, b.n++;
+            PyObject *group;
+            if ((rc = write_one(kind, event, digest, args[1], &b.w, &group)) == 0)
+                batch_add(&b, kind, group, at);
         }
         Py_DECREF(event);
     }
-    if (rc == 0)
-        out = produce_prepared(&b, &o);
-    else if (rc == SLOW)
-        out = Py_NewRef(Py_None);
-    batch_end(&b);
-    return out;
+    return batch_finish(&b, &o, rc);
 }
 
 /* publish_packed(digest, partial, events, produce, topic, head, time_ms, engine_seq, seqs,
@@ -898,34 +916,29 @@ static PyObject *vllm_publish_packed(PyObject *module, PyObject *const *args, Py
     int digest = PyObject_IsTrue(args[0]);
     if (digest < 0 || outlet_of(&o, args + 3, args + 8) < 0)
         return NULL;
-    PyObject *events = args[2], *out = NULL;
+    PyObject *events = args[2];
     Batch b;
     Located e = {.tokens = {NULL, 0, 0}}; /* shared by the batch's events, as b's writer is */
     if (batch_start(&b, PyList_GET_SIZE(events)) < 0)
         return NULL;
     int rc = 0;
     for (Py_ssize_t i = 0, n = PyList_GET_SIZE(events); rc == 0 && i < n; i++) {
-        if (i >= PyList_GET_SIZE(events)) {
-            PyErr_SetString(PyExc_RuntimeError, "the events changed while prepared");
+        if (shrank(events, i)) {
             rc = -1;
             break;
         }
         int kind;
         int64_t group;
         Py_ssize_t at = b.w.len;
+        PyObject *g = NULL;
         rc = packed_write(PyList_GET_ITEM(events, i), digest, args[1], &b.w, &e, &kind, &group);
-        if (rc == 0 && (b.ev[b.n].group = PyLong_FromLongLong(group)) == NULL)
+        if (rc == 0 && (g = PyLong_FromLongLong(group)) == NULL)
             rc = -1;
         if (rc == 0)
-            b.ev[b.n].kind = kind, b.ev[b.n].at = at, b.ev[b.n].len = b.w.len - at, b.n++;
+            batch_add(&b, kind, g, at);
     }
-    if (rc == 0)
-        out = produce_prepared(&b, &o);
-    else if (rc == SLOW)
-        out = Py_NewRef(Py_None);
     PyMem_Free(e.tokens.buf);
-    batch_end(&b);
-    return out;
+    return batch_finish(&b, &o, rc);
 }
 
 static PyMethodDef methods[] = {

@@ -126,6 +126,8 @@ class SourceStatus:
     gaps: int
     missing_events: int
     held: dict[str, int]
+    previous_model: str | None = None  # before its latest change of model (None: never)
+    model_changed_at: datetime | None = None
 
 
 def list_sources(
@@ -137,7 +139,8 @@ def list_sources(
         SELECT s.source, s.model, kvledger.source_state(s.source, %(w)s), s.epoch, s.last_seen,
                s.restarts, s.last_restart, s.gaps, s.missing_events, s.held_gpu, s.held_cpu,
                s.held_storage,
-               s.last_restart > now() - coalesce(%(w)s, kvledger.silent_after())
+               s.last_restart > now() - coalesce(%(w)s, kvledger.silent_after()),
+               s.previous_model, s.model_changed_at
         FROM kvledger.source_status s ORDER BY s.source
         """,
         {"w": silent_after},
@@ -150,7 +153,18 @@ def list_sources(
         held = {"GPU": int(row[9]), "CPU": int(row[10]), "STORAGE": int(row[11])}
         out.append(
             SourceStatus(
-                source, model, state, epoch, seen, restarts, last_restart, gaps, missing, held
+                source,
+                model,
+                state,
+                epoch,
+                seen,
+                restarts,
+                last_restart,
+                gaps,
+                missing,
+                held,
+                row[13],
+                row[14],
             )
         )
     return out

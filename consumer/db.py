@@ -8,16 +8,60 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from kvledger.schemas.errors import KvledgerError
+
 if TYPE_CHECKING:
     from alembic.config import Config
 
 
+# The schemes of a PostgreSQL URL: libpq's own, and SQLAlchemy's with a driver named.
+_SCHEMES = frozenset({"postgresql", "postgres"})
+URL_FORM = "postgresql+psycopg://USER@HOST:PORT/DATABASE, a password after USER:"
+
+
+class DatabaseUrlError(KvledgerError, ValueError):
+    """A database URL kvledger cannot use; the message never shows its password."""
+
+
 def conninfo(url: str) -> str:
-    """A libpq URL from a SQLAlchemy one (postgresql+psycopg:// → postgresql://)."""
+    """A libpq URL from a SQLAlchemy one (postgresql+psycopg:// → postgresql://).
+
+    Anything but a PostgreSQL URL raises :class:`DatabaseUrlError`, which shows the URL with
+    its password cut (libpq's and the drivers' own errors would print it whole)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise ValueError(f"not a database URL: {url!r}")
+        raise DatabaseUrlError(f"not a database URL ({URL_FORM}): {hide_password(url)!r}")
+    if scheme.split("+", 1)[0].lower() not in _SCHEMES:
+        raise DatabaseUrlError(f"not a PostgreSQL URL ({URL_FORM}): {hide_password(url)!r}")
     return f"{scheme.split('+', 1)[0]}://{rest}"
+
+
+def hide_password(url: str) -> str:
+    """``url`` with the password of its user part (before the last ``@``) as ***, with or
+    without a scheme."""
+    head, at, host = url.rpartition("@")
+    if not at:
+        return url
+    scheme, sep, user = head.rpartition("://")
+    name, colon, _ = user.partition(":")
+    return f"{scheme}{sep}{name}{':***' if colon else ''}@{host}"
+
+
+# What a database that `kvledger migrate` never ran on (or ran on with an older kvledger)
+# answers when asked for the index's tables and functions.
+SCHEMA_MISSING_ERRORS: tuple[type[psycopg.Error], ...] = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.InvalidSchemaName,
+)
+SCHEMA_MISSING = "the index schema is missing (or older than this kvledger): run `kvledger migrate`"
+
+
+class SchemaMissingError(KvledgerError):
+    """The database has no kvledger index schema (or an older one): run `kvledger migrate`."""
+
+    def __init__(self) -> None:
+        super().__init__(SCHEMA_MISSING)
 
 
 def connect(url: str, autocommit: bool = False) -> psycopg.Connection:
@@ -25,6 +69,7 @@ def connect(url: str, autocommit: bool = False) -> psycopg.Connection:
 
 
 def _alembic(url: str) -> tuple[ModuleType, Config]:
+    conninfo(url)  # a URL that is not PostgreSQL's is refused here, its password hidden
     from alembic import command
     from alembic.config import Config
 
@@ -41,6 +86,16 @@ def migrate(url: str, revision: str = "head") -> None:
     """Run Alembic's upgrade to ``revision`` (the project's migrations/)."""
     command, config = _alembic(url)
     command.upgrade(config, revision)
+
+
+def current_revision(url: str) -> str | None:
+    """The index schema's migration revision (None: never migrated)."""
+    with connect(url, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regclass('kvledger_migrations.version')").fetchone()
+        if found is None or found[0] is None:
+            return None
+        row = conn.execute("SELECT version_num FROM kvledger_migrations.version").fetchone()
+    return None if row is None else str(row[0])
 
 
 def downgrade(url: str, revision: str = "base") -> None:

@@ -15,7 +15,8 @@ from confluent_kafka.admin import AdminClient
 
 from kvledger.consumer.core.model import Rejection
 from kvledger.schemas.errors import KvledgerError
-from kvledger.schemas.topics import TOO_LARGE, admin_settings, ensure_topic
+from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.topics import STARTUP_TIMEOUT_S, TOO_LARGE, admin_settings, ensure_topic
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +58,14 @@ class DeadLetterProducer:
             **(settings or {}),
             "bootstrap.servers": bootstrap,
         }
-        self._producer = Producer(producer_settings)
+        self._producer = Producer(client_logging(producer_settings))
         self._failed: dict[int, KafkaError] = {}
-        admin = AdminClient(
+        admin = AdminClient(client_logging(
             {**admin_settings(settings or {}), "bootstrap.servers": bootstrap, "log_level": 4}
-        )
+        ))  # fmt: skip
         ensure_topic(
-            admin, topic, DLQ_PARTITIONS, timeout=timeout, exact_partitions=False,
+            admin, topic, DLQ_PARTITIONS, timeout=min(timeout, STARTUP_TIMEOUT_S),
+            exact_partitions=False,
             replication_factor=replication_factor, config=dict(topic_config or {}),
         )  # fmt: skip
         self.truncated = 0

@@ -11,6 +11,7 @@ rejected messages through the same core.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,6 +23,8 @@ from kvledger.consumer.inbound import Decoded, Inbound, decode
 from kvledger.consumer.store.base import IndexStore, TopicPartition, batch_offsets
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import DecodeError
+
+logger = logging.getLogger(__name__)
 
 
 class DeadLetterSink(Protocol):
@@ -89,6 +92,11 @@ def run_batch(
         store.write(plan, consumer_group, next_offsets)
         if dead_letters is not None:
             dead_letters.send(plan.rejected)
+    for change in plan.model_changes:
+        logger.warning(
+            "source %s changed model from %s to %s: one source id per engine and model "
+            "(`kvledger sources` shows the change)", change.source, change.previous, change.model,
+        )  # fmt: skip
     return BatchResult(plan, next_offsets)
 
 

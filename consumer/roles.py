@@ -21,7 +21,7 @@ import re
 import psycopg
 from psycopg import sql
 
-from kvledger.consumer.db import connect
+from kvledger.consumer.db import SchemaMissingError, connect
 from kvledger.schemas.errors import KvledgerError
 
 READER_GROUP = "kvledger_reader"
@@ -58,6 +58,10 @@ class WriterRoleError(KvledgerError):
     """A read-only service was given a role that can write to the index."""
 
 
+class RoleExistsError(KvledgerError):
+    """The login role exists already and was not to be given a new password."""
+
+
 def scram_verifier(password: str, iterations: int = 4096) -> str:
     """The SCRAM-SHA-256 verifier PostgreSQL stores for ``password`` (RFC 5802/7677)."""
     salt = os.urandom(16)
@@ -77,7 +81,7 @@ def can_write(conn: psycopg.Connection) -> bool:
     """Whether the connection's role could change the index (see ``_CAN_WRITE``)."""
     row = conn.execute(_CAN_WRITE).fetchone()
     if row is None:
-        raise RuntimeError("the kvledger schema does not exist here: run `kvledger migrate`")
+        raise SchemaMissingError
     return bool(row[0])
 
 
@@ -94,10 +98,15 @@ def ensure_read_only(url: str) -> None:
         )
 
 
-def create_reader(admin_url: str, owner_url: str, password: str, name: str = DEFAULT_LOGIN) -> bool:
-    """Create (or update the password of) the login role ``name``, a member of
-    kvledger_reader, with the admin's connection; then grant the reads with the owner's.
-    False when the owner's database has no index schema yet (the migration grants then)."""
+def create_reader(
+    admin_url: str, owner_url: str, password: str, name: str = DEFAULT_LOGIN,
+    reset_password: bool = False,
+) -> bool:  # fmt: skip
+    """Create the login role ``name``, a member of kvledger_reader, with the admin's
+    connection; then grant the reads with the owner's. A role that exists already raises
+    :class:`RoleExistsError` unless ``reset_password`` (then it gets ``password``, and the
+    logins that use its old one stop working). False when the owner's database has no
+    index schema yet (the migration grants then)."""
     if not _NAME.match(name):
         raise ValueError(f"role name {name!r}: lowercase letters, digits and _ only")
     if not password:
@@ -112,6 +121,11 @@ def create_reader(admin_url: str, owner_url: str, password: str, name: str = DEF
         row = conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (name,)).fetchone()
         if row is not None and row[0]:
             raise ValueError(f"role {name!r} is a superuser: it cannot be a read-only login")
+        if row is not None and not reset_password:
+            raise RoleExistsError(
+                f"role {name} exists already: pass --reset-password to give it this password "
+                "(logins with its old one then fail), or name another role"
+            )
         # ALTER names no SUPERUSER attribute: only a superuser may, and an admin with
         # CREATEROLE alone may re-run this command.
         template = (

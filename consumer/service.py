@@ -41,6 +41,7 @@ from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import NotAuthorizedError
+from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import admin_settings, partition_offsets, refused
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,10 @@ class IndexConsumer:
         self._read_from: dict[tuple[str, int], int] = {}
         self._consumer: Consumer | None = None
         self._dlq: DeadLetterProducer | None = None
-        self._admin = AdminClient(
+        self._admin = AdminClient(client_logging(
             {**admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
              "log_level": 4}
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def stop(self) -> None:
         """Ask the loop to finish its current batch and return (signal-handler safe)."""
@@ -163,7 +164,7 @@ class IndexConsumer:
         if cfg.group_instance_id:
             settings["group.instance.id"] = cfg.group_instance_id
         settings.update(cfg.kafka)
-        consumer = Consumer(settings)
+        consumer = Consumer(client_logging(settings))
         consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         return consumer
 

@@ -26,6 +26,7 @@ from kvledger.consumer.store.tables import COMPARED
 from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import KvledgerError
+from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import admin_settings
 
 # Every compared table's columns (wall-clock ones left out), from the one table list.
@@ -201,7 +202,7 @@ def _refuse_unsafe(
     from confluent_kafka import Consumer, KafkaException, TopicPartition
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient(admin_settings(settings))
+    admin = AdminClient(client_logging(admin_settings(settings)))
     try:
         described = admin.describe_consumer_groups([group])[group].result(timeout=30)
         members = len(described.members)
@@ -212,7 +213,9 @@ def _refuse_unsafe(
             f"consumer group {group!r} has {members} active member(s): stop its consumers "
             "before a rebuild (they would write into the index being replaced)"
         )
-    probe = Consumer({**settings, "group.id": f"{group}-rebuild-probe", "log_level": 3})
+    probe = Consumer(
+        client_logging({**settings, "group.id": f"{group}-rebuild-probe", "log_level": 3})
+    )
     try:
         partitions = probe.list_topics(topic, timeout=30).topics[topic].partitions
         trimmed = {

@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from functools import partial
 
-from confluent_kafka import KafkaException
-
-from kvledger import __version__, envopts
+from kvledger import __version__, envopts, parsers
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.redact import redact
-
-# The command modules, the functions that add their parsers, the commands they add, and the
-# extra that installs what they need. A base install (the producer alone) still lists every
-# command; one whose extra is missing says which to install.
-_COMMANDS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str], ...] = (
-    ("simulate_cmd", ("add_parser",), ("simulate",), ""),
-    ("consumer_cmds", ("add_parsers", "add_reliability_parsers"),
-     ("migrate", "consume", "groups", "dlq", "verify", "rebuild"), "consumer"),
-    ("demo", ("add_parser",), ("demo",), "all"),
-    ("lookup_cmds", ("add_parsers",), ("serve", "lookup"), "lookup"),
-    ("sources_cmd", ("add_parser",), ("sources",), "consumer"),
-    ("relay_cmd", ("add_parser",), ("relay",), "relay"),
-    ("roles_cmd", ("add_parser",), ("roles",), "consumer"),
-)  # fmt: skip
 
 # A module missing at run time → the extra that brings it.
 _EXTRA_OF = {
@@ -40,7 +22,7 @@ _EXTRA_OF = {
 }  # fmt: skip
 
 
-def _needs(command: str, extra: str, module: str | None, args: argparse.Namespace) -> int:
+def _needs(command: str, extra: str, module: str | None) -> int:
     print(
         f"kvledger {command}: this install lacks {module or 'a dependency'}: "
         f"pip install 'kvledger[{extra}]'",
@@ -49,35 +31,16 @@ def _needs(command: str, extra: str, module: str | None, args: argparse.Namespac
     return 1
 
 
-def _add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    for module, adders, names, extra in _COMMANDS:
-        try:
-            commands = importlib.import_module(f"kvledger.{module}")
-        except ModuleNotFoundError as exc:
-            if (exc.name or "").split(".")[0] not in _EXTRA_OF:
-                raise  # not a missing extra: a broken install, shown as it is
-            for name in names:
-                p = subparsers.add_parser(
-                    name, help=f"(not installed: pip install 'kvledger[{extra}]')",
-                    add_help=False,
-                )  # fmt: skip
-                p.add_argument("rest", nargs=argparse.REMAINDER, help="its arguments")
-                p.set_defaults(run=partial(_needs, name, extra, exc.name))
-            continue
-        for adder in adders:
-            getattr(commands, adder)(subparsers)
-
-
 def _usual_errors() -> tuple[type[BaseException], ...]:
     """The failures printed as one line: Kafka's, kvledger's, and PostgreSQL's when the
     consumer extra is installed."""
-    errors: list[type[BaseException]] = [KafkaException, KvledgerError]
-    try:
-        import psycopg
+    from confluent_kafka import KafkaException
 
-        errors.append(psycopg.OperationalError)
-    except ModuleNotFoundError:
-        pass
+    errors: list[type[BaseException]] = [KafkaException, KvledgerError]
+    if "psycopg" in sys.modules:  # the command used the database: the consumer extra is in
+        from kvledger.consumer.db import SCHEMA_MISSING_ERRORS
+
+        errors += [sys.modules["psycopg"].OperationalError, *SCHEMA_MISSING_ERRORS]
     return tuple(errors)
 
 
@@ -106,7 +69,7 @@ def _describe(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
+    parser = parsers.Parser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
     parser.add_argument(
         "-v", "--verbose", "--debug", dest="verbose", action="store_true",
@@ -117,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log lines as text, or as one JSON object each (for log collectors)",
     )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_commands(subparsers)
+    parsers.add_commands(subparsers)
     envopts.bind(parser)
     _describe(parser)
     return parser
@@ -160,16 +123,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = (exc.name or "").split(".")[0]
         if args.verbose or root not in _EXTRA_OF:
             raise
-        return _needs(args.command, _EXTRA_OF[root], root, args)
+        return _needs(args.command, _EXTRA_OF[root], root)
     except _usual_errors() as exc:
         if args.verbose:
             raise
         # The usual failures (a database or broker that does not answer, a refused operation)
         # in one line; -v shows the traceback.
+        from confluent_kafka import KafkaException
+
         what = "Kafka" if isinstance(exc, KafkaException) else (
             "error" if isinstance(exc, KvledgerError) else "database"
         )  # fmt: skip
         first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        if isinstance(exc, KafkaException) and exc.args and hasattr(exc.args[0], "str"):
+            first = redact(str(exc.args[0].str()))  # its words, not KafkaError{code=…}
+        if what == "database" and not isinstance(exc, sys.modules["psycopg"].OperationalError):
+            from kvledger.consumer.db import SCHEMA_MISSING
+
+            first = SCHEMA_MISSING
         if isinstance(exc, KafkaException) and exc.args and hasattr(exc.args[0], "name"):
             name = exc.args[0].name()
             if name.endswith("_AUTHORIZATION_FAILED") or name.endswith("AUTHENTICATION"):
@@ -178,9 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "it needs an ACL for this operation (README: Security)"
                 )
             elif name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
-                first += (
-                    " (no broker answered: check --bootstrap and the Kafka settings' TLS CA, "
-                    "SASL mechanism and credentials)"
+                first = (
+                    f"no broker answered ({first}): check --bootstrap (or "
+                    "$KVLEDGER_KAFKA_BOOTSTRAP), that the broker runs, and the Kafka settings' "
+                    "TLS CA, SASL mechanism and credentials"
                 )
         print(f"kvledger {args.command}: {what}: {first}", file=sys.stderr)
         return 1

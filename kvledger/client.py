@@ -36,11 +36,15 @@ class MatchAnswer:
     holders: list[Holder]
     ranked: list[Ranked]
     left_out: list[Holder]
+    # Set when the answer is empty because the index has no spec for the model and group
+    # asked (a mistyped name, or engines that have not announced it yet): why, in words.
+    unknown_group: str | None = None
 
 
 class LookupServiceError(Exception):
     """The service answered with an error: ``status``, its ``reason``, and for a 503 the
-    seconds to wait (``retry_after``)."""
+    seconds to wait (``retry_after``). ``status`` 0: no answer at all (nothing listening,
+    a timeout, a TLS failure); ``reason`` says which."""
 
     def __init__(self, status: int, reason: str, retry_after: float | None = None) -> None:
         super().__init__(f"{status}: {reason}")
@@ -105,6 +109,7 @@ class LookupClient:
             holders=[Holder(**h) for h in data["holders"]],
             ranked=[Ranked(**r) for r in data["ranked"]],
             left_out=[Holder(**h) for h in data["left_out"]],
+            unknown_group=data.get("unknown_group"),
         )
 
     def blocks(self, block_hash: bytes | int | str) -> list[Block]:
@@ -141,16 +146,28 @@ class LookupClient:
                 response = self._conn.getresponse()
                 raw = response.read()
                 break
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
                 self._conn.close()
                 if attempt == 2:
-                    raise
-        data = json.loads(raw) if raw else None
+                    raise self._unreachable(exc) from exc
+            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, TLS
+                self._conn.close()
+                raise self._unreachable(exc) from exc
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            data = None
         if response.status >= 400:
-            reason = data.get("error", "") if isinstance(data, dict) else raw.decode()[:200]
+            reason = data.get("error", "") if isinstance(data, dict) else (
+                raw.decode("utf-8", "replace")[:200]
+            )  # fmt: skip
             retry = response.getheader("Retry-After")
             raise LookupServiceError(response.status, reason, float(retry) if retry else None)
         return data
+
+    def _unreachable(self, exc: BaseException) -> LookupServiceError:
+        where = f"{self._conn.host}:{self._conn.port}"
+        return LookupServiceError(0, f"no answer from the lookup service at {where}: {exc}")
 
 
 def _block(row: Mapping[str, Any]) -> Block:

@@ -1,4 +1,5 @@
-"""`kvledger migrate | consume | groups | dlq`: the consumer side's commands."""
+"""`kvledger migrate | consume | groups | dlq | verify | rebuild`: the consumer side's
+commands (their arguments: kvledger.parsers)."""
 
 from __future__ import annotations
 
@@ -7,116 +8,30 @@ import json
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvledger import settings
 from kvledger.consumer import admin
-from kvledger.consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP, ConsumerConfig
-from kvledger.consumer.db import connect, migrate
+from kvledger.consumer.config import ConsumerConfig
+from kvledger.consumer.db import connect, current_revision, migrate
 from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.summary import RunSummary
 from kvledger.process import freeze_startup_objects
-from kvledger.schemas.events import SPEC_KINDS, GroupSpec
+from kvledger.schemas.events import GroupSpec
 from kvledger.tables import print_table
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-
-def _db_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
-
-
-def _log_args(p: argparse.ArgumentParser, group_help: str) -> None:
-    """The index's database and the log it is built from: broker, client and registry
-    settings, topic, consumer group (consume, verify and rebuild take the same)."""
-    _db_arg(p)
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    settings.add_kafka_args(p)
-    settings.add_registry_args(p)
-    p.add_argument("--topic", default="kv-events", help="the Kafka topic of events")
-    p.add_argument("--consumer-group", dest="group", default=DEFAULT_GROUP, help=group_help)
-
-
-def add_parsers(subparsers: Subparsers) -> None:
-    p = subparsers.add_parser("migrate", help="create or upgrade the index schema (alembic)")
-    _db_arg(p)
-    p.add_argument("--revision", default="head", help="the Alembic revision to reach")
-    p.set_defaults(run=_migrate)
-
-    p = subparsers.add_parser("consume", help="materialize the topic into the index")
-    _log_args(p, "the Kafka consumer group (its offsets live in the index)")
-    p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC, help="the dead-letter topic")
-    p.add_argument(
-        "--dlq-replication-factor", type=int, default=-1,
-        help="replication factor when the consumer creates the dead-letter topic (-1: the "
-        "cluster's default)",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-batch-retries", type=int, default=5,
-        help="tries of a batch failing with a transient-looking error on a working "
-        "connection before its failing message is isolated and rejected",
-    )  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=5000, help="messages per transaction")
-    p.add_argument("--batch-timeout", type=float, default=0.5, help="seconds")
-    p.add_argument(
-        "--until-caught-up",
-        action="store_true",
-        help="exit 0 once the stored offsets reach the partitions' end offsets",
-    )
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    p.add_argument(
-        "--metrics-host", default="127.0.0.1",
-        help="interface for the metrics (0.0.0.0 to reach them from other hosts)",
-    )  # fmt: skip
-    p.add_argument(
-        "--group-instance-id",
-        help="static group membership id: a restart with the same id resumes at once",
-    )
-    p.add_argument("--no-migrate", action="store_true", help="do not run migrations first")
-    p.set_defaults(run=_consume)
-
-    g = subparsers.add_parser("groups", help="declare or list KV-cache group specs")
-    gs = g.add_subparsers(dest="groups_command", required=True)
-    p = gs.add_parser("declare", help="declare a group's spec (wins over announcements)")
-    _db_arg(p)
-    p.add_argument("--model", required=True, help="the model the group belongs to")
-    p.add_argument(
-        "--group", type=int, required=True, dest="group_idx", help="the KV-cache group index"
-    )
-    p.add_argument(
-        "--kind", default="full_attention", choices=sorted(SPEC_KINDS), help="the spec kind"
-    )
-    p.add_argument("--block-size", type=int, required=True, help="tokens per KV block")
-    p.add_argument("--hash-block-size", type=int, help="defaults to the block size")
-    p.add_argument("--sliding-window", type=int, help="the window, for sliding-window kinds")
-    p.set_defaults(run=_groups_declare)
-    p = gs.add_parser("list", help="list group specs")
-    _db_arg(p)
-    p.add_argument("--json", action="store_true", help="one JSON object per group, as a list")
-    p.set_defaults(run=_groups_list)
-
-    d = subparsers.add_parser("dlq", help="inspect or replay rejected events")
-    ds = d.add_subparsers(dest="dlq_command", required=True)
-    p = ds.add_parser("list", help="rejections by reason, and the latest rows")
-    _db_arg(p)
-    p.add_argument("--reason", help="only rejections with this reason code")
-    p.add_argument("--limit", type=int, default=20, help="rows to show")
-    p.add_argument("--json", action="store_true", help='{"summary": [...], "rows": [...]} as JSON')
-    p.set_defaults(run=_dlq_list)
-    p = ds.add_parser("replay", help="re-apply pending rejected events (idempotent)")
-    _db_arg(p)
-    p.add_argument("--reason", help="only this reason (needed for duplicate and stale_epoch)")
-    settings.add_registry_args(p)
-    p.set_defaults(run=_dlq_replay)
-
-
-def _migrate(args: argparse.Namespace) -> int:
+def migrate_cmd(args: argparse.Namespace) -> int:
     url = settings.database_url(args.database_url)
+    before = current_revision(url)
     migrate(url, args.revision)
-    print(f"index schema at revision {args.revision}")
+    after = current_revision(url)
+    if before == after:
+        print(f"index schema already at revision {after} ({args.revision}): nothing to do")
+    else:
+        print(f"index schema migrated from revision {before or '(none)'} to {after}")
     return 0
 
 
@@ -150,7 +65,7 @@ def terminal_progress(summary: RunSummary, lag: int) -> None:
     sys.stderr.flush()
 
 
-def _consume(args: argparse.Namespace) -> int:
+def consume(args: argparse.Namespace) -> int:
     config = consumer_config(args)
     if not args.no_migrate:
         migrate(config.database_url)
@@ -177,7 +92,7 @@ def _consume(args: argparse.Namespace) -> int:
     return 0
 
 
-def _groups_declare(args: argparse.Namespace) -> int:
+def groups_declare(args: argparse.Namespace) -> int:
     spec = GroupSpec(
         model=args.model,
         group_idx=args.group_idx,
@@ -196,7 +111,7 @@ def _groups_declare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _groups_list(args: argparse.Namespace) -> int:
+def groups_list(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         rows = admin.list_groups(conn)
     header = ["model", "group", "kind", "block", "hash", "window", "origin", "by", "updated"]
@@ -209,7 +124,7 @@ def _groups_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dlq_list(args: argparse.Namespace) -> int:
+def dlq_list(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         summary = admin.dlq_summary(conn)
         rows = admin.dlq_rows(conn, args.reason, args.limit)
@@ -230,7 +145,7 @@ def _dlq_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dlq_replay(args: argparse.Namespace) -> int:
+def dlq_replay(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         codec = settings.codec(args, "", writer=False)  # reads: registry framing by id
         result = admin.replay(conn, reason=args.reason, codec=codec)
@@ -240,33 +155,7 @@ def _dlq_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_reliability_parsers(subparsers: Subparsers) -> None:
-    p = subparsers.add_parser(
-        "verify", help="rebuild the index from the topic into a scratch database and diff it"
-    )
-    _log_args(p, "the live index's consumer group")
-    p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
-    p.add_argument("--show", type=int, default=5, help="example rows per difference")
-    p.add_argument(
-        "--json", action="store_true",
-        help='{"ok", "rebuilt_messages", "targets", "rows", "differences"} as JSON',
-    )  # fmt: skip
-    p.set_defaults(run=_verify)
-
-    p = subparsers.add_parser(
-        "rebuild", help="replace the live index with one rebuilt from the topic"
-    )
-    _log_args(p, "the live index's consumer group")
-    p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
-    p.add_argument(
-        "--accept-partial", action="store_true",
-        help="rebuild even when retention has deleted the start of the topic (the rebuilt "
-        "index then lacks what only those messages said)",
-    )  # fmt: skip
-    p.set_defaults(run=_rebuild)
-
-
-def _verify(args: argparse.Namespace) -> int:
+def verify_cmd(args: argparse.Namespace) -> int:
     from kvledger.consumer.verify import verify
 
     result = verify(
@@ -309,7 +198,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 1
 
 
-def _rebuild(args: argparse.Namespace) -> int:
+def rebuild_cmd(args: argparse.Namespace) -> int:
     from kvledger.consumer.verify import RebuildRefusedError, rebuild
 
     if not args.yes:

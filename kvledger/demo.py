@@ -39,6 +39,7 @@ from kvledger.fleet import (
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.relay import Relay
 from kvledger.producer.tracker import group_announcement
+from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import ensure_topic
 from kvledger.simulate_cmd import run_simulation
 from kvledger.vllm_engine import VllmWireSink, ZmqEngine
@@ -46,17 +47,6 @@ from kvledger.vllm_engine import VllmWireSink, ZmqEngine
 TOPIC = "kv-events-demo"
 GROUP = "kvledger-demo"
 HIDDEN_BATCH = 40  # the relayed engine's batch kept from its live stream (a forced gap)
-
-
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("demo", help="run the whole pipeline on a simulated fleet")
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    p.add_argument("--database-url", help="server to use (else $KVLEDGER_DATABASE_URL)")
-    p.add_argument("--instances", type=int, default=4, help="simulated engines (at least 2)")
-    p.add_argument("--requests", type=int, default=150, help="requests per instance")
-    p.add_argument("--seed", type=int, default=7, help="the simulation's random seed")
-    p.add_argument("--keep", action="store_true", help="leave the services up afterwards")
-    p.set_defaults(run=_run)
 
 
 def _demo_database(server_url: str) -> str:
@@ -78,7 +68,7 @@ def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
             time.sleep(0.2)
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     bootstrap = settings.kafka_bootstrap(args)
     server = settings.database_url(args.database_url)
     if args.instances < 2:
@@ -102,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     database = _demo_database(server)
     migrate(database)
     print(f"   database {sa.engine.make_url(database).database} created and migrated")
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 4})
+    admin = AdminClient(client_logging({"bootstrap.servers": bootstrap, "log_level": 4}))
     _fresh_topics(admin, [TOPIC, f"{TOPIC}.dlq"])
     ensure_topic(admin, TOPIC, 12)
     print(f"   topic {TOPIC} (12 partitions) and dead-letter topic {TOPIC}.dlq")

@@ -12,68 +12,16 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import start_http_server
 
 from kvledger import settings
-from kvledger.producer.config import DEFAULT_TOPIC
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.metrics import RelayMetrics
 from kvledger.producer.relay.relay import Relay
-from kvledger.schemas.topics import DEFAULT_PARTITIONS, ensure_topic
+from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.topics import STARTUP_TIMEOUT_S, ensure_topic
 
 logger = logging.getLogger(__name__)
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "relay",
-        help="relay a stock vLLM engine's ZMQ KV events into Kafka",
-        description=(
-            "Subscribe to a vLLM engine's KV-event publisher (started with --kv-events-config "
-            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
-            '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\') and publish its events '
-            "to Kafka, recovering missed batches from the engine's replay socket. One relay "
-            "per engine; data-parallel ranks listen on consecutive ports."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--endpoint", required=True, help="the engine's PUB endpoint, tcp://HOST:PORT")
-    p.add_argument(
-        "--replay-endpoint",
-        help="the engine's replay (ROUTER) endpoint; without it gaps cannot be recovered",
-    )
-    p.add_argument("--source", required=True, help="the engine's source id in the index")
-    p.add_argument("--model", required=True, help="the model the engine serves")
-    p.add_argument(
-        "--dp-size", type=int, default=1,
-        help="data-parallel ranks: rank r listens on the endpoints' ports + r and is source "
-        "<source>-dp<r>",
-    )  # fmt: skip
-    p.add_argument(
-        "--group", action="append", default=[], metavar="IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]",
-        help="a KV-cache group's spec to announce (repeat per group); groups without one "
-        "need an operator's `kvledger groups declare`",
-    )  # fmt: skip
-    p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic")
-    p.add_argument("--engine-topic", default="", help="the engine's ZMQ topic (vLLM's `topic`)")
-    p.add_argument("--bootstrap", help=f"Kafka bootstrap servers (env {settings.ENV_KAFKA})")
-    settings.add_kafka_args(p)
-    settings.add_registry_args(p)
-    p.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS,
-        help="partitions when the relay creates the topic",
-    )  # fmt: skip
-    p.add_argument(
-        "--surviving-media", default=None,
-        help="comma-separated media whose blocks outlive an engine restart (default STORAGE)",
-    )  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
-    p.add_argument(
-        "--heartbeat-interval", type=float, default=5.0,
-        help="seconds of engine silence before probing it and sending a heartbeat (0: never)",
-    )  # fmt: skip
-    p.set_defaults(run=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     bootstrap = settings.kafka_bootstrap(args)
     kafka = settings.kafka_settings(args)
     try:
@@ -100,23 +48,43 @@ def _run(args: argparse.Namespace) -> int:
         kafka=dict(kafka),
         codec=settings.codec(args, args.topic, writer=True),
     )
-    try:
-        admin = AdminClient({**kafka, "bootstrap.servers": bootstrap, "log_level": 3})
-        # Any existing partition count does: keys keep each stream on one partition.
-        ensure_topic(admin, args.topic, args.partitions, exact_partitions=False)
-    except Exception as exc:  # the relay waits for the broker itself
-        logger.warning("could not check topic %s yet: %s", args.topic, exc)
-    metrics = RelayMetrics()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
-    relay = Relay(config, metrics)
     stopping = threading.Event()
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         stopping.set()
 
+    # Before anything waits on the broker: a signal stops the relay at any moment.
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+
+    def check_topic() -> None:
+        try:
+            admin = AdminClient(
+                client_logging({**kafka, "bootstrap.servers": bootstrap, "log_level": 3})
+            )
+            # Any existing partition count does: keys keep each stream on one partition.
+            ensure_topic(
+                admin, args.topic, args.partitions, exact_partitions=False,
+                timeout=STARTUP_TIMEOUT_S,
+            )  # fmt: skip
+        except Exception as exc:  # the relay waits for the broker itself
+            logger.warning(
+                "could not check topic %s yet (%s); relaying once the broker answers",
+                args.topic, exc,
+            )  # fmt: skip
+
+    # In a thread: the client's wait does not let the signal handler run until it ends.
+    checker = threading.Thread(target=check_topic, name="kvledger-topic-check", daemon=True)
+    checker.start()
+    while checker.is_alive() and not stopping.wait(0.1):
+        pass
+    if stopping.is_set():
+        logger.info("stopped before relaying")
+        return 0
+    metrics = RelayMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    relay = Relay(config, metrics)
     relay.start()
     logger.info(
         "relaying %s (%d rank(s)) from %s to %s on %s",

@@ -60,20 +60,6 @@ def lookup_database_url(flag: str | None) -> str:
 ENV_KAFKA_CONFIG = "KVLEDGER_KAFKA_CONFIG"
 
 
-def add_kafka_args(parser: argparse.ArgumentParser) -> None:
-    """--kafka-config FILE and --kafka-set KEY=VALUE: the cluster's client settings
-    (security.protocol, sasl.*, ssl.*, …) for every Kafka client the command opens."""
-    parser.add_argument(
-        "--kafka-config", metavar="FILE",
-        help=f"librdkafka settings as a properties file (else ${ENV_KAFKA_CONFIG}), for every "
-        "Kafka client the command opens",
-    )  # fmt: skip
-    parser.add_argument(
-        "--kafka-set", action="append", default=[], metavar="KEY=VALUE",
-        help="one more Kafka client setting (repeat; wins over the file)",
-    )  # fmt: skip
-
-
 def kafka_settings(args: argparse.Namespace) -> dict[str, str]:
     """The settings of --kafka-config (or $KVLEDGER_KAFKA_CONFIG), then --kafka-set."""
     path = getattr(args, "kafka_config", None) or os.environ.get(ENV_KAFKA_CONFIG)
@@ -107,26 +93,6 @@ def read_properties(path: str) -> dict[str, str]:
 
 ENV_REGISTRY = "KVLEDGER_SCHEMA_REGISTRY"
 ENV_REGISTRY_CONFIG = "KVLEDGER_SCHEMA_REGISTRY_CONFIG"
-
-
-def add_registry_args(parser: argparse.ArgumentParser) -> None:
-    """--schema-registry URL (with its client settings and the subject strategy): Confluent
-    Schema Registry framing, for every command that reads or writes the topic."""
-    parser.add_argument(
-        "--schema-registry", metavar="URL",
-        help=f"Confluent Schema Registry (else ${ENV_REGISTRY}): readers resolve writer schemas "
-        "by id and never register; publishers register under the topic's subject",
-    )  # fmt: skip
-    parser.add_argument(
-        "--schema-registry-config", metavar="FILE",
-        help=f"registry client settings as properties, e.g. basic.auth.user.info, ssl.ca.location "
-        f"(else ${ENV_REGISTRY_CONFIG})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--subject-strategy", choices=("topic", "record", "topic_record"),
-        help="how publishers name the subject: <topic>-value (topic, the default; "
-        "$KVLEDGER_SUBJECT_STRATEGY), kvledger.Envelope (record), <topic>-kvledger.Envelope",
-    )  # fmt: skip
 
 
 def codec(args: argparse.Namespace, topic: str, writer: bool) -> Codec | None:

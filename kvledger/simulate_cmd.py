@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from confluent_kafka.admin import AdminClient
 
 from kvledger import settings
-from kvledger.fleet import DEFAULT_MODEL, Fleet, FleetConfig, FleetSummary
-from kvledger.producer.config import DEFAULT_TOPIC, PublisherConfig
+from kvledger.fleet import Fleet, FleetConfig, FleetSummary
+from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.progress import Progress
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.topics import DEFAULT_PARTITIONS, ensure_topic
+from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.topics import DEFAULT_PARTITIONS, STARTUP_TIMEOUT_S, ensure_topic
 from kvledger.sinks import EventSink
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ def run_simulation(
 ) -> SimulationResult:
     """simulate → tracker → publisher → Kafka, one publisher per simulated instance (or the
     sink ``sinks`` gives for it, e.g. a stock engine's ZMQ stream that a relay carries)."""
-    admin = AdminClient({**(kafka or {}), "bootstrap.servers": bootstrap, "log_level": 4})
-    ensure_topic(admin, topic, partitions)
+    admin = AdminClient(
+        client_logging({**(kafka or {}), "bootstrap.servers": bootstrap, "log_level": 4})
+    )
+    ensure_topic(admin, topic, partitions, timeout=STARTUP_TIMEOUT_S)
     publishers: list[KVEventPublisher] = []  # a restarted engine has had two
 
     def sink(instance_id: str) -> EventSink:
@@ -83,30 +86,7 @@ def run_simulation(
     )
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("simulate", help="publish a simulated fleet's KV events to Kafka")
-    p.add_argument("--instances", type=int, default=4, help="simulated engines")
-    p.add_argument("--requests", type=int, default=100, help="requests per instance")
-    p.add_argument("--seed", type=int, default=0, help="the simulation's random seed")
-    p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic to publish to")
-    p.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS,
-        help="partitions when it creates the topic",
-    )  # fmt: skip
-    p.add_argument("--bootstrap", help="Kafka bootstrap servers (else $KVLEDGER_KAFKA_BOOTSTRAP)")
-    settings.add_kafka_args(p)
-    settings.add_registry_args(p)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
-    p.add_argument("--rate", type=float, help="pace publishing to this many messages per second")
-    p.add_argument(
-        "--misconfigured-source",
-        action="store_true",
-        help="add a source whose block_size disagrees with its announced group spec",
-    )
-    p.set_defaults(run=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     fleet = FleetConfig(
         instances=args.instances,
         requests=args.requests,

@@ -5,45 +5,53 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from datetime import timedelta
-from typing import TYPE_CHECKING
+from datetime import UTC, datetime, timedelta
 
 from kvledger import settings
-from kvledger.consumer.admin import list_sources
+from kvledger.consumer.admin import SourceStatus, list_sources
 from kvledger.consumer.db import connect
 from kvledger.tables import print_table
 
-if TYPE_CHECKING:
-    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-
-def add_parser(subparsers: Subparsers) -> None:
-    p = subparsers.add_parser(
-        "sources",
-        help="every source: live, silent, closed or restarted; epoch, last seen, gaps, blocks",
-    )
-    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
-    p.add_argument(
-        "--silent-after",
-        type=float,
-        help="seconds without a message after which a source is silent (else the "
-        "database's kvledger.silent_after, 30 s by default)",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object per source, as a list")
-    p.set_defaults(run=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         sources = list_sources(conn, window)
     if args.json:
         print(json.dumps([asdict(s) for s in sources], default=str, indent=2))
         return 0
+    if not sources:
+        print("no source has published to this index yet")
+        return 0
     print_table(
-        ("source", "model", "state", "epoch", "last seen", "restarts", "gaps", "GPU", "CPU",
+        ("source", "model", "state", "started", "last seen", "restarts", "gaps", "GPU", "CPU",
          "STORAGE"),
-        [(s.source, s.model, s.state, s.epoch, f"{s.last_seen:%Y-%m-%d %H:%M:%S}", s.restarts,
-          s.gaps, s.held["GPU"], s.held["CPU"], s.held["STORAGE"]) for s in sources],
+        [(s.source, _model(s), s.state, _started(s.epoch), _utc(s.last_seen),
+          s.restarts, s.gaps, s.held["GPU"], s.held["CPU"], s.held["STORAGE"])
+         for s in sources],
     )  # fmt: skip
+    print("times in UTC; started: the epoch of the source's current process")
+    changed = [s for s in sources if s.previous_model is not None]
+    for s in changed:
+        when = _utc(s.model_changed_at) if s.model_changed_at else "?"
+        print(
+            f"warning: source {s.source} changed model from {s.previous_model} to {s.model} at "
+            f"{when}: give each engine and model its own source id"
+        )
     return 0
+
+
+def _model(s: SourceStatus) -> str:
+    return s.model if s.previous_model is None else f"{s.model} (was {s.previous_model})"
+
+
+def _started(epoch_ms: int) -> str:
+    """An epoch (ms since 1970 when the process started) as a UTC time; a number before
+    1973 as it is (a publisher may number its epochs otherwise)."""
+    if not 10**11 <= epoch_ms < 253402300800000:  # 1973 .. 9999
+        return str(epoch_ms)
+    return _utc(datetime.fromtimestamp(epoch_ms / 1000, UTC))
+
+
+def _utc(when: datetime) -> str:
+    return f"{when.astimezone(UTC):%Y-%m-%d %H:%M:%S}"

@@ -21,6 +21,9 @@ from kvledger.schemas.topics import TOO_LARGE
 logger = logging.getLogger(__name__)
 
 _MAX_ERRORS_KEPT = 20
+# Failures that are an abort's doing: the messages of an aborted transaction, dropped from
+# the client's queue or in flight (the relay replays them from the engine).
+_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Deliveries:
         self.fatal: KafkaError | None = None
         self.refused: list[str] = []  # refused as too large during the current call
         self._errors: list[str] = []
+        self.purged = 0  # of the failures, those an aborted transaction dropped
         self._forgotten = 0  # produced in aborted transactions and failed there
 
     def send(
@@ -90,7 +94,11 @@ class Deliveries:
         self.stats.failed += 1
         if len(self._errors) < _MAX_ERRORS_KEPT:
             self._errors.append(f"{err.name()}: {err.str()} (key {msg.key()!r})")
-        logger.error("delivery failed: %s", err)
+        if err.code() in _PURGED:  # an aborted transaction's: its owner says what follows
+            self.purged += 1
+            logger.debug("delivery purged: %s", err)
+        else:
+            logger.error("delivery failed: %s", err)
 
     def on_error(self, err: KafkaError) -> None:
         if err.fatal():

@@ -51,6 +51,7 @@ from kvledger.producer.tracker import (
 )
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import Goodbye, GroupSpec, Heartbeat, KVEvent, group_of
+from kvledger.schemas.kafka_log import client_logging
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class KVEventPublisher:
         # so the acknowledged are counted without a callback each (``stats``).
         settings["on_delivery"] = self._deliveries.on_delivery
         settings["delivery.report.only.error"] = True
-        self._producer = Producer(settings)
+        self._producer = Producer(client_logging(settings))
         self._stream = SourceStream(
             config, self.codec, self._form, self._deliveries, self._producer,
             healthy=self._check_healthy, clock=clock,

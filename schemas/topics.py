@@ -16,10 +16,13 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from kvledger.schemas.errors import NotAuthorizedError, TopicMismatchError
+from kvledger.schemas.kafka_log import client_logging
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PARTITIONS = 12
+# How long a command waits at start for a broker to answer before it says none does.
+STARTUP_TIMEOUT_S = 10.0
 
 
 def message_key(source: str, group_idx: int) -> bytes:
@@ -135,7 +138,8 @@ def topic_limit(settings: Mapping[str, object], topic: str, timeout: float) -> i
     """The topic's max.message.bytes (the broker's default when the topic does not exist
     yet). Raises :class:`NotAuthorizedError` when the broker refuses this principal, and
     ``KafkaException`` when no broker answers within ``timeout``."""
-    admin = AdminClient({**admin_settings(settings), "log_level": 3})  # a bad setting raises
+    # A bad setting raises here.
+    admin = AdminClient(client_logging({**admin_settings(settings), "log_level": 3}))
     try:
         meta = admin.list_topics(topic, timeout=timeout).topics.get(topic)
         if meta is None or meta.error is not None:

@@ -212,7 +212,9 @@ def as_reader(database_url: str) -> Callable[[str], str]:
         from kvledger.consumer.roles import create_reader
 
         password = uuid.uuid4().hex
-        create_reader(database_url, database_url, password, "kvledger_test_lookup")
+        create_reader(
+            database_url, database_url, password, "kvledger_test_lookup", reset_password=True
+        )
         reader = (
             sa.engine.make_url(database_url)
             .set(username="kvledger_test_lookup", password=password)

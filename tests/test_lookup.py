@@ -291,10 +291,36 @@ def test_http_endpoints(filled, as_reader) -> None:
         assert by_ints.json() == by_hash.json()
         by_tokens = client.post("/v1/match", json={"model": MODEL, "token_ids": tokens})
         assert by_tokens.status_code == 200 and by_tokens.json()["holders"]
+        assert "unknown_group" not in by_tokens.json()
+        # The liveness window and include_silent apply to token prompts as to hashes.
+        for prompt in ({"token_ids": tokens}, {"hashes": [h.hex() for h in hashes]}):
+            ask = {"model": MODEL, "silent_after_s": 1e-6, **prompt}
+            narrow = client.post("/v1/match", json=ask).json()
+            assert narrow["holders"] == [] and narrow["left_out"], prompt
+            assert {h["source_state"] for h in narrow["left_out"]} == {"silent"}
+            kept = client.post("/v1/match", json={**ask, "include_silent": True}).json()
+            assert kept["left_out"] == [] and len(kept["holders"]) == len(narrow["left_out"])
         block = client.get(f"/v1/blocks/{hashes[0].hex()}")
         assert block.status_code == 200
         assert block.json()[0]["token_start"] == 0 and block.json()[0]["holders"]
+        # The unsigned-int form /openapi.json documents, and 0x + hex, name the same block.
+        as_int = int.from_bytes(hashes[0][-8:], "big")
+        assert client.get(f"/v1/blocks/{as_int}").json() == block.json()
+        assert client.get(f"/v1/blocks/0x{hashes[0].hex()}").json() == block.json()
         assert client.get(f"/v1/blocks/{'00' * 8}").status_code == 404
+        assert client.get(f"/v1/blocks/{1 << 64}").status_code == 400
+        # A model or group the index has no spec for says so (an empty answer otherwise).
+        for body in ({"model": MODEL + "-typo", "token_ids": tokens},
+                     {"model": MODEL, "group_idx": 7, "hashes": ["00" * 8]}):  # fmt: skip
+            unknown = client.post("/v1/match", json=body)
+            assert unknown.status_code == 200 and unknown.json()["holders"] == []
+            assert "no group spec for model" in unknown.json()["unknown_group"]
+        miss = client.post("/v1/match", json={"model": MODEL, "hashes": ["00" * 8]}).json()
+        assert miss["holders"] == [] and "unknown_group" not in miss
+        # Routes and methods it does not serve answer JSON too.
+        for response, status in ((client.get("/v2/nothing"), 404),
+                                 (client.get("/v1/match"), 405)):  # fmt: skip
+            assert response.status_code == status and response.json()["error"]
         bad = [
             client.post(
                 "/v1/match", content=b"not json", headers={"content-type": "application/json"}
@@ -324,6 +350,9 @@ def test_http_endpoints(filled, as_reader) -> None:
         assert too_big.status_code == 400
         metrics = client.get("/metrics").text
         assert 'kvledger_http_requests_total{route="match",status="400"}' in metrics
+        # The SQL-backed service applies nothing: no consumer counter stuck at 0.
+        assert "kvledger_messages_applied_total" not in metrics
+        assert "process_cpu_seconds_total" in metrics
 
 
 def test_lookup_cli_prints_holders(filled, capsys) -> None:
@@ -346,7 +375,19 @@ def test_lookup_cli_prints_holders(filled, capsys) -> None:
         == 0
     )
     out = capsys.readouterr().out
-    assert "route to engine-" in out and "CPU" in out
+    assert ("route to engine-" in out or "-way tie at score" in out) and "CPU" in out
+    args = ["lookup", "--database-url", url, "--model", MODEL, "--token-ids",
+            ",".join(map(str, tokens))]  # fmt: skip
+    # Holders left out as silent are counted, with the way to include them.
+    assert cli([*args, "--silent-after", "0.000001"]) == 0
+    out = capsys.readouterr().out
+    assert "no live instance holds any prefix" in out
+    assert "left out: " in out and " silent); --include-silent shows them" in out
+    # A mistyped model is not a miss: one line naming what the index lacks, exit status 1.
+    args[4] = MODEL + "-typo"
+    assert cli(args) == 1
+    err = capsys.readouterr().err
+    assert f"no group spec for model '{MODEL}-typo' group 0" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -464,6 +505,14 @@ def test_the_lookup_role_reads_and_cannot_write(
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
+    # Run again (as `roles create-reader` with no name would be): refused, the login kept.
+    again = subprocess.run(
+        [sys.executable, "-m", "kvledger", "roles", "create-reader", name,
+         "--admin-database-url", admin, "--database-url", fresh_database],
+        env=dict(env, KVLEDGER_READER_PASSWORD="other"), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert again.returncode == 1 and "exists already: pass --reset-password" in again.stderr
     login = sa.engine.make_url(fresh_database).set(username=name, password="pw-" + name)
     try:
         with connect(login.render_as_string(hide_password=False), autocommit=True) as conn:
@@ -564,7 +613,7 @@ def test_an_admin_with_createrole_alone_can_make_and_remake_the_reader(
 ) -> None:
     """`roles create-reader` needs CREATEROLE, not a superuser, also when it runs again on
     an existing login (an ALTER that named SUPERUSER would need one)."""
-    from kvledger.consumer.roles import create_reader
+    from kvledger.consumer.roles import RoleExistsError, create_reader
 
     superuser = os.environ.get("KVLEDGER_ADMIN_DATABASE_URL", database_url)
     admin = f"kvl_admin_{uuid.uuid4().hex[:8]}"
@@ -573,9 +622,11 @@ def test_an_admin_with_createrole_alone_can_make_and_remake_the_reader(
         conn.execute(f"GRANT kvledger_reader TO {admin} WITH ADMIN OPTION")
     url = sa.engine.make_url(fresh_database).set(username=admin, password="admin-pw")
     try:
-        for password in ("first", "second"):
-            assert create_reader(url.render_as_string(hide_password=False), fresh_database,
-                                 password, f"{admin}_r")  # fmt: skip
+        admin_url = url.render_as_string(hide_password=False)
+        assert create_reader(admin_url, fresh_database, "first", f"{admin}_r")
+        with pytest.raises(RoleExistsError):  # an existing login keeps its password
+            create_reader(admin_url, fresh_database, "second", f"{admin}_r")
+        assert create_reader(admin_url, fresh_database, "second", f"{admin}_r", reset_password=True)
         login = sa.engine.make_url(fresh_database).set(username=f"{admin}_r", password="second")
         with connect(login.render_as_string(hide_password=False), autocommit=True) as conn:
             assert conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone() == (0,)

@@ -5,6 +5,7 @@ from what the engine published."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import re
 import signal
@@ -361,6 +362,7 @@ def _wait_for_index(
 
 def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
     fresh_database: str, engines: list[ZmqEngine], tmp_path: Path, group_id: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """The broker stops mid-stream and comes back: the relay never exits, and the batches
     published meanwhile reach the index (from the engine's buffer)."""
@@ -380,10 +382,16 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
                 engine.publish(work.batch())
             wait_relayed(relay, [engine])
             broker.stop()
-            for _ in range(5000):  # more than the sockets and TCP buffers hold
-                engine.publish(work.batch())
-            time.sleep(3)
-            assert relay.alive()
+            with caplog.at_level(logging.INFO):
+                for _ in range(5000):  # more than the sockets and TCP buffers hold
+                    engine.publish(work.batch())
+                time.sleep(3)
+                assert relay.alive()
+                paused = relay.metrics.kafka_paused.labels("patient")
+                deadline = time.monotonic() + 15  # within a commit try or two
+                while paused._value.get() != 1 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert paused._value.get() == 1  # the metric says what the relay does
             broker.start()
             for _ in range(20):
                 engine.publish(work.batch())
@@ -392,6 +400,10 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
             relay.stop()
         assert relay.metrics.unrecoverable.labels("patient")._value.get() == 0
         assert relay.metrics.gaps.labels("patient")._value.get() >= 1  # dropped live
+        assert relay.metrics.kafka_paused.labels("patient")._value.get() == 0
+        # Messages an aborted transaction dropped are re-sent, not "failed": no such line.
+        failed = [r for r in caplog.records if "delivery failed" in r.getMessage()]
+        assert failed == [], failed[:3]
         consume(bootstrap, fresh_database, topic, group_id, batch=50)
         assert index_of(fresh_database, "patient") == reference(engine.incarnations)
         assert health(fresh_database, "patient") == (0, 0, 0, 0)

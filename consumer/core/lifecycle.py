@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from kvledger.consumer.core.model import SourceLife
+from kvledger.consumer.core.model import ModelChange, SourceLife
 from kvledger.consumer.inbound import Inbound
 from kvledger.schemas.events import (
     DEFAULT_SURVIVING_MEDIA,
@@ -49,6 +49,7 @@ def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
     if life is None:
         return SourceLife(env.model, env.epoch, at, closed, heartbeat, 0)
     newer = env.epoch > life.epoch
+    changed = env.model != life.model
     return SourceLife(
         model=env.model,
         epoch=max(env.epoch, life.epoch),
@@ -56,6 +57,8 @@ def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
         closed_at=closed,
         heartbeat_ms=heartbeat if heartbeat is not None else life.heartbeat_ms,
         restarts=life.restarts + (1 if newer else 0),
+        previous_model=life.model if changed else life.previous_model,
+        model_changed_at=at if changed else life.model_changed_at,
     )
 
 
@@ -67,6 +70,7 @@ class Lives:
         self.snap = snapshot
         self.changed: dict[str, SourceLife] = {}
         self.last_ms: dict[str, int] = {}
+        self.model_changes: list[ModelChange] = []
 
     def observe(self, message: Inbound, env: Envelope) -> None:
         ms = message.timestamp_ms if message.timestamp_ms is not None else env.event_time_ms
@@ -82,6 +86,8 @@ class Lives:
             or isinstance(env.event, Heartbeat | Goodbye)
         ):
             self.changed[source] = seen(life, env, utc(ms))
+            if life is not None and env.model != life.model:
+                self.model_changes.append(ModelChange(source, life.model, env.model, utc(ms)))
         elif source not in self.changed:
             self.changed[source] = life
 

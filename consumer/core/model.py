@@ -145,6 +145,21 @@ class SourceLife:
     closed_at: datetime | None = None
     heartbeat_ms: int | None = None
     restarts: int = 0
+    # The model the source spoke before its latest change of model, and when (None: it
+    # never changed): one source id reused for another model is a configuration mistake
+    # that `kvledger sources` shows.
+    previous_model: str | None = None
+    model_changed_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChange:
+    """A source that spoke of one model and then of another (logged as a warning)."""
+
+    source: str
+    previous: str
+    model: str
+    at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +341,7 @@ class Plan:
     residencies: list[ResidencyDelta] = field(default_factory=list)
     sources: dict[SourceKey, SourceState] = field(default_factory=dict)
     lives: dict[str, SourceLife] = field(default_factory=dict)
+    model_changes: list[ModelChange] = field(default_factory=list)
     lifecycle: list[LifecycleEvent] = field(default_factory=list)
     audit: list[AuditRow] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)

@@ -117,6 +117,7 @@ class _Planner:
         plan.residencies = self.refs.touched()
         plan.sources = self.sources
         plan.lives = self.lives.result()
+        plan.model_changes = self.lives.model_changes
         return plan
 
     # ------------------------------------------------------------------ per message

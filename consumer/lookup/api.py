@@ -39,6 +39,15 @@ def split_live(holders: Sequence[Holder]) -> tuple[list[Holder], list[Holder]]:
     return live, [h for h in holders if h.source_state != "live"]
 
 
+def unknown_group(model: str, group_idx: int) -> str:
+    """What an answer says of a (model, group) the index has no spec for: a mistyped model
+    or group, or one whose engines have not announced it yet."""
+    return (
+        f"no group spec for model {model!r} group {group_idx}: the index knows nothing of it "
+        "(`kvledger groups list` shows the groups it knows)"
+    )
+
+
 class PrefixIndex:
     """Prefix lookups on one database connection."""
 
@@ -107,6 +116,14 @@ class PrefixIndex:
         """The same answer found by walking the hash chain by token content."""
         params = (model, group_idx, list(token_ids), lora_name, include_silent, silent_after)
         return self._holders("match_tokens", params, "source_state")
+
+    def knows_group(self, model: str, group_idx: int) -> bool:
+        """Whether the index has a spec (declared or announced) for (model, group)."""
+        row = self.conn.execute(
+            "SELECT 1 FROM kvledger.group_specs WHERE model = %s AND group_idx = %s",
+            (model, group_idx),
+        ).fetchone()
+        return row is not None
 
     def holders(self, model: str, group_idx: int, block_hash: bytes) -> list[Residency]:
         rows = self.conn.execute(

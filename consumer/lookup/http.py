@@ -29,29 +29,37 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvledger.consumer.db import conninfo
-from kvledger.consumer.lookup.api import PrefixIndex, rank, split_live
+from kvledger.consumer.db import (
+    SCHEMA_MISSING,
+    SCHEMA_MISSING_ERRORS,
+    SchemaMissingError,
+    conninfo,
+)
+from kvledger.consumer.lookup.api import PrefixIndex, rank, split_live, unknown_group
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
+from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
 from kvledger.consumer.lookup.openapi import DOCUMENT
 from kvledger.consumer.lookup.requests import (
     MAX_BODY_BYTES,
     BadRequestError,
     MatchRequest,
-    parse_hash,
     parse_json,
     parse_match,
+    parse_path_hash,
 )
-from kvledger.consumer.metrics import REGISTRY
-from kvledger.consumer.roles import ensure_read_only
+from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
+from kvledger.consumer.roles import WriterRoleError, ensure_read_only
 from kvledger.schemas.lookup import Holder
 from kvledger.schemas.redact import redact
 
@@ -59,6 +67,21 @@ if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
 
 logger = logging.getLogger(__name__)
+
+
+class _KvledgerMetrics:
+    """A registry's kvledger_* metrics, without the process's (exported once already)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return (m for m in self.registry.collect() if m.name.startswith("kvledger_"))
+
+
+_CONSUMER_ONLY = _KvledgerMetrics(CONSUMER_REGISTRY)
+# A database without the index schema (or with an older one), however it shows.
+_SCHEMA_MISSING: tuple[type[Exception], ...] = (*SCHEMA_MISSING_ERRORS, SchemaMissingError)
 # A route's answer: status, JSON body, extra headers.
 Answer = tuple[int, Any, dict[str, str]]
 
@@ -104,6 +127,9 @@ class _MemoryLookups:
     def blocks(self, block_hash: bytes) -> list[Any]:
         raise BadRequestError("block rows are served by the SQL-backed service")
 
+    def knows_group(self, model: str, group_idx: int) -> bool:
+        return self.router.knows_group(model, group_idx)
+
 
 def create_app(
     database_url: str | None = None,
@@ -147,8 +173,24 @@ def create_app(
     )
     if pool is None and router is None:
         raise ValueError("create_app needs a database URL or a router")
-    if database_url is not None and not allow_writer:
-        ensure_read_only(database_url)
+    # The role is checked before serving; on a database not migrated yet (the service
+    # started first, as containers may) it is checked again before each request until
+    # the schema is there, and until then every lookup is a 503 that says why.
+    role_unchecked = database_url is not None and not allow_writer
+    if role_unchecked:
+        assert database_url is not None
+        try:
+            ensure_read_only(database_url)
+            role_unchecked = False
+        except SchemaMissingError:
+            logger.warning("%s; until then every lookup is answered 503", SCHEMA_MISSING)
+
+    def check_role() -> None:
+        nonlocal role_unchecked
+        if role_unchecked:
+            assert database_url is not None
+            ensure_read_only(database_url)  # SchemaMissingError, WriterRoleError: a 503
+            role_unchecked = False
 
     @contextmanager
     def index() -> Iterator[Any]:
@@ -156,6 +198,7 @@ def create_app(
             yield _MemoryLookups(router)
             return
         assert pool is not None
+        check_role()
         with pool.connection(timeout=pool_timeout_s) as conn:
             yield PrefixIndex(conn)
 
@@ -171,6 +214,10 @@ def create_app(
                 "the lookup ran past the statement timeout"
             )  # fmt: skip
             return 503, {"error": why}, {"Retry-After": "1"}
+        except _SCHEMA_MISSING:
+            return 503, {"error": SCHEMA_MISSING}, {"Retry-After": "30"}
+        except WriterRoleError as exc:
+            return 503, {"error": str(exc)}, {"Retry-After": "30"}
         except psycopg.OperationalError as exc:
             return 503, {"error": f"database unavailable: {redact(str(exc))}"}, {"Retry-After": "5"}
         except Exception:  # a bug: answered and counted as a 500, never a dropped request
@@ -222,19 +269,26 @@ def create_app(
                 holders = idx.match(
                     req.model, req.group_idx, req.hashes, req.granularity, True, window(req)
                 )
+            # Only an empty answer asks whether the group is known: a hit pays nothing.
+            unknown = not holders and not idx.knows_group(req.model, req.group_idx)
         if req.at is None and not req.include_silent:
             holders, left_out = split_live(holders)
         ranked = rank(holders, req.weights)
-        return 200, {
+        body: dict[str, Any] = {
             "holders": [_holder_json(h) for h in holders],
             "ranked": [_holder_json(r) for r in ranked],
             "left_out": [_holder_json(h) for h in left_out],
-        }, {}  # fmt: skip
+        }
+        if unknown:
+            body["unknown_group"] = unknown_group(req.model, req.group_idx)
+        return 200, body, {}
 
     def block(params: dict[str, Any]) -> Answer:
-        h = parse_hash(params["block_hash"])
+        rows = []
         with index() as idx:
-            rows = idx.blocks(h)
+            for h in parse_path_hash(params["block_hash"]):  # the likeliest reading first
+                if rows := idx.blocks(h):
+                    break
         if not rows:
             return 404, {"error": "unknown block hash"}, {}
         return 200, [_block_json(b) for b in rows], {}
@@ -288,7 +342,10 @@ def create_app(
         if not allowed(request.headers.get("authorization", "")):
             status, payload, headers = refused()
             return JSONResponse(payload, status, headers)
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(LOOKUP_REGISTRY)
+        if router is not None:  # the router's tail counts what it applies as a consumer does
+            body += generate_latest(_CONSUMER_ONLY)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -310,8 +367,16 @@ def create_app(
             Route("/openapi.json", lambda _: JSONResponse(DOCUMENT), methods=["GET"]),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
     )
     return _HotPath(app, hot_match) if router is not None else app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route 404, wrong method 405) as JSON errors, like
+    every other answer of the API."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"error": exc.detail}, exc.status_code, exc.headers)
 
 
 def length_error(length: str | None) -> str | None:

@@ -1,10 +1,21 @@
-"""The lookup service's metrics (exported with the consumer's, on one registry)."""
+"""The lookup service's metrics, on a registry of their own: the SQL-backed service
+exports these and the process's; from memory (`serve --memory`) the router applies the log
+through the consumer's pipeline, so its /metrics adds the consumer's counters too."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+)
 
-from kvledger.consumer.metrics import REGISTRY
+REGISTRY = CollectorRegistry(auto_describe=True)
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 
 REQUESTS = Counter(
     "kvledger_http_requests_total",

@@ -23,7 +23,11 @@ _ERRORS = {
     "400": _json(_ERROR, "The request is malformed; `error` says how"),
     "401": _json(_ERROR, "A bearer token is required (the service runs with --token-file)"),
     "503": {
-        **_json(_ERROR, "The database is busy or unavailable, or a lookup ran past its timeout"),
+        **_json(
+            _ERROR,
+            "The database is busy or unavailable, a lookup ran past its timeout, or the "
+            "index schema is missing (run `kvledger migrate`)",
+        ),
         "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
     },
 }
@@ -119,6 +123,13 @@ SCHEMAS: dict[str, Any] = {
                 "type": "array",
                 "items": {"$ref": "#/components/schemas/Holder"},
                 "description": "Holders whose source is not live (answers for now only)",
+            },
+            "unknown_group": {
+                "type": "string",
+                "description": "Present when the answer is empty because the index has no "
+                "group spec for the model and group asked (a mistyped name or index, or "
+                "engines that have not announced it yet): why, in words. Absent otherwise: "
+                "an empty answer without it is a plain miss.",
             },
         },
     },
@@ -225,7 +236,10 @@ DOCUMENT: dict[str, Any] = {
                         "in": "path",
                         "required": True,
                         "schema": {"type": "string"},
-                        "description": "hex, or an unsigned 64-bit int",
+                        "description": "The hash as hex (0x optional), or as vLLM's unsigned "
+                        "64-bit int in decimal. Digits alone of an even count read as hex "
+                        "first, then as the int (the first with rows answers); 0x makes it "
+                        "hex only.",
                     }
                 ],
                 "responses": {

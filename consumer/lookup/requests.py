@@ -47,7 +47,7 @@ class MatchRequest:
 
 
 def parse_hash(value: object) -> bytes:
-    """A hash as hex text (``0x`` optional) or as vLLM's unsigned 64-bit integer form."""
+    """A hash in a JSON body: hex text (``0x`` optional) or vLLM's unsigned 64-bit integer."""
     if isinstance(value, str):
         try:
             return bytes.fromhex(value.removeprefix("0x"))
@@ -56,6 +56,21 @@ def parse_hash(value: object) -> bytes:
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64:
         return int_to_hash_bytes(value)
     raise BadRequestError("hashes are hex strings or unsigned 64-bit integers")
+
+
+def parse_path_hash(text: str) -> list[bytes]:
+    """The hashes a URL path's text can name, most likely first: there a number and hex
+    are both text. ``0x`` + hex is hex; digits alone are vLLM's unsigned 64-bit integer
+    form, and also hex when they are an even number of them (``bytes.hex()`` of a hash
+    whose hex has no letter), hex first; anything else is hex."""
+    if text.startswith("0x") or not (text.isascii() and text.isdigit()):
+        return [parse_hash(text)]
+    out = [bytes.fromhex(text)] if len(text) % 2 == 0 else []
+    if len(text) <= 20 and int(text) < 1 << 64:
+        out.append(int_to_hash_bytes(int(text)))
+    if not out:
+        raise BadRequestError(f"not a hex hash nor an unsigned 64-bit one: {text[:80]!r}")
+    return out
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -110,7 +125,10 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
             raise BadRequestError("granularity applies to hashes, not token_ids")
         if data.get("at") is not None:
             raise BadRequestError("at applies to hashes; token_ids lookups answer for now")
-        return MatchRequest(model, group, weights, token_ids=_tokens(tokens), lora_name=_lora(data))
+        return MatchRequest(
+            model, group, weights, token_ids=_tokens(tokens), lora_name=_lora(data),
+            include_silent=include_silent, silent_after=silent_after,
+        )  # fmt: skip
     if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
         raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
     return MatchRequest(

@@ -42,6 +42,7 @@ from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.pg_state import load_source_lives, load_source_states, load_specs
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.lookup import Holder
 from kvledger.schemas.topics import partition_offsets
 
@@ -184,7 +185,7 @@ class RouterIndex:
             "log_level": 4,
         }
         settings.update(self.kafka)
-        consumer = Consumer(settings)
+        consumer = Consumer(client_logging(settings))
         metadata = consumer.list_topics(self.topic, timeout=30)
         partitions = sorted(metadata.topics[self.topic].partitions)
         stored = self.store.stored_offsets(self.consumer_group, self.topic)
@@ -298,7 +299,7 @@ class RouterIndex:
                 "bootstrap.servers": self.bootstrap_servers
             }
             settings.update(self.kafka)
-            admin = self._admin = AdminClient(settings)
+            admin = self._admin = AdminClient(client_logging(settings))
         return partition_offsets(admin, self.topic)
 
     def wait_for(self, offsets: dict[int, int], timeout: float = 60.0) -> None:
@@ -339,6 +340,11 @@ class RouterIndex:
         with self.lock:
             found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name)
             return m.answer(self.store, found, include_silent, silent_after, _now())
+
+    def knows_group(self, model: str, group_idx: int) -> bool:
+        """As :meth:`PrefixIndex.knows_group`, from memory."""
+        with self.lock:
+            return GroupKey(model, group_idx) in self.store.specs
 
 
 def _now() -> datetime:

@@ -85,10 +85,11 @@ ON CONFLICT (source, model, group_idx) DO UPDATE SET
 
 UPSERT_LIFE = """
 INSERT INTO kvledger.sources AS s (source, model, epoch, last_seen, closed_at, heartbeat_ms,
-    restarts)
-VALUES (%s, %s, %s, %s, %s, %s, %s)
+    restarts, previous_model, model_changed_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (source) DO UPDATE SET
     model = EXCLUDED.model, epoch = EXCLUDED.epoch, last_seen = EXCLUDED.last_seen,
     closed_at = EXCLUDED.closed_at, heartbeat_ms = EXCLUDED.heartbeat_ms,
-    restarts = EXCLUDED.restarts
+    restarts = EXCLUDED.restarts, previous_model = EXCLUDED.previous_model,
+    model_changed_at = EXCLUDED.model_changed_at
 """

@@ -90,8 +90,9 @@ def load_source_lives(
 ) -> dict[str, SourceLife]:
     """The sources' lives (``sources``: only theirs; None: all)."""
     cur.execute(
-        "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts "
-        "FROM kvledger.sources WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
+        "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts, "
+        "previous_model, model_changed_at FROM kvledger.sources "
+        "WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
         (sources, sources),
     )
     return {row[0]: SourceLife(*row[1:]) for row in cur.fetchall()}
@@ -105,7 +106,7 @@ def source_row(s: SourceState) -> tuple[object, ...]:
 
 def life_row(life: SourceLife) -> tuple[object, ...]:
     return (life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
-            life.restarts)  # fmt: skip
+            life.restarts, life.previous_model, life.model_changed_at)  # fmt: skip
 
 
 def lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:

@@ -21,6 +21,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, To
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import Envelope
+from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import message_key
 
 logger = logging.getLogger(__name__)
@@ -57,15 +58,15 @@ def recover(
     """The source's position on ``topic`` from its groups' last messages (None: nothing)."""
     codec = codec or Codec()
     consumer = Consumer(
-        {
+        client_logging({
             **settings,
             "group.id": f"kvledger-relay-recover-{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "isolation.level": "read_committed",
             "log_level": 3,
-        }
-    )
+        })
+    )  # fmt: skip
     try:
         meta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:

@@ -28,6 +28,7 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.topics import misconfigured
 
 logger = logging.getLogger(__name__)
+COMMIT_TRY_S = 5.0  # one try of a transaction's commit (retried while the broker is away)
 
 
 class StoppedError(Exception):
@@ -163,7 +164,9 @@ class RelayTransactions:
         delay = 0.5
         while True:
             try:
-                pub.commit(30)
+                # Short tries: a commit takes milliseconds; one that does not end within a
+                # few seconds means the broker is away, and the relay says it is paused.
+                pub.commit(COMMIT_TRY_S)
                 break
             except (KafkaException, PublishError) as exc:
                 retriable = (
@@ -197,6 +200,7 @@ class RelayTransactions:
             "replayed from the engine once Kafka is back",
             self.source, exc, self.committed_seq,
         )  # fmt: skip
+        self.metrics.kafka_paused.labels(self.source).set(1)  # until a commit goes through
         try:
             self.pub.abort(30)
         except KafkaException as abort_error:  # a fenced or fatal producer: start over

@@ -126,3 +126,106 @@ def test_json_logs_are_one_object_a_line_without_passwords(
     data = json.loads(line)
     assert data["level"] == "WARNING" and data["logger"] == "kvledger.x"
     assert "s3cret" not in line and "kv:***@db" in data["message"]
+
+
+def test_no_parser_takes_an_abbreviation(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefix of one option is never taken for it: `consume --group G` once became
+    `--group-instance-id G`."""
+    from kvledger.parsers import walk
+
+    parsers = list(walk(build_parser()))
+    assert len(parsers) > 15 and all(p.allow_abbrev is False for p in parsers)
+    for argv, says in (
+        (["consume", "--group", "G"], "--consumer-group names the Kafka consumer group"),
+        (["consume", "--until-caughtup"], "did you mean --until-caught-up?"),
+        (["lookup", "--modle", "m", "--token-ids", "1"], "did you mean --model?"),
+        (["relay", "--endp", "tcp://x:1", "--source", "s", "--model", "m"], "--endp"),
+        (["groups"], "a command is required: one of declare, list"),
+        (["consum"], "did you mean consume?"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert says in err, (argv, err)
+        if argv[0] in ("consume", "lookup"):  # the command's own usage, not the top level's
+            assert f"usage: kvledger {argv[0]} " in err
+
+
+def test_help_imports_no_server_dependency_and_defaults_match() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from kvledger.cli import build_parser; p = build_parser(); "
+        "p.format_help(); [a for a in p._actions]; "
+        "heavy = {'sqlalchemy', 'psycopg', 'alembic', 'starlette', 'uvicorn', 'zmq', "
+        "'msgspec', 'prometheus_client', 'confluent_kafka', 'fastavro'}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert out.strip() == "[]"
+    from kvledger import fleet, parsers
+    from kvledger.producer import config
+    from kvledger.schemas import topics
+
+    assert parsers.DEFAULT_TOPIC == config.DEFAULT_TOPIC
+    assert parsers.DEFAULT_PARTITIONS == topics.DEFAULT_PARTITIONS
+    assert parsers.DEFAULT_MODEL == fleet.DEFAULT_MODEL
+
+
+def test_a_missing_extra_is_named_when_the_command_runs() -> None:
+    """On the base install `serve --port` is parsed, and running it names the extra."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; sys.modules['starlette'] = None; sys.modules['uvicorn'] = None; "
+        "from kvledger.cli import main; "
+        "sys.exit(main(['serve', '--port', '9', '--database-url', 'postgresql://h/x']))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "pip install 'kvledger[lookup]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_relay_help_states_each_default_once() -> None:
+    text = build_parser()._subparsers._group_actions[0].choices["relay"].format_help()  # type: ignore[union-attr]
+    assert "(default:" not in text and "default 1]" in text
+
+
+@pytest.mark.parametrize(
+    "url", ["kvledger:s3cretpw@127.0.0.1:25432/kvledger", "mysql://u:s3cretpw@h/x"]
+)
+def test_a_malformed_database_url_never_shows_its_password(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sources", "--database-url", url]) == 1
+    err = capsys.readouterr().err
+    assert "s3cretpw" not in err and "Traceback" not in err and err.count("\n") == 1
+    assert "not a" in err and "URL" in err
+
+
+def test_token_ids_from_a_missing_file_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["lookup", "--model", "m", "--token-ids", "@/nonexistent/ids",
+              "--database-url", "postgresql://h/x"])  # fmt: skip
+    assert "cannot read the token ids of @/nonexistent/ids" in str(exit_.value.code)
+
+
+def test_sources_show_times_not_milliseconds() -> None:
+    from kvledger.sources_cmd import _started
+
+    assert _started(1_764_000_000_000) == "2025-11-24 16:00:00"
+    assert _started(5) == "5"  # an epoch numbered otherwise stays as it is
+
+
+def test_a_tie_is_called_a_tie() -> None:
+    from kvledger.lookup_cmds import _routing
+    from kvledger.schemas.lookup import Ranked
+
+    tied = [Ranked(f"engine-{i}", 512.0, {"GPU": 512}) for i in range(4)]
+    assert _routing(tied) == "a 4-way tie at score 512: engine-0, engine-1, engine-2, engine-3"
+    assert _routing([Ranked("a", 9.0, {}), Ranked("b", 3.0, {})]) == "route to a (score 9)"

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from kvledger.cli import build_parser
-from kvledger.roles_cmd import ENV_PASSWORD
+from kvledger.parsers import ENV_READER_PASSWORD as ENV_PASSWORD
 from kvledger.settings import ENV_DATABASE, ENV_KAFKA, ENV_LOOKUP_DATABASE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,9 +66,8 @@ def test_app_services_use_the_codes_variables_and_commands() -> None:
         for command in _commands(service):
             assert command[0] == "kvledger"
             parser.parse_args(command[1:])  # exits (fails the test) on an unknown flag
-    assert ["kvledger", "roles", "create-reader", "kvledger_lookup"] in _commands(
-        services["migrate"]
-    )
+    reader = ["kvledger", "roles", "create-reader", "kvledger_lookup", "--reset-password"]
+    assert reader in _commands(services["migrate"])
     assert "kvledger_lookup:" in services["lookup"]["environment"][ENV_LOOKUP_DATABASE]
     relay = services["relay"]
     assert set(relay["environment"]) == {ENV_KAFKA}

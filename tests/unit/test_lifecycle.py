@@ -167,3 +167,29 @@ def test_an_old_contract_producer_still_applies() -> None:
     assert {r.status for r in store.events.values()} == {"applied"}
     assert held(store) == {(2, "STORAGE", 0)}
     assert store.sources[next(iter(store.sources))].surviving_media is None
+
+
+def test_a_source_that_changes_model_keeps_the_change_and_logs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    other = dataclasses.replace(spec(0), model="other-model")
+    stream = Stream()
+    stream.send(A, spec(0))
+    stream.send(A, stored([1]))
+    stream.send(A, other, model="other-model")
+    stream.send(A, other, model="other-model")
+    store = run(stream.messages[:2], MemoryStore())
+    assert store.lives[A].previous_model is None
+    with caplog.at_level("WARNING", logger="kvledger.consumer.pipeline"):
+        run(stream.messages[2:3], store)
+    life = store.lives[A]
+    assert (life.model, life.previous_model) == ("other-model", MODEL)
+    assert life.model_changed_at is not None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"source {A} changed model from {MODEL} to other-model: one source id per engine and "
+        "model (`kvledger sources` shows the change)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvledger.consumer.pipeline"):
+        run(stream.messages[3:], store)  # the new model again: no new change
+    assert store.lives[A].model_changed_at == life.model_changed_at and not caplog.records

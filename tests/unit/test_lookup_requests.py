@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -63,3 +63,23 @@ def test_a_token_request() -> None:
 def test_malformed_requests_say_why(body: dict[str, Any], reason: str) -> None:
     with pytest.raises(BadRequestError, match=reason):
         parse_match(body)
+
+
+def test_token_prompts_take_the_liveness_options_as_hashes_do() -> None:
+    for prompt in ({"token_ids": [1, 2, 3]}, {"hashes": ["00" * 8]}):
+        req = parse_match({"model": "m", "include_silent": True, "silent_after_s": 2.5, **prompt})
+        assert req.include_silent is True and req.silent_after == timedelta(seconds=2.5), prompt
+
+
+def test_a_hash_in_a_path_is_hex_or_the_unsigned_int_form() -> None:
+    from kvledger.consumer.lookup.requests import parse_path_hash
+
+    assert parse_path_hash("0x0102") == [b"\x01\x02"]
+    assert parse_path_hash("ab01") == [b"\xab\x01"]
+    assert parse_path_hash(str(2**64 - 1))[-1] == b"\xff" * 8
+    assert parse_path_hash(str(2**63)) == [(2**63).to_bytes(8, "big")]  # 19 digits
+    # Digits alone, an even count: hex first, then the int.
+    assert parse_path_hash("12") == [b"\x12", (12).to_bytes(8, "big")]
+    for bad in ("zz", str(2**64) + "1", "0xabc"):
+        with pytest.raises(BadRequestError):
+            parse_path_hash(bad)

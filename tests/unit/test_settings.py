@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.settings import add_kafka_args, kafka_settings, read_properties
+from kvledger.parsers import add_kafka_args
+from kvledger.settings import kafka_settings, read_properties
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

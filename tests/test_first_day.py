@@ -1,0 +1,132 @@
+"""What a newcomer meets first, against the real services: a database never migrated, a
+migration that says what it did, a source id reused for another model, a broker that does
+not answer. Each answer is one clear line (or a 503 with its reason), never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Producer
+from starlette.testclient import TestClient
+
+from kvledger.cli import main as cli
+from kvledger.consumer.db import SCHEMA_MISSING, create_database, drop_database
+from kvledger.consumer.lookup.http import create_app
+from kvledger.schemas.events import GroupSpec
+from tests.helpers.consuming import consume
+from tests.helpers.procs import free_port
+from tests.helpers.streams import Stream, spec, stored
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def empty_database(database_url: str) -> Iterator[str]:
+    """A database kvledger migrate never ran on."""
+    name = f"kvl_empty_{uuid.uuid4().hex[:10]}"
+    url = create_database(database_url, name)
+    yield url
+    drop_database(database_url, name)
+
+
+def test_a_database_never_migrated_says_run_migrate(
+    empty_database: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    commands = (
+        ["sources"], ["lookup", "--model", "m", "--token-ids", "1,2"], ["dlq", "list"],
+        ["groups", "list"],
+    )  # fmt: skip
+    for argv in commands:
+        assert cli([*argv, "--database-url", empty_database]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and SCHEMA_MISSING in err, (argv, err)
+    # The SQL-backed service starts anyway (containers may start it before the migration)
+    # and answers every lookup 503 with the reason until the schema is there.
+    with TestClient(create_app(empty_database, pool_size=1)) as client:
+        for response in (
+            client.get("/healthz"),
+            client.post("/v1/match", json={"model": "m", "token_ids": [1, 2]}),
+            client.get(f"/v1/blocks/{'ab' * 8}"),
+        ):
+            assert response.status_code == 503, response.text
+            assert response.json() == {"error": SCHEMA_MISSING}
+            assert response.headers["retry-after"] == "30"
+        # Migrated: the role check it could not make runs now, and refuses a writer.
+        assert cli(["migrate", "--database-url", empty_database]) == 0
+        assert "migrated from revision (none) to " in capsys.readouterr().out
+        refused = client.get("/healthz")
+        assert refused.status_code == 503 and "can write to the index" in refused.json()["error"]
+    assert cli(["migrate", "--database-url", empty_database]) == 0
+    again = capsys.readouterr().out
+    assert "already at revision" in again and "nothing to do" in again
+
+
+def test_a_source_that_changes_model_shows_in_sources(
+    fresh_database: str, kafka_bootstrap: str, make_topic, group_id: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    topic = make_topic("model-change", partitions=1)
+    stream = Stream(topic)
+    stream.send("engine-x", spec(0))
+    stream.send("engine-x", stored([1, 2]))
+    stream.send("engine-x", GroupSpec("llama-other", 0, "full_attention", 4, 4),
+                model="llama-other")  # fmt: skip
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for m in stream.messages:
+        producer.produce(topic, value=m.value, key=m.key, partition=0)
+    assert producer.flush(30) == 0
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    assert cli(["sources", "--database-url", fresh_database]) == 0
+    out = capsys.readouterr().out
+    assert "llama-other (was m)" in out
+    assert "warning: source engine-x changed model from m to llama-other" in out
+    assert cli(["sources", "--database-url", fresh_database, "--json"]) == 0
+    assert '"previous_model": "m"' in capsys.readouterr().out
+
+
+def _run(argv: list[str], timeout: float = 60) -> tuple[int, str, float]:
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvledger", *argv], capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+    return done.returncode, done.stderr, time.monotonic() - start
+
+
+def test_an_unreachable_broker_is_one_line_within_the_startup_timeout() -> None:
+    """Nothing listens on the port: the command fails within its 10 s start-up timeout
+    and prints a handful of lines, librdkafka's own logged once per distinct error."""
+    bootstrap = f"127.0.0.1:{free_port()}"
+    rc, err, seconds = _run(["simulate", "--bootstrap", bootstrap, "--instances", "1"])
+    assert rc == 1 and seconds < 20, (seconds, err)
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("kvledger simulate: ") and "Traceback" not in err
+    assert len(lines) <= 6, err
+
+
+def test_ctrl_c_stops_a_relay_that_waits_for_its_broker() -> None:
+    """SIGINT while the relay first looks for an unreachable broker ends it at once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvledger", "relay", "--endpoint", f"tcp://127.0.0.1:{free_port()}",
+         "--source", "relay-ctrl-c", "--model", "m", "--bootstrap", f"127.0.0.1:{free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_RELAY_")},
+    )  # fmt: skip
+    try:
+        time.sleep(3)  # inside its first topic check
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        assert time.monotonic() - start < 10, err
+        assert proc.returncode in (0, 130) and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

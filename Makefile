@@ -51,7 +51,7 @@ lint: venv
 	@$(VENV)/bin/mypy
 
 unit: venv
-	@$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+	@$(PY) -m pytest -m "not integration and not downloads" $(PYTEST_ARGS)
 
 test: lint services
 	@$(with_env) $(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/containers

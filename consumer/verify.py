@@ -57,6 +57,24 @@ class TableDiff:
     only_rebuilt: list[tuple[object, ...]] = field(default_factory=list)
 
 
+def describe_row(table: str, row: tuple[object, ...], width: int = 16) -> str:
+    """One compared row as ``column=value`` pairs a person can read: bytes in hex (cut past
+    ``width`` bytes), token arrays by their length and first ids."""
+    parts = []
+    for name, value in zip(COMPARED[table].compared, row, strict=False):
+        shown: str
+        if isinstance(value, bytes):
+            shown = value[:width].hex() + ("…" if len(value) > width else "")
+        elif isinstance(value, tuple) and len(value) > 4:
+            shown = f"[{', '.join(map(str, value[:4]))}, … {len(value)} in all]"
+        elif value is None:
+            shown = "NULL"
+        else:
+            shown = str(value)
+        parts.append(f"{name}={shown}")
+    return " ".join(parts)
+
+
 def diff(
     live: dict[str, Counter[tuple[object, ...]]], rebuilt: dict[str, Counter[tuple[object, ...]]]
 ) -> list[TableDiff]:

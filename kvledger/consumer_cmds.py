@@ -107,7 +107,14 @@ def groups_declare(args: argparse.Namespace) -> int:
         except admin.InvalidSpecError as exc:
             print(f"kvledger: invalid spec: {exc}", file=sys.stderr)
             return 2
-    print(f"declared {spec}")
+    hashes = (
+        f", {spec.hash_block_size}-token hashes" if spec.hash_block_size != spec.block_size else ""
+    )
+    window = f", window {spec.sliding_window}" if spec.sliding_window is not None else ""
+    print(
+        f"declared group {spec.group_idx} of model {spec.model}: {spec.kind}, "
+        f"{spec.block_size}-token blocks{hashes}{window} (wins over announcements)"
+    )
     return 0
 
 
@@ -138,10 +145,15 @@ def dlq_list(args: argparse.Namespace) -> int:
             default=str,
         ))  # fmt: skip
         return 0
+    if not summary:
+        print("no rejected events")
+        return 0
     print_table(["reason", "pending", "replayed", "first", "last"], summary)
-    print()
-    header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen", "replayed"]
-    print_table(header, rows)
+    if rows:
+        print()
+        header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen",
+                  "replayed"]  # fmt: skip
+        print_table(header, rows)
     return 0
 
 
@@ -156,7 +168,7 @@ def dlq_replay(args: argparse.Namespace) -> int:
 
 
 def verify_cmd(args: argparse.Namespace) -> int:
-    from kvledger.consumer.verify import verify
+    from kvledger.consumer.verify import describe_row, verify
 
     result = verify(
         settings.kafka_bootstrap(args),
@@ -192,9 +204,9 @@ def verify_cmd(args: argparse.Namespace) -> int:
             f"{len(d.only_rebuilt)} only in the rebuild"
         )
         for row in d.only_live[: args.show]:
-            print(f"    - live    {row!r:.300}")
+            print(f"    - live    {describe_row(d.table, row)}")
         for row in d.only_rebuilt[: args.show]:
-            print(f"    + rebuilt {row!r:.300}")
+            print(f"    + rebuilt {describe_row(d.table, row)}")
     return 1
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -69,6 +70,10 @@ def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.verbose:  # the report is the output: only warnings of what went wrong beside it
+        logging.getLogger("kvledger").setLevel(logging.WARNING)
+        # Placeholders are what a simulated engine's sliding-window group announces.
+        logging.getLogger("kvledger.producer.tracker").setLevel(logging.ERROR)
     bootstrap = settings.kafka_bootstrap(args)
     server = settings.database_url(args.database_url)
     if args.instances < 2:
@@ -171,6 +176,18 @@ def run(args: argparse.Namespace) -> int:
         f"   {c.messages} messages: {c.applied} applied, {c.rejected} rejected, "
         f"{c.duplicates} duplicate; {c.block_events} block events"
     )
+    with connect(database, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE event_type = 'GroupSpec') "
+            "FROM kvledger.events WHERE source = %s",
+            (relayed,),
+        ).fetchone()
+    from_relay, announced = row if row is not None else (0, 0)
+    print(
+        f"   = {sim.produced} the simulated engines' publishers produced + {from_relay} from "
+        f"the relay ({from_relay - announced} of {relayed}'s events, {announced} group "
+        "announcements it makes itself)"
+    )
     for reason, count in sorted(c.rejected_by_reason.items()):
         print(f"   rejected {reason}: {count} (kept with raw bytes; also in {TOPIC}.dlq)")
     if lag != 0:
@@ -203,19 +220,19 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
         report.audits(conn)
     report.section("explore")
     url = sa.engine.make_url(database)
+    if args.keep:
+        print("   the services are left running (scripts/services down stops them); in a shell:")
+    else:
+        print("   `make demo` stops the services now: run `make demo KEEP=1` to explore, then:")
     # No password on the screen: it is the one in $KVLEDGER_DATABASE_URL (scripts/services env).
+    demo_url = f'"${{KVLEDGER_DATABASE_URL%/*}}/{url.database}"'
+    print('   eval "$(scripts/services env)"')
+    for command in ("sources", "dlq list", "groups list"):
+        print(f"   .venv/bin/kvledger {command} --database-url {demo_url}")
     print(
         f"   psql -h {url.host} -p {url.port} -U {url.username} {url.database}   "
         "(its password: the one in $KVLEDGER_DATABASE_URL)"
     )
-    print(
-        f"   kvledger sources / dlq list / groups list  (--database-url: that URL with the "
-        f"database {url.database})"
-    )
-    if args.keep:
-        print("   services left running; stop them with: scripts/services down")
-    else:
-        print("   (make demo KEEP=1 leaves the services running to explore this)")
     return 0
 
 

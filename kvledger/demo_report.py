@@ -70,7 +70,10 @@ GROUP BY r.medium ORDER BY r.medium
         "SELECT count(*) FROM kvledger.events WHERE source = %s AND status = 'applied'",
         (source,),
     ).fetchone()
-    print(f"   {row[0] if row else 0} of its messages applied; nothing recorded lost")
+    print(
+        f"   {row[0] if row else 0} of its messages applied (the relayed events and the relay's "
+        "own group announcements); nothing recorded lost"
+    )
 
 
 def routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
@@ -100,10 +103,19 @@ def routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
         print(f"   {i}. {r.instance}  score {r.score:,.0f}  ({tiers})")
     if ranked:
         best = ranked[0]
-        print(
-            f"   → route to {best.instance}: it already holds "
-            f"{max(best.tokens_by_tier.values())} of the prompt's {len(prompt)} tokens"
-        )
+        held = max(best.tokens_by_tier.values())
+        tied = [r.instance for r in ranked if r.score == best.score]
+        if len(tied) > 1:
+            print(
+                f"   → a {len(tied)}-way tie at score {best.score:,.0f} ({', '.join(tied)}): "
+                f"each holds {held} of the prompt's {len(prompt)} tokens on its best tier; a "
+                "router breaks the tie by load"
+            )
+        else:
+            print(
+                f"   → route to {best.instance}: it already holds {held} of the prompt's "
+                f"{len(prompt)} tokens"
+            )
     else:
         print("   → no instance holds this prefix: route by load")
 

@@ -1,7 +1,8 @@
 """A stock vLLM engine's KV-event stream, simulated on real ZMQ sockets (the demo's relayed
 engine, the relay's tests and its benchmark).
 
-:class:`ZmqEngine` speaks vLLM 0.33.0's protocol as ../shared/VLLM_FACTS.md describes it: PUB
+:class:`ZmqEngine` speaks vLLM 0.33.0's protocol (vllm/distributed/kv_events.py; the
+tests run that file's own publisher against the relay, tests/test_relay.py): PUB
 frames ``[topic, seq (8 bytes big-endian), payload]`` with seq from 0 per process; a ROUTER
 replay socket that answers ``[empty, start seq]`` with ``[empty, topic, seq, payload]`` for
 each batch still in its bounded buffer, then ``[empty, empty, eight 0xff bytes, empty]``.

@@ -182,6 +182,8 @@ def test_each_rejection_end_to_end_and_replay(
     )
     assert cli(["dlq", "replay", "--database-url", fresh_database]) == 0
     out = capsys.readouterr().out
+    assert "declared group 5 of model m: full_attention, 16-token blocks" in out
+    assert "GroupSpec(" not in out
     assert "replayed 1 of 8 pending rejected events" in out
     with connect(fresh_database, autocommit=True) as conn:
         summary = {row[0]: (row[1], row[2]) for row in dlq_summary(conn)}
@@ -190,6 +192,9 @@ def test_each_rejection_end_to_end_and_replay(
     assert summary["unknown_group"][1] == 1
     assert cli(["dlq", "list", "--database-url", fresh_database]) == 0
     assert "unknown_group" in capsys.readouterr().out
+    assert cli(["dlq", "list", "--limit", "0", "--database-url", fresh_database]) == 0
+    summary_only = capsys.readouterr().out
+    assert "unknown_group" in summary_only and "offset" not in summary_only
     assert cli(["dlq", "list", "--json", "--database-url", fresh_database]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert {r["reason"] for r in listed["summary"]} == set(expected_rejections)

@@ -98,6 +98,8 @@ def test_verify_detects_tampering_and_rebuild_repairs(
     out = capsys.readouterr().out
     assert "residencies: 1 row(s) only in the live index, 1 only in the rebuild" in out
     assert "blocks: 0 row(s) only in the live index, 1 only in the rebuild" in out
+    # Differences read as columns and values, hashes in hex, not Avro tuples.
+    assert "    + rebuilt model=" in out and " block_hash=" in out and "b'" not in out
     assert cli(["verify", "--json", *args]) == 1  # the same report, for machines
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["rebuilt_messages"] > 0

@@ -174,10 +174,7 @@ def _check_medium(medium: str | None) -> Invalid | None:
 def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:
     """Shape checks of a BlockStored against its group spec (no index state needed)."""
     if held is None:
-        return Invalid(
-            Reason.UNKNOWN_GROUP,
-            f"group {event.group_idx} has no declared or announced spec",
-        )
+        return _unknown_group(event)
     if invalid := _check_hashes(event.block_hashes) or _check_medium(event.medium):
         return invalid
     if len(event.token_ids) > MAX_TOKENS_PER_EVENT:
@@ -214,10 +211,16 @@ def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:
 
 def check_removed(event: BlockRemoved, held: HeldSpec | None) -> Invalid | None:
     if held is None:
-        return Invalid(
-            Reason.UNKNOWN_GROUP, f"group {event.group_idx} has no declared or announced spec"
-        )
+        return _unknown_group(event)
     return _check_hashes(event.block_hashes) or _check_medium(event.medium)
+
+
+def _unknown_group(event: BlockStored | BlockRemoved) -> Invalid:
+    return Invalid(
+        Reason.UNKNOWN_GROUP,
+        f"group {group_of(event)} has no declared or announced spec "
+        "(`kvledger groups declare`, then `kvledger dlq replay`)",
+    )
 
 
 def check_cleared(event: AllBlocksCleared) -> Invalid | None:

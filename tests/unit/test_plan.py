@@ -447,3 +447,15 @@ def test_a_number_far_ahead_cannot_silence_a_source(s: Stream) -> None:
     run([s.send(A, stored([3]), seq=2)], store)  # the next normal number still applies
     assert statuses(store)[-1] == ("applied", None)
     assert store.sources[SourceKey(A, MODEL, 0)].last_seq == 2
+
+
+def test_an_unknown_group_is_named_with_the_wire_default() -> None:
+    """An event of the old contract (no group_idx) is group 0, and the detail says so."""
+    from kvledger.consumer.core.validate import check_removed, check_stored
+    from kvledger.schemas.events import BlockRemoved, BlockStored
+
+    stored_event = BlockStored((b"\x01" * 8,), None, (1, 2, 3, 4), 4, None, "GPU", None)
+    removed_event = BlockRemoved((b"\x01" * 8,), "GPU")
+    for invalid in (check_stored(stored_event, None), check_removed(removed_event, None)):
+        assert invalid is not None and invalid.detail.startswith("group 0 has no declared")
+        assert "kvledger groups declare" in invalid.detail

@@ -347,6 +347,7 @@ def vllm_kv_events() -> Iterator[ModuleType]:
         yield module
 
 
+@pytest.mark.downloads
 def test_vllms_own_event_objects_take_the_compiled_pass(vllm_kv_events: ModuleType) -> None:
     kv = vllm_kv_events
     form = _form(False)
@@ -365,6 +366,7 @@ def test_vllms_own_event_objects_take_the_compiled_pass(vllm_kv_events: ModuleTy
         assert compiled_path(item, form, i, None) == python_path(event, form, i, None)  # type: ignore[arg-type]
 
 
+@pytest.mark.downloads
 def test_the_benchmarks_vllm_objects_are_vllms_own(vllm_kv_events: ModuleType) -> None:
     """kvledger.vllm_engine.vllm_batch (the publish-path benchmark's batches) builds objects
     that vLLM's own classes match field for field, encoding and all."""

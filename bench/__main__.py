@@ -1,6 +1,8 @@
 """`make bench`: every benchmark, each figure beside its baseline from the same run.
 
-Writes bench/results.json and prints a short table. Needs the services
+Collects the figures in bench/results.json while it runs, then writes the run's dated
+results, bench/results/<date>.json and .md (a Markdown table), and bench/results/latest.md,
+which the README links: the one place the figures are stated. Needs the services
 (KVLEDGER_KAFKA_BOOTSTRAP, KVLEDGER_DATABASE_URL), which `make bench` starts.
 """
 
@@ -10,7 +12,7 @@ import json
 import logging
 
 from bench import consume, lookup, previous, produce, relay, router, scale, tracker_encode
-from bench.common import RESULTS
+from bench.common import RESULTS, publish
 
 
 def main() -> None:
@@ -27,11 +29,13 @@ def main() -> None:
     previous.main()  # the apply rate beside the release before the core split
     scale.main()  # 1, 2 and 3 consumers in one group, side by side
     data = json.loads(RESULTS.read_text())
-    print(f"\nwrote {RESULTS}")
+    written = publish(data)
+    print(f"\nwrote {', '.join(str(p) for p in written)}")
     print(f"{'benchmark':<16} {'figure':<58} {'value':>14}")
     for name, figures in data.items():
         for key, value in figures.items():
-            print(f"{name:<16} {key:<58} {value:>14,.2f}")
+            shown = f"{value:>14,.2f}" if isinstance(value, int | float) else f"{value!s:>14}"
+            print(f"{name:<16} {key:<58} {shown}")
 
 
 if __name__ == "__main__":

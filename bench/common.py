@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results.json"
+RESULTS = Path(__file__).resolve().parent / "results.json"  # this run's, while it runs
+PUBLISHED = Path(__file__).resolve().parent / "results"  # each run's, dated, checked in
 
 
 def rate(count: int, fn: Callable[[], object], repeat: int = 3) -> float:
@@ -31,6 +35,50 @@ def record(name: str, figures: dict[str, Any]) -> None:
     for key, value in figures.items():
         shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
         print(f"   {key:<40} {shown}")
+
+
+def publish(
+    data: dict[str, dict[str, Any]], folder: Path = PUBLISHED, when: datetime | None = None
+) -> list[Path]:
+    """Write one run's figures as ``<date>.json`` and ``<date>.md`` (a table per benchmark)
+    in ``folder``, and the table again as ``latest.md``; returns the paths written."""
+    when = when or datetime.now(UTC)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = f"{when:%Y-%m-%d}"
+    meta = {"date": f"{when:%Y-%m-%dT%H:%M:%SZ}", "machine": _machine()}
+    as_json = folder / f"{stamp}.json"
+    as_json.write_text(json.dumps({"run": meta, **data}, indent=2, sort_keys=True) + "\n")
+    lines = [
+        f"# Benchmark results, {stamp}",
+        "",
+        f"`make bench` on {meta['machine']}, {meta['date']}. Each figure sits beside the "
+        "baseline measured in the same run (this machine is noisy: compare ratios). The "
+        f"same figures as JSON: [{as_json.name}]({as_json.name}).",
+    ]
+    for name, figures in data.items():
+        lines += ["", f"## {name}", "", "| figure | value |", "| --- | --- |"]
+        for key, value in figures.items():
+            shown = f"{value:,.2f}" if isinstance(value, float) else f"{value:,}" if (
+                isinstance(value, int) and not isinstance(value, bool)
+            ) else str(value)  # fmt: skip
+            lines.append(f"| {key} | {shown} |")
+    table = "\n".join(lines) + "\n"
+    as_md = folder / f"{stamp}.md"
+    as_md.write_text(table)
+    latest = folder / "latest.md"
+    latest.write_text(table)
+    return [as_json, as_md, latest]
+
+
+def _machine() -> str:
+    cores = os.cpu_count() or 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = int(f.readline().split()[1])
+        memory = f", {kib / 2**20:.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        memory = ""
+    return f"{platform.machine()}, {cores} cores{memory}, Python {platform.python_version()}"
 
 
 def settle(database_url: str, timeout_s: float = 60.0) -> None:

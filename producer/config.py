@@ -10,7 +10,7 @@ from typing import Literal
 from confluent_kafka import KafkaException
 
 from kvledger.producer.errors import BrokerUnreachableError
-from kvledger.schemas.topics import misconfigured, topic_limit
+from kvledger.schemas.topics import DEFAULT_PARTITIONS, misconfigured, topic_limit
 
 HashFormat = Literal["int64", "digest"]
 
@@ -57,6 +57,9 @@ class PublisherConfig:
     # seconds and raises BrokerUnreachableError when none answers (0: skip the check; the
     # first failure then surfaces when deliveries time out).
     startup_timeout_s: float = 10.0
+    # A topic missing at start-up is created with this many partitions, as `kvledger relay`
+    # and `simulate` create it (0: not created; needs the check above).
+    create_partitions: int = DEFAULT_PARTITIONS
 
     def producer_settings(self) -> dict[str, object]:
         settings = dict(PRODUCER_DEFAULTS)
@@ -78,7 +81,7 @@ class PublisherConfig:
         if timeout <= 0:
             return settings
         try:
-            limit = topic_limit(settings, self.topic, timeout)
+            limit = topic_limit(settings, self.topic, timeout, create=self.create_partitions)
         except KafkaException as exc:
             if misconfigured(exc):
                 raise  # a setting the client refuses: no broker would change that

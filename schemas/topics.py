@@ -134,15 +134,19 @@ def partition_offsets(
 TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, -141})
 
 
-def topic_limit(settings: Mapping[str, object], topic: str, timeout: float) -> int:
+def topic_limit(settings: Mapping[str, object], topic: str, timeout: float, create: int = 0) -> int:
     """The topic's max.message.bytes (the broker's default when the topic does not exist
-    yet). Raises :class:`NotAuthorizedError` when the broker refuses this principal, and
-    ``KafkaException`` when no broker answers within ``timeout``."""
+    yet). ``create``: a missing topic is created with that many partitions (as
+    :func:`ensure_topic` makes it). Raises :class:`NotAuthorizedError` when the broker
+    refuses this principal, and ``KafkaException`` when no broker answers within
+    ``timeout``."""
     # A bad setting raises here.
     admin = AdminClient(client_logging({**admin_settings(settings), "log_level": 3}))
     try:
         meta = admin.list_topics(topic, timeout=timeout).topics.get(topic)
         if meta is None or meta.error is not None:
+            if create > 0:
+                ensure_topic(admin, topic, create, timeout=timeout, exact_partitions=False)
             return 1_000_000
         resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
         entries = admin.describe_configs([resource])[resource].result(timeout=timeout)

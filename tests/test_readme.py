@@ -1,0 +1,122 @@
+"""Every code block of README.md runs as written, against the test services, or says just
+before it why it does not (``<!-- not run: REASON -->``).
+
+Shell blocks run line by line in bash with the test services' variables, where the README's
+``eval "$(scripts/services env)"`` is replaced by them; Python blocks run in a fresh
+interpreter with the same variables. Blocks run in the README's order, in one environment:
+a fresh database, the shared broker, and a `kvledger serve` for the client's example.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.procs import first_answer, free_port
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES_ENV = 'eval "$(scripts/services env)"'
+_FENCE = re.compile(r"^( *)```(\w*)\s*$")
+_NOT_RUN = re.compile(r"^<!-- not run: (.+\S) -->$")
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int
+    language: str
+    code: str
+    not_run: str | None  # the reason, when the README says it is not run
+
+
+def blocks(text: str) -> list[Block]:
+    out, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        opened = _FENCE.match(lines[i])
+        if not opened:
+            i += 1
+            continue
+        indent, language, start = len(opened.group(1)), opened.group(2), i
+        i += 1
+        body = []
+        while not _FENCE.match(lines[i]):
+            body.append(lines[i][indent:])
+            i += 1
+        before = lines[start - 1].strip() if start else ""
+        reason = m.group(1) if (m := _NOT_RUN.match(before)) else None
+        out.append(Block(start + 1, language, "\n".join(body) + "\n", reason))
+        i += 1
+    return out
+
+
+README = blocks((ROOT / "README.md").read_text())
+
+
+def test_every_code_block_runs_or_says_why_not() -> None:
+    code = [b for b in README if b.language in ("sh", "python")]
+    assert len([b for b in code if b.not_run is None]) >= 4
+    # A block of commands has a language; text blocks (diagrams, SQL shown) have none or sql.
+    untagged = [b.line for b in README if b.language == "" and re.search(r"^kvledger ", b.code)]
+    assert untagged == []
+    assert all(b.not_run is None or len(b.not_run) > 10 for b in code)
+
+
+@pytest.fixture(scope="module")
+def readme_env(kafka_bootstrap: str, database_url: str) -> Iterator[dict[str, str]]:
+    """The variables the README's blocks run with, and a lookup service for the client."""
+    import uuid
+
+    from kvledger.consumer.db import create_database, drop_database, migrate
+
+    name = f"kvl_readme_{uuid.uuid4().hex[:10]}"
+    url = create_database(database_url, name)
+    migrate(url)
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")},
+        "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "KVLEDGER_DATABASE_URL": url,
+        "KVLEDGER_LOOKUP_URL": f"http://127.0.0.1:{port}",
+        "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}",
+    }
+    # Not through helpers.procs.spawn: that one's children end with each test.
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvledger", "serve", "--database-url", url, "--allow-writer",
+         "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        first_answer(f"http://127.0.0.1:{port}/healthz", "the lookup service", 60)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        drop_database(database_url, name)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [b for b in README if b.language in ("sh", "python") and b.not_run is None],
+    ids=lambda b: f"README.md:{b.line}",
+)
+def test_the_block_runs(block: Block, readme_env: dict[str, str], tmp_path: Path) -> None:
+    if block.language == "python":
+        script = tmp_path / "block.py"
+        script.write_text(block.code)
+        argv = [sys.executable, str(script)]
+    else:
+        lines = [ln for ln in block.code.splitlines() if ln.strip() != SERVICES_ENV]
+        argv = ["bash", "-euo", "pipefail", "-c", "\n".join(lines)]
+    done = subprocess.run(
+        argv, cwd=ROOT, env=readme_env, capture_output=True, text=True, timeout=240,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"README.md:{block.line}\n{done.stdout}\n{done.stderr}"
+    assert "Traceback" not in done.stderr, done.stderr

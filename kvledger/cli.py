@@ -68,9 +68,38 @@ def _describe(parser: argparse.ArgumentParser) -> None:
                 _describe(sub)
 
 
+def compiled_parts() -> dict[str, bool]:
+    """Which compiled parts are in use (a part not built, or turned off by its
+    KVLEDGER_PURE_* variable, runs as pure Python with the same answers)."""
+    from kvledger.consumer.router import masks
+    from kvledger.producer import prepared
+    from kvledger.schemas.codec import Codec
+
+    return {
+        "router masks": masks.COMPILED,
+        "Avro codec": Codec()._compiled is not None,
+        "vLLM pass": prepared.COMPILED and Codec().frames_current,
+    }
+
+
+class _Version(argparse.Action):
+    """--version: the version, then which compiled parts are in use (looked up only when
+    asked, so that building the parser imports none of them)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        parts = ", ".join(
+            f"{name} {'compiled' if on else 'pure Python'}" for name, on in compiled_parts().items()
+        )
+        print(f"kvledger {__version__} ({parts})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = parsers.Parser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
-    parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
+    parser.add_argument(
+        "--version", action=_Version, nargs=0,
+        help="the version, and which compiled parts this install uses (else pure Python)",
+    )  # fmt: skip
     parser.add_argument(
         "-v", "--verbose", "--debug", dest="verbose", action="store_true",
         help="debug logging, and the traceback of an error (else one line)",

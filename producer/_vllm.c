@@ -299,7 +299,9 @@ static int write_ints(Writer *w, PyObject *v, int64_t lo, int64_t hi) {
         return SLOW;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
     PyObject **items = PySequence_Fast_ITEMS(v);
-    if (n > 0 && (write_long(w, n) < 0 || grow(w, n * 10 + 1) < 0))
+    /* Room for every item and the end byte, also when there is no item (the end byte of
+     * an empty array is written too: many empty arrays must not outgrow the buffer). */
+    if ((n > 0 && write_long(w, n) < 0) || grow(w, n * 10 + 1) < 0)
         return -1;
     unsigned char *p = (unsigned char *)w->buf + w->len;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -175,7 +175,9 @@ static int mp_write_ints(Writer *w, Packed *m, int64_t lo, int64_t hi) {
     Py_ssize_t n;
     if (mp_count(m, 0, &n))
         return SLOW;
-    if (n > 0 && (write_long(w, n) < 0 || grow(w, n * 10 + 1) < 0))
+    /* Room for every item and the end byte, also when there is no item (the end byte of
+     * an empty array is written too: many empty arrays must not outgrow the buffer). */
+    if ((n > 0 && write_long(w, n) < 0) || grow(w, n * 10 + 1) < 0)
         return -1;
     unsigned char *o = (unsigned char *)w->buf + w->len;
     for (Py_ssize_t i = 0; i < n; i++) {

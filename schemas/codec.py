@@ -34,6 +34,7 @@ from kvledger.schemas.avro_program import (
     decoder,
     encoder,
 )
+from kvledger.schemas.avro_strict import Check, MalformedAvroError, compile_check
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import (
     AllBlocksCleared,
@@ -135,8 +136,13 @@ class Codec:
         )
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
+        # Each writer schema's check of the compiled decoder's rules (avro_strict), run
+        # before fastavro reads a body: both paths refuse the same bytes.
+        self._strict: dict[int, Check] = {id(self._schema): compile_check(self.schema_json)}
         for writer in released_schemas() if known_writers is None else known_writers:
-            self._writers[schema_fingerprint(writer)] = fastavro.parse_schema(json.loads(writer))
+            parsed = fastavro.parse_schema(json.loads(writer))
+            self._writers[schema_fingerprint(writer)] = parsed
+            self._strict[id(parsed)] = compile_check(writer)
         self._registry = registry
         self._registry_writers: dict[int, Any] = {}
         if registry is not None and subject is not None:  # a writer: register, then frame
@@ -251,6 +257,12 @@ class Codec:
         return value
 
     def _fastavro(self, data: bytes, writer: Any, header_len: int) -> dict[str, Any]:
+        try:
+            self._strict[id(writer)](data, header_len)
+        except MalformedAvroError as exc:
+            raise DecodeError("undecodable", f"Avro body does not decode: {exc}") from None
+        except RecursionError:
+            raise DecodeError("undecodable", "Avro body nested too deeply") from None
         stream = io.BytesIO(data)
         stream.seek(header_len)
         try:
@@ -285,6 +297,7 @@ class Codec:
                 try:
                     schema = self._registry.get_schema(schema_id)
                     writer = fastavro.parse_schema(json.loads(schema.schema_str))
+                    self._strict[id(writer)] = compile_check(schema.schema_str)
                 except Exception as exc:
                     raise DecodeError(
                         "unknown_schema", f"registry has no schema id {schema_id}: {exc!r}"

@@ -229,3 +229,20 @@ def test_a_tie_is_called_a_tie() -> None:
     tied = [Ranked(f"engine-{i}", 512.0, {"GPU": 512}) for i in range(4)]
     assert _routing(tied) == "a 4-way tie at score 512: engine-0, engine-1, engine-2, engine-3"
     assert _routing([Ranked("a", 9.0, {}), Ranked("b", 3.0, {})]) == "route to a (score 9)"
+
+
+def test_the_version_says_which_parts_are_compiled() -> None:
+    import os
+    import subprocess
+    import sys
+
+    def version(**env: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvledger", "--version"], text=True, capture_output=True,
+            check=True, env={**os.environ, **env},
+        )  # fmt: skip
+        return done.stdout
+
+    assert version(KVLEDGER_PURE_MASKS="1").startswith("kvledger ")
+    assert "router masks pure Python" in version(KVLEDGER_PURE_MASKS="1")
+    assert "Avro codec pure Python" in version(KVLEDGER_PURE_AVRO="1")

@@ -614,3 +614,33 @@ def test_a_packed_batch_published_in_one_call_is_what_prepare_then_produce_give(
             assert got == (items[1:], 1) and calls == want_calls[:1]
         published += 1
     assert published >= 25 and declined >= 1
+
+
+@pytest.mark.parametrize("lists", [20_000, 1, 0])
+def test_more_lookahead_lists_than_hashes_never_outgrow_the_writer(lists: int) -> None:
+    """Each empty list's end byte is written with room for it: 20,000 empty lookahead lists
+    under one hash overflowed the writer once (a heap overflow that aborted the relay, and
+    again after every restart, since the engine replays the batch). Whatever the pass
+    does with such an event, the Python path's answer is the same."""
+    fields = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+              "token_ids": [1, 2], "block_size": 2,
+              "lookahead_token_ids": [[]] * lists}  # fmt: skip
+    payload = msgspec.msgpack.encode([1.0, [fields], 0])
+    form = _form(False)
+
+    def python_answer() -> object:
+        try:
+            return _prepared_bytes(form.prepare(decode_batch(payload).events), form)
+        except (VllmEventError, ValueError) as exc:
+            return type(exc)
+
+    want = python_answer()
+    for packed in (True, False):  # the relay's msgpack, and decoded objects
+        events = read_batch(payload, packed=True).events if packed else decode_batch(payload).events
+        try:
+            got: object = _prepared_bytes(form.prepare(events, packed=packed), form)
+        except NotCompiledError:
+            continue  # left to the Python path, whose answer is want
+        except (VllmEventError, ValueError) as exc:
+            got = type(exc)
+        assert got == want, packed

@@ -11,7 +11,17 @@ from __future__ import annotations
 import json
 import logging
 
-from bench import consume, lookup, previous, produce, relay, router, scale, tracker_encode
+from bench import (
+    consume,
+    flood,
+    lookup,
+    previous,
+    produce,
+    relay,
+    router,
+    scale,
+    tracker_encode,
+)
 from bench.common import RESULTS, publish
 
 
@@ -21,6 +31,7 @@ def main() -> None:
         RESULTS.unlink()
     # Read-only lookups first: the consumer benchmarks leave dead rows for autovacuum.
     tracker_encode.main()
+    flood.main()  # no services: crafted block hashes beside random ones
     lookup.main()
     router.main()  # on the lookup benchmark's index, beside SQL
     produce.main()

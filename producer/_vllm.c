@@ -141,7 +141,13 @@ static int build_layout(PyTypeObject *type, Layout *out) {
             out->where[i] = ABSENT;
         else if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
             PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
-            if (m->type == T_OBJECT_EX && (m->flags & ~READONLY) == 0 && m->offset > 0)
+            /* A slot of this class or a base only: a descriptor another class's slot was
+             * borrowed from (B.x = A.__dict__["x"]) has an offset into A's objects, which
+             * a B object may not even reach (its read by name then says so). */
+            PyTypeObject *owner = ((PyDescrObject *)descr)->d_type;
+            int own = owner != NULL && PyType_IsSubtype(type, owner) &&
+                      m->offset + (Py_ssize_t)sizeof(PyObject *) <= owner->tp_basicsize;
+            if (own && m->type == T_OBJECT_EX && (m->flags & ~READONLY) == 0 && m->offset > 0)
                 out->where[i] = m->offset;
         }
         Py_XDECREF(descr);

@@ -644,3 +644,27 @@ def test_more_lookahead_lists_than_hashes_never_outgrow_the_writer(lists: int) -
         except (VllmEventError, ValueError) as exc:
             got = type(exc)
         assert got == want, packed
+
+
+def test_a_slot_borrowed_from_another_class_is_not_read_at_its_offset() -> None:
+    """A class whose attribute is another class's slot descriptor: that offset is into the
+    other class's objects (here past the end of this one's), so the pass must not read
+    there; the event is read by name, and gets the Python path's answer."""
+    big = type("Big", (), {"__slots__": tuple(f"s{i}" for i in range(40))})
+    small = type("BlockRemoved", (), {"__slots__": ("block_hashes",)})
+    small.medium = big.__dict__["s39"]  # type: ignore[attr-defined]
+    event = small()
+    event.block_hashes = [1]
+    form = _form(False)
+    try:
+        want: object = python_path(event, form, 0, None)
+    except Exception as exc:
+        want = type(exc)
+    try:
+        items = form.prepare([event])
+        got: object = compiled_path(items[0], form, 0, None) if taken(items[0]) else (
+            python_path(items[0], form, 0, None)
+        )  # fmt: skip
+    except Exception as exc:
+        got = type(exc)
+    assert got == want

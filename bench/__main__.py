@@ -12,6 +12,7 @@ import json
 import logging
 
 from bench import (
+    cli_start,
     consume,
     flood,
     lookup,
@@ -32,6 +33,7 @@ def main() -> None:
     # Read-only lookups first: the consumer benchmarks leave dead rows for autovacuum.
     tracker_encode.main()
     flood.main()  # no services: crafted block hashes beside random ones
+    cli_start.main()  # no services: the command's start-up beside Python's
     lookup.main()
     router.main()  # on the lookup benchmark's index, beside SQL
     produce.main()

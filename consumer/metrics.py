@@ -17,9 +17,15 @@ from kvledger.consumer.core.model import Plan
 # Names follow Prometheus' conventions: counters end in _total, durations are _seconds,
 # sizes in base units. The registry also carries the process's own metrics (CPU, memory,
 # open files, GC), as the default registry would.
-REGISTRY = CollectorRegistry(auto_describe=True)
-for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-    REGISTRY.register(_collector)
+def process_registry() -> CollectorRegistry:
+    """A registry that already carries the process's own metrics."""
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+REGISTRY = process_registry()
 
 MESSAGES_APPLIED = Counter(
     "kvledger_messages_applied_total", "Messages applied to the index", registry=REGISTRY

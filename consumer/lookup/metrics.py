@@ -4,18 +4,11 @@ through the consumer's pipeline, so its /metrics adds the consumer's counters to
 
 from __future__ import annotations
 
-from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-)
+from prometheus_client import Counter, Histogram
 
-REGISTRY = CollectorRegistry(auto_describe=True)
-for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-    REGISTRY.register(_collector)
+from kvledger.consumer.metrics import process_registry
+
+REGISTRY = process_registry()
 
 REQUESTS = Counter(
     "kvledger_http_requests_total",

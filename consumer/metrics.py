@@ -14,6 +14,7 @@ from prometheus_client import (
 
 from kvledger.consumer.core.model import Plan
 
+
 # Names follow Prometheus' conventions: counters end in _total, durations are _seconds,
 # sizes in base units. The registry also carries the process's own metrics (CPU, memory,
 # open files, GC), as the default registry would.

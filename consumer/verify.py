@@ -27,7 +27,7 @@ from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.kafka_log import client_logging
-from kvledger.schemas.topics import admin_settings
+from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings
 
 # Every compared table's columns (wall-clock ones left out), from the one table list.
 COLUMNS: Mapping[str, str] = {name: ", ".join(t.compared) for name, t in COMPARED.items()}
@@ -222,7 +222,7 @@ def _refuse_unsafe(
 
     admin = AdminClient(client_logging(admin_settings(settings)))
     try:
-        described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+        described = admin.describe_consumer_groups([group])[group].result(timeout=STARTUP_TIMEOUT_S)
         members = len(described.members)
     except KafkaException:  # an unknown group has no members
         members = 0
@@ -235,7 +235,7 @@ def _refuse_unsafe(
         client_logging({**settings, "group.id": f"{group}-rebuild-probe", "log_level": 3})
     )
     try:
-        partitions = probe.list_topics(topic, timeout=30).topics[topic].partitions
+        partitions = probe.list_topics(topic, timeout=STARTUP_TIMEOUT_S).topics[topic].partitions
         trimmed = {
             p: low
             for p in partitions

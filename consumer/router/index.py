@@ -44,7 +44,7 @@ from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.lookup import Holder
-from kvledger.schemas.topics import partition_offsets
+from kvledger.schemas.topics import STARTUP_TIMEOUT_S, partition_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class RouterIndex:
         }
         settings.update(self.kafka)
         consumer = Consumer(client_logging(settings))
-        metadata = consumer.list_topics(self.topic, timeout=30)
+        metadata = consumer.list_topics(self.topic, timeout=STARTUP_TIMEOUT_S)
         partitions = sorted(metadata.topics[self.topic].partitions)
         stored = self.store.stored_offsets(self.consumer_group, self.topic)
         consumer.assign(

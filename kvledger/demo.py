@@ -72,8 +72,11 @@ def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # the report is the output: only warnings of what went wrong beside it
         logging.getLogger("kvledger").setLevel(logging.WARNING)
-        # Placeholders are what a simulated engine's sliding-window group announces.
+        # Placeholders are what a simulated engine's sliding-window group announces, and a
+        # broker just started has librdkafka retry and say so: neither is the reader's
+        # concern here (-v shows them).
         logging.getLogger("kvledger.producer.tracker").setLevel(logging.ERROR)
+        logging.getLogger("kvledger.kafka").setLevel(logging.ERROR)
     bootstrap = settings.kafka_bootstrap(args)
     server = settings.database_url(args.database_url)
     if args.instances < 2:

@@ -80,6 +80,13 @@ SPLITS = Counter(
 RETRIES = Counter(
     "kvledger_batch_retries_total", "Batches retried after a database error", registry=REGISTRY
 )
+RECORDS_LOST = Counter(
+    "kvledger_log_records_lost_total",
+    "Records the log deleted (retention) before this index read them: the consumer's stored "
+    "offset was below the partition's start, so what they said is missing from the index",
+    ["topic", "partition"],
+    registry=REGISTRY,
+)
 LAG = Gauge(
     "kvledger_consumer_lag_messages",
     "Messages between the stored offset and the end offset of each partition assigned to "

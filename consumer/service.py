@@ -303,6 +303,7 @@ class IndexConsumer:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         stored = self._stored()
+        self._note_deleted(stored, [tp.partition for tp in partitions])
         for tp in partitions:
             tp.offset = stored.get(tp.partition, OFFSET_BEGINNING)
             self._read_from.pop((tp.topic, tp.partition), None)
@@ -312,6 +313,34 @@ class IndexConsumer:
             "assigned partitions %s", ", ".join(f"{tp.partition}@{tp.offset}" for tp in partitions)
         )
         consumer.assign(partitions)
+
+    def _note_deleted(self, stored: dict[int, int], partitions: list[int]) -> None:
+        """Say so when the log no longer holds records this index never read: a stored
+        offset below its partition's first (retention deleted them while the consumer was
+        away). Reading goes on from the partition's start, so the error and the
+        ``kvledger_log_records_lost_total`` counter are what tells it; what those records
+        removed may still be in the index (`kvledger rebuild --accept-partial` rebuilds
+        from what the log has left)."""
+        behind = [p for p in partitions if stored.get(p, -1) > 0]
+        if not behind:
+            return
+        try:
+            first = partition_offsets(
+                self._admin, self.config.topic, earliest=True, partitions=behind, timeout=5
+            )
+        except KafkaException as exc:
+            logger.warning("could not read the partitions' first offsets: %s", exc)
+            return
+        for p in behind:
+            if first.get(p, 0) > stored[p]:
+                lost = first[p] - stored[p]
+                metrics.RECORDS_LOST.labels(self.config.topic, str(p)).inc(lost)
+                logger.error(
+                    "%s[%d]: %d record(s), offsets %d..%d, were deleted from the log before "
+                    "this index read them; what they said is missing from the index (reading "
+                    "goes on at %d; `kvledger rebuild --accept-partial` rebuilds from what is "
+                    "left)", self.config.topic, p, lost, stored[p], first[p] - 1, first[p],
+                )  # fmt: skip
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))

@@ -22,7 +22,7 @@ from kvledger.consumer.lookup.http import create_app
 from kvledger.schemas.events import GroupSpec
 from tests.helpers.consuming import consume
 from tests.helpers.procs import free_port
-from tests.helpers.streams import Stream, spec, stored
+from tests.helpers.streams import Stream, removed, spec, stored
 
 pytestmark = pytest.mark.integration
 
@@ -130,3 +130,43 @@ def test_ctrl_c_stops_a_relay_that_waits_for_its_broker() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_records_deleted_before_the_consumer_read_them_are_said_aloud(
+    fresh_database: str, kafka_bootstrap: str, make_topic, group_id: str,
+    kafka_admin, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The consumer was away while retention deleted records it had not read: it says how
+    many and where (an error and kvledger_log_records_lost_total), never silently on."""
+    from confluent_kafka import TopicPartition
+
+    from kvledger.consumer import metrics
+
+    topic = make_topic("deleted", partitions=1)
+    stream = Stream(topic)
+    stream.send("engine-0", spec(0))
+    stream.send("engine-0", stored([1, 2, 3, 4, 5]))
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def produce(messages: list) -> None:
+        for m in messages:
+            producer.produce(topic, value=m.value, key=m.key, partition=0)
+        assert producer.flush(30) == 0
+
+    produce(stream.messages)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)  # caught up at offset 2
+    stream.send("engine-0", removed([1, 2, 3, 4, 5]))
+    stream.send("engine-0", stored([6, 7, 8]))
+    produce(stream.messages[2:])
+    kafka_admin.delete_records([TopicPartition(topic, 0, 3)])[
+        TopicPartition(topic, 0, 3)
+    ].result(30)  # fmt: skip
+    with caplog.at_level("ERROR", logger="kvledger.consumer.service"):
+        consume(kafka_bootstrap, fresh_database, topic, group_id)
+    said = [r.getMessage() for r in caplog.records if "deleted from the log" in r.getMessage()]
+    assert said == [
+        f"{topic}[0]: 1 record(s), offsets 2..2, were deleted from the log before this index "
+        "read them; what they said is missing from the index (reading goes on at 3; "
+        "`kvledger rebuild --accept-partial` rebuilds from what is left)"
+    ]
+    assert metrics.RECORDS_LOST.labels(topic, "0")._value.get() == 1

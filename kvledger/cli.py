@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from kvledger import __version__, envopts, parsers
+from kvledger import __version__, arguments, envopts, parsers
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.redact import redact
 
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log lines as text, or as one JSON object each (for log collectors)",
     )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    parsers.add_commands(subparsers)
+    arguments.add_commands(subparsers)
     envopts.bind(parser)
     _describe(parser)
     return parser

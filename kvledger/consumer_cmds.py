@@ -1,5 +1,5 @@
 """`kvledger migrate | consume | groups | dlq | verify | rebuild`: the consumer side's
-commands (their arguments: kvledger.parsers)."""
+commands (their arguments: kvledger.arguments)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`kvledger serve` (the HTTP lookup service) and `kvledger lookup` (one prompt, a table);
-their arguments: kvledger.parsers."""
+their arguments: kvledger.arguments."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 
 from kvledger import settings
+from kvledger.arguments import ENV_LOOKUP_TOKEN
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex, rank
 from kvledger.consumer.lookup.api import split_live, unknown_group
-from kvledger.parsers import ENV_LOOKUP_TOKEN
 from kvledger.process import freeze_startup_objects
 from kvledger.schemas.lookup import Holder, Ranked
 from kvledger.tables import print_table

@@ -166,13 +166,13 @@ def test_help_imports_no_server_dependency_and_defaults_match() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert out.strip() == "[]"
-    from kvledger import fleet, parsers
+    from kvledger import arguments, fleet
     from kvledger.producer import config
     from kvledger.schemas import topics
 
-    assert parsers.DEFAULT_TOPIC == config.DEFAULT_TOPIC
-    assert parsers.DEFAULT_PARTITIONS == topics.DEFAULT_PARTITIONS
-    assert parsers.DEFAULT_MODEL == fleet.DEFAULT_MODEL
+    assert arguments.DEFAULT_TOPIC == config.DEFAULT_TOPIC
+    assert arguments.DEFAULT_PARTITIONS == topics.DEFAULT_PARTITIONS
+    assert arguments.DEFAULT_MODEL == fleet.DEFAULT_MODEL
 
 
 def test_a_missing_extra_is_named_when_the_command_runs() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import yaml
 
+from kvledger.arguments import ENV_READER_PASSWORD as ENV_PASSWORD
 from kvledger.cli import build_parser
-from kvledger.parsers import ENV_READER_PASSWORD as ENV_PASSWORD
 from kvledger.settings import ENV_DATABASE, ENV_KAFKA, ENV_LOOKUP_DATABASE
 
 ROOT = Path(__file__).resolve().parents[2]

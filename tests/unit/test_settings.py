@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.parsers import add_kafka_args
+from kvledger.arguments import add_kafka_args
 from kvledger.settings import kafka_settings, read_properties
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from kvledger.schemas.errors import KvledgerError
+from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -30,30 +31,12 @@ def conninfo(url: str) -> str:
     its password cut (libpq's and the drivers' own errors would print it whole)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise DatabaseUrlError(f"not a database URL ({URL_FORM}): {hide_password(url)!r}")
+        raise DatabaseUrlError(f"not a database URL ({URL_FORM}): {redact(url)!r}")
     if scheme.split("+", 1)[0].lower() not in _SCHEMES:
-        raise DatabaseUrlError(f"not a PostgreSQL URL ({URL_FORM}): {hide_password(url)!r}")
+        raise DatabaseUrlError(f"not a PostgreSQL URL ({URL_FORM}): {redact(url)!r}")
     return f"{scheme.split('+', 1)[0]}://{rest}"
 
 
-def hide_password(url: str) -> str:
-    """``url`` with the password of its user part (before the last ``@``) as ***, with or
-    without a scheme."""
-    head, at, host = url.rpartition("@")
-    if not at:
-        return url
-    scheme, sep, user = head.rpartition("://")
-    name, colon, _ = user.partition(":")
-    return f"{scheme}{sep}{name}{':***' if colon else ''}@{host}"
-
-
-# What a database that `kvledger migrate` never ran on (or ran on with an older kvledger)
-# answers when asked for the index's tables and functions.
-SCHEMA_MISSING_ERRORS: tuple[type[psycopg.Error], ...] = (
-    psycopg.errors.UndefinedTable,
-    psycopg.errors.UndefinedFunction,
-    psycopg.errors.InvalidSchemaName,
-)
 SCHEMA_MISSING = "the index schema is missing (or older than this kvledger): run `kvledger migrate`"
 
 
@@ -62,6 +45,16 @@ class SchemaMissingError(KvledgerError):
 
     def __init__(self) -> None:
         super().__init__(SCHEMA_MISSING)
+
+
+# What a database that `kvledger migrate` never ran on (or ran on with an older kvledger)
+# answers when asked for the index's tables and functions, and kvledger's own word for it.
+SCHEMA_MISSING_ERRORS: tuple[type[Exception], ...] = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.InvalidSchemaName,
+    SchemaMissingError,
+)
 
 
 def connect(url: str, autocommit: bool = False) -> psycopg.Connection:

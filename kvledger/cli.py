@@ -75,10 +75,11 @@ def compiled_parts() -> dict[str, bool]:
     from kvledger.producer import prepared
     from kvledger.schemas.codec import Codec
 
+    codec = Codec()
     return {
         "router masks": masks.COMPILED,
-        "Avro codec": Codec()._compiled is not None,
-        "vLLM pass": prepared.COMPILED and Codec().frames_current,
+        "Avro codec": codec._compiled is not None,
+        "vLLM pass": prepared.COMPILED and codec.frames_current,
     }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 
 from kvledger.consumer.lookup import PrefixIndex, rank
+from kvledger.consumer.lookup.api import tied
 from kvledger.fleet import FULL_GROUP, FleetConfig, prompt_hashes, random_tokens, system_prompts
 from kvledger.producer.relay.relay import Relay
 from kvledger.tables import print_table
@@ -104,10 +105,10 @@ def routing(conn: psycopg.Connection, fleet: FleetConfig) -> None:
     if ranked:
         best = ranked[0]
         held = max(best.tokens_by_tier.values())
-        tied = [r.instance for r in ranked if r.score == best.score]
-        if len(tied) > 1:
+        sharing = tied(ranked)
+        if len(sharing) > 1:
             print(
-                f"   → a {len(tied)}-way tie at score {best.score:,.0f} ({', '.join(tied)}): "
+                f"   → a {len(sharing)}-way tie at score {best.score:,.0f} ({', '.join(sharing)}): "
                 f"each holds {held} of the prompt's {len(prompt)} tokens on its best tier; a "
                 "router breaks the tie by load"
             )

@@ -16,7 +16,7 @@ from kvledger import settings
 from kvledger.arguments import ENV_LOOKUP_TOKEN
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex, rank
-from kvledger.consumer.lookup.api import split_live, unknown_group
+from kvledger.consumer.lookup.api import split_live, tied, unknown_group
 from kvledger.process import freeze_startup_objects
 from kvledger.schemas.lookup import Holder, Ranked
 from kvledger.tables import print_table
@@ -127,11 +127,10 @@ def lookup(args: argparse.Namespace) -> int:
 
 def _routing(ranked: list[Ranked]) -> str:
     """Where to route, and whether the best score is shared."""
-    best = ranked[0]
-    tied = [r.instance for r in ranked if r.score == best.score]
-    if len(tied) == 1:
+    best, sharing = ranked[0], tied(ranked)
+    if len(sharing) == 1:
         return f"route to {best.instance} (score {best.score:,.0f})"
-    return f"a {len(tied)}-way tie at score {best.score:,.0f}: {', '.join(tied)}"
+    return f"a {len(sharing)}-way tie at score {best.score:,.0f}: {', '.join(sharing)}"
 
 
 def _token(path: str | None) -> str | None:

@@ -46,7 +46,6 @@ class Deliveries:
         self.fatal: KafkaError | None = None
         self.refused: list[str] = []  # refused as too large during the current call
         self._errors: list[str] = []
-        self.purged = 0  # of the failures, those an aborted transaction dropped
         self._forgotten = 0  # produced in aborted transactions and failed there
 
     def send(
@@ -95,7 +94,6 @@ class Deliveries:
         if len(self._errors) < _MAX_ERRORS_KEPT:
             self._errors.append(f"{err.name()}: {err.str()} (key {msg.key()!r})")
         if err.code() in _PURGED:  # an aborted transaction's: its owner says what follows
-            self.purged += 1
             logger.debug("delivery purged: %s", err)
         else:
             logger.error("delivery failed: %s", err)

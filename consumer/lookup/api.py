@@ -151,6 +151,12 @@ class PrefixIndex:
         return out
 
 
+def tied(ranked: Sequence[Ranked]) -> list[str]:
+    """The instances that share the best score of ``ranked`` (rank's order): one when the
+    best is alone, none when nothing ranks."""
+    return [r.instance for r in ranked if r.score == ranked[0].score] if ranked else []
+
+
 def rank(
     holders: Sequence[Holder], weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS
 ) -> list[Ranked]:

@@ -80,8 +80,6 @@ class _KvledgerMetrics:
 
 
 _CONSUMER_ONLY = _KvledgerMetrics(CONSUMER_REGISTRY)
-# A database without the index schema (or with an older one), however it shows.
-_SCHEMA_MISSING: tuple[type[Exception], ...] = (*SCHEMA_MISSING_ERRORS, SchemaMissingError)
 # A route's answer: status, JSON body, extra headers.
 Answer = tuple[int, Any, dict[str, str]]
 
@@ -214,7 +212,7 @@ def create_app(
                 "the lookup ran past the statement timeout"
             )  # fmt: skip
             return 503, {"error": why}, {"Retry-After": "1"}
-        except _SCHEMA_MISSING:
+        except SCHEMA_MISSING_ERRORS:
             return 503, {"error": SCHEMA_MISSING}, {"Retry-After": "30"}
         except WriterRoleError as exc:
             return 503, {"error": str(exc)}, {"Retry-After": "30"}

@@ -15,12 +15,14 @@ USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 venv: $(VENV)/.installed
 
 # The versions installed are constraints.txt's (the ones CI tested); `make lock` rewrites it
-# from the venv after a dependency change in pyproject.toml.
-$(VENV)/.installed: pyproject.toml constraints.txt setup.py consumer/router/_masks.c schemas/_avro.c \
-		schemas/_avro_writer.h producer/_vllm.c producer/_vllm_packed.h
+# from the venv after a dependency change in pyproject.toml. The install builds the compiled
+# core (rust/) with the machine's cargo; under CI=true a core that does not build is an error.
+CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs)
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@$(if $(filter true,$(CI)),KVLEDGER_REQUIRE_CORE=1) $(PY) -m pip install -q \
+		--disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@touch $@
 
 lock: venv
@@ -49,6 +51,9 @@ lint: venv
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/mypy
+	@cargo fmt --manifest-path rust/Cargo.toml --check
+	@cargo clippy --manifest-path rust/Cargo.toml --release --all-targets --quiet -- -D warnings
+	@cargo test --manifest-path rust/Cargo.toml --release --quiet
 
 unit: venv
 	@$(PY) -m pytest -m "not integration and not downloads" $(PYTEST_ARGS)
@@ -72,4 +77,4 @@ bench: services
 	@$(with_env) $(PY) -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache rust/target

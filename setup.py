@@ -1,35 +1,28 @@
-"""The compiled parts: the router's holder-mask table (consumer/router/_masks.c), the Avro
-coder of the envelope schema (schemas/_avro.c) and the one pass from vLLM's events to that
-Avro (producer/_vllm.c; both write through schemas/_avro_writer.h).
+"""The compiled core: one Rust crate (rust/, PyO3) built as the extension module
+kvledger._core — the router's holder-mask table and the envelope's Avro coder. See
+rust/README.md for what lives where and why.
 
-Everything else is declared in pyproject.toml. The extensions are optional: where no C
-compiler is found the build goes on, and the router uses its pure-Python table
-(kvledger.consumer.router.masks.COMPILED), the codec fastavro alone and the publisher the
-vLLM adapter's Python mapping."""
+It is built for CPython's stable ABI (abi3, 3.11 and later: one build serves every later
+version). Where no Rust toolchain is found the build goes on without it (set
+KVLEDGER_REQUIRE_CORE=1 to make that an error, as CI does): the router then uses its
+pure-Python mask table and the codec fastavro, which answer identically; `kvledger
+--version` says which is in use."""
 
-from setuptools import Extension, setup
+import os
+
+from setuptools import setup
+from setuptools_rust import Binding, RustExtension
 
 setup(
-    ext_modules=[
-        Extension(
-            "kvledger.consumer.router._masks",
-            ["consumer/router/_masks.c"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        Extension(
-            "kvledger.schemas._avro",
-            ["schemas/_avro.c"],
-            depends=["schemas/_avro_writer.h"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        Extension(
-            "kvledger.producer._vllm",
-            ["producer/_vllm.c"],
-            depends=["schemas/_avro_writer.h", "producer/_vllm_packed.h"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-    ]
+    rust_extensions=[
+        RustExtension(
+            "kvledger._core",
+            path="rust/Cargo.toml",
+            binding=Binding.PyO3,
+            features=["extension-module"],
+            py_limited_api=True,
+            optional=os.environ.get("KVLEDGER_REQUIRE_CORE", "") in ("", "0"),
+        )
+    ],
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

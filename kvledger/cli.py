@@ -69,18 +69,13 @@ def _describe(parser: argparse.ArgumentParser) -> None:
 
 
 def compiled_parts() -> dict[str, bool]:
-    """Which compiled parts are in use (a part not built, or turned off by its
-    KVLEDGER_PURE_* variable, runs as pure Python with the same answers)."""
+    """Which parts of the compiled core (kvledger._core, rust/) are in use: a part whose
+    core was not built, or turned off by its KVLEDGER_PURE_* variable, runs as pure Python
+    with the same answers."""
     from kvledger.consumer.router import masks
-    from kvledger.producer import prepared
     from kvledger.schemas.codec import Codec
 
-    codec = Codec()
-    return {
-        "router masks": masks.COMPILED,
-        "Avro codec": codec._compiled is not None,
-        "vLLM pass": prepared.COMPILED and codec.frames_current,
-    }
+    return {"router masks": masks.COMPILED, "Avro codec": Codec()._compiled is not None}
 
 
 class _Version(argparse.Action):

@@ -74,9 +74,7 @@ class KVEventPublisher:
         self.codec = codec if codec is not None else Codec()
         self._deliveries = Deliveries(config.topic)
         self._lock = threading.Lock()
-        self._form = WireForm(
-            config.hash_format == "digest", compiled=self.codec.frames_current, codec=self.codec
-        )
+        self._form = WireForm(config.hash_format == "digest", codec=self.codec)
         self._closed = False
         settings = config.sized_settings()
         settings["error_cb"] = self._deliveries.on_error
@@ -177,34 +175,12 @@ class KVEventPublisher:
         finally:
             lock.release()
 
-    def prepare_vllm(self, events: Iterable[Any], packed: bool = False) -> list[Prepared | KVEvent]:
+    def prepare_vllm(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
         this source's wire form, for :meth:`publish_prepared`; raises
-        :class:`~.vllm.VllmEventError` for one that cannot be read (``packed``: see
-        :meth:`.prepared.WireForm.prepare`)."""
+        :class:`~.vllm.VllmEventError` for one that cannot be read."""
         with self._lock:
-            return self._form.prepare(events, packed)
-
-    def publish_packed(
-        self,
-        events: list[Any],
-        *,
-        time_ms: int | None = None,
-        engine_seq: int | None = None,
-        dp_rank: int | None = None,
-    ) -> int | None:
-        """A relay's batch whose events are still msgpack (msgspec.Raw, as
-        :func:`.relay.wire.read_batch` leaves them), prepared whole, framed and produced in
-        one compiled call; the keywords as :meth:`publish_prepared` takes them. None, with
-        nothing produced, where the compiled pass declines any of its events: the caller
-        decodes the batch whole (:meth:`prepare_vllm`, :meth:`publish_prepared`)."""
-        with self._lock:
-            return self._write(self._stream.write_packed, events, (time_ms, engine_seq, dp_rank))
-
-    @property
-    def compiles_vllm(self) -> bool:
-        """vLLM's events take the compiled pass here (:mod:`.prepared`)."""
-        return self._form.compiled
+            return self._form.prepare(events)
 
     def publish_prepared(
         self,

@@ -2,7 +2,7 @@
 
 A :class:`SourceStream` numbers each group's messages (contiguous sequence numbers per
 epoch), keys them ``<source>/<group>`` (one partition each, so in order), writes their
-envelopes (encoded by the codec, or framed around prepared event bytes by the compiled pass)
+envelopes (encoded by the codec, or framed around prepared event bytes: :func:`.prepared.frame`)
 and hands them to the Kafka client (:class:`~.delivery.Deliveries`: waiting while its queue
 is full, refusing what the topic cannot take). It holds no lock: its publisher serializes
 every call (:mod:`.publisher`).
@@ -19,7 +19,7 @@ from confluent_kafka import Producer
 
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.delivery import Deliveries
-from kvledger.producer.prepared import Prepared, WireForm
+from kvledger.producer.prepared import Prepared, WireForm, frame
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
     DEFAULT_GROUP_IDX,
@@ -62,7 +62,6 @@ class SourceStream:
         self.codec = codec
         self.form = form
         self.deliveries = deliveries
-        self._counts = deliveries.stats.by_type  # messages produced, by event type
         self.producer = producer
         self._heads: dict[int | None, bytes] = {}  # this epoch's, by rank as given (or None)
         self.epoch = epoch
@@ -72,15 +71,6 @@ class SourceStream:
         self._clock = clock
         self._keys: dict[int, bytes] = {}
         self._warned_unannounced: set[int] = set()
-
-    @property
-    def producer(self) -> Producer:
-        return self._producer
-
-    @producer.setter
-    def producer(self, producer: Producer) -> None:
-        self._producer = producer
-        self._produce = producer.produce  # bound once: the compiled writes call it
 
     @property
     def epoch(self) -> int:
@@ -105,75 +95,29 @@ class SourceStream:
     # ------------------------------------------------------------------ writing
     def write_vllm(self, events: Iterable[Any], stamp: Stamp = NO_STAMP) -> int:
         """One batch of vLLM's event objects, prepared whole before any is produced (raises
-        :class:`~.vllm.VllmEventError` for one that cannot be read); returns how many.
-
-        Where the compiled pass takes every event, one call prepares, frames and produces
-        them (an engine's scheduler thread waits on this: it is kept short); else the batch
-        is prepared (:meth:`.prepared.WireForm.prepare`) and written."""
-        form = self.form
-        events = events if type(events) is list else list(events)  # read once
-        time_ms, engine_seq, dp_rank = stamp
-        if form.compiled:
-            if time_ms is None:
-                time_ms = int(self._clock() * 1000)
-            head = self._heads.get(dp_rank) or self._head(dp_rank)
-            got = form.publish(events, self._produce, self.config.topic, head, time_ms,
-                               engine_seq, self.seqs, self._keys, self._counts)  # fmt: skip
-            if got is not None:
-                rest, done = got
-                if rest:  # the client refused one: the rest as write() takes it
-                    return done + self.write(rest, (time_ms, engine_seq, dp_rank))
-                now = self.last_produce = time.monotonic()  # _produced(), in line
-                if now - self._last_poll >= POLL_INTERVAL_S:
-                    self.poll(now)
-                return done
-        return self.write(form.prepare(events), (time_ms, engine_seq, dp_rank))
-
-    def write_packed(self, events: list[Any], stamp: Stamp = NO_STAMP) -> int | None:
-        """A relay's batch whose events are still msgpack (msgspec.Raw), prepared whole,
-        framed and produced in one call; returns how many, or None, with nothing produced,
-        where the compiled pass declines any of them (the batch is then decoded whole)."""
-        form = self.form
-        if not form.compiled:
-            return None
-        time_ms, engine_seq, dp_rank = stamp
-        if time_ms is None:
-            time_ms = int(self._clock() * 1000)
-        head = self._heads.get(dp_rank) or self._head(dp_rank)
-        got = form.publish_packed(events, self._produce, self.config.topic, head, time_ms,
-                                  engine_seq, self.seqs, self._keys, self._counts)  # fmt: skip
-        return None if got is None else self._published(got, (time_ms, engine_seq, dp_rank))
+        :class:`~.vllm.VllmEventError` for one that cannot be read); returns how many."""
+        return self.write(self.form.prepare(events), stamp)
 
     def write(
         self, items: list[Prepared | KVEvent], stamp: Stamp = NO_STAMP, start: int = 0
     ) -> int:
         """Produce, in order, prepared vLLM events and kvledger's own (from ``start``);
-        returns how many items there are.
-
-        Runs of prepared events are framed and produced by the compiled pass up to one of a
-        group not keyed yet or one the client refused, which is produced here."""
+        returns how many items there are."""
         time_ms, engine_seq, dp_rank = stamp
-        head, now_ms, i, n = b"", 0, start, len(items)
-        seqs, keys, form = self.seqs, self._keys, self.form
-        while i < n:
-            item = items[i]
+        head, now_ms = b"", 0
+        for item in items[start:] if start else items:
             if type(item) is not tuple:  # kvledger's types
                 self.event(item, stamp)  # type: ignore[arg-type]
-                i += 1
                 continue
             if not head:
                 head = self._head(dp_rank)
                 now_ms = time_ms if time_ms is not None else int(self._clock() * 1000)
-            i = form.produce(self._produce, self.config.topic, head, now_ms, engine_seq,
-                             items, i, seqs, keys, self._counts)  # fmt: skip
-            if i < n and type(items[i]) is tuple:
-                kind, group, body = items[i]  # type: ignore[misc]
-                self._check_announced(group)
-                seq = self._number(group)
-                self._send(group, seq, kind, form.frame(head, seq, now_ms, body, engine_seq))
-                i += 1
-        self._produced(n)
-        return n
+            kind, group, body = item
+            self._check_announced(group)
+            seq = self._number(group)
+            self._send(group, seq, kind, frame(head, seq, now_ms, body, engine_seq))
+        self._produced(len(items))
+        return len(items)
 
     def event(self, event: KVEvent, stamp: Stamp = NO_STAMP) -> None:
         """One of kvledger's events: a group's spec (announced if new), an AllBlocksCleared
@@ -218,15 +162,6 @@ class SourceStream:
         self.producer.poll(0)
 
     # ------------------------------------------------------------------ internals
-    def _published(self, got: tuple[list[Prepared | KVEvent], int], stamp: Stamp) -> int:
-        """After a compiled publish of a whole batch (rest, done): the rest from where
-        produce stopped, if it did, as :meth:`write` takes it."""
-        rest, done = got
-        if rest:
-            return done + self.write(rest, stamp)
-        self._produced(done)
-        return done
-
     def _produced(self, n: int) -> None:
         """After a write of ``n`` items: the time of the last produce, and the client's
         reports served if they have waited long enough (failures only come)."""

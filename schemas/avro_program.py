@@ -1,4 +1,4 @@
-"""An Avro schema compiled into the program the C decoder (schemas/_avro.c) walks.
+"""An Avro schema compiled into the program the compiled core's coder (rust/src/avro.rs) walks.
 
 A program is nested tuples, opcode first: ``(ARRAY, item)``, ``(RECORD, names, fields)``,
 ``(UNION, branches, labels)`` (a label is the branch's full record name, or None: the
@@ -8,7 +8,7 @@ record's fields), records become ``(OBJECT, class, slots, fields)`` (instances b
 directly), arrays ``(TUPLE, item)`` and record branches of unions bare objects: the codec
 then decodes straight into its own types.
 
-:func:`compile_schema` raises :class:`UnsupportedSchemaError` for what the C decoder does
+:func:`compile_schema` raises :class:`UnsupportedSchemaError` for what the compiled coder does
 not cover (maps, enums, fixed, logical types, recursive or zero-byte array items); the
 codec then decodes with fastavro. ``decoder()`` is the compiled ``decode`` or None where
 the extension was not built; ``encoder()`` likewise its ``encode``, which walks the same
@@ -137,15 +137,15 @@ def _min_size(p: Program) -> int:
 
 def decoder() -> Decoder | None:
     try:
-        from kvledger.schemas._avro import decode
-    except ImportError:  # built without a C compiler
+        from kvledger._core import decode
+    except ImportError:  # built without a Rust toolchain
         return None
     return decode
 
 
 def encoder() -> Encoder | None:
     try:
-        from kvledger.schemas._avro import encode
-    except ImportError:  # built without a C compiler
+        from kvledger._core import encode
+    except ImportError:  # built without a Rust toolchain
         return None
     return encode

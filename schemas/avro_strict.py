@@ -1,6 +1,6 @@
 """The compiled decoder's refusals, for the pure path: a walk of the writer schema over a
-message's body that reads no value, only checks that the bytes are well formed as
-``schemas/_avro.c`` requires. fastavro alone is lenient where that decoder refuses: it
+message's body that reads no value, only checks that the bytes are well formed as the
+compiled core (rust/src/wire.rs) requires. fastavro alone is lenient where that decoder refuses: it
 indexes a union with a negative branch number (-1 on the envelope's event union picks its
 last branch), and reads varints past 10 bytes or past 64 bits by dropping bits. Two
 consumers of one topic must never apply and refuse the same bytes differently, so the pure

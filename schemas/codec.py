@@ -130,10 +130,8 @@ class Codec:
         # And encode through the compiled encoder (the same bytes, ~8x faster).
         self._encode = encoder() if self._compiled is not None else None
         self.fingerprint = schema_fingerprint(self.schema_json)
-        # Whether compiled writers may frame this codec's messages themselves (envelope_head).
-        self.frames_current = self._encode is not None and self.fingerprint == schema_fingerprint(
-            envelope_schema_json()
-        )
+        # Whether the producer may frame this codec's messages itself (envelope_head).
+        self.frames_current = self.fingerprint == schema_fingerprint(envelope_schema_json())
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
         # Each writer schema's check of the compiled decoder's rules (avro_strict), run
@@ -183,8 +181,9 @@ class Codec:
     # ------------------------------------------------------------------ encode
     def envelope_head(self, source: str, model: str, dp_rank: int, epoch: int) -> bytes:
         """What every message of one source, model, rank and epoch starts with: the header,
-        then the envelope's first four fields (the current schema's order). Compiled writers
-        (``producer/_vllm.c``) write the rest; only where :attr:`frames_current`."""
+        then the envelope's first four fields (the current schema's order). The producer
+        writes the rest (:func:`kvledger.producer.prepared.frame`); only where
+        :attr:`frames_current`."""
         if not self.frames_current:
             raise ValueError("this codec's messages are framed by its encoder alone")
         if not -(2**31) <= dp_rank < 2**31 or not -(2**63) <= epoch < 2**63:
@@ -192,12 +191,12 @@ class Codec:
         out = bytearray(self._header)
         for text in (source, model):
             data = text.encode()
-            out += _zigzag(len(data)) + data
-        return bytes(out + _zigzag(dp_rank) + _zigzag(epoch))
+            out += zigzag(len(data)) + data
+        return bytes(out + zigzag(dp_rank) + zigzag(epoch))
 
     def event_branch(self, event: KVEvent) -> bytes:
         """An event as its envelope's event branch (the union index, then the record): what
-        compiled writers frame with :meth:`envelope_head` (``producer/_vllm.c``). Raises as
+        the producer frames with :meth:`envelope_head`. Raises as
         :meth:`encode` does; only where :attr:`frames_current`."""
         if not self.frames_current:
             raise ValueError("this codec's messages are framed by its encoder alone")
@@ -324,7 +323,7 @@ def _compiled_programs(schema_json: str) -> tuple[Program, Program, Decoder | No
         return (), (), None
 
 
-def _zigzag(n: int) -> bytes:
+def zigzag(n: int) -> bytes:
     """An Avro int or long."""
     z = (n << 1) ^ (n >> 63)
     out = bytearray()

@@ -3,9 +3,10 @@
 Beside each held hash the table keeps its block's token end, so that a block-granularity
 walk reports matched tokens without a second probe per holder.
 
-Two implementations answer identically: ``MaskTable``, compiled from _masks.c (a prompt's
-probes overlap their cache misses: see the C file), and ``MaskDict``, a dict in pure Python,
-used where the extension was not built (no C compiler at install time) or when
+Two implementations answer identically: ``MaskTable``, from the compiled core
+(rust/src/masks.rs: a SwissTable under a per-table secret seed, a whole prompt walked in one
+call), and ``MaskDict``, a dict in pure Python, used where the core was not built (no Rust
+toolchain at install time) or when
 ``KVLEDGER_PURE_MASKS=1`` asks for it. ``Masks`` is the one in use; ``COMPILED`` says which.
 """
 
@@ -127,8 +128,8 @@ def bits(mask: int) -> list[int]:
 
 Masks: type[HolderMasks]
 try:
-    from kvledger.consumer.router._masks import MaskTable
-except ImportError:  # built without a C compiler
+    from kvledger._core import MaskTable
+except ImportError:  # built without a Rust toolchain
     MaskTable = None  # type: ignore[assignment,misc]
 
 if MaskTable is not None and os.environ.get("KVLEDGER_PURE_MASKS", "") in ("", "0"):

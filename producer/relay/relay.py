@@ -235,21 +235,13 @@ class RankRelay:
                 again = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
                 if again is not Seen.NEXT:
                     return
-        self._publish(seq, payload, batch, time_ms)
+        self._publish(seq, batch, time_ms)
 
-    def _publish(
-        self, seq: int, payload: bytes, batch: EngineBatch | None, time_ms: int | None
-    ) -> None:
+    def _publish(self, seq: int, batch: EngineBatch | None, time_ms: int | None) -> None:
         self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
         pub, count = self._pub, None
         try:
-            if batch is not None and batch.packed:  # the compiled pass, in one call
-                count = pub.publish_packed(
-                    batch.events, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
-                )
-                if count is None:  # it declines one of the events: decoded whole
-                    batch = read_batch(payload)
-            if batch is not None and count is None:  # read before any of it is produced
+            if batch is not None:  # read whole before any of it is produced
                 count = pub.publish_prepared(
                     pub.prepare_vllm(batch.events),
                     time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank,
@@ -268,7 +260,7 @@ class RankRelay:
     def _decode(self, seq: int, payload: bytes) -> EngineBatch | None:
         """The batch, its events still vLLM's (checked as they are prepared), or None."""
         try:
-            return read_batch(payload, packed=self._pub.compiles_vllm)
+            return read_batch(payload)
         except VllmEventError as exc:
             self._undecodable(seq, exc)
             return None

@@ -38,7 +38,6 @@ class EngineBatch:
     ts: float
     events: list[Any]
     dp_rank: int | None
-    packed: bool = False  # each event still its msgpack (read_batch)
 
 
 def seq_of(frame: bytes) -> int:
@@ -56,7 +55,7 @@ def decode_batch(payload: bytes) -> EngineBatch:
     return EngineBatch(batch.ts, events, batch.dp_rank)
 
 
-def read_batch(payload: bytes, packed: bool = False) -> EngineBatch:
+def read_batch(payload: bytes) -> EngineBatch:
     """Decode one batch payload, its events still vLLM's: decoded structs with vLLM's
     names, or kvledger events where the payload had to be read field by field. Raises
     :class:`VllmEventError` for a payload that is no batch; what an event's fields hold is
@@ -64,16 +63,13 @@ def read_batch(payload: bytes, packed: bool = False) -> EngineBatch:
 
     The typed decoders (msgspec validates in C) read a well-formed batch in either encoding;
     anything they refuse is read again field by field, which accepts what they cannot
-    express and says precisely what is wrong with the rest. ``packed``: try first the
-    decoder that leaves each event as its msgpack (``EngineBatch.packed``: for a
-    publisher's ``publish_packed``, or ``prepare_vllm(..., packed=True)``)."""
-    for decoder in (_PACKED, _TAGGED, _POSITIONAL) if packed else (_TAGGED, _POSITIONAL):
+    express and says precisely what is wrong with the rest."""
+    for decoder in (_TAGGED, _POSITIONAL):
         try:
             typed = decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             continue
-        return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank,
-                           decoder is _PACKED)  # fmt: skip
+        return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank)
     return _decode_fields(payload)
 
 
@@ -177,16 +173,6 @@ _TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
 _POSITIONAL = msgspec.msgpack.Decoder(_PositionalBatch)
 
 
-class _PackedBatch(msgspec.Struct, array_like=True, gc=False):
-    """A batch's outline, each event left as its msgpack (either encoding) for the compiled
-    pass to read (producer/_vllm_packed.h): no Python object per token id or hash."""
-
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
-
-
-_PACKED = msgspec.msgpack.Decoder(_PackedBatch)
 for _kind, _classes in (("BlockStored", (_Stored, _StoredArray)),
                         ("BlockRemoved", (_Removed, _RemovedArray)),
                         ("AllBlocksCleared", (_Cleared, _ClearedArray))):  # fmt: skip

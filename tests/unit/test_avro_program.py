@@ -1,4 +1,4 @@
-"""The compiled Avro decoder and encoder (schemas/_avro.c, programs from
+"""The compiled Avro decoder and encoder (the compiled core, rust/src/avro.rs; programs from
 schemas/avro_program.py) against fastavro: the same values for every message a fleet and
 the edge cases publish and for generated records, the same bytes written for them, the same
 verdicts (and values) for corrupted bytes, and the schemas it leaves to fastavro."""
@@ -31,7 +31,7 @@ DECODE = avro_program.decoder()
 ENCODE = avro_program.encoder()
 compiled = pytest.mark.skipif(
     DECODE is None and os.environ.get("CI") != "true",
-    reason="the C extension was not built (no compiler); CI requires it",
+    reason="the compiled core was not built (no Rust toolchain); CI requires it",
 )
 SCHEMA = fastavro.parse_schema(json.loads(envelope_schema_json()))
 PROGRAM = compile_schema(json.loads(envelope_schema_json()))
@@ -76,7 +76,7 @@ def published() -> list[bytes]:
 
 def test_ci_builds_the_compiled_decoder() -> None:
     if os.environ.get("CI") == "true":
-        assert DECODE is not None, "CI must build schemas/_avro.c (is a C compiler there?)"
+        assert DECODE is not None, "CI must build the compiled core (rust/: is cargo there?)"
         assert ENCODE is not None and CODEC_COMPILED and Codec()._encode is ENCODE
 
 
@@ -327,3 +327,22 @@ def test_schemas_beyond_the_decoder_stay_with_fastavro() -> None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Nothing:
     x: None
+
+
+@compiled
+def test_a_slot_borrowed_from_another_class_is_refused() -> None:
+    """A program whose object slot is another class's descriptor (an offset into that
+    class's objects, past the end of this one's) is refused before any byte is read or
+    written, not followed."""
+    assert DECODE is not None and ENCODE is not None
+    big = type("Big", (), {"__slots__": tuple(f"s{i}" for i in range(40))})
+    small = type("Small", (), {"__slots__": ("a",)})
+    borrowed = (avro_program.OBJECT, small, (big.__dict__["s39"],), ((avro_program.LONG,),))
+    with pytest.raises(TypeError, match="not a slot of the class"):
+        DECODE(borrowed, b"\x02", 0)
+    with pytest.raises(TypeError, match="not a slot of the class"):
+        ENCODE(borrowed, small(), b"")
+    own = (avro_program.OBJECT, small, (small.__dict__["a"],), ((avro_program.LONG,),))
+    value, end = DECODE(own, b"\x02", 0)
+    assert (type(value), value.a, end) == (small, 1, 1)
+    assert ENCODE(own, value, b"h") == b"h\x02"

@@ -1,4 +1,4 @@
-"""The compiled decoder (schemas/_avro.c) and the pure path (avro_strict, then fastavro)
+"""The compiled decoder (rust/src/avro.rs) and the pure path (avro_strict, then fastavro)
 refuse the same bytes: two consumers of one topic never apply and refuse a message
 differently. The three inputs fastavro alone accepted are regression cases; mutated valid
 messages are the property."""

@@ -15,7 +15,7 @@ from kvledger.consumer.router.masks import MaskDict, runs
 
 compiled = pytest.mark.skipif(
     masks.MaskTable is None and os.environ.get("CI") != "true",
-    reason="the C extension was not built (no compiler); CI requires it",
+    reason="the compiled core was not built (no Rust toolchain); CI requires it",
 )
 
 # Few distinct keys, of several lengths (8-byte int64 forms, 32-byte digests, odd sizes), so
@@ -114,7 +114,7 @@ def test_the_compiled_table_refuses_what_is_not_a_hash() -> None:
 
 def test_ci_builds_the_compiled_table() -> None:
     if os.environ.get("CI") == "true":
-        assert masks.COMPILED, "CI must build consumer/router/_masks.c (is a C compiler there?)"
+        assert masks.COMPILED, "CI must build the compiled core (rust/: is cargo there?)"
     else:
         assert (
             masks.MaskTable is not None and os.environ.get("KVLEDGER_PURE_MASKS", "") in ("", "0")
@@ -122,24 +122,24 @@ def test_ci_builds_the_compiled_table() -> None:
 
 
 @compiled
-def test_the_tables_hash_is_keyed_per_process() -> None:
-    """Where a key lands depends on a secret of the process (CPython's keyed hash of bytes),
-    not on the key alone: block hashes crafted to collide under a fixed mix do not collide
-    here. Seen from outside, the same keys inserted alike iterate in another order under
-    another hash key (two fixed PYTHONHASHSEEDs stand in for two processes' secrets)."""
+def test_the_tables_hash_is_keyed_per_table_and_process() -> None:
+    """Where a key lands depends on a secret seed of each table, not on the key alone:
+    the same key hashes differently in two tables of one process and in two processes, and
+    keys crafted to share their bucket bits under the unkeyed mix the table used before
+    spread over the buckets as random keys do."""
     import subprocess
     import sys
 
-    probe = (
-        "from kvledger.consumer.router._masks import MaskTable; t = MaskTable(); "
-        "keys = [i.to_bytes(8, 'big') for i in range(64)]; "
-        "[t.set_bit(k, 0) for k in keys]; print([keys.index(k) for k in t])"
-    )
+    from bench.flood import crafted_keys
 
-    def order(seed: str) -> str:
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
-
-    assert order("1") == order("1")  # the same secret, the same table
-    assert order("1") != order("2")
+    assert masks.MaskTable is not None
+    a, b = masks.MaskTable(), masks.MaskTable()
+    keys = [i.to_bytes(8, "big") for i in range(64)]
+    assert sum(a._hash(k) == b._hash(k) for k in keys) == 0
+    probe = "from kvledger._core import MaskTable; print(MaskTable()._hash(bytes(8)))"
+    run = [sys.executable, "-c", probe]
+    runs = {subprocess.run(run, capture_output=True, text=True, check=True).stdout for _ in "ab"}
+    assert len(runs) == 2
+    crafted = crafted_keys(4096, random.Random(3))
+    buckets = {a._hash(k) & 0xFFFFFF for k in crafted}
+    assert len(buckets) > 4000  # 4,096 keys in 2**24 buckets: a collision or two at most

@@ -21,6 +21,7 @@ setup(
             binding=Binding.PyO3,
             features=["extension-module"],
             py_limited_api=True,
+            debug=False,  # editable installs too: a debug build is ~10x slower
             optional=os.environ.get("KVLEDGER_REQUIRE_CORE", "") in ("", "0"),
         )
     ],

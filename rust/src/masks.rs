@@ -4,10 +4,18 @@
 //! its Python face, with the methods of `kvledger.consumer.router.masks.MaskDict`, the
 //! pure-Python twin that answers identically (tests/unit/test_masks.py drives both).
 //!
-//! Layout: a SwissTable of row numbers (`hashbrown::HashTable<u32>`), and per row the key,
-//! its token end and its mask as `width` 64-bit words (widened for every row at once when a
-//! holder id passes `64 * width`). A removed row is filled by the last one, so rows stay
-//! dense and a whole-table scan (a holder's blocks, on a restart) reads contiguous memory.
+//! Layout: open addressing with linear probing (load at most 1/2) and backward-shift
+//! deletion; each slot holds a key's 64-bit hash and its row number. A row is one cache
+//! line: the key (inline up to 32 bytes, the sizes block hashes come in), its token end and
+//! its mask's first 64 bits; a mask's further words (when a holder id passes 64; widened
+//! for every row at once) lie in an array beside the rows. A removed row is filled by the
+//! last one, so rows stay dense and a whole-table scan (a holder's blocks, on a restart)
+//! reads contiguous memory.
+//!
+//! A prompt walk probes one hash per position in a table of a million blocks, and each probe
+//! misses the CPU caches: the walk hashes every position first and prefetches its slot,
+//! then finds every candidate row and prefetches its key and mask, then checks the keys, so
+//! the misses overlap instead of coming one after the other.
 //!
 //! Keys are hashed with foldhash under a seed drawn at random for each table: block hashes
 //! come from the topic, and anyone who can write to it could craft keys that collide under
@@ -16,16 +24,50 @@
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
-use hashbrown::HashTable;
+use smallvec::SmallVec;
 
 /// The largest holder id plus one (as the pure table's callers are held to).
 pub const MAX_HOLDERS: usize = 1 << 20;
 
+const EMPTY: u32 = u32::MAX;
+
+#[derive(Clone, Copy)]
+struct Slot {
+    hash: u64,
+    row: u32, // EMPTY: a free slot
+}
+
+const FREE: Slot = Slot {
+    hash: 0,
+    row: EMPTY,
+};
+
+type Key = SmallVec<[u8; 32]>;
+
+#[inline(always)]
+fn prefetch<T>(item: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it reads nothing and cannot fault.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((item as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = item;
+}
+
+/// One held block: its key, its token end and its mask's first word, in one cache line.
+#[repr(align(64))]
+struct Row {
+    key: Key,
+    end: i64,
+    word: u64,
+}
+
 pub struct Masks {
-    index: HashTable<u32>,
-    keys: Vec<Box<[u8]>>,
-    ends: Vec<i64>,
-    bits: Vec<u64>, // keys.len() * width words
+    slots: Vec<Slot>, // a power of two
+    rows: Vec<Row>,
+    wide: Vec<u64>, // the masks' words past the first: rows.len() * (width - 1)
     width: usize,
     seed: RandomState,
 }
@@ -39,21 +81,20 @@ impl Default for Masks {
 impl Masks {
     pub fn new() -> Self {
         Masks {
-            index: HashTable::new(),
-            keys: Vec::new(),
-            ends: Vec::new(),
-            bits: Vec::new(),
+            slots: vec![FREE; 8],
+            rows: Vec::new(),
+            wide: Vec::new(),
             width: 1,
             seed: RandomState::default(),
         }
     }
 
     pub fn len(&self) -> usize {
-        self.keys.len()
+        self.rows.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+        self.rows.is_empty()
     }
 
     pub fn width(&self) -> usize {
@@ -65,12 +106,48 @@ impl Masks {
         self.seed.hash_one(key)
     }
 
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// The slot holding `key` (Ok), or the free slot where it would go (Err), probing from
+    /// slot `i`.
+    fn probe(&self, mut i: usize, hash: u64, key: &[u8]) -> Result<usize, usize> {
+        let m = self.mask();
+        loop {
+            let s = self.slots[i];
+            if s.row == EMPTY {
+                return Err(i);
+            }
+            if s.hash == hash && &self.rows[s.row as usize].key[..] == key {
+                return Ok(i);
+            }
+            i = (i + 1) & m;
+        }
+    }
+
+    fn slot_of(&self, hash: u64, key: &[u8]) -> Result<usize, usize> {
+        self.probe(hash as usize & self.mask(), hash, key)
+    }
+
     /// The row holding `key`.
     pub fn find(&self, key: &[u8]) -> Option<usize> {
-        let keys = &self.keys;
-        self.index
-            .find(self.hash_of(key), |&row| &*keys[row as usize] == key)
-            .map(|&row| row as usize)
+        self.slot_of(self.hash_of(key), key)
+            .ok()
+            .map(|i| self.slots[i].row as usize)
+    }
+
+    fn grow(&mut self) {
+        let cap = self.slots.len() * 2;
+        let mut slots = vec![FREE; cap];
+        for s in self.slots.iter().filter(|s| s.row != EMPTY) {
+            let mut i = s.hash as usize & (cap - 1);
+            while slots[i].row != EMPTY {
+                i = (i + 1) & (cap - 1);
+            }
+            slots[i] = *s;
+        }
+        self.slots = slots;
     }
 
     fn widen(&mut self, bit: usize) {
@@ -81,34 +158,61 @@ impl Masks {
         if width == self.width {
             return;
         }
-        let mut bits = vec![0u64; self.keys.len() * width];
-        for (row, words) in self.bits.chunks_exact(self.width).enumerate() {
-            bits[row * width..row * width + self.width].copy_from_slice(words);
+        let (old, new) = (self.width - 1, width - 1);
+        let mut wide = vec![0u64; self.rows.len() * new];
+        if old > 0 {
+            for (row, words) in self.wide.chunks_exact(old).enumerate() {
+                wide[row * new..row * new + old].copy_from_slice(words);
+            }
         }
-        self.bits = bits;
+        self.wide = wide;
         self.width = width;
+    }
+
+    fn word_mut(&mut self, row: usize, k: usize) -> &mut u64 {
+        if k == 0 {
+            &mut self.rows[row].word
+        } else {
+            &mut self.wide[row * (self.width - 1) + k - 1]
+        }
+    }
+
+    fn word(&self, row: usize, k: usize) -> u64 {
+        if k == 0 {
+            self.rows[row].word
+        } else {
+            self.wide[row * (self.width - 1) + k - 1]
+        }
     }
 
     /// Holder `bit` holds `key`; whether `key` is new here.
     pub fn set_bit(&mut self, key: &[u8], bit: usize) -> bool {
         assert!(bit < MAX_HOLDERS, "a holder id is in [0, 2**20)");
         self.widen(bit);
-        let (row, new) = match self.find(key) {
-            Some(row) => (row, false),
-            None => {
-                let row = self.keys.len();
-                let row32 = u32::try_from(row).expect("fewer than 2**32 blocks in one table");
-                let hash = self.hash_of(key);
-                let (keys, seed) = (&self.keys, &self.seed);
-                self.index
-                    .insert_unique(hash, row32, |&r| seed.hash_one(&*keys[r as usize]));
-                self.keys.push(key.into());
-                self.ends.push(0);
-                self.bits.resize(self.bits.len() + self.width, 0);
+        let hash = self.hash_of(key);
+        let (row, new) = match self.slot_of(hash, key) {
+            Ok(i) => (self.slots[i].row as usize, false),
+            Err(mut i) => {
+                if (self.rows.len() + 1) * 2 > self.slots.len() {
+                    self.grow();
+                    i = self.slot_of(hash, key).expect_err("a new key");
+                }
+                let row = self.rows.len();
+                let row32 = u32::try_from(row).ok().filter(|&r| r != EMPTY);
+                self.slots[i] = Slot {
+                    hash,
+                    row: row32.expect("fewer than 2**32 - 1 blocks"),
+                };
+                self.rows.push(Row {
+                    key: Key::from_slice(key),
+                    end: 0,
+                    word: 0,
+                });
+                self.wide.resize(self.wide.len() + self.width - 1, 0);
                 (row, true)
             }
         };
-        self.bits[row * self.width + bit / 64] |= 1u64 << (bit % 64);
+        *self.word_mut(row, bit / 64) |= 1u64 << (bit % 64);
         new
     }
 
@@ -116,7 +220,7 @@ impl Masks {
     pub fn set_end(&mut self, key: &[u8], end: i64) -> bool {
         match self.find(key) {
             Some(row) => {
-                self.ends[row] = end;
+                self.rows[row].end = end;
                 true
             }
             None => false,
@@ -125,59 +229,76 @@ impl Masks {
 
     /// Holder `bit` no longer holds `key`; whether anyone still does.
     pub fn clear_bit(&mut self, key: &[u8], bit: usize) -> bool {
-        let Some(row) = self.find(key) else {
+        let Ok(slot) = self.slot_of(self.hash_of(key), key) else {
             return false;
         };
-        let w = self.width;
-        if bit < w * 64 {
-            self.bits[row * w + bit / 64] &= !(1u64 << (bit % 64));
+        let row = self.slots[slot].row as usize;
+        if bit < self.width * 64 {
+            *self.word_mut(row, bit / 64) &= !(1u64 << (bit % 64));
         }
-        if self.bits[row * w..(row + 1) * w].iter().any(|&x| x != 0) {
+        if (0..self.width).any(|k| self.word(row, k) != 0) {
             return true;
         }
+        self.delete_slot(slot);
         self.remove_row(row);
         false
     }
 
-    /// Drop `row`: the last row moves into its place (its index entry follows it).
+    /// Free slot `i`, pulling later entries of its run back into the hole.
+    fn delete_slot(&mut self, mut i: usize) {
+        let m = self.mask();
+        let mut j = i;
+        loop {
+            j = (j + 1) & m;
+            let s = self.slots[j];
+            if s.row == EMPTY {
+                break;
+            }
+            let home = s.hash as usize & m;
+            let stays = if i <= j {
+                i < home && home <= j
+            } else {
+                i < home || home <= j
+            };
+            if !stays {
+                self.slots[i] = s;
+                i = j;
+            }
+        }
+        self.slots[i] = FREE;
+    }
+
+    /// Drop `row` (its slot already freed): the last row moves into its place.
     fn remove_row(&mut self, row: usize) {
-        let hash = self.hash_of(&self.keys[row]);
-        match self.index.find_entry(hash, |&r| r as usize == row) {
-            Ok(entry) => {
-                entry.remove();
-            }
-            Err(_) => unreachable!("every row is in the index"),
-        }
-        let last = self.keys.len() - 1;
+        let last = self.rows.len() - 1;
+        let extra = self.width - 1;
         if row != last {
-            let moved = self.hash_of(&self.keys[last]);
-            if let Some(slot) = self.index.find_mut(moved, |&r| r as usize == last) {
-                *slot = row as u32;
-            }
-            let w = self.width;
-            self.bits.copy_within(last * w..(last + 1) * w, row * w);
+            let key = &self.rows[last].key[..];
+            let at = self
+                .slot_of(self.hash_of(key), key)
+                .expect("every row has a slot");
+            self.slots[at].row = row as u32;
+            self.wide
+                .copy_within(last * extra..(last + 1) * extra, row * extra);
         }
-        self.keys.swap_remove(row);
-        self.ends.swap_remove(row);
-        self.bits.truncate(last * self.width);
+        self.rows.swap_remove(row);
+        self.wide.truncate(last * extra);
     }
 
     pub fn has_bit(&self, key: &[u8], bit: usize) -> bool {
         match self.find(key) {
-            Some(row) if bit < self.width * 64 => {
-                self.bits[row * self.width + bit / 64] >> (bit % 64) & 1 == 1
-            }
+            Some(row) if bit < self.width * 64 => self.word(row, bit / 64) >> (bit % 64) & 1 == 1,
             _ => false,
         }
     }
 
     /// A row's mask words.
-    pub fn words(&self, row: usize) -> &[u64] {
-        &self.bits[row * self.width..(row + 1) * self.width]
+    pub fn words(&self, row: usize) -> Vec<u64> {
+        (0..self.width).map(|k| self.word(row, k)).collect()
     }
 
     pub fn key(&self, row: usize) -> &[u8] {
-        &self.keys[row]
+        &self.rows[row].key
     }
 
     /// The rows holder `bit` holds.
@@ -185,24 +306,56 @@ impl Masks {
         if bit >= self.width * 64 {
             return Vec::new();
         }
-        let (word, one) = (bit / 64, 1u64 << (bit % 64));
-        (0..self.keys.len())
-            .filter(|&row| self.bits[row * self.width + word] & one != 0)
+        let (k, one) = (bit / 64, 1u64 << (bit % 64));
+        (0..self.rows.len())
+            .filter(|&row| self.word(row, k) & one != 0)
             .collect()
     }
 
     /// Every position's mask (n * width words, zero where nobody holds the hash) and its
-    /// row's token end.
-    fn prompt<'a, I>(&self, hashes: I, masks: &mut Vec<u64>, ends: &mut Vec<i64>)
-    where
-        I: IntoIterator<Item = &'a [u8]>,
-    {
-        let w = self.width;
-        for key in hashes {
-            match self.find(key) {
+    /// row's token end, the cache misses of all positions overlapped (see the module doc).
+    fn prompt(&self, hashes: &[&[u8]], masks: &mut Vec<u64>, ends: &mut Vec<i64>) {
+        let (w, m, n) = (self.width, self.mask(), hashes.len());
+        let hs: Vec<u64> = hashes.iter().map(|k| self.hash_of(k)).collect();
+        for &h in &hs {
+            prefetch(&self.slots[h as usize & m]);
+        }
+        // A candidate per position: the first slot of its run with its full hash.
+        let mut at: Vec<usize> = Vec::with_capacity(n);
+        for &h in &hs {
+            let mut i = h as usize & m;
+            loop {
+                let s = self.slots[i];
+                if s.row == EMPTY || s.hash == h {
+                    break;
+                }
+                i = (i + 1) & m;
+            }
+            let row = self.slots[i].row;
+            if row != EMPTY {
+                prefetch(&self.rows[row as usize]);
+            }
+            at.push(i);
+        }
+        masks.reserve(n * w);
+        ends.reserve(n);
+        for (k, key) in hashes.iter().enumerate() {
+            let i = at[k];
+            let found = match self.slots[i].row {
+                EMPTY => None,
+                row if &self.rows[row as usize].key[..] == *key => Some(row as usize),
+                // the same 64-bit hash, another key: go on probing after it
+                _ => self
+                    .probe((i + 1) & m, hs[k], key)
+                    .ok()
+                    .map(|j| self.slots[j].row as usize),
+            };
+            match found {
                 Some(row) => {
-                    masks.extend_from_slice(self.words(row));
-                    ends.push(self.ends[row]);
+                    masks.push(self.rows[row].word);
+                    let extra = w - 1;
+                    masks.extend_from_slice(&self.wide[row * extra..(row + 1) * extra]);
+                    ends.push(self.rows[row].end);
                 }
                 None => {
                     masks.resize(masks.len() + w, 0);
@@ -214,10 +367,7 @@ impl Masks {
 
     /// (holder id, run length, token end of the run's last position) for every holder of
     /// the first hash: the longest stretch of positions 1, 2, ... each holder holds.
-    pub fn runs<'a, I>(&self, hashes: I) -> Vec<(usize, usize, i64)>
-    where
-        I: IntoIterator<Item = &'a [u8]>,
-    {
+    pub fn runs(&self, hashes: &[&[u8]]) -> Vec<(usize, usize, i64)> {
         let (mut masks, mut ends) = (Vec::new(), Vec::new());
         self.prompt(hashes, &mut masks, &mut ends);
         runs_of(&masks, self.width)
@@ -228,10 +378,7 @@ impl Masks {
 
     /// As `runs`, with position i also covered by the last hash of the block it is in
     /// (`ratio` hashes a block); (holder id, run length).
-    pub fn runs_covered<'a, I>(&self, hashes: I, ratio: usize) -> Vec<(usize, usize)>
-    where
-        I: IntoIterator<Item = &'a [u8]>,
-    {
+    pub fn runs_covered(&self, hashes: &[&[u8]], ratio: usize) -> Vec<(usize, usize)> {
         assert!(ratio > 0, "ratio must be positive");
         let (mut masks, mut ends) = (Vec::new(), Vec::new());
         self.prompt(hashes, &mut masks, &mut ends);
@@ -326,8 +473,8 @@ mod tests {
         t.set_bit(y, 0);
         t.set_bit(z, 1);
         assert!(t.set_end(y, 32) && !t.set_end(b"w", 1));
-        assert_eq!(t.runs([x, y, z]), vec![(0, 2, 32)]);
-        let mut covered = t.runs_covered([x, z], 2);
+        assert_eq!(t.runs(&[x, y, z]), vec![(0, 2, 32)]);
+        let mut covered = t.runs_covered(&[x, z], 2);
         covered.sort();
         assert_eq!(covered, vec![(0, 1), (1, 2)]);
     }

@@ -99,7 +99,7 @@ impl MaskTable {
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Ok(bytes) = key.cast::<PyBytes>() {
             if let Some(row) = self.table.find(bytes.as_bytes()) {
-                return mask_int(py, self.table.words(row));
+                return mask_int(py, &self.table.words(row));
             }
         }
         Ok(default.unwrap_or_else(|| py.None().into_bound(py)))
@@ -108,7 +108,7 @@ impl MaskTable {
     /// mask(key): key's mask as an int (0: nobody's).
     fn mask<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         match self.table.find(key_bytes(key)?) {
-            Some(row) => mask_int(py, self.table.words(row)),
+            Some(row) => mask_int(py, &self.table.words(row)),
             None => Ok(0u64.into_pyobject(py)?.into_any()),
         }
     }
@@ -119,7 +119,7 @@ impl MaskTable {
         for row in 0..self.table.len() {
             let pair = (
                 PyBytes::new(py, self.table.key(row)),
-                mask_int(py, self.table.words(row))?,
+                mask_int(py, &self.table.words(row))?,
             );
             out.append(pair)?;
         }
@@ -151,7 +151,8 @@ impl MaskTable {
         hashes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let hashes = hash_list(hashes)?;
-        let found = self.table.runs(hashes.iter().map(|h| h.as_bytes()));
+        let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        let found = self.table.runs(&keys);
         let rows: PyResult<Vec<Bound<'py, PyTuple>>> =
             found.into_iter().map(|run| run.into_pyobject(py)).collect();
         PyList::new(py, rows?)
@@ -172,9 +173,8 @@ impl MaskTable {
             return Err(PyValueError::new_err("ratio must be positive"));
         }
         let hashes = hash_list(hashes)?;
-        let found = self
-            .table
-            .runs_covered(hashes.iter().map(|h| h.as_bytes()), ratio);
+        let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        let found = self.table.runs_covered(&keys, ratio);
         let rows: PyResult<Vec<Bound<'py, PyTuple>>> =
             found.into_iter().map(|run| run.into_pyobject(py)).collect();
         PyList::new(py, rows?)

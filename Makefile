@@ -10,14 +10,14 @@ SERVICES := scripts/services
 # then no local service is started.
 USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 
-.PHONY: lock venv services services-down demo test test-containers containers lint unit bench clean
+.PHONY: lock venv services services-down demo test test-containers containers lint unit fuzz bench clean
 
 venv: $(VENV)/.installed
 
 # The versions installed are constraints.txt's (the ones CI tested); `make lock` rewrites it
 # from the venv after a dependency change in pyproject.toml. The install builds the compiled
 # core (rust/) with the machine's cargo; under CI=true a core that does not build is an error.
-CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs)
+CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs rust/src/*/*.rs)
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
@@ -60,7 +60,13 @@ unit: venv
 
 test: lint services
 	@$(with_env) $(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/containers
+	@$(MAKE) --no-print-directory fuzz
 	@if [ -z "$(SKIP_CONTAINERS)" ]; then $(MAKE) --no-print-directory test-containers; fi
+
+# Each fuzz target (tests/fuzz/) coverage-guided from its seed corpus, FUZZ_SECONDS in all.
+FUZZ_SECONDS ?= 120
+fuzz: venv
+	@$(PY) -m tests.fuzz --seconds $(FUZZ_SECONDS)
 
 # The end-to-end suite with services from testcontainers only (a local Podman engine with
 # images built here; on a machine with Docker set DOCKER_HOST instead and skip the set-up).

@@ -1,10 +1,10 @@
-"""Hash flooding: block hashes crafted to collide in the router's mask table beside random
-ones, through the table in use (set_bit, then 128-hash walks), in one run.
+"""Hash flooding: block hashes crafted to collide in the router's index beside random ones,
+through the group in use (residencies held, then 128-hash walks), in one run.
 
-The crafted keys invert the unkeyed mix the table hashed with before (its bucket bits made
-equal): against a table keyed by a per-process secret they are ordinary keys, and the
-ratios crafted / random stay near 1 (under the old mix: about 60 for inserts and 240 for
-walks of 20,000 keys, which grows with their number).
+The crafted keys invert the unkeyed mix kvledger's C mask table hashed with once (its
+bucket bits made equal): against a group keyed by a secret seed they are ordinary keys, and
+the ratios crafted / random stay near 1 (under the old mix: about 60 for inserts and 240
+for walks of 20,000 keys, which grows with their number).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 import time
 
 from bench.common import record
-from kvledger.consumer.router.masks import COMPILED, Masks
+from kvledger.consumer.router.groups import COMPILED, Group
 
 KEYS = 20_000
 _M = (1 << 64) - 1
@@ -51,10 +51,10 @@ def crafted_keys(n: int, rng: random.Random) -> list[bytes]:
 
 
 def _timed(keys: list[bytes]) -> tuple[float, float]:
-    table = Masks()
+    table = Group()
     start = time.perf_counter()
     for k in keys:
-        table.set_bit(k, 1)
+        table.hold(k, 1, 1)
     inserted = time.perf_counter() - start
     start = time.perf_counter()
     for i in range(0, len(keys), 128):
@@ -73,7 +73,7 @@ def main() -> None:
             got = _timed(keys)
             best[name] = (min(best[name][0], got[0]), min(best[name][1], got[1]))
     record("masks_flood", {
-        "compiled_table": COMPILED,
+        "compiled_group": COMPILED,
         "keys": KEYS,
         "insert_random_ms": best["random"][0] * 1e3,
         "insert_crafted_ms": best["crafted"][0] * 1e3,

@@ -92,10 +92,15 @@ def populate(url: str) -> int:
         return int(blocks)
 
 
+def _prompt_chain(rng: random.Random) -> int:
+    """The chain a prompt follows (block i of chain c holds 16 tokens c)."""
+    return rng.randrange(CHAINS)
+
+
 def _prompt(rng: random.Random) -> list[bytes]:
     import hashlib
 
-    c = rng.randrange(CHAINS)
+    c = _prompt_chain(rng)
     return [hashlib.md5(f"{c}/{i}".encode()).digest()[:8] for i in range(LENGTH)]
 
 

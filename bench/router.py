@@ -34,7 +34,8 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import masks
+from kvledger.consumer.router import groups
+from kvledger.consumer.router.groups import PureGroup
 from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
 from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
@@ -64,25 +65,29 @@ def _timed(fn: object, prompts: list[list[bytes]]) -> tuple[float, float, float]
     return p50 * 1000, p99 * 1000, len(prompts) / total  # µs, µs, lookups/s
 
 
-def _pure_masks(router: RouterIndex, fn: object, prompts: list[list[bytes]]) -> dict[str, float]:
-    """The same lookups with the pure-Python mask table (the baseline of the compiled one)."""
-    g = router.store.groups[GroupKey("bench", 0)]
-    compiled = g.masks
-    pure = masks.MaskDict()
-    for h, mask in compiled.items():
-        pure[h] = mask
-        pure.ends[h] = g.end_of(h)
-    g.masks = pure
+def _pure_group(router: RouterIndex, fn: object, prompts: list[list[bytes]]) -> dict[str, float]:
+    """The same lookups with the pure-Python group (the baseline of the compiled one)."""
+    key = GroupKey("bench", 0)
+    compiled = router.store.groups[key]
+    pure = PureGroup()
+    for h in compiled.hashes():
+        fields = compiled.row(h)
+        meta = compiled.meta(h)
+        assert fields is not None and meta is not None
+        pure.add_row(h, *fields, *meta)
+    for h, hid, count in compiled.residencies():
+        pure.hold(h, hid, count)
+    router.store.groups[key] = pure
     gc.collect()
     try:
         _timed(fn, prompts[:200])
         p50, p99, rate = _timed(fn, prompts)
     finally:
-        g.masks = compiled
+        router.store.groups[key] = compiled
     return {
-        "memory, pure-Python masks: p50 us": p50,
-        "memory, pure-Python masks: p99 us": p99,
-        "memory, pure-Python masks: lookups/s": rate,
+        "memory, pure-Python group: p50 us": p50,
+        "memory, pure-Python group: p99 us": p99,
+        "memory, pure-Python group: lookups/s": rate,
     }
 
 
@@ -163,8 +168,31 @@ def main(lookups: int = 2000) -> dict[str, float]:
     _timed(in_memory, prompts[:200])
     p50, p99, rate = _timed(in_memory, prompts)
     figures |= {"memory p50 us": p50, "memory p99 us": p99, "memory lookups/s": rate}
-    figures["memory: compiled mask table"] = float(masks.COMPILED)
-    figures |= _pure_masks(router, in_memory, prompts)
+    figures["memory: compiled group"] = float(groups.COMPILED)
+    # The same chains asked by their tokens (what Dynamo's and llm-d's routers send): block
+    # i of chain c holds 16 tokens c, so a prompt of chain c is its id 2,048 times.
+    rng = random.Random(1)
+    chains = [int(lookup._prompt_chain(rng)) for _ in range(lookups)]
+    token_prompts = [[c] * (lookup.LENGTH * 16) for c in chains]
+    by_tokens = lambda t: router.match_tokens("bench", 0, t, None, False, WIDE)  # noqa: E731
+    _timed(by_tokens, token_prompts[:200])
+    p50, p99, rate = _timed(by_tokens, token_prompts)
+    figures |= {
+        "memory, by tokens: p50 us": p50,
+        "memory, by tokens: p99 us": p99,
+        "memory, by tokens: lookups/s": rate,
+        "memory, by tokens: p50 / by hashes p50": p50 / figures["memory p50 us"],
+    }
+    figures["same answers by tokens and by hashes (200 prompts)"] = float(
+        all(
+            in_memory(p) == by_tokens(t) for p, t in zip(prompts[:200], token_prompts, strict=False)
+        )
+    )
+    figures |= _pure_group(router, in_memory, prompts)
+    figures |= {
+        k.replace("group:", "group, by tokens:"): v
+        for k, v in _pure_group(router, by_tokens, token_prompts).items()
+    }
     with connect(url, autocommit=True) as conn:
         index = PrefixIndex(conn)
         sql = lambda p: index.match("bench", 0, p)  # noqa: E731

@@ -72,10 +72,10 @@ def compiled_parts() -> dict[str, bool]:
     """Which parts of the compiled core (kvledger._core, rust/) are in use: a part whose
     core was not built, or turned off by its KVLEDGER_PURE_* variable, runs as pure Python
     with the same answers."""
-    from kvledger.consumer.router import masks
+    from kvledger.consumer.router import groups
     from kvledger.schemas.codec import Codec
 
-    return {"router masks": masks.COMPILED, "Avro codec": Codec()._compiled is not None}
+    return {"router index": groups.COMPILED, "Avro codec": Codec()._compiled is not None}
 
 
 class _Version(argparse.Action):

@@ -57,11 +57,8 @@ def router_state(router: RouterIndex) -> set[tuple[object, ...]]:
     store = router.store
     out = set()
     for (model, group), g in store.groups.items():
-        for h, mask in g.masks.items():
-            for hid, (instance, medium, own) in enumerate(store.holders):
-                if (mask >> hid) & 1:
-                    count = g.counts.get((h, hid), 1)
-                    out.add((model, group, h, instance, medium, own, count))
+        for h, hid, count in g.residencies():
+            out.add((model, group, h, *store.holders[hid], count))
     return out
 
 

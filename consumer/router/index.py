@@ -37,7 +37,7 @@ from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.lookup.api import Granularity
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import match as m
-from kvledger.consumer.router.store import RouterStore, Row, pack
+from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.pg_state import load_source_lives, load_source_states, load_specs
 from kvledger.consumer.store.postgres import PostgresStore
@@ -151,7 +151,7 @@ class RouterIndex:
         logger.info(
             "router bootstrapped in %.1f s: %d blocks, %d holders, offsets %s",
             self._bootstrap_s,
-            sum(len(g.rows) for g in store.groups.values()),
+            sum(len(g) for g in store.groups.values()),
             len(store.holders),
             self.store.stored_offsets(self.consumer_group, self.topic),
         )
@@ -170,7 +170,7 @@ class RouterIndex:
                 h = seen.setdefault(raw, raw)
                 parent = seen.setdefault(up, up) if up is not None else None
                 store.group(GroupKey(model, group)).add_row(
-                    h, Row(parent, start, pack(tokens), size, partial, lora, plain)
+                    h, parent, start, tokens, size, partial, lora, plain
                 )
 
     # ------------------------------------------------------------------ tailing

@@ -1,37 +1,14 @@
-"""The router's holder masks: block hash -> a bitmask of holder ids, probed a prompt at a time.
-
-Beside each held hash the table keeps its block's token end, so that a block-granularity
-walk reports matched tokens without a second probe per holder.
-
-Two implementations answer identically: ``MaskTable``, from the compiled core
-(rust/src/masks.rs: a SwissTable under a per-table secret seed, a whole prompt walked in one
-call), and ``MaskDict``, a dict in pure Python, used where the core was not built (no Rust
-toolchain at install time) or when
-``KVLEDGER_PURE_MASKS=1`` asks for it. ``Masks`` is the one in use; ``COMPILED`` says which.
+"""The pure router's holder masks: block hash -> a bitmask of holder ids, probed a prompt at a
+time, and beside each held hash its block's token end (so that a block-granularity walk
+reports matched tokens without a second probe per holder). ``MaskDict`` is what
+:class:`~kvledger.consumer.router.groups.PureGroup` keeps; the compiled core's groups hold
+the same masks natively (rust/src/group.rs, rust/src/masks.rs).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from itertools import repeat
-from typing import Protocol
-
-
-class HolderMasks(Protocol):
-    """What the router's store and matches need of a mask table."""
-
-    def set_bit(self, key: bytes, bit: int) -> bool: ...
-    def set_end(self, key: bytes, end: int) -> bool: ...
-    def clear_bit(self, key: bytes, bit: int) -> bool: ...
-    def has_bit(self, key: bytes, bit: int) -> bool: ...
-    def mask(self, key: bytes) -> int: ...
-    def items(self) -> Iterable[tuple[bytes, int]]: ...
-    def held_by(self, bit: int) -> list[bytes]: ...
-    def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]: ...
-    def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, key: object) -> bool: ...
 
 
 class MaskDict(dict[bytes, int]):
@@ -124,15 +101,3 @@ def bits(mask: int) -> list[int]:
         out.append(low.bit_length() - 1)
         mask ^= low
     return out
-
-
-Masks: type[HolderMasks]
-try:
-    from kvledger._core import MaskTable
-except ImportError:  # built without a Rust toolchain
-    MaskTable = None  # type: ignore[assignment,misc]
-
-if MaskTable is not None and os.environ.get("KVLEDGER_PURE_MASKS", "") in ("", "0"):
-    Masks, COMPILED = MaskTable, True
-else:
-    Masks, COMPILED = MaskDict, False

@@ -3,7 +3,7 @@
 Each mirrors its SQL twin (consumer/lookup/sql/): ``held_prefix`` (block and hash
 granularity), ``held_tokens`` (the token walk through full blocks, then partial tails) and
 the liveness filter of ``match_prefix`` / ``match_tokens``. A holder's run is the longest
-stretch of positions 1, 2, ... it covers; the mask table (masks.py) walks a whole prompt at
+stretch of positions 1, 2, ... it covers; the group (store.py) walks a whole prompt at
 once: with holders as bits, each position costs one AND over everyone still running.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
-from kvledger.consumer.router.store import Group, RouterStore, pack
+from kvledger.consumer.router.store import RouterStore
 from kvledger.schemas.lookup import Holder
 
 DEFAULT_SILENT_AFTER = timedelta(seconds=30)
@@ -26,9 +26,8 @@ def held_prefix(
     g = store.groups.get(GroupKey(model, group))
     if g is None or not hashes:
         return []
-    masks = g.masks
     if granularity == "block":
-        return masks.runs(hashes)
+        return g.runs(hashes)
     if granularity != "hash":
         raise ValueError(f"granularity must be block or hash, not {granularity!r}")
     held = store.specs.get(GroupKey(model, group))
@@ -39,68 +38,20 @@ def held_prefix(
         return []
     ratio = spec.block_size // spec.hash_block_size
     # position i + 1: its own hash, or the end of the block it is in
-    found = masks.runs_covered(hashes, ratio)
+    found = g.runs_covered(hashes, ratio)
     return [(hid, n // ratio, n * spec.hash_block_size) for hid, n in found]
 
 
 def held_tokens(
     store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None
 ) -> list[Run]:
-    """The token walk of ``held_tokens``: full blocks from the start, then partial tails."""
+    """The token walk of ``held_tokens``: full blocks from the start, then partial tails
+    (one call into the group: :meth:`~.store.BlockGroup.match_tokens`)."""
     held = store.specs.get(GroupKey(model, group))
     g = store.groups.get(GroupKey(model, group))
     if held is None or g is None:
         return []
-    bs, hbs = held.spec.block_size, held.spec.hash_block_size
-    levels: list[list[bytes]] = []
-    level: list[bytes | None] = [None]
-    i = 0
-    while True:  # chain level i + 1: children of level i holding the next block_size tokens
-        if i > 0 and (i + 1) * bs > len(tokens):
-            break
-        want = pack(tokens[i * bs : (i + 1) * bs])
-        found = sorted(
-            h for parent in level for h in g.child_hashes(parent)
-            if _fits(g, h, want, bs, False, lora, parent is None)
-        )  # fmt: skip
-        if not found:
-            break
-        levels.append(found)
-        level, i = list(found), i + 1
-    chain = [h for lv in levels for h in lv]
-    tip: bytes | None = levels[-1][0] if levels else None
-    pos = len(chain) * bs
-    tail: list[bytes] = []
-    parents: list[bytes | None] = [tip]
-    while pos + hbs <= len(tokens):
-        want = pack(tokens[pos : pos + hbs])
-        found = sorted(
-            h for parent in parents for h in g.child_hashes(parent)
-            if _fits(g, h, want, hbs, True, lora, parent is None)
-        )  # fmt: skip
-        if not found:
-            break
-        tail.extend(found)
-        parents, pos = list(found), pos + hbs
-    hashes = chain + tail
-    return [
-        (hid, min(b, len(chain)), t)
-        for hid, b, t in held_prefix(store, model, group, hashes, "block")
-    ]
-
-
-def _fits(
-    g: Group, h: bytes, want: bytes, size: int, partial: bool, lora: str | None, root: bool
-) -> bool:
-    row = g.rows[h]
-    return (
-        row.partial == partial
-        and row.block_size == size
-        and row.tokens == want
-        and row.lora_name == lora
-        and row.plain
-        and (row.parent is None) == root
-    )
+    return g.match_tokens(tokens, held.spec.block_size, held.spec.hash_block_size, lora)
 
 
 def state_of(life: SourceLife | None, now: datetime, silent_after: timedelta) -> str:

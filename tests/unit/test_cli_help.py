@@ -243,6 +243,6 @@ def test_the_version_says_which_parts_are_compiled() -> None:
         )  # fmt: skip
         return done.stdout
 
-    assert version(KVLEDGER_PURE_MASKS="1").startswith("kvledger ")
-    assert "router masks pure Python" in version(KVLEDGER_PURE_MASKS="1")
+    assert version(KVLEDGER_PURE_ROUTER="1").startswith("kvledger ")
+    assert "router index pure Python" in version(KVLEDGER_PURE_ROUTER="1")
     assert "Avro codec pure Python" in version(KVLEDGER_PURE_AVRO="1")

@@ -13,9 +13,11 @@ import pytest
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
 from kvledger.consumer.pipeline import BatchResult, run_batch
+from kvledger.consumer.router import groups
 from kvledger.consumer.router import match as m
+from kvledger.consumer.router import store as store_module
 from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
-from kvledger.consumer.router.store import RouterStore, Row, pack
+from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
@@ -32,16 +34,22 @@ def both(messages: list, batch: int = 50) -> tuple[RouterStore, MemoryStore]:  #
     return router, memory
 
 
+@pytest.fixture(autouse=True, params=["compiled", "pure"])
+def group_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on the compiled core's groups and on the pure ones."""
+    if request.param == "pure":
+        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
+    elif not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")
+    return str(request.param)
+
+
 def router_residencies(store: RouterStore) -> dict[ResidencyKey, int]:
-    out = {}
-    for (model, group), g in store.groups.items():
-        for h, mask in g.masks.items():
-            for hid, (instance, medium, own) in enumerate(store.holders):
-                if (mask >> hid) & 1:
-                    out[ResidencyKey(model, group, h, instance, medium, own)] = g.counts.get(
-                        (h, hid), 1
-                    )
-    return out
+    return {
+        ResidencyKey(model, group, h, *store.holders[hid]): count
+        for (model, group), g in store.groups.items()
+        for h, hid, count in g.residencies()
+    }
 
 
 def test_the_router_store_holds_what_the_memory_store_holds() -> None:
@@ -49,17 +57,14 @@ def test_the_router_store_holds_what_the_memory_store_holds() -> None:
         router, memory = both(stream.messages)
         assert router_residencies(router) == {k: r.refcount for k, r in memory.residencies.items()}
         assert {
-            (model, group, h): (row.parent, row.token_start, row.block_size, row.partial)
+            (model, group, h): g.row(h)
             for (model, group), g in router.groups.items()
-            for h, row in g.rows.items()
-        } == {
-            k: (r.parent_hash, r.token_start, r.block_size, r.partial)
-            for k, r in memory.blocks.items()
-        }
+            for h in g.hashes()
+        } == {k: tuple(r) for k, r in memory.blocks.items()}
         assert router.lives == memory.lives and router.sources == memory.sources
         for g in router.groups.values():  # each held hash's token end is its block's
-            for h, _ in g.masks.items():
-                assert {end for _, _, end in g.masks.runs([h])} == {g.end_of(h)}
+            for h, _, _ in g.residencies():
+                assert {end for _, _, end in g.runs([h])} == {g.end_of(h)}
 
 
 def brute_force(store: RouterStore, model: str, hashes: list[bytes]) -> set[tuple[int, int]]:
@@ -67,7 +72,7 @@ def brute_force(store: RouterStore, model: str, hashes: list[bytes]) -> set[tupl
     out = set()
     for hid in range(len(store.holders)):
         n = 0
-        while n < len(hashes) and (g.masks.mask(hashes[n]) >> hid) & 1:
+        while n < len(hashes) and g.refcount(hashes[n], hid):
             n += 1
         if n:
             out.add((hid, n))
@@ -112,12 +117,12 @@ def test_a_block_learnt_after_its_holder_gives_its_token_end() -> None:
     h, parent = b"\x01" * 8, b"\x02" * 8
     store.hold(ResidencyKey("m", 0, h, "e1", "GPU", ""), 1)
     g = store.groups[GroupKey("m", 0)]
-    assert g.masks.runs([h]) == [(0, 1, 0)]  # no block yet: no token end
-    g.add_row(h, Row(parent, 16, pack(range(16)), 16, False, None, True))
-    assert g.masks.runs([h]) == [(0, 1, 32)]
+    assert g.runs([h]) == [(0, 1, 0)]  # no block yet: no token end
+    g.add_row(h, parent, 16, list(range(16)), 16, False, None, True)
+    assert g.runs([h]) == [(0, 1, 32)]
     store.hold(ResidencyKey("m", 0, h, "e1", "GPU", ""), 0)
     store.hold(ResidencyKey("m", 0, h, "e2", "CPU", ""), 1)  # held anew: the end is found again
-    assert g.masks.runs([h]) == [(1, 1, 32)]
+    assert g.runs([h]) == [(1, 1, 32)]
 
 
 def test_apply_pauses_the_collector_per_chunk_and_restores_it(

@@ -1,0 +1,272 @@
+"""The router's groups: one (model, group)'s blocks and holders, as the router's store keeps
+them (:mod:`.store`). ``Group`` is the compiled core's (rust/src/group.rs: a lookup by
+hashes or by tokens is one native call), or :class:`PureGroup`, its pure-Python twin, where
+the core was not built or ``KVLEDGER_PURE_ROUTER=1`` asks for it; ``COMPILED`` says which.
+They answer alike (tests/unit/test_group.py, tests/fuzz/).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvledger.consumer.router.masks import MaskDict, bits
+
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def pack(tokens: Sequence[int]) -> bytes:
+    """Token ids as native int32 bytes (compact, and compared as bytes), as array("i")
+    would give them; a Struct per length packs them ~2x faster."""
+    packer = _PACKERS.get(len(tokens))
+    if packer is None:
+        packer = _PACKERS[len(tokens)] = struct.Struct(f"{len(tokens)}i")
+    return packer.pack(*tokens)
+
+
+# Token positions repeat across blocks (every prompt's block i starts at i * block_size):
+# one int object per distinct position instead of one per block (~32 bytes each).
+_POSITIONS: dict[int, int] = {}
+
+
+def position(start: int | None) -> int | None:
+    if start is None or not 0 <= start < 1 << 20:
+        return start
+    return _POSITIONS.setdefault(start, start)
+
+
+@dataclass(slots=True)
+class Row:
+    """One block's content as the pure group keeps it."""
+
+    parent: bytes | None
+    token_start: int | None
+    tokens: bytes  # int32
+    block_size: int
+    partial: bool
+    lora_name: str | None
+    plain: bool  # no extra keys: a token walk may use it
+    # The hash as the rows dict holds it: the parent links of its children and the masks
+    # dict reuse this one bytes object instead of each keeping an equal copy (~48 bytes).
+    key: bytes = b""
+
+    @property
+    def token_end(self) -> int | None:
+        return None if self.token_start is None else self.token_start + len(self.tokens) // 4
+
+
+BlockFields = tuple[bytes | None, int | None, tuple[int, ...], int, bool]
+
+
+class BlockGroup(Protocol):
+    """One (model, group)'s blocks and holders: what the router's store and matches need.
+    :class:`PureGroup` in Python, or the compiled core's ``Group`` (rust/src/group.rs);
+    they answer alike (tests/unit/test_router.py)."""
+
+    def add_row(
+        self, key: bytes, parent: bytes | None, token_start: int | None,
+        tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
+        plain: bool,
+    ) -> None: ...  # fmt: skip
+    def row(self, key: bytes) -> BlockFields | None: ...
+    def meta(self, key: bytes) -> tuple[str | None, bool] | None: ...
+    def set_meta(self, key: bytes, lora_name: str | None, plain: bool) -> None: ...
+    def hold(self, key: bytes, hid: int, refcount: int) -> None: ...
+    def refcount(self, key: bytes, hid: int) -> int: ...
+    def held_by(self, hid: int) -> list[bytes]: ...
+    def residencies(self) -> list[tuple[bytes, int, int]]: ...
+    def hashes(self) -> list[bytes]: ...
+    def end_of(self, key: bytes) -> int: ...
+    def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]: ...
+    def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]: ...
+    def match_tokens(
+        self, tokens: Sequence[int], block_size: int, hash_block_size: int, lora_name: str | None
+    ) -> list[tuple[int, int, int]]: ...
+    def __len__(self) -> int: ...
+
+
+class PureGroup:
+    """One (model, group)'s blocks and holders in pure Python (see :class:`BlockGroup`)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, Row] = {}
+        self.masks = MaskDict()  # hash -> holder-id bits
+        self.counts: dict[tuple[bytes, int], int] = {}  # refcounts above 1
+        # parent -> its child's hash, or a list when it has several (most have one)
+        self.children: dict[bytes | None, bytes | list[bytes]] = {}
+
+    def canon(self, block_hash: bytes) -> bytes:
+        """The hash object the group already holds for ``block_hash`` (else itself)."""
+        row = self.rows.get(block_hash)
+        return row.key if row is not None else block_hash
+
+    def add_row(
+        self, key: bytes, parent: bytes | None, token_start: int | None,
+        tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
+        plain: bool,
+    ) -> None:  # fmt: skip
+        self._add(key, Row(parent, token_start, pack(tokens), block_size, partial, lora_name,
+                           plain))  # fmt: skip
+
+    def _add(self, block_hash: bytes, row: Row) -> None:
+        old = self.rows.get(block_hash)
+        block_hash = row.key = old.key if old is not None else block_hash
+        if row.parent is not None:
+            parent = self.rows.get(row.parent)
+            if parent is not None:
+                row.parent = parent.key
+        row.token_start = position(row.token_start)
+        self.rows[block_hash] = row
+        self.masks.set_end(block_hash, row.token_end or 0)
+        if old is not None and old.parent == row.parent:
+            return
+        if old is not None:
+            self._unlink(old.parent, block_hash)
+        kids = self.children.get(row.parent)
+        if kids is None:
+            self.children[row.parent] = block_hash
+        elif isinstance(kids, list):
+            kids.append(block_hash)
+        else:
+            self.children[row.parent] = [kids, block_hash]
+
+    def row(self, key: bytes) -> BlockFields | None:
+        r = self.rows.get(key)
+        if r is None:
+            return None
+        return (r.parent, r.token_start, tuple(array("i", r.tokens)), r.block_size, r.partial)
+
+    def meta(self, key: bytes) -> tuple[str | None, bool] | None:
+        r = self.rows.get(key)
+        return None if r is None else (r.lora_name, r.plain)
+
+    def set_meta(self, key: bytes, lora_name: str | None, plain: bool) -> None:
+        r = self.rows.get(key)
+        if r is not None:
+            r.lora_name, r.plain = lora_name, plain
+
+    def hold(self, key: bytes, hid: int, refcount: int) -> None:
+        h = self.canon(key)
+        if refcount > 0:
+            if self.masks.set_bit(h, hid):
+                self.masks.set_end(h, self.end_of(h))
+            if refcount > 1:
+                self.counts[(h, hid)] = refcount
+            else:
+                self.counts.pop((h, hid), None)
+        else:
+            self.masks.clear_bit(h, hid)
+            self.counts.pop((h, hid), None)
+
+    def refcount(self, key: bytes, hid: int) -> int:
+        if not self.masks.has_bit(key, hid):
+            return 0
+        return self.counts.get((key, hid), 1)
+
+    def held_by(self, hid: int) -> list[bytes]:
+        return self.masks.held_by(hid)
+
+    def residencies(self) -> list[tuple[bytes, int, int]]:
+        return [
+            (h, hid, self.counts.get((h, hid), 1))
+            for h, mask in self.masks.items()
+            for hid in bits(mask)
+        ]
+
+    def hashes(self) -> list[bytes]:
+        return list(self.rows)
+
+    def end_of(self, key: bytes) -> int:
+        """The block's token end (0: not known), as a block-granularity match reports it."""
+        row = self.rows.get(key)
+        return (row.token_end or 0) if row is not None else 0
+
+    def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]:
+        return self.masks.runs(hashes)
+
+    def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]:
+        return self.masks.runs_covered(hashes, ratio)
+
+    def match_tokens(
+        self, tokens: Sequence[int], block_size: int, hash_block_size: int, lora_name: str | None
+    ) -> list[tuple[int, int, int]]:
+        """The token walk of ``held_tokens``: full blocks from the start, then partial tails."""
+        bs, hbs, lora = block_size, hash_block_size, lora_name
+        if bs <= 0:
+            return []
+        levels: list[list[bytes]] = []
+        level: list[bytes | None] = [None]
+        i = 0
+        while True:  # chain level i + 1: children of level i holding the next bs tokens
+            if i > 0 and (i + 1) * bs > len(tokens):
+                break
+            want = pack(tokens[i * bs : (i + 1) * bs])
+            found = sorted(
+                h for parent in level for h in self._child_hashes(parent)
+                if self._fits(h, want, bs, False, lora, parent is None)
+            )  # fmt: skip
+            if not found:
+                break
+            levels.append(found)
+            level, i = list(found), i + 1
+        chain = [h for lv in levels for h in lv]
+        tip: bytes | None = levels[-1][0] if levels else None
+        pos = len(chain) * bs
+        tail: list[bytes] = []
+        parents: list[bytes | None] = [tip]
+        while hbs > 0 and pos + hbs <= len(tokens):
+            want = pack(tokens[pos : pos + hbs])
+            found = sorted(
+                h for parent in parents for h in self._child_hashes(parent)
+                if self._fits(h, want, hbs, True, lora, parent is None)
+            )  # fmt: skip
+            if not found:
+                break
+            tail.extend(found)
+            parents, pos = list(found), pos + hbs
+        return [(hid, min(b, len(chain)), t) for hid, b, t in self.masks.runs(chain + tail)]
+
+    def _fits(
+        self, h: bytes, want: bytes, size: int, partial: bool, lora: str | None, root: bool
+    ) -> bool:
+        row = self.rows[h]
+        return (
+            row.partial == partial
+            and row.block_size == size
+            and row.tokens == want
+            and row.lora_name == lora
+            and row.plain
+            and (row.parent is None) == root
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _child_hashes(self, parent: bytes | None) -> list[bytes]:
+        kids = self.children.get(parent)
+        if kids is None:
+            return []
+        return kids if isinstance(kids, list) else [kids]
+
+    def _unlink(self, parent: bytes | None, block_hash: bytes) -> None:
+        kids = self.children.get(parent)
+        if kids == block_hash:
+            del self.children[parent]
+        elif isinstance(kids, list) and block_hash in kids:
+            kids.remove(block_hash)
+
+
+Group: type[BlockGroup]
+try:
+    from kvledger._core import Group as _CompiledGroup
+except ImportError:  # built without a Rust toolchain
+    _CompiledGroup = None  # type: ignore[assignment,misc]
+
+if _CompiledGroup is not None and os.environ.get("KVLEDGER_PURE_ROUTER", "") in ("", "0"):
+    Group, COMPILED = _CompiledGroup, True
+else:
+    Group, COMPILED = PureGroup, False

@@ -1,0 +1,395 @@
+//! One (model, group)'s blocks and holders: the router index's core, in plain Rust.
+//!
+//! Every block hash the group has met is a row: its content when a store brought it (parent,
+//! position, tokens, size, partial, LoRA, whether it has extra keys), its holders as bits
+//! (holder ids are the router's numbering of (instance, medium, ownership)), reference
+//! counts above one, and how many rows name it as their parent. A hash met only as a parent
+//! or as a residency (its store not seen yet) is a row without content; such a row goes
+//! when nothing holds it and no row names it. Rows never move (a freed one is reused), so a
+//! parent is a row number.
+//!
+//! Lookups are one call each and return the runs: for each holder of the first position,
+//! how far it holds the prompt (blocks) and the token end of its last block.
+//! - by hashes: one probe per position, every position's cache misses overlapped (the
+//!   slots are prefetched before any is read, then the rows);
+//! - by tokens: the chain from the root, level by level, by a content key per row — a hash,
+//!   under the group's secret seed, of its parent row, size, partial flag, LoRA and tokens —
+//!   so that each level is one probe per candidate parent, not a comparison of every
+//!   child's tokens; the tokens of each candidate are then compared in full (answers are
+//!   exact, whatever the hash does).
+//!
+//! The answers are those of `consumer/router/groups.py`'s pure `PureGroup`, the SQL functions'
+//! in-memory twin (tests/unit/test_router.py holds them to it).
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+
+use foldhash::fast::RandomState;
+use smallvec::SmallVec;
+
+use crate::masks::{prefetch, runs_of, MAX_HOLDERS};
+use crate::slots::{Slots, NONE};
+const LIVE: u8 = 1; // the row is in use (else on the free list)
+const STORED: u8 = 2; // a store brought its content
+const PARTIAL: u8 = 4;
+const PLAIN: u8 = 8; // no extra keys: token walks may use it
+const CHAINED: u8 = 16; // Row::chain is its content key (in Group::content)
+
+/// The content key of the root (what a first block's key is mixed with).
+const ROOT: u64 = 0x6b76_6c65_6467_6572;
+/// How many levels of a token walk are probed at once (their misses overlapped).
+const LEVELS_AT_ONCE: usize = 16;
+
+type Key = SmallVec<[u8; 32]>;
+
+struct Row {
+    key: Key,
+    word: u64,  // holders 0..64; further words in Group::wide
+    start: i64, // i64::MIN: no position known
+    parent: u32,
+    tok_off: u32, // tokens: Group::tokens[tok_off..tok_off + tok_len]
+    tok_len: u32,
+    block_size: i32,
+    lora: u32, // 0: none; else Group::loras[lora - 1]
+    // The rows naming this one as their parent: a list through first_kid and the kids'
+    // sibling links (doubly linked: a row changes parent in O(1)).
+    first_kid: u32,
+    next_sib: u32,
+    prev_sib: u32,
+    chain: u64, // the content key, where CHAINED (see Group::chain_of)
+    flags: u8,
+}
+
+/// A block's content as a store gives it.
+pub struct Content<'a> {
+    pub parent: Option<&'a [u8]>,
+    pub start: Option<i64>,
+    pub tokens: &'a [i32],
+    pub block_size: i32,
+    pub partial: bool,
+    pub lora: Option<&'a str>,
+    pub plain: bool,
+}
+
+/// A block's content as the group keeps it.
+pub type Stored<'a> = Content<'a>;
+
+pub type Run = (usize, usize, i64); // (holder id, matched blocks, token end)
+
+pub struct Group {
+    index: Slots, // block hash -> row
+    rows: Vec<Row>,
+    free: Vec<u32>,
+    live: usize,
+    stored: usize,
+    wide: Vec<u64>, // rows.len() * (width - 1)
+    width: usize,
+    tokens: Vec<i32>,
+    loras: Vec<String>,
+    lora_ids: HashMap<String, u32>,
+    counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
+    content: Slots,                                // content key -> rows
+    seed: RandomState,
+}
+
+impl Default for Group {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Group {
+    pub fn new() -> Self {
+        Group {
+            index: Slots::default(),
+            rows: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            stored: 0,
+            wide: Vec::new(),
+            width: 1,
+            tokens: Vec::new(),
+            loras: Vec::new(),
+            lora_ids: HashMap::new(),
+            counts: HashMap::default(),
+            content: Slots::default(),
+            seed: RandomState::default(),
+        }
+    }
+
+    /// Rows with content (the blocks a store brought).
+    pub fn blocks(&self) -> usize {
+        self.stored
+    }
+
+    pub fn hash_of(&self, key: &[u8]) -> u64 {
+        self.seed.hash_one(key)
+    }
+
+    // ------------------------------------------------------------------ the table
+    pub fn find(&self, key: &[u8]) -> Option<u32> {
+        self.index
+            .rows(self.hash_of(key))
+            .find(|&r| &self.rows[r as usize].key[..] == key)
+    }
+
+    /// The row of `key`, made (without content) if it has none.
+    fn intern(&mut self, key: &[u8]) -> u32 {
+        if let Some(row) = self.find(key) {
+            return row;
+        }
+        let fresh = Row {
+            key: Key::from_slice(key),
+            word: 0,
+            start: i64::MIN,
+            parent: NONE,
+            tok_off: 0,
+            tok_len: 0,
+            block_size: 0,
+            lora: 0,
+            first_kid: NONE,
+            next_sib: NONE,
+            prev_sib: NONE,
+            chain: 0,
+            flags: LIVE,
+        };
+        let row = match self.free.pop() {
+            Some(row) => {
+                self.rows[row as usize] = fresh;
+                row
+            }
+            None => {
+                let row = u32::try_from(self.rows.len()).ok().filter(|&r| r != NONE);
+                self.rows.push(fresh);
+                self.wide.resize(self.wide.len() + self.width - 1, 0);
+                row.expect("fewer than 2**32 - 1 blocks in one group")
+            }
+        };
+        self.index.insert(self.hash_of(key), row);
+        self.live += 1;
+        row
+    }
+
+    /// Drop a row without content that nobody holds and no row names.
+    fn release(&mut self, row: u32) {
+        let r = &self.rows[row as usize];
+        if r.flags & STORED != 0 || r.first_kid != NONE || r.word != 0 || self.wide_any(row) {
+            return;
+        }
+        let hash = self.hash_of(&r.key);
+        self.index.remove(hash, row);
+        let r = &mut self.rows[row as usize];
+        r.flags = 0;
+        r.key = Key::new();
+        self.free.push(row);
+        self.live -= 1;
+    }
+
+    // ------------------------------------------------------------------ holders
+    fn widen(&mut self, bit: usize) {
+        let mut width = self.width;
+        while bit >= width * 64 {
+            width *= 2;
+        }
+        if width == self.width {
+            return;
+        }
+        let (old, new) = (self.width - 1, width - 1);
+        let mut wide = vec![0u64; self.rows.len() * new];
+        if old > 0 {
+            for (row, words) in self.wide.chunks_exact(old).enumerate() {
+                wide[row * new..row * new + old].copy_from_slice(words);
+            }
+        }
+        self.wide = wide;
+        self.width = width;
+    }
+
+    fn wide_any(&self, row: u32) -> bool {
+        let extra = self.width - 1;
+        let at = row as usize * extra;
+        self.wide[at..at + extra].iter().any(|&w| w != 0)
+    }
+
+    fn word(&self, row: u32, k: usize) -> u64 {
+        if k == 0 {
+            self.rows[row as usize].word
+        } else {
+            self.wide[row as usize * (self.width - 1) + k - 1]
+        }
+    }
+
+    fn word_mut(&mut self, row: u32, k: usize) -> &mut u64 {
+        if k == 0 {
+            &mut self.rows[row as usize].word
+        } else {
+            &mut self.wide[row as usize * (self.width - 1) + k - 1]
+        }
+    }
+
+    /// Set one residency's reference count (0: it ends).
+    pub fn hold(&mut self, key: &[u8], hid: usize, refcount: u32) {
+        assert!(hid < MAX_HOLDERS, "a holder id is in [0, 2**20)");
+        if refcount == 0 {
+            let Some(row) = self.find(key) else {
+                return;
+            };
+            if hid < self.width * 64 {
+                *self.word_mut(row, hid / 64) &= !(1u64 << (hid % 64));
+            }
+            self.counts.remove(&(row, hid as u32));
+            self.release(row);
+            return;
+        }
+        self.widen(hid);
+        let row = self.intern(key);
+        *self.word_mut(row, hid / 64) |= 1u64 << (hid % 64);
+        if refcount > 1 {
+            self.counts.insert((row, hid as u32), refcount);
+        } else {
+            self.counts.remove(&(row, hid as u32));
+        }
+    }
+
+    fn holds(&self, row: u32, hid: usize) -> bool {
+        hid < self.width * 64 && self.word(row, hid / 64) >> (hid % 64) & 1 == 1
+    }
+
+    /// The residency's reference count (0: none).
+    pub fn refcount(&self, key: &[u8], hid: usize) -> u32 {
+        match self.find(key) {
+            Some(row) if self.holds(row, hid) => {
+                self.counts.get(&(row, hid as u32)).copied().unwrap_or(1)
+            }
+            _ => 0,
+        }
+    }
+
+    fn live_rows(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.rows.len() as u32).filter(|&r| self.rows[r as usize].flags & LIVE != 0)
+    }
+
+    /// The hashes holder `hid` holds.
+    pub fn held_by(&self, hid: usize) -> Vec<&[u8]> {
+        self.live_rows()
+            .filter(|&r| self.holds(r, hid))
+            .map(|r| &self.rows[r as usize].key[..])
+            .collect()
+    }
+
+    /// Every residency: (hash, holder id, refcount).
+    pub fn residencies(&self) -> Vec<(&[u8], usize, u32)> {
+        let mut out = Vec::new();
+        for row in self.live_rows() {
+            for k in 0..self.width {
+                let mut w = self.word(row, k);
+                while w != 0 {
+                    let hid = k * 64 + w.trailing_zeros() as usize;
+                    let count = self.counts.get(&(row, hid as u32)).copied().unwrap_or(1);
+                    out.push((&self.rows[row as usize].key[..], hid, count));
+                    w &= w - 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// A row's token end, as a block-granularity match reports it (0: not known).
+    fn end(&self, row: u32) -> i64 {
+        let r = &self.rows[row as usize];
+        if r.flags & STORED == 0 || r.start == i64::MIN {
+            0
+        } else {
+            r.start + i64::from(r.tok_len)
+        }
+    }
+
+    pub fn end_of(&self, key: &[u8]) -> i64 {
+        self.find(key).map_or(0, |row| self.end(row))
+    }
+
+    // ------------------------------------------------------------------ lookups
+    /// The rows of a prompt's hashes (NONE where the group has none), the cache misses of
+    /// every position overlapped.
+    fn rows_of(&self, hashes: &[&[u8]]) -> Vec<u32> {
+        let hs: Vec<u64> = hashes.iter().map(|k| self.hash_of(k)).collect();
+        for &h in &hs {
+            self.index.prefetch(h);
+        }
+        let first: Vec<u32> = hs
+            .iter()
+            .map(|&h| self.index.rows(h).next().unwrap_or(NONE))
+            .collect();
+        for &row in &first {
+            if row != NONE {
+                prefetch(&self.rows[row as usize]);
+            }
+        }
+        hashes
+            .iter()
+            .zip(first)
+            .map(|(key, row)| match row {
+                NONE => NONE,
+                row if &self.rows[row as usize].key[..] == *key => row,
+                _ => self.find(key).unwrap_or(NONE), // the same 64-bit hash, another key
+            })
+            .collect()
+    }
+
+    fn masks_of(&self, rows: &[u32]) -> Vec<u64> {
+        let w = self.width;
+        let mut out = Vec::with_capacity(rows.len() * w);
+        for &row in rows {
+            if row == NONE {
+                out.resize(out.len() + w, 0);
+            } else {
+                out.extend((0..w).map(|k| self.word(row, k)));
+            }
+        }
+        out
+    }
+
+    fn runs_over(&self, rows: &[u32]) -> Vec<Run> {
+        runs_of(&self.masks_of(rows), self.width)
+            .into_iter()
+            .map(|(hid, n)| {
+                (
+                    hid,
+                    n,
+                    if rows[n - 1] == NONE {
+                        0
+                    } else {
+                        self.end(rows[n - 1])
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Block granularity: (holder, run length, token end of the run's last block).
+    pub fn runs(&self, hashes: &[&[u8]]) -> Vec<Run> {
+        self.runs_over(&self.rows_of(hashes))
+    }
+
+    /// Hash granularity (`ratio` hashes a block): position i is also covered by the last
+    /// hash of its block; (holder, run length).
+    pub fn runs_covered(&self, hashes: &[&[u8]], ratio: usize) -> Vec<(usize, usize)> {
+        assert!(ratio > 0, "ratio must be positive");
+        let rows = self.rows_of(hashes);
+        let mut masks = self.masks_of(&rows);
+        let (w, n) = (self.width, rows.len());
+        for i in 0..n {
+            let end = (i / ratio + 1) * ratio;
+            if end <= n && end - 1 != i {
+                for k in 0..w {
+                    masks[i * w + k] |= masks[(end - 1) * w + k];
+                }
+            }
+        }
+        runs_of(&masks, w)
+    }
+}
+
+mod content;
+#[cfg(test)]
+mod tests;

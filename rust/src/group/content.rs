@@ -1,0 +1,341 @@
+//! A group's content: each block's tokens and metadata, the content keys token walks follow
+//! (see the parent module's doc), and the token walk itself.
+
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use foldhash::fast::RandomState;
+use smallvec::SmallVec;
+
+use super::{
+    Content, Group, Run, Stored, CHAINED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN, ROOT, STORED,
+};
+use crate::masks::prefetch;
+
+impl Group {
+    // ------------------------------------------------------------------ content
+    fn lora_id(&mut self, lora: Option<&str>) -> u32 {
+        let Some(name) = lora else {
+            return 0;
+        };
+        if let Some(&id) = self.lora_ids.get(name) {
+            return id;
+        }
+        self.loras.push(name.to_owned());
+        let id = self.loras.len() as u32;
+        self.lora_ids.insert(name.to_owned(), id);
+        id
+    }
+
+    /// A block's content key: a hash, under the group's secret seed, of its parent's key
+    /// (the root's for a first block), its size, partial flag, LoRA and tokens. It depends
+    /// on the content of the path from the root alone, so a token walk computes every
+    /// level's key from the prompt before it probes any (Dynamo keys its tree alike).
+    fn content_key(&self, parent: u64, size: i32, partial: bool, lora: u32, tokens: &[i32]) -> u64 {
+        let mut h = self.seed.build_hasher();
+        (parent, size, partial, lora).hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish()
+    }
+
+    fn row_tokens(&self, row: u32) -> &[i32] {
+        let r = &self.rows[row as usize];
+        &self.tokens[r.tok_off as usize..(r.tok_off + r.tok_len) as usize]
+    }
+
+    /// A row's content key: where it has content, no extra keys, and a parent that is the
+    /// root or has a content key itself (else no token walk reaches it).
+    fn chain_of(&self, row: u32) -> Option<u64> {
+        let r = &self.rows[row as usize];
+        if r.flags & STORED == 0 || r.flags & PLAIN == 0 {
+            return None;
+        }
+        let parent = match r.parent {
+            NONE => ROOT,
+            p if self.rows[p as usize].flags & CHAINED != 0 => self.rows[p as usize].chain,
+            _ => return None,
+        };
+        let partial = r.flags & PARTIAL != 0;
+        Some(self.content_key(parent, r.block_size, partial, r.lora, self.row_tokens(row)))
+    }
+
+    /// After a change to `row`'s content, metadata or parent: its content key, and those of
+    /// the rows below it whose key follows from it, made current (each changed key moved in
+    /// the content index). A subtree is walked only where a key changed.
+    fn rechain(&mut self, row: u32) {
+        // Each row has one parent, so a row met twice here is on a cycle of parent links:
+        // no walk from the root reaches it, and it has no key (nor have the rows below it).
+        let mut seen: HashSet<u32, RandomState> = HashSet::default();
+        let mut todo = vec![row];
+        while let Some(r) = todo.pop() {
+            let cyclic = !seen.insert(r);
+            let new = if cyclic { None } else { self.chain_of(r) };
+            let old = {
+                let x = &self.rows[r as usize];
+                (x.flags & CHAINED != 0).then_some(x.chain)
+            };
+            if new == old && (r != row || cyclic) {
+                continue;
+            }
+            if let Some(key) = old {
+                self.content.remove(key, r);
+            }
+            let x = &mut self.rows[r as usize];
+            match new {
+                Some(key) => {
+                    x.chain = key;
+                    x.flags |= CHAINED;
+                    self.content.insert(key, r);
+                }
+                None => {
+                    x.chain = 0;
+                    x.flags &= !CHAINED;
+                }
+            }
+            if new != old {
+                let mut kid = self.rows[r as usize].first_kid;
+                while kid != NONE {
+                    todo.push(kid);
+                    kid = self.rows[kid as usize].next_sib;
+                }
+            }
+        }
+    }
+
+    fn link(&mut self, row: u32, parent: u32) {
+        if parent == NONE {
+            return;
+        }
+        let first = self.rows[parent as usize].first_kid;
+        if first != NONE {
+            self.rows[first as usize].prev_sib = row;
+        }
+        let r = &mut self.rows[row as usize];
+        r.next_sib = first;
+        r.prev_sib = NONE;
+        self.rows[parent as usize].first_kid = row;
+    }
+
+    fn unlink(&mut self, row: u32, parent: u32) {
+        if parent == NONE {
+            return;
+        }
+        let (prev, next) = {
+            let r = &self.rows[row as usize];
+            (r.prev_sib, r.next_sib)
+        };
+        if prev == NONE {
+            self.rows[parent as usize].first_kid = next;
+        } else {
+            self.rows[prev as usize].next_sib = next;
+        }
+        if next != NONE {
+            self.rows[next as usize].prev_sib = prev;
+        }
+        let r = &mut self.rows[row as usize];
+        r.next_sib = NONE;
+        r.prev_sib = NONE;
+    }
+
+    /// A store's content for `key` (replacing what the row had).
+    pub fn add_row(&mut self, key: &[u8], c: &Content<'_>) {
+        let row = self.intern(key);
+        let parent = match c.parent {
+            Some(p) => self.intern(p),
+            None => NONE,
+        };
+        let old_parent = self.rows[row as usize].parent;
+        if old_parent != parent {
+            self.unlink(row, old_parent);
+            self.link(row, parent);
+        }
+        let same_tokens =
+            self.rows[row as usize].flags & STORED != 0 && self.row_tokens(row) == c.tokens;
+        if !same_tokens {
+            let off = u32::try_from(self.tokens.len()).expect("fewer than 2**32 tokens in a group");
+            self.tokens.extend_from_slice(c.tokens);
+            let r = &mut self.rows[row as usize];
+            r.tok_off = off;
+            r.tok_len = c.tokens.len() as u32;
+        }
+        let lora = self.lora_id(c.lora);
+        let r = &mut self.rows[row as usize];
+        if r.flags & STORED == 0 {
+            self.stored += 1;
+        }
+        r.parent = parent;
+        r.start = c.start.unwrap_or(i64::MIN);
+        r.block_size = c.block_size;
+        r.lora = lora;
+        r.flags = (r.flags & CHAINED)
+            | LIVE
+            | STORED
+            | if c.partial { PARTIAL } else { 0 }
+            | if c.plain { PLAIN } else { 0 };
+        self.rechain(row);
+        if old_parent != parent && old_parent != NONE {
+            self.release(old_parent);
+        }
+    }
+
+    /// A known row's LoRA and extra-keys flag (a later store's metadata, its content kept).
+    pub fn set_meta(&mut self, key: &[u8], lora: Option<&str>, plain: bool) {
+        let Some(row) = self.find(key) else {
+            return;
+        };
+        if self.rows[row as usize].flags & STORED == 0 {
+            return;
+        }
+        let lora = self.lora_id(lora);
+        let r = &mut self.rows[row as usize];
+        r.lora = lora;
+        r.flags = (r.flags & !PLAIN) | if plain { PLAIN } else { 0 };
+        self.rechain(row);
+    }
+
+    /// The content a store brought for `key`.
+    pub fn stored(&self, key: &[u8]) -> Option<Stored<'_>> {
+        let row = self.find(key)?;
+        let r = &self.rows[row as usize];
+        if r.flags & STORED == 0 {
+            return None;
+        }
+        Some(Stored {
+            parent: (r.parent != NONE).then(|| &self.rows[r.parent as usize].key[..]),
+            start: (r.start != i64::MIN).then_some(r.start),
+            tokens: self.row_tokens(row),
+            block_size: r.block_size,
+            partial: r.flags & PARTIAL != 0,
+            lora: (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str()),
+            plain: r.flags & PLAIN != 0,
+        })
+    }
+
+    /// Every hash with content.
+    pub fn stored_keys(&self) -> Vec<&[u8]> {
+        self.live_rows()
+            .filter(|&r| self.rows[r as usize].flags & STORED != 0)
+            .map(|r| &self.rows[r as usize].key[..])
+            .collect()
+    }
+
+    /// The rows under `parents` (NONE: the root) holding exactly `want`, sorted by hash,
+    /// from the candidates with the level's content key.
+    fn level(
+        &self,
+        candidates: &[u32],
+        parents: &[u32],
+        want: &[i32],
+        size: i32,
+        partial: bool,
+        lora: u32,
+    ) -> Vec<u32> {
+        let mut found: Vec<u32> = candidates
+            .iter()
+            .copied()
+            .filter(|&row| {
+                let r = &self.rows[row as usize];
+                parents.contains(&r.parent)
+                    && r.block_size == size
+                    && (r.flags & PARTIAL != 0) == partial
+                    && r.flags & PLAIN != 0
+                    && r.lora == lora
+                    && self.row_tokens(row) == want
+            })
+            .collect();
+        found.sort_by(|a, b| self.rows[*a as usize].key.cmp(&self.rows[*b as usize].key));
+        found
+    }
+
+    fn candidates(&self, key: u64) -> SmallVec<[u32; 2]> {
+        self.content.rows(key).collect()
+    }
+
+    /// The token walk: full blocks of `block_size` from the root, then partial tails of
+    /// `hash_block_size`; the runs of the hashes found, at most the chain's length in blocks.
+    /// The content keys of the next levels are computed from the prompt and probed together
+    /// (their cache misses overlap); each candidate is then checked in full: its parent is
+    /// one found at the level before, its tokens are the prompt's.
+    pub fn match_tokens(
+        &self,
+        tokens: &[i32],
+        block_size: usize,
+        hash_block_size: usize,
+        lora: Option<&str>,
+    ) -> Vec<Run> {
+        let lora = match lora {
+            None => 0,
+            Some(name) => match self.lora_ids.get(name) {
+                Some(&id) => id,
+                None => return Vec::new(), // no block of that LoRA
+            },
+        };
+        let (bs, hbs) = (block_size, hash_block_size);
+        let block =
+            |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
+        let levels = (tokens.len() / bs).max(1); // the first is tried even if short
+        let mut chain: Vec<u32> = Vec::new();
+        let mut level = vec![NONE];
+        let mut key = ROOT;
+        let mut i = 0;
+        'full: while i < levels {
+            let upto = (i + LEVELS_AT_ONCE).min(levels);
+            let mut keys = Vec::with_capacity(upto - i);
+            for j in i..upto {
+                key = self.content_key(key, bs as i32, false, lora, block(j));
+                keys.push(key);
+            }
+            for &k in &keys {
+                self.content.prefetch(k);
+            }
+            let found: Vec<SmallVec<[u32; 2]>> = keys.iter().map(|&k| self.candidates(k)).collect();
+            for &row in found.iter().flatten() {
+                let r = &self.rows[row as usize];
+                prefetch(r);
+                if let Some(t) = self.tokens.get(r.tok_off as usize) {
+                    prefetch(t);
+                }
+            }
+            for (j, cands) in (i..upto).zip(found) {
+                let next = self.level(&cands, &level, block(j), bs as i32, false, lora);
+                if next.is_empty() {
+                    break 'full;
+                }
+                chain.extend_from_slice(&next);
+                level = next;
+            }
+            i = upto;
+        }
+        let full = chain.len();
+        let mut pos = full * bs;
+        let tip = if full > 0 { level[0] } else { NONE };
+        let mut parents = vec![tip];
+        let mut key = if tip == NONE {
+            ROOT
+        } else {
+            self.rows[tip as usize].chain
+        };
+        while hbs > 0 && pos + hbs <= tokens.len() {
+            let want = &tokens[pos..pos + hbs];
+            key = self.content_key(key, hbs as i32, true, lora, want);
+            let found = self.level(
+                &self.candidates(key),
+                &parents,
+                want,
+                hbs as i32,
+                true,
+                lora,
+            );
+            if found.is_empty() {
+                break;
+            }
+            chain.extend_from_slice(&found);
+            parents = found;
+            pos += hbs;
+        }
+        self.runs_over(&chain)
+            .into_iter()
+            .map(|(hid, blocks, end)| (hid, blocks.min(full), end))
+            .collect()
+    }
+}

@@ -1,0 +1,214 @@
+//! `Group`: the Python face of `group::Group`, with the methods of
+//! `kvledger.consumer.router.groups.PureGroup` and its answers.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+use crate::group::{Content, Group as Core, Run};
+use crate::masks::MAX_HOLDERS;
+use crate::py_args::{hash_list, key_bytes, token_list};
+
+/// One (model, group)'s blocks and holders, looked up a whole prompt at a time.
+#[pyclass(module = "kvledger._core", name = "Group")]
+pub struct Group {
+    core: Core,
+}
+
+fn holder_id(hid: i64) -> PyResult<usize> {
+    match usize::try_from(hid) {
+        Ok(hid) if hid < MAX_HOLDERS => Ok(hid),
+        _ => Err(PyValueError::new_err("a holder id is in [0, 2**20)")),
+    }
+}
+
+fn run_list<'py>(py: Python<'py>, runs: Vec<Run>) -> PyResult<Bound<'py, PyList>> {
+    let rows: PyResult<Vec<Bound<'py, PyTuple>>> =
+        runs.into_iter().map(|r| r.into_pyobject(py)).collect();
+    PyList::new(py, rows?)
+}
+
+#[pymethods]
+impl Group {
+    #[new]
+    fn new() -> Self {
+        Group { core: Core::new() }
+    }
+
+    /// add_row(hash, parent, token_start, tokens, block_size, partial, lora_name, plain):
+    /// a store's content for the hash (replacing what the group had).
+    #[allow(clippy::too_many_arguments)]
+    fn add_row(
+        &mut self,
+        key: &Bound<'_, PyAny>,
+        parent: Option<Bound<'_, PyAny>>,
+        token_start: Option<i64>,
+        tokens: Vec<i32>,
+        block_size: i32,
+        partial: bool,
+        lora_name: Option<String>,
+        plain: bool,
+    ) -> PyResult<()> {
+        let parent = match &parent {
+            Some(p) => Some(key_bytes(p)?),
+            None => None,
+        };
+        let content = Content {
+            parent,
+            start: token_start,
+            tokens: &tokens,
+            block_size,
+            partial,
+            lora: lora_name.as_deref(),
+            plain,
+        };
+        self.core.add_row(key_bytes(key)?, &content);
+        Ok(())
+    }
+
+    /// row(hash) -> (parent, token_start, token_ids, block_size, partial), or None: the
+    /// content a store brought (a BlockRow's fields).
+    fn row<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let Some(s) = self.core.stored(key_bytes(key)?) else {
+            return Ok(None);
+        };
+        let parent = s.parent.map(|p| PyBytes::new(py, p));
+        let tokens = PyTuple::new(py, s.tokens)?;
+        Ok(Some(
+            (parent, s.start, tokens, s.block_size, s.partial).into_pyobject(py)?,
+        ))
+    }
+
+    /// meta(hash) -> (lora_name, plain), or None.
+    fn meta(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<(Option<String>, bool)>> {
+        Ok(self
+            .core
+            .stored(key_bytes(key)?)
+            .map(|s| (s.lora.map(str::to_owned), s.plain)))
+    }
+
+    /// set_meta(hash, lora_name, plain): a known block's LoRA and extra-keys flag.
+    fn set_meta(
+        &mut self,
+        key: &Bound<'_, PyAny>,
+        lora_name: Option<String>,
+        plain: bool,
+    ) -> PyResult<()> {
+        self.core
+            .set_meta(key_bytes(key)?, lora_name.as_deref(), plain);
+        Ok(())
+    }
+
+    /// hold(hash, holder id, refcount): one residency's reference count (0: it ends).
+    fn hold(&mut self, key: &Bound<'_, PyAny>, hid: i64, refcount: i64) -> PyResult<()> {
+        let hid = holder_id(hid)?;
+        let Ok(refcount) = u32::try_from(refcount) else {
+            return Err(PyValueError::new_err("a reference count is in [0, 2**32)"));
+        };
+        self.core.hold(key_bytes(key)?, hid, refcount);
+        Ok(())
+    }
+
+    fn refcount(&self, key: &Bound<'_, PyAny>, hid: i64) -> PyResult<u32> {
+        Ok(self.core.refcount(key_bytes(key)?, holder_id(hid)?))
+    }
+
+    fn held_by<'py>(&self, py: Python<'py>, hid: i64) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.core
+                .held_by(holder_id(hid)?)
+                .into_iter()
+                .map(|k| PyBytes::new(py, k)),
+        )
+    }
+
+    /// Every residency: [(hash, holder id, refcount)].
+    fn residencies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for (key, hid, count) in self.core.residencies() {
+            out.append((PyBytes::new(py, key), hid, count))?;
+        }
+        Ok(out)
+    }
+
+    /// The hashes a store brought content for.
+    fn hashes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.core
+                .stored_keys()
+                .into_iter()
+                .map(|k| PyBytes::new(py, k)),
+        )
+    }
+
+    fn end_of(&self, key: &Bound<'_, PyAny>) -> PyResult<i64> {
+        Ok(self.core.end_of(key_bytes(key)?))
+    }
+
+    /// runs(hashes) -> [(holder id, matched blocks, token end)] for every holder of hashes[0].
+    fn runs<'py>(
+        &self,
+        py: Python<'py>,
+        hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let hashes = hash_list(hashes)?;
+        let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        run_list(py, self.core.runs(&keys))
+    }
+
+    /// runs_covered(hashes, ratio) -> [(holder id, run length)]: hash granularity.
+    fn runs_covered<'py>(
+        &self,
+        py: Python<'py>,
+        hashes: &Bound<'py, PyAny>,
+        ratio: i64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let ratio = usize::try_from(ratio).ok().filter(|&r| r > 0);
+        let Some(ratio) = ratio else {
+            return Err(PyValueError::new_err("ratio must be positive"));
+        };
+        let hashes = hash_list(hashes)?;
+        let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        let found = self.core.runs_covered(&keys, ratio);
+        let rows: PyResult<Vec<Bound<'py, PyTuple>>> =
+            found.into_iter().map(|r| r.into_pyobject(py)).collect();
+        PyList::new(py, rows?)
+    }
+
+    /// match_tokens(tokens, block_size, hash_block_size, lora_name) -> runs: the token walk.
+    fn match_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        block_size: i64,
+        hash_block_size: i64,
+        lora_name: Option<&str>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let (Ok(bs), Ok(hbs)) = (
+            usize::try_from(block_size),
+            usize::try_from(hash_block_size),
+        ) else {
+            return Ok(PyList::empty(py));
+        };
+        if bs == 0 {
+            return Ok(PyList::empty(py));
+        }
+        let tokens = token_list(tokens)?;
+        run_list(py, self.core.match_tokens(&tokens, bs, hbs, lora_name))
+    }
+
+    fn __len__(&self) -> usize {
+        self.core.blocks()
+    }
+
+    /// The group's hash of a key under its own seed (for tests of the seeding).
+    fn _hash(&self, key: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.core.hash_of(key_bytes(key)?))
+    }
+}

@@ -1,0 +1,127 @@
+"""Fuzz targets: each entry point that takes untrusted bytes, with what must hold for any input.
+
+- ``envelope``: a message from the topic. The codec answers with an Envelope or a
+  DecodeError, nothing else; the compiled decoder and the pure path (avro_strict, then
+  fastavro) give the same answer.
+- ``batch``: an engine's ZMQ payload. The relay's reader and the vLLM mapping answer with
+  events in their wire form or a VllmEventError, nothing else (a batch the relay cannot
+  carry is recorded lost; one that raised anything else would stop the relay).
+- ``group``: the router's index under operations and lookups read from the bytes (crafted
+  hashes included). The compiled core's Group and the pure PureGroup hold and answer alike,
+  and neither raises.
+
+Run by ``python -m tests.fuzz`` (atheris, coverage-guided) and over the seed corpus by
+tests/unit/test_fuzz_targets.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import atheris
+
+with atheris.instrument_imports():
+    from kvledger.consumer.router import groups as store
+    from kvledger.consumer.router.groups import PureGroup
+    from kvledger.producer.prepared import WireForm
+    from kvledger.producer.relay.wire import read_batch
+    from kvledger.producer.vllm import VllmEventError
+    from kvledger.schemas.codec import Codec
+    from kvledger.schemas.errors import DecodeError
+    from kvledger.schemas.events import GroupSpec
+
+
+def _pure_codec() -> Codec:
+    saved = os.environ.get("KVLEDGER_PURE_AVRO")
+    os.environ["KVLEDGER_PURE_AVRO"] = "1"
+    try:
+        return Codec()
+    finally:
+        if saved is None:
+            del os.environ["KVLEDGER_PURE_AVRO"]
+        else:
+            os.environ["KVLEDGER_PURE_AVRO"] = saved
+
+
+CODEC, PURE = Codec(), _pure_codec()
+
+
+def _verdict(codec: Codec, data: bytes) -> object:
+    try:
+        return codec.decode(data)
+    except DecodeError as exc:
+        return ("rejected", exc.reason)
+
+
+def envelope(data: bytes) -> None:
+    fast = _verdict(CODEC, data)
+    assert fast == _verdict(PURE, data), (fast, _verdict(PURE, data))
+
+
+SPECS = [
+    GroupSpec("m", 0, "full_attention", 16, 16),
+    GroupSpec("m", 1, "mamba", 64, 16),
+]
+
+
+def batch(data: bytes) -> None:
+    form = WireForm(False, codec=CODEC)
+    for spec in SPECS:
+        form.announce(spec)
+    try:
+        events = read_batch(data).events
+        form.prepare(events)
+    except VllmEventError:
+        pass
+
+
+KEYS = [bytes([i]) * n for i in range(6) for n in (8, 32)] + [b""]
+
+
+def group(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    groups = [store._CompiledGroup(), PureGroup()] if store._CompiledGroup else [PureGroup()]
+
+    def key() -> bytes:
+        if fdp.ConsumeBool():
+            return KEYS[fdp.ConsumeIntInRange(0, len(KEYS) - 1)]
+        return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40))
+
+    for _ in range(fdp.ConsumeIntInRange(0, 60)):
+        op = fdp.ConsumeIntInRange(0, 2)
+        k = key()
+        if op == 0:
+            parent = key() if fdp.ConsumeBool() else None
+            tokens = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 6))]
+            args = (k, parent, fdp.ConsumeIntInRange(-2, 8) if fdp.ConsumeBool() else None,
+                    tokens, fdp.ConsumeIntInRange(0, 6), fdp.ConsumeBool(),
+                    "a" if fdp.ConsumeBool() else None, fdp.ConsumeBool())  # fmt: skip
+            for g in groups:
+                g.add_row(*args)
+        elif op == 1:
+            hid, count = fdp.ConsumeIntInRange(0, 200), fdp.ConsumeIntInRange(0, 3)
+            for g in groups:
+                g.hold(k, hid, count)
+        else:
+            lora, plain = "a" if fdp.ConsumeBool() else None, fdp.ConsumeBool()
+            for g in groups:
+                g.set_meta(k, lora, plain)
+    prompt = [key() for _ in range(fdp.ConsumeIntInRange(0, 20))]
+    tokens = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 24))]
+    bs, hbs = fdp.ConsumeIntInRange(0, 6), fdp.ConsumeIntInRange(0, 6)
+    ratio, lora = fdp.ConsumeIntInRange(1, 4), "a" if fdp.ConsumeBool() else None
+
+    def answers(g: object) -> tuple[object, ...]:
+        return (
+            sorted(g.residencies()), sorted(g.hashes()), len(g),  # type: ignore[attr-defined]
+            [g.row(k) for k in KEYS], sorted(g.runs(prompt)),  # type: ignore[attr-defined]
+            sorted(g.runs_covered(prompt, ratio)),  # type: ignore[attr-defined]
+            sorted(g.match_tokens(tokens, bs, hbs, lora)),  # type: ignore[attr-defined]
+        )  # fmt: skip
+
+    first, *rest = [answers(g) for g in groups]
+    assert all(other == first for other in rest), "the compiled and pure groups disagree"
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {"envelope": envelope, "batch": batch, "group": group}

@@ -1,0 +1,223 @@
+"""The router's groups (consumer.router.store): the compiled core's Group and the pure
+PureGroup, driven by the same operations, hold the same blocks and residencies and answer
+every lookup alike (by hashes, at hash granularity, by tokens)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.flood import crafted_keys
+from kvledger.consumer.router import groups as store
+from kvledger.consumer.router.groups import PureGroup
+
+Compiled = store._CompiledGroup
+compiled = pytest.mark.skipif(
+    Compiled is None and os.environ.get("CI") != "true",
+    reason="the compiled core was not built (no Rust toolchain); CI requires it",
+)
+
+# Few distinct keys of several lengths (8-byte int64 forms, 32-byte digests, odd sizes), so
+# that operations meet the same keys again; holder ids across word boundaries (0..199);
+# few distinct token blocks, so that token walks find chains.
+KEYS = [bytes([i]) * n for i in range(8) for n in (8, 32, 3)] + [b""]
+BLOCKS = [(1, 2), (3, 4), (5, 6), (1, 2, 3, 4), (7,)]
+LORAS = [None, None, "adapter"]
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("store"),
+            st.sampled_from(KEYS),
+            st.sampled_from([None, *KEYS]),
+            st.sampled_from([None, 0, 2, 4]),
+            st.sampled_from(BLOCKS),
+            st.sampled_from([0, 1, 2, 4]),
+            st.booleans(),
+            st.sampled_from(LORAS),
+            st.booleans(),
+        ),
+        st.tuples(
+            st.just("hold"),
+            st.sampled_from(KEYS),
+            st.integers(0, 199),
+            st.sampled_from([0, 0, 1, 1, 3]),
+        ),
+        st.tuples(st.just("meta"), st.sampled_from(KEYS), st.sampled_from(LORAS), st.booleans()),
+    ),
+    max_size=200,
+)
+PROMPTS = st.lists(st.sampled_from([*KEYS, b"nobody"]), max_size=30)
+TOKENS = st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9]), max_size=14)
+
+
+def apply(group: object, operations: list[tuple]) -> None:  # type: ignore[type-arg]
+    for op, key, *rest in operations:
+        if op == "store":
+            group.add_row(key, *rest)  # type: ignore[attr-defined]
+        elif op == "hold":
+            group.hold(key, *rest)  # type: ignore[attr-defined]
+        else:
+            group.set_meta(key, *rest)  # type: ignore[attr-defined]
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(ops, PROMPTS, TOKENS, st.integers(1, 4), st.sampled_from([(2, 2), (4, 2), (2, 1), (4, 4)]),
+       st.sampled_from(LORAS))  # fmt: skip
+def test_the_compiled_group_answers_as_the_pure_one(
+    operations: list[tuple], prompt: list[bytes], tokens: list[int], ratio: int,  # type: ignore[type-arg]
+    sizes: tuple[int, int], lora: str | None,
+) -> None:  # fmt: skip
+    assert Compiled is not None
+    fast, pure = Compiled(), PureGroup()
+    apply(fast, operations)
+    apply(pure, operations)
+    assert len(fast) == len(pure)
+    assert sorted(fast.hashes()) == sorted(pure.hashes())
+    assert sorted(fast.residencies()) == sorted(pure.residencies())
+    for key in [*KEYS, b"nobody"]:
+        assert fast.row(key) == pure.row(key)
+        assert fast.meta(key) == pure.meta(key)
+        assert fast.end_of(key) == pure.end_of(key)
+        assert all(fast.refcount(key, h) == pure.refcount(key, h) for h in (0, 63, 64, 199, 500))
+    for hid in (0, 1, 63, 64, 130, 199, 500):
+        assert sorted(fast.held_by(hid)) == sorted(pure.held_by(hid))
+    assert sorted(fast.runs(prompt)) == sorted(pure.runs(prompt))
+    assert sorted(fast.runs_covered(prompt, ratio)) == sorted(pure.runs_covered(prompt, ratio))
+    bs, hbs = sizes
+    assert sorted(fast.match_tokens(tokens, bs, hbs, lora)) == sorted(
+        pure.match_tokens(tokens, bs, hbs, lora)
+    )
+
+
+@compiled
+def test_a_long_chain_is_walked_by_tokens_as_the_pure_group_walks_it() -> None:
+    """A thousand-block prompt (chains that branch, holders at several depths, a partial
+    tail): the same runs from both groups, and from a walk by the chain's hashes."""
+    assert Compiled is not None
+    rng = random.Random(7)
+    fast, pure = Compiled(), PureGroup()
+    tokens = [rng.randrange(50_000) for _ in range(16 * 1000 + 8)]
+    parent = None
+    chain = []
+    for i in range(1000):
+        h, sibling = rng.randbytes(8), rng.randbytes(8)
+        block = tokens[i * 16 : (i + 1) * 16]
+        for g in (fast, pure):
+            g.add_row(h, parent, i * 16, block, 16, False, None, True)
+            g.hold(h, 99, 1 + i % 3)  # the whole chain
+            if i < 600:
+                g.hold(h, 98, 1)
+            g.hold(h, i % 70, 1)
+            if i % 100 == 0:  # a sibling with other tokens under the same parent
+                g.add_row(sibling, parent, i * 16, [0] * 16, 16, False, None, True)
+                g.hold(sibling, 99, 1)
+        parent = h
+        chain.append(h)
+    tail = rng.randbytes(8)
+    for g in (fast, pure):
+        g.add_row(tail, parent, 16_000, tokens[16_000:16_008], 8, True, None, True)
+        g.hold(tail, 99, 1)
+    want = pure.match_tokens(tokens, 16, 8, None)
+    assert sorted(fast.match_tokens(tokens, 16, 8, None)) == sorted(want)
+    assert {(99, 1000, 16_008), (98, 600, 9600)} <= set(want)  # the chain and its tail
+    assert sorted(fast.runs(chain)) == sorted(pure.runs(chain))
+
+
+@compiled
+def test_rows_without_content_come_and_go_as_they_are_held() -> None:
+    """A hash held before its store (or named only as a parent) is a row without content:
+    no block in the views, gone when nothing holds or names it; many such rows, removed in
+    any order, leave every other row found."""
+    assert Compiled is not None
+    rng = random.Random(5)
+    fast, pure = Compiled(), PureGroup()
+    keys = [rng.randbytes(8) for _ in range(20_000)]
+    for i, k in enumerate(keys):
+        for g in (fast, pure):
+            g.hold(k, i % 130, 1)
+    rng.shuffle(keys)
+    for i, k in enumerate(keys[:15_000]):
+        hid = next(h for h in range(130) if pure.refcount(k, h))
+        for g in (fast, pure):
+            g.hold(k, hid, 0)
+        if i % 5000 == 0:
+            assert sorted(fast.residencies()) == sorted(pure.residencies())
+    assert sorted(fast.residencies()) == sorted(pure.residencies()) and len(fast) == 0
+    assert fast.runs(keys[15_000:15_003]) == pure.runs(keys[15_000:15_003])
+
+
+@compiled
+def test_the_compiled_group_refuses_what_is_not_a_hash() -> None:
+    assert Compiled is not None
+    g = Compiled()
+    with pytest.raises(TypeError, match="bytes"):
+        g.hold("text", 1, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes"):
+        g.runs([b"ok", 7])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="holder id"):
+        g.hold(b"k", -1, 1)
+    with pytest.raises(ValueError, match="ratio"):
+        g.runs_covered([b"k"], 0)
+    assert g.row(b"k") is None and g.match_tokens([1, 2], 0, 0, None) == []
+
+
+def test_ci_builds_the_compiled_group() -> None:
+    if os.environ.get("CI") == "true":
+        assert store.COMPILED, "CI must build the compiled core (rust/: is cargo there?)"
+    else:
+        assert (
+            Compiled is not None and os.environ.get("KVLEDGER_PURE_ROUTER", "") in ("", "0")
+        ) == store.COMPILED
+
+
+@compiled
+def test_the_groups_hash_is_keyed_per_group_and_process() -> None:
+    """Where a key lands depends on a secret seed of each group, not on the key alone: the
+    same key hashes differently in two groups of one process and in two processes, and keys
+    crafted to share their bucket bits under the unkeyed mix kvledger's C table used spread
+    over the buckets as random keys do."""
+    assert Compiled is not None
+    a, b = Compiled(), Compiled()
+    keys = [i.to_bytes(8, "big") for i in range(64)]
+    assert sum(a._hash(k) == b._hash(k) for k in keys) == 0
+    probe = "from kvledger._core import Group; print(Group()._hash(bytes(8)))"
+    run = [sys.executable, "-c", probe]
+    runs = {subprocess.run(run, capture_output=True, text=True, check=True).stdout for _ in "ab"}
+    assert len(runs) == 2
+    crafted = crafted_keys(4096, random.Random(3))
+    buckets = {a._hash(k) & 0xFFFFFF for k in crafted}
+    assert len(buckets) > 4000  # 4,096 keys in 2**24 buckets: a collision or two at most
+
+
+@compiled
+def test_a_cycle_of_parents_is_walked_as_the_pure_group_walks_it() -> None:
+    """Parent links that loop (a block re-stored under its own child, or under itself) once
+    made the compiled group's content keys chase each other for ever (found by fuzzing):
+    no walk from the root reaches such blocks, in either group."""
+    assert Compiled is not None
+    fast, pure = Compiled(), PureGroup()
+    for g in (fast, pure):
+        g.add_row(b"a", None, 0, [1, 2], 2, False, None, True)
+        g.add_row(b"b", b"a", 2, [3, 4], 2, False, None, True)
+        g.hold(b"a", 0, 1)
+        g.hold(b"b", 0, 1)
+        g.add_row(b"a", b"b", 0, [1, 2], 2, False, None, True)
+        g.add_row(b"c", b"c", 0, [1, 2], 2, False, None, True)
+    assert (
+        fast.match_tokens([1, 2, 3, 4], 2, 2, None)
+        == pure.match_tokens([1, 2, 3, 4], 2, 2, None)
+        == []
+    )
+    for g in (fast, pure):
+        g.add_row(b"a", None, 0, [1, 2], 2, False, None, True)
+    assert fast.match_tokens([1, 2, 3, 4], 2, 2, None) == pure.match_tokens(
+        [1, 2, 3, 4], 2, 2, None
+    )
+    assert fast.match_tokens([1, 2, 3, 4], 2, 2, None) == [(0, 2, 4)]

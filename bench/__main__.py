@@ -16,6 +16,7 @@ from bench import (
     consume,
     flood,
     lookup,
+    peers,
     previous,
     produce,
     relay,
@@ -36,6 +37,7 @@ def main() -> None:
     cli_start.main()  # no services: the command's start-up beside Python's
     lookup.main()
     router.main()  # on the lookup benchmark's index, beside SQL
+    peers.main()  # the same index as events, into kvledger's core and Dynamo's RadixTree
     produce.main()
     relay.main()
     consume.main()

@@ -249,9 +249,38 @@ def publish_path(bootstrap: str, batches: int = 30_000) -> dict[str, float]:
         caller.append(in_calls)
         caller_cpu.append(spent_cpu)
         raw_s.append(raw_produce(bootstrap, raw_topic, captured, warm=True))
+    # The baseline of the caller's cost: the same batches written on the caller's thread
+    # (handoff_batches=0, the publisher before the writer thread), in the same run.
+    sync_topic = f"bench-vllm-sync-{uuid.uuid4().hex[:8]}"
+    topics.append(sync_topic)
+    ensure_topic(admin, sync_topic, 12)
+    publisher = KVEventPublisher(
+        PublisherConfig(
+            bootstrap,
+            "bench-embedded",
+            MODEL,
+            sync_topic,
+            heartbeat_interval_s=0,
+            handoff_batches=0,
+        )
+    )
+    publisher.announce_group_spec(parse_group(f"0:full_attention:{BLOCK}", MODEL))
+    publisher.flush(30)
+    sync_calls = 0.0
+    for batch in objects:
+        t = time.perf_counter()
+        publisher.publish_vllm_batch(batch)
+        sync_calls += time.perf_counter() - t
+    publisher.close(120, goodbye=False)
     messages = len(captured)
     admin.delete_topics(topics)
     return {
+        "caller-thread µs per batch (handed to the writer thread)": min(caller)
+        / len(objects)
+        * 1e6,
+        "  the same batches written on the caller's thread, µs per batch": sync_calls
+        / len(objects)
+        * 1e6,
         "messages": float(messages),
         "block events": float(events),
         "publish_vllm_batch msg/s (acked)": messages / min(full_s),

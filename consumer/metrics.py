@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -11,6 +14,8 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvledger.consumer.core.model import Plan
 
@@ -19,11 +24,34 @@ from kvledger.consumer.core.model import Plan
 # sizes in base units. The registry also carries the process's own metrics (CPU, memory,
 # open files, GC), as the default registry would.
 def process_registry() -> CollectorRegistry:
-    """A registry that already carries the process's own metrics."""
+    """A registry that already carries the process's own metrics, and which parts of the
+    compiled core it runs."""
     registry = CollectorRegistry(auto_describe=True)
-    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, _CompiledCore()):
         registry.register(collector)
     return registry
+
+
+class _CompiledCore(Collector):
+    """kvledger_compiled_core{part}: 1 where the compiled core (rust/) runs that part of the
+    process, 0 where its pure-Python twin does (as `kvledger --version` says)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvledger_compiled_core",
+            "1 where the compiled core runs this part, 0 where its pure-Python twin does",
+            labels=["part"],
+        )
+        for part, compiled in _parts().items():
+            family.add_metric([part], float(compiled))
+        yield family
+
+
+@functools.cache
+def _parts() -> dict[str, bool]:
+    from kvledger.cli import compiled_parts
+
+    return compiled_parts()
 
 
 REGISTRY = process_registry()

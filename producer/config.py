@@ -39,6 +39,10 @@ class PublisherConfig:
     ``heartbeat_interval_s``: a Heartbeat after this long without a message (0: never).
     ``surviving_media``: the media whose blocks outlive a restart of this engine, announced
     with each group (None: the contract's default, STORAGE only).
+    ``handoff_batches``: an embedded engine's batches (``publish_vllm_batch``, ``publish``)
+    are handed to a background thread that writes them, at most this many waiting (a full
+    queue blocks the caller); 0 writes them on the caller's thread. Transactional
+    publishers (the relay) always write on the caller's thread.
     """
 
     bootstrap_servers: str
@@ -50,6 +54,7 @@ class PublisherConfig:
     kafka: Mapping[str, object] = field(default_factory=dict)
     heartbeat_interval_s: float = 5.0
     surviving_media: tuple[str, ...] | None = None
+    handoff_batches: int = 1024
     # Set: every publish is inside a Kafka transaction the caller opens and commits (the
     # relay, which must publish each engine batch whole or not at all).
     transactional_id: str | None = None

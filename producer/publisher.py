@@ -20,6 +20,13 @@ Thread-safety: ``publish``/``announce_groups``/``clear_all`` take one lock, so c
 several threads are serialized; the tracker itself belongs to the scheduler thread that calls
 ``record_*``. ``stats`` may be read from any thread.
 
+The engine's thread waits on as little as it can: ``publish_vllm_batch`` and ``publish``
+hand their batch to a background thread that maps, encodes and produces it
+(:mod:`.handoff`; ``PublisherConfig.handoff_batches``), as vLLM's own publisher does. A
+full queue blocks; a batch that cannot be written raises from the next call, ``flush`` or
+``close``; every other write (announcements, clears, the goodbye, ``publish_events``) waits
+for the batches before it, so the stream keeps the order of the calls.
+
 Transactions (``PublisherConfig.transactional_id``, the relay's mode): the caller brackets
 its publishes with ``begin``/``commit`` (or ``abort``); readers that read committed messages
 (librdkafka's default) see each transaction whole or not at all. No heartbeat thread then:
@@ -40,8 +47,9 @@ from confluent_kafka import Producer
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.delivery import Deliveries, PublisherStats
 from kvledger.producer.errors import PublishError
+from kvledger.producer.handoff import Handoff
 from kvledger.producer.prepared import Prepared, WireForm
-from kvledger.producer.stream import SourceStream, Stamp
+from kvledger.producer.stream import NO_STAMP, SourceStream, Stamp
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -91,6 +99,11 @@ class KVEventPublisher:
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._transactional = config.transactional_id is not None
+        self._handoff: Handoff | None = None
+        if config.handoff_batches > 0 and not self._transactional:
+            self._handoff = Handoff(
+                self._write_handed, config.handoff_batches, f"kvledger-publish-{config.source_id}"
+            )
         if config.heartbeat_interval_s > 0 and not self._transactional:
             self._heartbeat = threading.Thread(
                 target=self._beat, name=f"kvledger-heartbeat-{config.source_id}", daemon=True
@@ -100,6 +113,7 @@ class KVEventPublisher:
     # ------------------------------------------------------------------ public API
     def announce_groups(self, group_configs: Iterable[GroupConfigLike]) -> None:
         """Announce each group's shape the first time it is seen, before any of its events."""
+        self._drain()
         with self._lock:
             for cfg in group_configs:
                 if cfg.group_idx in self._form.specs:
@@ -111,6 +125,7 @@ class KVEventPublisher:
 
     def announce_group_spec(self, spec: GroupSpec) -> None:
         """Announce a group from an explicit spec (for engines without group configs)."""
+        self._drain()
         with self._lock:
             if spec.group_idx not in self._form.specs:
                 spec = self._with_policy(spec)
@@ -121,16 +136,18 @@ class KVEventPublisher:
                 self._stream.encode(spec.group_idx, spec)
 
     def publish(self, offloading_events: Iterable[OffloadingEvent]) -> int:
-        """Translate one batch of the manager's events and produce them; returns messages."""
+        """Translate one batch of the manager's events (on the caller's thread: the tracker
+        is its own) and produce them, or hand them to the writer thread; returns messages."""
+        handoff = self._handoff
+        if handoff is not None:
+            self._check_open()
+            events = self.tracker.take_events(offloading_events)
+            handoff.put((self._stream_events, events, NO_STAMP))
+            return len(events)
         with self._lock:
             self._check_healthy()
             events = self.tracker.take_events(offloading_events)
-            self._deliveries.refused = []
-            for event in events:
-                self._stream.encode(group_of(event), self._form.hashes(event))
-            self._stream.poll(time.monotonic())
-            self._deliveries.raise_refused()
-            return len(events)
+            return self._write(self._stream_events, events, NO_STAMP)
 
     def publish_events(
         self,
@@ -150,30 +167,25 @@ class KVEventPublisher:
         when it has them), published with the batch's time and rank.
 
         Events carry vLLM's field names (:mod:`.vllm`); partial recurrent tails are marked
-        from the group's announced spec. A batch with an event that cannot be read raises
-        :class:`~.vllm.VllmEventError` and publishes nothing. ``engine_seq``: the batch's
-        number in the engine's stream (the relay's position).
+        from the group's announced spec. The batch is handed to the writer thread (the
+        module docstring); returns how many events it has. A batch with an event that cannot
+        be read publishes nothing, and :class:`~.vllm.VllmEventError` raises from the next
+        call, ``flush`` or ``close`` (from this one with ``handoff_batches=0``).
+        ``engine_seq``: the batch's number in the engine's stream (the relay's position).
         """
         try:  # vLLM's batches have both (attributes read directly: ~70 ns less than getattr)
             ts, rank = batch.ts, batch.data_parallel_rank
         except AttributeError:
             ts, rank = getattr(batch, "ts", None), getattr(batch, "data_parallel_rank", None)
         time_ms = int(ts * 1000) if ts is not None else None
-        # _write() in line, and the lock taken without `with` (its __exit__ costs ~80 ns):
-        # the engine's scheduler thread waits on this call.
-        lock, deliveries = self._lock, self._deliveries
-        lock.acquire()
-        try:
-            if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
-                self._check_healthy()
-            if deliveries.refused:
-                deliveries.refused = []
-            n = self._stream.write_vllm(batch.events, (time_ms, engine_seq, rank))
-            if deliveries.refused:
-                deliveries.raise_refused()
-            return n
-        finally:
-            lock.release()
+        handoff = self._handoff
+        if handoff is not None:  # the engine's thread pays a queue put; the writer the rest
+            self._check_open()
+            events = list(batch.events)
+            handoff.put((self._stream.write_vllm, events, (time_ms, engine_seq, rank)))
+            return len(events)
+        with self._lock:
+            return self._write(self._stream.write_vllm, batch.events, (time_ms, engine_seq, rank))
 
     def prepare_vllm(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in
@@ -198,6 +210,7 @@ class KVEventPublisher:
         (default: the configured one).
         """
         items = items if type(items) is list else list(items)
+        self._drain()
         with self._lock:
             return self._write(self._stream.write, items, (time_ms, engine_seq, dp_rank))
 
@@ -269,12 +282,16 @@ class KVEventPublisher:
 
     def clear_all(self, medium: str = "GPU") -> int:
         """Write AllBlocksCleared once for every group this source has used."""
+        self._drain()
         with self._lock:
             self._check_healthy()
             return self._stream.clear_all(medium)
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait for every produced message to be acknowledged; raise if any is not."""
+        """Wait for every handed-over batch to be written and every produced message to be
+        acknowledged; raise if any is not."""
+        if self._handoff is not None:
+            self._handoff.drain(timeout)
         remaining = self._producer.flush(timeout)
         self._deliveries.raise_failures()
         if remaining:
@@ -292,6 +309,12 @@ class KVEventPublisher:
         """
         if self._closed:
             return
+        failure: Exception | None = None
+        if self._handoff is not None:  # every batch handed over is written first
+            try:
+                self._handoff.stop(timeout)
+            except Exception as exc:  # raised once the rest is flushed
+                failure = exc
         self._stopping.set()
         with self._lock:
             if goodbye and self._deliveries.fatal is None and self._stream.groups:
@@ -301,6 +324,8 @@ class KVEventPublisher:
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         self.flush(timeout)
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> KVEventPublisher:
         return self
@@ -315,6 +340,32 @@ class KVEventPublisher:
                 logger.error("while closing after an error: %s", close_error)
 
     # ------------------------------------------------------------------ internals
+    def _write_handed(self, item: tuple[Callable[[Any, Stamp], int], Any, Stamp]) -> None:
+        """The writer thread's work: one handed-over batch, as the caller would have written
+        it."""
+        write, events, stamp = item
+        with self._lock:
+            self._write(write, events, stamp)
+
+    def _stream_events(self, events: list[KVEvent], stamp: Stamp) -> int:
+        """The tracker's events of one batch, each encoded whole."""
+        for event in events:
+            self._stream.encode(group_of(event), self._form.hashes(event))
+        self._stream.poll(time.monotonic())
+        return len(events)
+
+    def _drain(self) -> None:
+        """Before a write that must follow the batches handed over: wait for them."""
+        if self._handoff is not None:
+            self._handoff.drain()
+
+    def _check_open(self) -> None:
+        """Refuse a batch the publisher cannot take (closed, fatal, failed deliveries)."""
+        deliveries = self._deliveries
+        if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+            with self._lock:
+                self._check_healthy()
+
     def _write(self, write: Callable[[Any, Stamp], _N], items: Any, stamp: Stamp) -> _N:
         """One of the stream's writes (the lock held): refused if the publisher cannot go
         on, and raising for what the topic refused (the others produced)."""

@@ -241,7 +241,7 @@ def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
     """The topic takes 2,000-byte messages: a 5 kB event in the middle of a call is refused
     when produced (MessageTooLargeError names it); the call's other events are produced with
     contiguous sequence numbers, and the goodbye after it is delivered. Kvledger's events,
-    and vLLM's (prepared, framed and produced by the compiled pass)."""
+    and vLLM's (handed to the writer thread, prepared, framed and produced there)."""
     topic = make_topic("small", partitions=1, **{"max.message.bytes": "2000"})
     rng = random.Random(5)
     pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-big", "m", topic=topic))
@@ -253,9 +253,10 @@ def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
     with pytest.raises(MessageTooLargeError, match="1 event") as info:
         if via == "publish_events":
             pub.publish_events(three)
-        else:
+        else:  # handed to the writer thread: the refusal raises from the next call
             batch = SimpleNamespace(ts=1.0, events=[_VllmStored(e) for e in three])
-            pub.publish_vllm_batch(batch)
+            assert pub.publish_vllm_batch(batch) == 3
+            pub.flush(30)
     assert info.value.refused and "BlockStored" in info.value.refused[0]
     pub.close(30)  # everything else acknowledged, the goodbye included
     assert pub.stats.failed == 0 and pub.stats.acked == 3

@@ -246,3 +246,14 @@ def test_the_version_says_which_parts_are_compiled() -> None:
     assert version(KVLEDGER_PURE_ROUTER="1").startswith("kvledger ")
     assert "router index pure Python" in version(KVLEDGER_PURE_ROUTER="1")
     assert "Avro codec pure Python" in version(KVLEDGER_PURE_AVRO="1")
+
+
+def test_the_metrics_say_which_parts_are_compiled() -> None:
+    from prometheus_client import generate_latest
+
+    from kvledger.cli import compiled_parts
+    from kvledger.consumer.metrics import REGISTRY
+
+    text = generate_latest(REGISTRY).decode()
+    for part, compiled in compiled_parts().items():
+        assert f'kvledger_compiled_core{{part="{part}"}} {float(compiled)}' in text

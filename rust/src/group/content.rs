@@ -63,6 +63,12 @@ impl Group {
     /// the rows below it whose key follows from it, made current (each changed key moved in
     /// the content index). A subtree is walked only where a key changed.
     fn rechain(&mut self, row: u32) {
+        if self.rows[row as usize].first_kid == NONE {
+            // A row no other names (a new block, mostly): only its own key.
+            let new = self.chain_of(row);
+            self.set_chain(row, new);
+            return;
+        }
         // Each row has one parent, so a row met twice here is on a cycle of parent links:
         // no walk from the root reaches it, and it has no key (nor have the rows below it).
         let mut seen: HashSet<u32, RandomState> = HashSet::default();
@@ -77,27 +83,37 @@ impl Group {
             if new == old && (r != row || cyclic) {
                 continue;
             }
-            if let Some(key) = old {
-                self.content.remove(key, r);
-            }
-            let x = &mut self.rows[r as usize];
-            match new {
-                Some(key) => {
-                    x.chain = key;
-                    x.flags |= CHAINED;
-                    self.content.insert(key, r);
-                }
-                None => {
-                    x.chain = 0;
-                    x.flags &= !CHAINED;
-                }
-            }
+            self.set_chain(r, new);
             if new != old {
                 let mut kid = self.rows[r as usize].first_kid;
                 while kid != NONE {
                     todo.push(kid);
                     kid = self.rows[kid as usize].next_sib;
                 }
+            }
+        }
+    }
+
+    /// A row's content key (None: none), moved in the content index.
+    fn set_chain(&mut self, r: u32, new: Option<u64>) {
+        let x = &self.rows[r as usize];
+        let old = (x.flags & CHAINED != 0).then_some(x.chain);
+        if old == new {
+            return;
+        }
+        if let Some(key) = old {
+            self.content.remove(key, r);
+        }
+        let x = &mut self.rows[r as usize];
+        match new {
+            Some(key) => {
+                x.chain = key;
+                x.flags |= CHAINED;
+                self.content.insert(key, r);
+            }
+            None => {
+                x.chain = 0;
+                x.flags &= !CHAINED;
             }
         }
     }

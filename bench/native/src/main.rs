@@ -1,0 +1,264 @@
+//! `cargo run --release` (bench/peers.py runs it): the peer workload of bench/peers.py into
+//! kvledger's `Group` and Dynamo's `RadixTree`, natively, in one process; prints its figures
+//! as one JSON object.
+
+use std::time::Instant;
+
+use _core::group::{Content, Group};
+use dynamo_kv_router::protocols::{
+    compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
+    KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::radix_tree::RadixTree;
+
+const CHAINS: u64 = 8000;
+const LENGTH: usize = 128;
+const INSTANCES: u64 = 64;
+const BLOCK: usize = 16;
+const LOOKUPS: usize = 2000;
+
+/// (worker, blocks held from the chain's start), as bench/peers.py holds them.
+fn holders(c: u64) -> [(u64, usize); 3] {
+    let one = |k: u64| {
+        let instance = (c * 7 + k * 13) % INSTANCES;
+        (
+            instance * 2 + u64::from(k == 2),
+            17 + ((c * 31 + k * 17) % (LENGTH as u64 - 16)) as usize,
+        )
+    };
+    [one(0), one(1), one(2)]
+}
+
+fn block_hash(c: u64, i: usize) -> u64 {
+    let mut x =
+        c.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^ (x >> 32)
+}
+
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn percentiles(mut t: Vec<f64>) -> (f64, f64) {
+    t.sort_by(f64::total_cmp);
+    (t[t.len() / 2] * 1e6, t[t.len() * 99 / 100] * 1e6)
+}
+
+fn timed<T>(inputs: &[T], mut f: impl FnMut(&T) -> usize) -> (f64, f64, usize) {
+    let mut times = Vec::with_capacity(inputs.len());
+    let mut found = 0;
+    for x in inputs {
+        let t = Instant::now();
+        found += f(x);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let (p50, p99) = percentiles(times);
+    (p50, p99, found)
+}
+
+/// The store's path: a block's content the first time it is met (as the router's store
+/// merges rows), then each holder's residency.
+fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
+    let mut group = Group::new();
+    let mut blocks = 0usize;
+    for c in 0..CHAINS {
+        let tokens = vec![c as i32; BLOCK];
+        for (worker, n) in holders(c) {
+            let mut parent: Option<&[u8]> = None;
+            for i in 0..n {
+                let key = &keys[c as usize][i][..];
+                if group.stored(key).is_none() {
+                    let content = Content {
+                        parent,
+                        start: Some((i * BLOCK) as i64),
+                        tokens: &tokens,
+                        block_size: BLOCK as i32,
+                        partial: false,
+                        lora: None,
+                        plain: true,
+                    };
+                    group.add_row(key, &content);
+                }
+                group.hold(key, worker as usize, 1);
+                parent = Some(key);
+            }
+            blocks += n;
+        }
+    }
+    (group, blocks)
+}
+
+fn dynamo_event(local: &[u64], c: u64, worker: u64, n: usize, id: u64) -> RouterEvent {
+    let blocks = (0..n)
+        .map(|i| KvCacheStoredBlockData {
+            block_hash: ExternalSequenceBlockHash(block_hash(c, i)),
+            tokens_hash: LocalBlockHash(local[c as usize]),
+            mm_extra_info: None,
+        })
+        .collect();
+    let data = KvCacheStoreData {
+        parent_hash: None,
+        start_position: None,
+        blocks,
+    };
+    let event = KvCacheEvent {
+        event_id: id,
+        data: KvCacheEventData::Stored(data),
+        dp_rank: 0,
+    };
+    RouterEvent::new(worker, event)
+}
+
+fn dynamo_events(local: &[u64]) -> Vec<RouterEvent> {
+    let mut events = Vec::new();
+    for c in 0..CHAINS {
+        for (worker, n) in holders(c) {
+            events.push(dynamo_event(local, c, worker, n, events.len() as u64));
+        }
+    }
+    events
+}
+
+fn main() {
+    let keys: Vec<Vec<[u8; 8]>> = (0..CHAINS)
+        .map(|c| {
+            (0..LENGTH)
+                .map(|i| block_hash(c, i).to_be_bytes())
+                .collect()
+        })
+        .collect();
+    let options = BlockHashOptions {
+        block_mm_infos: None,
+        lora_name: None,
+        cache_namespace: None,
+        is_eagle: None,
+    };
+    let local: Vec<u64> = (0..CHAINS)
+        .map(|c| compute_block_hash_for_seq(&vec![c as u32; BLOCK], BLOCK as u32, options)[0].0)
+        .collect();
+    match std::env::args().nth(1).as_deref() {
+        Some("memory-kvledger") => {
+            let before = rss();
+            let (group, _) = build_kvledger(&keys);
+            println!("{}", rss() - before);
+            drop(group);
+            return;
+        }
+        Some("memory-dynamo") => {
+            let before = rss();
+            let mut tree = RadixTree::new();
+            for c in 0..CHAINS {
+                for (worker, n) in holders(c) {
+                    tree.apply_event(dynamo_event(&local, c, worker, n, 0))
+                        .expect("a valid event");
+                }
+            }
+            println!("{}", rss() - before);
+            drop(tree);
+            return;
+        }
+        _ => {}
+    }
+
+    let start = Instant::now();
+    let (group, blocks) = build_kvledger(&keys);
+    let kv_apply = start.elapsed().as_secs_f64();
+    let events = dynamo_events(&local);
+    let mut tree = RadixTree::new();
+    let start = Instant::now();
+    for event in events {
+        tree.apply_event(event).expect("a valid event");
+    }
+    let dyn_apply = start.elapsed().as_secs_f64();
+    // Resident memory, each index built alone in a process of its own (events made one at a
+    // time as they are applied: a batch of them freed as the tree grows would be reused).
+    let memory = |side: &str| -> f64 {
+        let out = std::process::Command::new(std::env::current_exe().expect("this program"))
+            .arg(side)
+            .output()
+            .expect("the memory pass runs");
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse::<f64>()
+            .expect("bytes")
+    };
+    let (kv_bytes, dyn_bytes) = (memory("memory-kvledger"), memory("memory-dynamo"));
+
+    let mut state = 1u64;
+    let picked: Vec<u64> = (0..LOOKUPS)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % CHAINS
+        })
+        .collect();
+    let hashes: Vec<Vec<&[u8]>> = picked
+        .iter()
+        .map(|&c| keys[c as usize].iter().map(|k| &k[..]).collect())
+        .collect();
+    let locals: Vec<Vec<LocalBlockHash>> = picked
+        .iter()
+        .map(|&c| vec![LocalBlockHash(local[c as usize]); LENGTH])
+        .collect();
+    let tokens: Vec<Vec<i32>> = picked
+        .iter()
+        .map(|&c| vec![c as i32; LENGTH * BLOCK])
+        .collect();
+    let utokens: Vec<Vec<u32>> = picked
+        .iter()
+        .map(|&c| vec![c as u32; LENGTH * BLOCK])
+        .collect();
+    let mut figures = vec![
+        ("stored blocks".to_string(), blocks as f64),
+        (
+            "native: kvledger apply, block events/s".into(),
+            blocks as f64 / kv_apply,
+        ),
+        (
+            "native: Dynamo apply, block events/s".into(),
+            blocks as f64 / dyn_apply,
+        ),
+        (
+            "native: kvledger bytes per held block".into(),
+            kv_bytes / blocks as f64,
+        ),
+        (
+            "native: Dynamo bytes per held block".into(),
+            dyn_bytes / blocks as f64,
+        ),
+    ];
+    for round in 0..2 {
+        let kv_h = timed(&hashes, |h| group.runs(h).len());
+        let dyn_h = timed(&locals, |l| {
+            tree.find_matches(l.clone(), false).scores.len()
+        });
+        let kv_t = timed(&tokens, |t| group.match_tokens(t, BLOCK, BLOCK, None).len());
+        let dyn_t = timed(&utokens, |t| {
+            tree.find_matches(compute_block_hash_for_seq(t, BLOCK as u32, options), false)
+                .scores
+                .len()
+        });
+        assert_eq!(kv_h.2, dyn_h.2, "the same holders found");
+        if round == 1 {
+            for (name, (p50, p99, _)) in [
+                ("kvledger lookup by hashes", kv_h),
+                ("Dynamo lookup by hashes", dyn_h),
+                ("kvledger lookup by tokens", kv_t),
+                ("Dynamo lookup by tokens", dyn_t),
+            ] {
+                figures.push((format!("native: {name}: p50 us"), p50));
+                figures.push((format!("native: {name}: p99 us"), p99));
+            }
+        }
+    }
+    let body: Vec<String> = figures.iter().map(|(k, v)| format!("{k:?}: {v}")).collect();
+    println!("{{{}}}", body.join(", "));
+}

@@ -1,0 +1,94 @@
+"""Batches handed from an engine's scheduler thread to a background thread that writes them.
+
+vLLM's own publisher does the same: the scheduler thread puts a batch on a queue and goes
+back to scheduling; a thread of the publisher maps, encodes and produces it. Here
+``put`` costs the caller a semaphore and a queue put (well under 2 µs; the `vllm_publish`
+benchmark measures it) instead of the whole write (~10 µs an event).
+
+Nothing is lost and nothing reorders:
+- a full queue (``capacity`` batches waiting) blocks ``put`` until the thread catches up;
+- batches are written one at a time, in the order they were put;
+- a batch that fails (an event that cannot be read, a message the topic refuses) is
+  recorded, and the next ``put``, ``drain`` or the publisher's ``close`` raises it (the
+  first one, once); the batches after it are still written;
+- ``drain`` returns once every batch put before it is written (the publisher drains before
+  any write that must come after them: a clear, a goodbye, a flush).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Handoff:
+    """One background writer of put items (see the module docstring)."""
+
+    def __init__(self, write: Callable[[Any], object], capacity: int, name: str) -> None:
+        if capacity < 1:
+            raise ValueError("a handoff holds at least one batch")
+        self._write = write
+        self._slots = threading.Semaphore(capacity)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        """Hand ``item`` over (blocks while the queue is full); raises a failure recorded
+        since the last one raised."""
+        if self._failure is not None or self._stopped:
+            self._raise()
+        self._slots.acquire()
+        self._queue.put(item)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every item put before this call is written; raises a recorded failure."""
+        if not self._stopped:
+            done = threading.Event()
+            self._queue.put(done)
+            if not done.wait(timeout):
+                raise TimeoutError(f"batches still unwritten after {timeout} s")
+        if self._failure is not None:
+            self._raise()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Write what was put, then end the thread (idempotent); raises a recorded failure."""
+        if not self._stopped:
+            self._stopped = True
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+        if self._failure is not None:
+            self._raise()
+
+    def _raise(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+        raise RuntimeError("the publisher's writer has stopped")
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is _STOP:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._write(item)
+            except Exception as exc:  # kept for the caller's next call
+                logger.error("a handed-over batch was not written: %s", exc)
+                if self._failure is None:
+                    self._failure = exc
+            finally:
+                self._slots.release()

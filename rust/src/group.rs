@@ -34,6 +34,7 @@ const STORED: u8 = 2; // a store brought its content
 const PARTIAL: u8 = 4;
 const PLAIN: u8 = 8; // no extra keys: token walks may use it
 const CHAINED: u8 = 16; // Row::chain is its content key (in Group::content)
+const COUNTED: u8 = 32; // some residency of the row has a refcount above one (Group::counts)
 
 /// The content key of the root (what a first block's key is mixed with).
 const ROOT: u64 = 0x6b76_6c65_6467_6572;
@@ -138,6 +139,12 @@ impl Group {
         if let Some(row) = self.find(key) {
             return row;
         }
+        if self.index.full() {
+            let (rows, seed) = (&self.rows, &self.seed);
+            let live = rows.iter().enumerate().filter(|(_, r)| r.flags & LIVE != 0);
+            self.index
+                .rebuild(live.map(|(i, r)| (seed.hash_one(&r.key[..]), i as u32)));
+        }
         let fresh = Row {
             key: Key::from_slice(key),
             word: 0,
@@ -165,7 +172,7 @@ impl Group {
                 row.expect("fewer than 2**32 - 1 blocks in one group")
             }
         };
-        self.index.insert(self.hash_of(key), row);
+        self.index.insert(self.seed.hash_one(key), row);
         self.live += 1;
         row
     }
@@ -177,7 +184,9 @@ impl Group {
             return;
         }
         let hash = self.hash_of(&r.key);
-        self.index.remove(hash, row);
+        let (rows, seed) = (&self.rows, &self.seed);
+        self.index
+            .remove(hash, row, |r| seed.hash_one(&rows[r as usize].key[..]));
         let r = &mut self.rows[row as usize];
         r.flags = 0;
         r.key = Key::new();
@@ -237,7 +246,7 @@ impl Group {
             if hid < self.width * 64 {
                 *self.word_mut(row, hid / 64) &= !(1u64 << (hid % 64));
             }
-            self.counts.remove(&(row, hid as u32));
+            self.uncount(row, hid);
             self.release(row);
             return;
         }
@@ -246,9 +255,24 @@ impl Group {
         *self.word_mut(row, hid / 64) |= 1u64 << (hid % 64);
         if refcount > 1 {
             self.counts.insert((row, hid as u32), refcount);
+            self.rows[row as usize].flags |= COUNTED;
         } else {
+            self.uncount(row, hid);
+        }
+    }
+
+    /// The residency's refcount is one or none: no entry for it (most rows have none).
+    fn uncount(&mut self, row: u32, hid: usize) {
+        if self.rows[row as usize].flags & COUNTED != 0 {
             self.counts.remove(&(row, hid as u32));
         }
+    }
+
+    fn count(&self, row: u32, hid: usize) -> u32 {
+        if self.rows[row as usize].flags & COUNTED == 0 {
+            return 1;
+        }
+        self.counts.get(&(row, hid as u32)).copied().unwrap_or(1)
     }
 
     fn holds(&self, row: u32, hid: usize) -> bool {
@@ -258,9 +282,7 @@ impl Group {
     /// The residency's reference count (0: none).
     pub fn refcount(&self, key: &[u8], hid: usize) -> u32 {
         match self.find(key) {
-            Some(row) if self.holds(row, hid) => {
-                self.counts.get(&(row, hid as u32)).copied().unwrap_or(1)
-            }
+            Some(row) if self.holds(row, hid) => self.count(row, hid),
             _ => 0,
         }
     }
@@ -285,7 +307,7 @@ impl Group {
                 let mut w = self.word(row, k);
                 while w != 0 {
                     let hid = k * 64 + w.trailing_zeros() as usize;
-                    let count = self.counts.get(&(row, hid as u32)).copied().unwrap_or(1);
+                    let count = self.count(row, hid);
                     out.push((&self.rows[row as usize].key[..], hid, count));
                     w &= w - 1;
                 }

@@ -1,7 +1,9 @@
-//! An open-addressing table of (64-bit hash, row number) pairs: linear probing, load at most
-//! one half, backward-shift deletion. A hash may be in it more than once (each pair is
-//! distinct); callers compare what the rows hold. The hashes come already mixed under a
-//! secret seed, so their low bits pick the slot.
+//! An open-addressing table of (hash, row number) pairs: linear probing, load at most one
+//! half, backward-shift deletion. A hash may be in it more than once (each pair is
+//! distinct). The hashes come already mixed under a secret seed: their low bits pick the
+//! slot, their high 32 bits are kept in it (8 bytes a slot), so a lookup yields the rows
+//! whose tag matches and callers compare what the rows hold. Growing and deleting need
+//! each entry's home slot again: the caller says how to get a row's hash (``rehash``).
 
 use crate::masks::prefetch;
 
@@ -9,11 +11,15 @@ pub const NONE: u32 = u32::MAX;
 
 #[derive(Clone, Copy)]
 struct Slot {
-    hash: u64,
+    tag: u32, // the hash's high 32 bits
     row: u32, // NONE: a free slot
 }
 
-const FREE: Slot = Slot { hash: 0, row: NONE };
+const FREE: Slot = Slot { tag: 0, row: NONE };
+
+fn tag(hash: u64) -> u32 {
+    (hash >> 32) as u32
+}
 
 pub struct Slots {
     slots: Vec<Slot>, // a power of two
@@ -39,46 +45,51 @@ impl Slots {
         prefetch(&self.slots[hash as usize & self.mask()]);
     }
 
-    /// The rows stored under `hash`, in probe order.
+    /// The rows stored under `hash`'s tag, in probe order (those of `hash` among them).
     pub fn rows(&self, hash: u64) -> Rows<'_> {
         Rows {
             slots: self,
             at: hash as usize & self.mask(),
-            hash,
+            tag: tag(hash),
         }
     }
 
-    fn grow(&mut self) {
-        let cap = self.slots.len() * 2;
-        let mut slots = vec![FREE; cap];
-        for s in self.slots.iter().filter(|s| s.row != NONE) {
-            let mut i = s.hash as usize & (cap - 1);
-            while slots[i].row != NONE {
-                i = (i + 1) & (cap - 1);
-            }
-            slots[i] = *s;
-        }
-        self.slots = slots;
+    /// Whether one more pair needs a larger table (`rebuild` first).
+    pub fn full(&self) -> bool {
+        (self.used + 1) * 2 > self.slots.len()
     }
 
+    /// The table again, twice as large, with these pairs (every pair it is to hold: the
+    /// caller reads them from its rows in order, which costs less than one random read of
+    /// a row per stored pair).
+    pub fn rebuild(&mut self, pairs: impl Iterator<Item = (u64, u32)>) {
+        let mut cap = self.slots.len() * 2;
+        while self.used * 2 > cap {
+            cap *= 2;
+        }
+        self.slots = vec![FREE; cap];
+        self.used = 0;
+        for (hash, row) in pairs {
+            self.insert(hash, row);
+        }
+    }
+
+    /// Add the pair (hash, row) (the table has room: see `full`).
     pub fn insert(&mut self, hash: u64, row: u32) {
-        if (self.used + 1) * 2 > self.slots.len() {
-            self.grow();
-        }
+        assert!(
+            self.used < self.slots.len() - 1,
+            "a full table: rebuild it first"
+        );
         let m = self.mask();
         let mut i = hash as usize & m;
         while self.slots[i].row != NONE {
             i = (i + 1) & m;
         }
-        self.slots[i] = Slot { hash, row };
+        self.slots[i] = Slot {
+            tag: tag(hash),
+            row,
+        };
         self.used += 1;
-    }
-
-    /// Point the pair (hash, row) at another row.
-    pub fn replace(&mut self, hash: u64, row: u32, to: u32) {
-        if let Some(i) = self.position(hash, row) {
-            self.slots[i].row = to;
-        }
     }
 
     fn position(&self, hash: u64, row: u32) -> Option<usize> {
@@ -89,15 +100,15 @@ impl Slots {
             if s.row == NONE {
                 return None;
             }
-            if s.hash == hash && s.row == row {
+            if s.row == row {
                 return Some(i);
             }
             i = (i + 1) & m;
         }
     }
 
-    /// Remove the pair (hash, row), if it is there.
-    pub fn remove(&mut self, hash: u64, row: u32) {
+    /// Remove the pair (hash, row), if it is there; `rehash` gives any stored row's hash.
+    pub fn remove(&mut self, hash: u64, row: u32, rehash: impl Fn(u32) -> u64) {
         let Some(mut i) = self.position(hash, row) else {
             return;
         };
@@ -110,7 +121,7 @@ impl Slots {
             if s.row == NONE {
                 break;
             }
-            let home = s.hash as usize & m;
+            let home = rehash(s.row) as usize & m;
             let stays = if i <= j {
                 i < home && home <= j
             } else {
@@ -129,7 +140,7 @@ impl Slots {
 pub struct Rows<'a> {
     slots: &'a Slots,
     at: usize,
-    hash: u64,
+    tag: u32,
 }
 
 impl Iterator for Rows<'_> {
@@ -143,7 +154,7 @@ impl Iterator for Rows<'_> {
                 return None;
             }
             self.at = (self.at + 1) & m;
-            if s.hash == self.hash {
+            if s.tag == self.tag {
                 return Some(s.row);
             }
         }
@@ -156,18 +167,23 @@ mod tests {
 
     #[test]
     fn pairs_survive_growth_and_removal_in_any_order() {
+        // many rows per hash, runs that collide, tags that differ from the home slot's bits
+        let hash = |row: u32| (u64::from(row % 97) << 40) | (u64::from(row % 97) << 7);
         let mut t = Slots::default();
         for i in 0..10_000u32 {
-            t.insert(u64::from(i % 97) << 7, i); // many rows per hash, runs that collide
+            if t.full() {
+                t.rebuild((0..i).map(|r| (hash(r), r)));
+            }
+            t.insert(hash(i), i);
         }
         for i in (0..10_000u32).step_by(3) {
-            t.remove(u64::from(i % 97) << 7, i);
+            t.remove(hash(i), i, hash);
         }
-        for h in 0..97u64 {
-            let mut got: Vec<u32> = t.rows(h << 7).collect();
+        for h in 0..97u32 {
+            let mut got: Vec<u32> = t.rows(hash(h)).collect();
             got.sort();
             let want: Vec<u32> = (0..10_000u32)
-                .filter(|i| i % 97 == h as u32 && i % 3 != 0)
+                .filter(|i| i % 97 == h && i % 3 != 0)
                 .collect();
             assert_eq!(got, want, "hash {h}");
         }

@@ -8,7 +8,8 @@ use foldhash::fast::RandomState;
 use smallvec::SmallVec;
 
 use super::{
-    Content, Group, Run, Stored, CHAINED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN, ROOT, STORED,
+    Content, Group, Run, Stored, CHAINED, COUNTED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN,
+    ROOT, STORED,
 };
 use crate::masks::prefetch;
 
@@ -102,20 +103,28 @@ impl Group {
             return;
         }
         if let Some(key) = old {
-            self.content.remove(key, r);
+            let rows = &self.rows;
+            self.content.remove(key, r, |x| rows[x as usize].chain);
         }
         let x = &mut self.rows[r as usize];
-        match new {
-            Some(key) => {
-                x.chain = key;
-                x.flags |= CHAINED;
-                self.content.insert(key, r);
-            }
-            None => {
-                x.chain = 0;
-                x.flags &= !CHAINED;
-            }
+        x.chain = 0;
+        x.flags &= !CHAINED;
+        let Some(key) = new else {
+            return;
+        };
+        if self.content.full() {
+            let chained = self
+                .rows
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| x.flags & CHAINED != 0);
+            self.content
+                .rebuild(chained.map(|(i, x)| (x.chain, i as u32)));
         }
+        let x = &mut self.rows[r as usize];
+        x.chain = key;
+        x.flags |= CHAINED;
+        self.content.insert(key, r);
     }
 
     fn link(&mut self, row: u32, parent: u32) {
@@ -183,7 +192,7 @@ impl Group {
         r.start = c.start.unwrap_or(i64::MIN);
         r.block_size = c.block_size;
         r.lora = lora;
-        r.flags = (r.flags & CHAINED)
+        r.flags = (r.flags & (CHAINED | COUNTED))
             | LIVE
             | STORED
             | if c.partial { PARTIAL } else { 0 }

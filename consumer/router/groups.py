@@ -204,11 +204,7 @@ class PureGroup:
         while True:  # chain level i + 1: children of level i holding the next bs tokens
             if i > 0 and (i + 1) * bs > len(tokens):
                 break
-            want = pack(tokens[i * bs : (i + 1) * bs])
-            found = sorted(
-                h for parent in level for h in self._child_hashes(parent)
-                if self._fits(h, want, bs, False, lora, parent is None)
-            )  # fmt: skip
+            found = self._level(level, tokens[i * bs : (i + 1) * bs], bs, False, lora)
             if not found:
                 break
             levels.append(found)
@@ -219,16 +215,23 @@ class PureGroup:
         tail: list[bytes] = []
         parents: list[bytes | None] = [tip]
         while hbs > 0 and pos + hbs <= len(tokens):
-            want = pack(tokens[pos : pos + hbs])
-            found = sorted(
-                h for parent in parents for h in self._child_hashes(parent)
-                if self._fits(h, want, hbs, True, lora, parent is None)
-            )  # fmt: skip
+            found = self._level(parents, tokens[pos : pos + hbs], hbs, True, lora)
             if not found:
                 break
             tail.extend(found)
             parents, pos = list(found), pos + hbs
         return [(hid, min(b, len(chain)), t) for hid, b, t in self.masks.runs(chain + tail)]
+
+    def _level(
+        self, parents: list[bytes | None], tokens: Sequence[int], size: int, partial: bool,
+        lora: str | None,
+    ) -> list[bytes]:  # fmt: skip
+        """The children of ``parents`` holding exactly ``tokens``, sorted."""
+        want = pack(tokens)
+        return sorted(
+            h for parent in parents for h in self._child_hashes(parent)
+            if self._fits(h, want, size, partial, lora, parent is None)
+        )  # fmt: skip
 
     def _fits(
         self, h: bytes, want: bytes, size: int, partial: bool, lora: str | None, root: bool

@@ -13,6 +13,9 @@ use super::{
 };
 use crate::masks::prefetch;
 
+/// The rows found at one level of a token walk (almost always one).
+type Level = SmallVec<[u32; 2]>;
+
 impl Group {
     // ------------------------------------------------------------------ content
     fn lora_id(&mut self, lora: Option<&str>) -> u32 {
@@ -254,8 +257,8 @@ impl Group {
         size: i32,
         partial: bool,
         lora: u32,
-    ) -> Vec<u32> {
-        let mut found: Vec<u32> = candidates
+    ) -> Level {
+        let mut found: Level = candidates
             .iter()
             .copied()
             .filter(|&row| {
@@ -272,7 +275,7 @@ impl Group {
         found
     }
 
-    fn candidates(&self, key: u64) -> SmallVec<[u32; 2]> {
+    fn candidates(&self, key: u64) -> Level {
         self.content.rows(key).collect()
     }
 
@@ -300,12 +303,12 @@ impl Group {
             |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short
         let mut chain: Vec<u32> = Vec::new();
-        let mut level = vec![NONE];
+        let mut level: Level = smallvec::smallvec![NONE];
         let mut key = ROOT;
         let mut i = 0;
         'full: while i < levels {
             let upto = (i + LEVELS_AT_ONCE).min(levels);
-            let mut keys = Vec::with_capacity(upto - i);
+            let mut keys: SmallVec<[u64; LEVELS_AT_ONCE]> = SmallVec::new();
             for j in i..upto {
                 key = self.content_key(key, bs as i32, false, lora, block(j));
                 keys.push(key);
@@ -313,7 +316,8 @@ impl Group {
             for &k in &keys {
                 self.content.prefetch(k);
             }
-            let found: Vec<SmallVec<[u32; 2]>> = keys.iter().map(|&k| self.candidates(k)).collect();
+            let found: SmallVec<[Level; LEVELS_AT_ONCE]> =
+                keys.iter().map(|&k| self.candidates(k)).collect();
             for &row in found.iter().flatten() {
                 let r = &self.rows[row as usize];
                 prefetch(r);
@@ -334,7 +338,7 @@ impl Group {
         let full = chain.len();
         let mut pos = full * bs;
         let tip = if full > 0 { level[0] } else { NONE };
-        let mut parents = vec![tip];
+        let mut parents: Level = smallvec::smallvec![tip];
         let mut key = if tip == NONE {
             ROOT
         } else {

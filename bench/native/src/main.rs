@@ -151,6 +151,20 @@ fn main() {
             drop(group);
             return;
         }
+        Some("profile-tokens") => {
+            // Token lookups alone, for a profiler: `perf record ... profile-tokens`.
+            let (group, _) = build_kvledger(&keys);
+            let mut found = 0;
+            for round in 0..200u64 {
+                let c = (round * 7919) % CHAINS;
+                let tokens = vec![c as i32; LENGTH * BLOCK];
+                for _ in 0..100 {
+                    found += group.match_tokens(&tokens, BLOCK, BLOCK, None).len();
+                }
+            }
+            println!("{found}");
+            return;
+        }
         Some("memory-dynamo") => {
             let before = rss();
             let mut tree = RadixTree::new();

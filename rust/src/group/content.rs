@@ -318,10 +318,13 @@ impl Group {
             }
             let found: SmallVec<[Level; LEVELS_AT_ONCE]> =
                 keys.iter().map(|&k| self.candidates(k)).collect();
+            // The candidates' rows, then (their places known once the rows arrive) their
+            // tokens: two passes, so no prefetch waits on a row still on its way.
             for &row in found.iter().flatten() {
-                let r = &self.rows[row as usize];
-                prefetch(r);
-                if let Some(t) = self.tokens.get(r.tok_off as usize) {
+                prefetch(&self.rows[row as usize]);
+            }
+            for &row in found.iter().flatten() {
+                if let Some(t) = self.tokens.get(self.rows[row as usize].tok_off as usize) {
                     prefetch(t);
                 }
             }

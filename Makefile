@@ -80,12 +80,7 @@ test-containers: containers
 	@eval "$$(scripts/containers env)"; \
 	env -u KVLEDGER_KAFKA_BOOTSTRAP -u KVLEDGER_DATABASE_URL $(PY) -m pytest $(PYTEST_ARGS) $(CONTAINER_TESTS)
 
-# The benchmarks' own extra (Dynamo's indexer, for the peer comparison) on top of the venv.
-$(VENV)/.bench: $(VENV)/.installed
-	@$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
-	@touch $@
-
-bench: services $(VENV)/.bench
+bench: services
 	@$(with_env) $(PY) -m bench $(BENCH_ARGS)
 
 clean:

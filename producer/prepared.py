@@ -31,12 +31,15 @@ from kvledger.schemas.events import (
 # name (BlockStored or BlockRemoved), its group, the bytes. kvledger's events are never
 # tuples.
 Prepared = tuple[str, int, bytes]
+_LONG = 1 << 63
 
 
 def frame(head: bytes, seq: int, time_ms: int, body: bytes, engine_seq: int | None) -> bytes:
     """The message of a prepared event: the envelope head (:meth:`Codec.envelope_head`),
     its sequence number and time, the event branch, the engine's batch number (a union of
     null and long)."""
+    if not all(-_LONG <= n < _LONG for n in (seq, time_ms, engine_seq or 0)):
+        raise ValueError(f"seq {seq}, time {time_ms} or engine_seq {engine_seq} past an Avro long")
     tail = b"\x00" if engine_seq is None else b"\x02" + zigzag(engine_seq)
     return b"".join((head, zigzag(seq), zigzag(time_ms), body, tail))
 

@@ -41,10 +41,14 @@ class EngineBatch:
 
 
 def seq_of(frame: bytes) -> int:
-    """A sequence-number frame (8 bytes, big-endian) as an int."""
+    """A sequence-number frame (8 bytes, big-endian) as an int; one past the int64 range
+    the contract carries (``engine_seq``) is refused, as a malformed frame is."""
     if len(frame) != 8:
         raise VllmEventError(f"a sequence frame has 8 bytes, not {len(frame)}")
-    return int.from_bytes(frame, "big")
+    seq = int.from_bytes(frame, "big")
+    if seq >= 1 << 63:
+        raise VllmEventError(f"a sequence number past int64: {seq}")
+    return seq
 
 
 def decode_batch(payload: bytes) -> EngineBatch:

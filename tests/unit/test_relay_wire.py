@@ -70,6 +70,11 @@ def test_sequence_frames() -> None:
     assert seq_of((258).to_bytes(8, "big")) == 258
     with pytest.raises(VllmEventError):
         seq_of(b"\x01")
+    assert seq_of((2**63 - 1).to_bytes(8, "big")) == 2**63 - 1
+    # past the contract's int64 engine_seq: refused as malformed, not written as a varint
+    # no reader takes (the relay skips such a frame, or treats a replay answer as none)
+    with pytest.raises(VllmEventError, match="past int64"):
+        seq_of((2**63).to_bytes(8, "big"))
 
 
 def test_the_engine_sequence_rule() -> None:

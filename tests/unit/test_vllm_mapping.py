@@ -347,3 +347,12 @@ def test_more_lookahead_lists_than_hashes_are_read_or_refused_whole(lists: int) 
         assert "lookahead" in str(exc)
         return
     assert framed(item, 0, None) == python_path(events[0], form, 0, None)  # type: ignore[arg-type]
+
+
+def test_a_number_past_an_avro_long_is_not_framed() -> None:
+    form = _form(False)
+    [item] = form.prepare([_store()])
+    assert framed(item, 2**63 - 1, None) == python_path(_store(), form, 2**63 - 1, None)  # type: ignore[arg-type]
+    head = CODEC.envelope_head(STAMP["source"], STAMP["model"], STAMP["dp_rank"], STAMP["epoch"])
+    with pytest.raises(ValueError, match="past an Avro long"):
+        frame(head, 0, 1, item[2], 2**63)  # type: ignore[index]

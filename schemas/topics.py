@@ -52,6 +52,12 @@ _ONE_KIND_ONLY = (
 )  # fmt: skip
 
 
+# How long a topic kvledger creates keeps its records (Kafka's own default, stated on the
+# topic so that it does not follow a broker's setting): a consumer or router away longer
+# than this finds records it never read deleted (it says so; see README "Retention").
+DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
+
+
 def ensure_topic(
     admin: AdminClient,
     name: str,
@@ -69,8 +75,10 @@ def ensure_topic(
     another partition count while ``exact_partitions`` (any count does for a topic whose
     order does not matter, such as the dead-letter topic). A topic it creates stamps each
     record with the broker's clock (``log_append_time``): the index's liveness clock.
-    ``config``: more topic settings for a topic it creates; ``replication_factor=-1`` takes
-    the cluster's default.
+    ``config``: more topic settings for a topic it creates (its retention is
+    :data:`DEFAULT_RETENTION_MS` unless ``retention_ms`` or ``config`` says otherwise; an
+    existing topic's is checked only against ``retention_ms``); ``replication_factor=-1``
+    takes the cluster's default.
     """
     try:
         return _ensure_topic(
@@ -197,7 +205,7 @@ def _ensure_topic(
         raise KafkaException(topic.error)
     exists = topic is not None and topic.error is None
     if not exists:
-        settings = dict(config or {})
+        settings = {"retention.ms": str(DEFAULT_RETENTION_MS), **(config or {})}
         if retention_ms is not None:
             settings["retention.ms"] = str(retention_ms)
         if log_append_time:

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Producer
+from confluent_kafka.admin import ConfigResource
 from starlette.testclient import TestClient
 
 from kvledger.cli import main as cli
@@ -21,7 +22,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.codec import Codec, released_schemas
 from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
-from kvledger.schemas.topics import ensure_topic, message_key
+from kvledger.schemas.topics import DEFAULT_RETENTION_MS, ensure_topic, message_key
 from tests.helpers.consuming import consume
 from tests.helpers.kafka import consume_all
 
@@ -192,6 +193,10 @@ def test_a_topic_kvledger_creates_stamps_records_with_the_broker_clock(
     topic = f"logtime-{group_id}"
     ensure_topic(kafka_admin, topic, 1)
     try:
+        # and keeps its records the documented 7 days, whatever the broker's default
+        resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        configs = kafka_admin.describe_configs([resource])[resource].result(timeout=30)
+        assert configs["retention.ms"].value == str(DEFAULT_RETENTION_MS) == "604800000"
         pub = publisher(kafka_bootstrap, topic, "engine-t", heartbeat_interval_s=0)
         pub.close(goodbye=False)
         [record] = consume_all(kafka_bootstrap, topic, group_id + "-read", 1)

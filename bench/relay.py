@@ -214,6 +214,18 @@ def _read_back(bootstrap: str, topic: str) -> list[tuple[bytes, bytes]]:
 UNSATURATED = 500  # the handoff holds 1,024 batches
 
 
+def _embedded(bootstrap: str, topic: str, **settings: Any) -> KVEventPublisher:
+    """An embedded engine's publisher (``settings``: more of its config) with its group
+    announced and delivered."""
+    config = PublisherConfig(
+        bootstrap, "bench-embedded", MODEL, topic, heartbeat_interval_s=0, **settings
+    )
+    publisher = KVEventPublisher(config)
+    publisher.announce_group_spec(parse_group(f"0:full_attention:{BLOCK}", MODEL))
+    publisher.flush(30)
+    return publisher
+
+
 def publish_path(bootstrap: str, batches: int = 30_000) -> dict[str, float]:
     work = workload(batches, seed=9)
     objects = [vllm_batch(1_764_000_000.0 + i, events) for i, events in enumerate(work)]
@@ -230,11 +242,7 @@ def publish_path(bootstrap: str, batches: int = 30_000) -> dict[str, float]:
         for topic in (full_topic, raw_topic) if round_ >= 0 else (full_topic,):
             topics.append(topic)  # both before either side's clock starts
             ensure_topic(admin, topic, 12)
-        publisher = KVEventPublisher(
-            PublisherConfig(bootstrap, "bench-embedded", MODEL, full_topic, heartbeat_interval_s=0)
-        )
-        publisher.announce_group_spec(parse_group(f"0:full_attention:{BLOCK}", MODEL))
-        publisher.flush(30)
+        publisher = _embedded(bootstrap, full_topic)
         if round_ < 0:
             capture_produced(publisher, captured)
         in_calls, first_calls = 0.0, 0.0
@@ -261,18 +269,7 @@ def publish_path(bootstrap: str, batches: int = 30_000) -> dict[str, float]:
     sync_topic = f"bench-vllm-sync-{uuid.uuid4().hex[:8]}"
     topics.append(sync_topic)
     ensure_topic(admin, sync_topic, 12)
-    publisher = KVEventPublisher(
-        PublisherConfig(
-            bootstrap,
-            "bench-embedded",
-            MODEL,
-            sync_topic,
-            heartbeat_interval_s=0,
-            handoff_batches=0,
-        )
-    )
-    publisher.announce_group_spec(parse_group(f"0:full_attention:{BLOCK}", MODEL))
-    publisher.flush(30)
+    publisher = _embedded(bootstrap, sync_topic, handoff_batches=0)
     sync_calls, sync_cpu = 0.0, time.thread_time()
     for batch in objects:
         t = time.perf_counter()

@@ -359,10 +359,14 @@ class KVEventPublisher:
         if self._handoff is not None:
             self._handoff.drain()
 
+    def _unhealthy(self) -> bool:
+        """Whether ``_check_healthy`` would raise (read without the lock: a cheap test)."""
+        deliveries = self._deliveries
+        return self._closed or deliveries.fatal is not None or bool(deliveries.stats.failed)
+
     def _check_open(self) -> None:
         """Refuse a batch the publisher cannot take (closed, fatal, failed deliveries)."""
-        deliveries = self._deliveries
-        if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+        if self._unhealthy():
             with self._lock:
                 self._check_healthy()
 
@@ -370,7 +374,7 @@ class KVEventPublisher:
         """One of the stream's writes (the lock held): refused if the publisher cannot go
         on, and raising for what the topic refused (the others produced)."""
         deliveries = self._deliveries
-        if self._closed or deliveries.fatal is not None or deliveries.stats.failed:
+        if self._unhealthy():
             self._check_healthy()
         if deliveries.refused:
             deliveries.refused = []

@@ -5,7 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use crate::group::{Content, Group as Core, Run};
+use crate::group::{Content, Group as Core};
 use crate::masks::MAX_HOLDERS;
 use crate::py_args::{hash_list, key_bytes, token_list};
 
@@ -20,12 +20,6 @@ fn holder_id(hid: i64) -> PyResult<usize> {
         Ok(hid) if hid < MAX_HOLDERS => Ok(hid),
         _ => Err(PyValueError::new_err("a holder id is in [0, 2**20)")),
     }
-}
-
-fn run_list<'py>(py: Python<'py>, runs: Vec<Run>) -> PyResult<Bound<'py, PyList>> {
-    let rows: PyResult<Vec<Bound<'py, PyTuple>>> =
-        runs.into_iter().map(|r| r.into_pyobject(py)).collect();
-    PyList::new(py, rows?)
 }
 
 #[pymethods]
@@ -159,7 +153,7 @@ impl Group {
     ) -> PyResult<Bound<'py, PyList>> {
         let hashes = hash_list(hashes)?;
         let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
-        run_list(py, self.core.runs(&keys))
+        PyList::new(py, self.core.runs(&keys))
     }
 
     /// runs_covered(hashes, ratio) -> [(holder id, run length)]: hash granularity.
@@ -175,10 +169,7 @@ impl Group {
         };
         let hashes = hash_list(hashes)?;
         let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
-        let found = self.core.runs_covered(&keys, ratio);
-        let rows: PyResult<Vec<Bound<'py, PyTuple>>> =
-            found.into_iter().map(|r| r.into_pyobject(py)).collect();
-        PyList::new(py, rows?)
+        PyList::new(py, self.core.runs_covered(&keys, ratio))
     }
 
     /// match_tokens(tokens, block_size, hash_block_size, lora_name) -> runs: the token walk.
@@ -200,7 +191,7 @@ impl Group {
             return Ok(PyList::empty(py));
         }
         let tokens = token_list(tokens)?;
-        run_list(py, self.core.match_tokens(&tokens, bs, hbs, lora_name))
+        PyList::new(py, self.core.match_tokens(&tokens, bs, hbs, lora_name))
     }
 
     fn __len__(&self) -> usize {

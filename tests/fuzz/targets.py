@@ -16,7 +16,6 @@ tests/unit/test_fuzz_targets.py.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import atheris
@@ -30,21 +29,10 @@ with atheris.instrument_imports():
     from kvledger.schemas.codec import Codec
     from kvledger.schemas.errors import DecodeError
     from kvledger.schemas.events import GroupSpec
+    from tests.helpers.codecs import pure_codec
 
 
-def _pure_codec() -> Codec:
-    saved = os.environ.get("KVLEDGER_PURE_AVRO")
-    os.environ["KVLEDGER_PURE_AVRO"] = "1"
-    try:
-        return Codec()
-    finally:
-        if saved is None:
-            del os.environ["KVLEDGER_PURE_AVRO"]
-        else:
-            os.environ["KVLEDGER_PURE_AVRO"] = saved
-
-
-CODEC, PURE = Codec(), _pure_codec()
+CODEC, PURE = Codec(), pure_codec()
 
 
 def _verdict(codec: Codec, data: bytes) -> object:

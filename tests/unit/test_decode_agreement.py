@@ -15,15 +15,12 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope, EventsLost
 from kvledger.schemas.records import envelope_to_record
+from tests.helpers.codecs import pure_codec
 
 COMPILED = Codec()
 if COMPILED._compiled is None and os.environ.get("CI") == "true":
     raise AssertionError("CI requires the compiled decoder")
-os.environ["KVLEDGER_PURE_AVRO"] = "1"
-try:
-    PURE = Codec()
-finally:
-    del os.environ["KVLEDGER_PURE_AVRO"]
+PURE = pure_codec()
 assert PURE._compiled is None
 
 STORED = Envelope(

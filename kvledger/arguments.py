@@ -227,6 +227,11 @@ def add_lookup(subparsers: Subparsers) -> None:
         help="answer from an in-memory router index: bootstrapped from the database, then "
         "following the topic (as-of lookups and block rows stay with the SQL mode)",
     )
+    p.add_argument(
+        "--dynamo-api", action="store_true",
+        help="with --memory: also serve NVIDIA Dynamo's KV-indexer API (/query, "
+        "/query_by_hash, /dump, /workers, /register, /unregister) for Dynamo's routers",
+    )  # fmt: skip
     _bootstrap_arg(p, "with --memory: ")
     add_kafka_args(p)
     add_registry_args(p)

@@ -49,6 +49,11 @@ def serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "log_level": "info", "access_log": False,
         "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
     }  # fmt: skip
+    if args.dynamo_api and not args.memory:
+        raise SystemExit(
+            "kvledger serve: --dynamo-api needs --memory (Dynamo's API is answered from the "
+            "router index, which keeps Dynamo's block hashes)"
+        )
     if not args.memory:
         app = create_app(
             database, args.pool_size, window, token=token,
@@ -63,14 +68,16 @@ def serve(args: argparse.Namespace) -> int:
     router = RouterIndex(
         settings.kafka_bootstrap(args), args.topic, args.consumer_group,
         kafka=dict(settings.kafka_settings(args)),
-        codec=settings.codec(args, args.topic, writer=False),
+        codec=settings.codec(args, args.topic, writer=False), dynamo=args.dynamo_api,
     )  # fmt: skip
     with connect(database) as conn:
         router.bootstrap(conn)
     router.start()
     freeze_startup_objects()
     try:
-        app = create_app(silent_after=window, router=router, token=token)
+        app = create_app(
+            silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api
+        )
         uvicorn.run(app, **server)
     finally:
         router.stop()

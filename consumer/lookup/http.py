@@ -138,6 +138,7 @@ def create_app(
     statement_timeout_ms: int = 5000,
     pool_timeout_s: float = 5.0,
     allow_writer: bool = False,
+    dynamo_api: bool = False,
 ) -> ASGIApp:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
@@ -145,7 +146,8 @@ def create_app(
     (401 without it). A lookup that runs past ``statement_timeout_ms`` or waits more than
     ``pool_timeout_s`` for a connection is answered 503 with Retry-After. The database role
     must not be able to write to the index (:class:`WriterRoleError`, raised here) unless
-    ``allow_writer``."""
+    ``allow_writer``. ``dynamo_api``: also serve NVIDIA Dynamo's KV-indexer routes
+    (:mod:`.dynamo`; memory mode, with a router built with ``dynamo=True``)."""
     expected = f"Bearer {token}".encode() if token else None
 
     def allowed(authorization: str) -> bool:
@@ -356,8 +358,20 @@ def create_app(
         finally:
             pool.close()
 
+    extra: list[Route] = []
+    if dynamo_api:
+        from kvledger.consumer.lookup import dynamo
+
+        if router is None:
+            raise ValueError("Dynamo's API is served from memory (a router)")
+
+        def refusal(request: Request) -> tuple[int, Any] | None:
+            return None if allowed(request.headers.get("authorization", "")) else refused()[:2]
+
+        extra = dynamo.routes(dynamo.DynamoApi(router, silent_after), refusal)
     app = Starlette(
         routes=[
+            *extra,
             Route("/v1/match", timed("match", match, with_body=True), methods=["POST"]),
             Route("/v1/blocks/{block_hash}", timed("blocks", block), methods=["GET"]),
             Route("/healthz", timed("healthz", healthz), methods=["GET"]),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvledger.consumer.router.masks import MaskDict, bits
+from kvledger.schemas.dynamo import dynamo_block_hashes
 
 _PACKERS: dict[int, struct.Struct] = {}
 
@@ -86,6 +87,9 @@ class BlockGroup(Protocol):
     def match_tokens(
         self, tokens: Sequence[int], block_size: int, hash_block_size: int, lora_name: str | None
     ) -> list[tuple[int, int, int]]: ...
+    def enable_dynamo(self) -> None: ...
+    def dynamo_local(self, key: bytes) -> int | None: ...
+    def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...
     def __len__(self) -> int: ...
 
 
@@ -98,6 +102,7 @@ class PureGroup:
         self.counts: dict[tuple[bytes, int], int] = {}  # refcounts above 1
         # parent -> its child's hash, or a list when it has several (most have one)
         self.children: dict[bytes | None, bytes | list[bytes]] = {}
+        self.dynamo = False  # whether dynamo_levels answers (see enable_dynamo)
 
     def canon(self, block_hash: bytes) -> bytes:
         """The hash object the group already holds for ``block_hash`` (else itself)."""
@@ -245,6 +250,42 @@ class PureGroup:
             and row.plain
             and (row.parent is None) == root
         )
+
+    def enable_dynamo(self) -> None:
+        """Answer :meth:`dynamo_levels` from now on (the compiled core keeps a table for
+        it from here; this twin computes each child's hash as it walks)."""
+        self.dynamo = True
+
+    def dynamo_local(self, key: bytes) -> int | None:
+        """The block's Dynamo local hash (None: not a full plain block with content)."""
+        row = self.rows.get(key)
+        if row is None or not row.plain or row.partial or row.block_size <= 0:
+            return None
+        if len(row.tokens) != 4 * row.block_size:  # int32 tokens: a full block
+            return None
+        tokens = array("i", row.tokens).tolist()
+        return dynamo_block_hashes(tokens, row.block_size, row.lora_name)[0]
+
+    def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]:
+        """The walk of a prompt's Dynamo local hashes from the root: level i holds the
+        blocks of hash ``locals[i]`` and size ``block_size`` under a block of level i - 1.
+        For every holder of any level, the levels it holds as an int's bits."""
+        if not self.dynamo:
+            return []
+        held: dict[int, int] = {}
+        parents: list[bytes | None] = [None]
+        for i, local in enumerate(locals):
+            level = [
+                h for p in parents for h in self._child_hashes(p)
+                if self.rows[h].block_size == block_size and self.dynamo_local(h) == local
+            ]  # fmt: skip
+            if not level:
+                break
+            for h in level:
+                for hid in bits(self.masks.mask(h)):
+                    held[hid] = held.get(hid, 0) | 1 << i
+            parents = list(level)
+        return sorted(held.items())
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -96,13 +96,15 @@ class RouterIndex:
         kafka: dict[str, str | int | float | bool] | None = None,
         batch_size: int = 5000,
         codec: Codec | None = None,
+        dynamo: bool = False,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.consumer_group = consumer_group  # whose stored offsets the snapshot carries
         self.kafka = dict(kafka or {})
         self.batch_size = batch_size
-        self.store = RouterStore()
+        self.dynamo = dynamo  # keep Dynamo's block hashes too (its API: lookup/dynamo.py)
+        self.store = RouterStore(dynamo)
         self.codec = codec or Codec()
         self.lock = threading.RLock()
         self._stop = threading.Event()
@@ -121,7 +123,7 @@ class RouterIndex:
     def bootstrap(self, conn: psycopg.Connection) -> None:
         """Load one consistent snapshot of the PostgreSQL index (and its offsets)."""
         started = time.perf_counter()
-        store = RouterStore()
+        store = RouterStore(self.dynamo)
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             store.specs.update(load_specs(cur))

@@ -45,8 +45,9 @@ class RouterStore(StagedStore):
     """The router's in-memory index (see the module docstring). One writer at a time; the
     RouterIndex serializes writes and lookups with its lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, dynamo: bool = False) -> None:
         super().__init__()
+        self.dynamo = dynamo  # its groups keep Dynamo's block hashes (serve --dynamo-api)
         self.specs: dict[GroupKey, HeldSpec] = {}
         self.groups: dict[GroupKey, BlockGroup] = {}
         self.holder_ids: dict[Holder, int] = {}
@@ -59,6 +60,8 @@ class RouterStore(StagedStore):
         g = self.groups.get(key)
         if g is None:
             g = self.groups[key] = Group()
+            if self.dynamo:
+                g.enable_dynamo()
         return g
 
     def holder_id(self, holder: Holder) -> int:

@@ -35,6 +35,7 @@ const PARTIAL: u8 = 4;
 const PLAIN: u8 = 8; // no extra keys: token walks may use it
 const CHAINED: u8 = 16; // Row::chain is its content key (in Group::content)
 const COUNTED: u8 = 32; // some residency of the row has a refcount above one (Group::counts)
+const DYNAMO: u8 = 64; // the row is in Group::dynamo's table (see dynamo.rs)
 
 /// The content key of the root (what a first block's key is mixed with).
 const ROOT: u64 = 0x6b76_6c65_6467_6572;
@@ -91,6 +92,7 @@ pub struct Group {
     counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
     content: Slots,                                // content key -> rows
     seed: RandomState,
+    dynamo: Option<Box<dynamo::Dynamo>>, // Dynamo's hashes, once asked for
 }
 
 impl Default for Group {
@@ -115,6 +117,7 @@ impl Group {
             counts: HashMap::default(),
             content: Slots::default(),
             seed: RandomState::default(),
+            dynamo: None,
         }
     }
 
@@ -413,5 +416,7 @@ impl Group {
 }
 
 mod content;
+mod dynamo;
+pub use dynamo::{local_hash, seed_for};
 #[cfg(test)]
 mod tests;

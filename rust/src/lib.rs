@@ -23,6 +23,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<py_group::Group>()?;
+    m.add_function(wrap_pyfunction!(py_group::dynamo_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(avro::decode, m)?)?;
     m.add_function(wrap_pyfunction!(avro::encode, m)?)?;
     m.add(

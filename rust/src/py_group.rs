@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use crate::group::{Content, Group as Core};
 use crate::masks::MAX_HOLDERS;
@@ -194,6 +194,37 @@ impl Group {
         PyList::new(py, self.core.match_tokens(&tokens, bs, hbs, lora_name))
     }
 
+    /// enable_dynamo(): keep each full block's Dynamo local hash from now on.
+    fn enable_dynamo(&mut self) {
+        self.core.enable_dynamo();
+    }
+
+    /// dynamo_local(hash) -> int | None: the block's Dynamo local hash.
+    fn dynamo_local(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        Ok(self.core.dynamo_local(key_bytes(key)?))
+    }
+
+    /// dynamo_levels(locals, block_size) -> [(holder id, levels held as an int's bits)]:
+    /// the walk of a prompt's Dynamo local hashes (empty before enable_dynamo).
+    fn dynamo_levels<'py>(
+        &self,
+        py: Python<'py>,
+        locals: Vec<u64>,
+        block_size: i64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        let Ok(bs) = i32::try_from(block_size) else {
+            return Ok(out);
+        };
+        let from_bytes = py.get_type::<PyInt>().getattr("from_bytes")?;
+        for (hid, words) in self.core.dynamo_levels(&locals, bs) {
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let bits = from_bytes.call1((PyBytes::new(py, &bytes), "little"))?;
+            out.append((hid, bits))?;
+        }
+        Ok(out)
+    }
+
     fn __len__(&self) -> usize {
         self.core.blocks()
     }
@@ -202,4 +233,25 @@ impl Group {
     fn _hash(&self, key: &Bound<'_, PyAny>) -> PyResult<u64> {
         Ok(self.core.hash_of(key_bytes(key)?))
     }
+}
+
+/// dynamo_block_hashes(token_ids, block_size, seed) -> [int]: Dynamo's local hash of each
+/// full block (kvledger.schemas.dynamo's, natively).
+#[pyfunction]
+pub fn dynamo_block_hashes(
+    tokens: &Bound<'_, PyAny>,
+    block_size: i64,
+    seed: u64,
+) -> PyResult<Vec<u64>> {
+    let Ok(bs) = usize::try_from(block_size) else {
+        return Ok(Vec::new());
+    };
+    if bs == 0 {
+        return Ok(Vec::new());
+    }
+    let tokens = token_list(tokens)?;
+    Ok(tokens
+        .chunks_exact(bs)
+        .map(|block| crate::group::local_hash(block, seed))
+        .collect())
 }

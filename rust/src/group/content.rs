@@ -42,7 +42,7 @@ impl Group {
         h.finish()
     }
 
-    fn row_tokens(&self, row: u32) -> &[i32] {
+    pub(super) fn row_tokens(&self, row: u32) -> &[i32] {
         let r = &self.rows[row as usize];
         &self.tokens[r.tok_off as usize..(r.tok_off + r.tok_len) as usize]
     }
@@ -168,6 +168,7 @@ impl Group {
     /// A store's content for `key` (replacing what the row had).
     pub fn add_row(&mut self, key: &[u8], c: &Content<'_>) {
         let row = self.intern(key);
+        self.dynamo_drop(row);
         let parent = match c.parent {
             Some(p) => self.intern(p),
             None => NONE,
@@ -201,6 +202,7 @@ impl Group {
             | if c.partial { PARTIAL } else { 0 }
             | if c.plain { PLAIN } else { 0 };
         self.rechain(row);
+        self.dynamo_add(row);
         if old_parent != parent && old_parent != NONE {
             self.release(old_parent);
         }
@@ -214,11 +216,13 @@ impl Group {
         if self.rows[row as usize].flags & STORED == 0 {
             return;
         }
+        self.dynamo_drop(row);
         let lora = self.lora_id(lora);
         let r = &mut self.rows[row as usize];
         r.lora = lora;
         r.flags = (r.flags & !PLAIN) | if plain { PLAIN } else { 0 };
         self.rechain(row);
+        self.dynamo_add(row);
     }
 
     /// The content a store brought for `key`.

@@ -1,0 +1,511 @@
+"""NVIDIA Dynamo's KV-indexer API over the router index (`kvledger serve --memory
+--dynamo-api`): Dynamo's indexer, selection service and routers ask kvledger as they ask
+Dynamo's own standalone indexer (crate ``dynamo-kv-router`` 1.6.1, ``python -m
+dynamo.indexer``), at its paths, with its JSON and status codes.
+
+POST /query          {"token_ids", "model_name", "routing_group"?, "lora_name"?}
+POST /query_by_hash  {"block_hashes": [Dynamo local hashes], "model_name", ...}
+                     → {"scores": {worker: {dp_rank: tokens}}, "frequencies": [],
+                        "instances": {worker: {"longest_matched", "gpu", "dp", "cpu", "disk"}}}
+GET  /dump           every live worker's blocks as Dynamo's events, per "model:routing_group"
+GET  /workers        the workers (kvledger's sources) in Dynamo's shape
+POST /register       {"instance_id", "model_name", "endpoint", "block_size", "source"?}
+POST /unregister     {"instance_id", "model_name", ...}
+GET  /health         200
+
+The mapping (README, "kvledger as Dynamo's KV indexer"):
+- a (model, routing group) is kvledger's (model, group): routing group ``default`` is
+  group 0, a routing group ``N`` (digits) is group N;
+- a worker is a kvledger source at data-parallel rank 0; its id is the integer a source's
+  name ends in (``engine-3`` is 3), else — when the name has none, or an earlier source
+  claimed that integer — a stable 63-bit hash of the name; ``/register`` with ``source``
+  pins an id to a source;
+- tiers: GPU is Dynamo's device tier, CPU its host tier, STORAGE its disk tier; each lower
+  tier continues the match from where the tier above it ended, as Dynamo's do;
+- kvledger's rules stay: a source that is silent (``--silent-after``) or closed is not
+  scored nor dumped, restarts and lost gaps end what they end.
+
+Blocks are keyed by Dynamo's local hash, computed by the core from each block's tokens at
+apply time (rust/src/group/dynamo.rs); blocks with extra keys (a cache salt, multimodal
+inputs) have none: kvledger does not know how Dynamo would hash them, so it claims none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvledger.consumer.core.model import GroupKey
+from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
+from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, state_of
+from kvledger.schemas.dynamo import dynamo_seed
+
+if TYPE_CHECKING:
+    from kvledger.consumer.router.index import RouterIndex
+    from kvledger.consumer.router.store import RouterStore
+
+try:
+    from kvledger._core import dynamo_block_hashes as _native_hashes
+except ImportError:  # built without a Rust toolchain
+    _native_hashes = None  # type: ignore[assignment]
+
+# Dynamo's own limit on a query's body ("one million tokens as JSON text").
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_TOKENS = 1 << 20
+DEFAULT_ROUTING_GROUP = "default"
+TIERS = {"GPU": 0, "CPU": 1, "STORAGE": 2}  # device, host_pinned, disk
+TIER_NAMES = ("device", "host_pinned", "disk")
+_U64 = (1 << 64) - 1
+_SUFFIX = re.compile(r"(\d+)$")
+logger = logging.getLogger(__name__)
+
+Answer = tuple[int, Any]
+SALTED_HASHES = (
+    "cache_salt is not accepted by /query_by_hash; block_hashes must already include the "
+    "intended cache salt"
+)
+SALT_UNKNOWN = (
+    "cache_salt is not supported here: kvledger does not know which salt an engine's blocks "
+    "were hashed with"
+)
+
+
+class DynamoRequestError(ValueError):
+    """A request refused with Dynamo's status code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# ---------------------------------------------------------------------- naming
+def group_of(routing_group: str) -> int | None:
+    """kvledger's group of a Dynamo routing group (None: no such group)."""
+    if routing_group == DEFAULT_ROUTING_GROUP:
+        return 0
+    if routing_group.isdigit() and len(routing_group) < 10:
+        return int(routing_group)
+    return None
+
+
+def routing_group_of(group_idx: int) -> str:
+    return DEFAULT_ROUTING_GROUP if group_idx == 0 else str(group_idx)
+
+
+def hashed_worker_id(name: str) -> int:
+    """A source's worker id when its name ends in no integer of its own: 63 bits of the
+    SHA-256 of its name (stable across restarts and processes)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 1
+
+
+def block_id(key: bytes) -> int:
+    """A block hash as Dynamo's u64 block id: vLLM's 8-byte hashes are that integer; longer
+    digests give their last 8 bytes, as vLLM publishes them."""
+    return int.from_bytes(key[-8:], "big")
+
+
+class Workers:
+    """Worker ids for kvledger's sources (see the module docstring), and registrations.
+
+    Ids are given on first sight, in sorted order of the sources present at once, so a
+    source keeps its id for the life of the process; ``/register`` pins one for good."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.names: dict[int, str] = {}
+        # (instance_id, model, routing_group) -> the registration's fields
+        self.registered: dict[tuple[int, str, str], dict[str, Any]] = {}
+
+    def id_of(self, name: str) -> int:
+        wid = self.ids.get(name)
+        if wid is None:
+            m = _SUFFIX.search(name)
+            wid = int(m.group(1)) if m and len(m.group(1)) < 19 else None
+            if wid is None or wid in self.names:
+                wid = hashed_worker_id(name)
+            self._claim(name, wid)
+        return wid
+
+    def see(self, names: Sequence[str]) -> None:
+        for name in sorted(set(names) - self.ids.keys()):
+            self.id_of(name)
+
+    def _claim(self, name: str, wid: int) -> None:
+        old = self.ids.pop(name, None)
+        if old is not None:
+            self.names.pop(old, None)
+        taken = self.names.get(wid)
+        self.ids[name], self.names[wid] = wid, name
+        if taken is not None and taken != name:  # a pin takes the id from a derived one
+            del self.ids[taken]
+            self.id_of(taken)
+
+    def pin(self, name: str, wid: int) -> None:
+        self._claim(name, wid)
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    model: str
+    routing_group: str
+    locals: list[int] | None  # Dynamo local hashes (query_by_hash)
+    token_ids: list[int] | None
+    lora_name: str | None
+
+
+# ---------------------------------------------------------------------- parsing
+def _body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DynamoRequestError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise DynamoRequestError(422, "Failed to deserialize the JSON body: expected an object")
+    return body
+
+
+def _field(
+    body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...
+) -> Any:
+    value = body.get(name, default)
+    if value is ...:
+        raise DynamoRequestError(
+            422, f"Failed to deserialize the JSON body: missing field `{name}`"
+        )
+    if value is None and default is None:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise DynamoRequestError(
+            422, f"Failed to deserialize the JSON body: `{name}` has the wrong type"
+        )
+    return value
+
+
+def _ints(values: list[Any], name: str, low: int, high: int, limit: int) -> list[int]:
+    if len(values) > limit:
+        raise DynamoRequestError(413, f"`{name}` has {len(values)} items, over {limit}")
+    for v in values:
+        if type(v) is not int or not low <= v < high:
+            raise DynamoRequestError(
+                422, f"Failed to deserialize the JSON body: `{name}` holds {str(v)[:40]}, "
+                f"not an integer in [{low}, {high})",
+            )  # fmt: skip
+    return values
+
+
+def parse_query(raw: bytes, by_hash: bool) -> Query:
+    body = _body(raw)
+    model = _field(body, "model_name", str)
+    group = _field(body, "routing_group", str, DEFAULT_ROUTING_GROUP)
+    if body.get("cache_salt") is not None:
+        if by_hash:
+            raise DynamoRequestError(400, SALTED_HASHES)
+        raise DynamoRequestError(400, SALT_UNKNOWN)
+    if by_hash:
+        # Dynamo takes them as i64; their unsigned reading (what compute_block_hash_for_seq
+        # returns) is the same 8 bytes and is taken too.
+        hashes = _ints(_field(body, "block_hashes", list), "block_hashes", -(1 << 63), 1 << 64,
+                       MAX_TOKENS)  # fmt: skip
+        return Query(model, group, [h & _U64 for h in hashes], None, None)
+    tokens = _ints(_field(body, "token_ids", list), "token_ids", 0, 1 << 32, MAX_TOKENS)
+    lora = _field(body, "lora_name", str, None)
+    return Query(model, group, None, tokens, lora or None)
+
+
+def local_hashes(tokens: list[int], block_size: int, lora_name: str | None) -> list[int]:
+    seed = dynamo_seed(lora_name)
+    if _native_hashes is not None:
+        signed = [t - (1 << 32) if t >= 1 << 31 else t for t in tokens]
+        hashes: list[int] = _native_hashes(signed, block_size, seed)
+        return hashes
+    from kvledger.schemas.dynamo import dynamo_block_hashes
+
+    return dynamo_block_hashes(tokens, block_size, lora_name)
+
+
+def _ones(mask: int, start: int) -> int:
+    """How many set bits run from bit ``start``."""
+    rest = mask >> start
+    return ((rest + 1) & ~rest).bit_length() - 1
+
+
+# ---------------------------------------------------------------------- the API
+class DynamoApi:
+    """Dynamo's indexer routes over a :class:`RouterIndex` built with ``dynamo=True``."""
+
+    def __init__(self, router: RouterIndex, silent_after: timedelta | None = None) -> None:
+        if not router.dynamo:
+            raise ValueError("Dynamo's API needs a RouterIndex(dynamo=True)")
+        self.router = router
+        self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
+        self.workers = Workers()
+
+    def _live(self, store: RouterStore, now: datetime) -> dict[str, bool]:
+        return {
+            name: state_of(life, now, self.window) == "live" for name, life in store.lives.items()
+        }
+
+    def _partition(self, store: RouterStore, model: str, routing_group: str) -> GroupKey:
+        group = group_of(routing_group)
+        key = GroupKey(model, group) if group is not None else None
+        if key is None or key not in store.specs:
+            raise DynamoRequestError(
+                404, f"no indexer for model={model} routing_group={routing_group}"
+            )
+        return key
+
+    def query(self, raw: bytes, by_hash: bool) -> Answer:
+        q = parse_query(raw, by_hash)
+        now = datetime.now(UTC)
+        with self.router.lock:
+            store = self.router.store
+            key = self._partition(store, q.model, q.routing_group)
+            block_size = store.specs[key].spec.block_size
+            if q.locals is not None:
+                locals_ = q.locals
+            else:
+                assert q.token_ids is not None
+                locals_ = local_hashes(q.token_ids, block_size, q.lora_name)
+            g = store.groups.get(key)
+            levels = g.dynamo_levels(locals_, block_size) if g is not None and locals_ else []
+            tiers: dict[str, list[int]] = {}
+            live = self._live(store, now)
+            for hid, held in levels:
+                instance, medium, _ = store.holders[hid]
+                tier = TIERS.get(medium)
+                if tier is None or not live.get(instance, False):
+                    continue
+                masks = tiers.setdefault(instance, [0, 0, 0])
+                masks[tier] |= held
+            self.workers.see(list(tiers))
+            ids = {name: self.workers.id_of(name) for name in tiers}
+        scores: dict[str, dict[str, int]] = {}
+        instances: dict[str, dict[str, Any]] = {}
+        for name, (gpu, cpu, disk) in tiers.items():
+            g_blocks = _ones(gpu, 0)
+            c_blocks = g_blocks + _ones(cpu, g_blocks)
+            d_blocks = c_blocks + _ones(disk, c_blocks)
+            if d_blocks == 0:
+                continue
+            wid = str(ids[name])
+            if g_blocks:
+                scores[wid] = {"0": g_blocks * block_size}
+            instances[wid] = {
+                "longest_matched": d_blocks * block_size, "gpu": g_blocks * block_size,
+                "dp": {"0": g_blocks * block_size}, "cpu": c_blocks * block_size,
+                "disk": d_blocks * block_size,
+            }  # fmt: skip
+        return 200, {"scores": scores, "frequencies": [], "instances": instances}
+
+    # ------------------------------------------------------------------ /dump
+    def dump(self) -> Answer:
+        now = datetime.now(UTC)
+        out: dict[str, Any] = {}
+        with self.router.lock:
+            store = self.router.store
+            live = self._live(store, now)
+            self.workers.see([n for n, ok in live.items() if ok])
+            for key, held in store.specs.items():
+                g = store.groups.get(key)
+                events = list(self._events(store, g, live)) if g is not None else []
+                label = f"{key.model}:{routing_group_of(key.group_idx)}"
+                out[label] = {"block_size": held.spec.block_size, "events": events}
+        return 200, out
+
+    def _events(
+        self, store: RouterStore, g: Any, live: dict[str, bool]
+    ) -> Iterator[dict[str, Any]]:
+        """One stored event per chain a live holder holds on a Dynamo tier, parents first."""
+        event_id = 0
+        for hid, (instance, medium, _) in enumerate(store.holders):
+            tier = TIERS.get(medium)
+            if tier is None or not live.get(instance, False):
+                continue
+            wid = self.workers.id_of(instance)
+            rows = {}
+            for h in g.held_by(hid):
+                local = g.dynamo_local(h)
+                row = g.row(h)
+                if local is not None and row is not None:
+                    rows[h] = (row[0], row[1], local)
+            # parents first: by token position (a block without one after those with)
+            order = sorted(rows, key=lambda h: (rows[h][1] is None, rows[h][1] or 0, h))
+            sent: set[bytes] = set()
+            for h in order:
+                parent, _, local = rows[h]
+                if tier == 0 and parent is not None and parent not in sent:
+                    continue  # Dynamo's device tree reaches no block past a gap
+                sent.add(h)
+                event_id += 1
+                yield {
+                    "worker_id": wid, "storage_tier": TIER_NAMES[tier],
+                    "event": {
+                        "event_id": event_id, "dp_rank": 0,
+                        "data": {"stored": {
+                            "parent_hash": block_id(parent) if parent is not None else None,
+                            "start_position": None,
+                            "blocks": [{"block_hash": block_id(h), "tokens_hash": local,
+                                        "mm_extra_info": None}],
+                        }},
+                    },
+                }  # fmt: skip
+
+    # ------------------------------------------------------------------ workers
+    def list_workers(self, model: str | None, routing_group: str | None) -> Answer:
+        now = datetime.now(UTC)
+        with self.router.lock:
+            store = self.router.store
+            sizes = {k: h.spec.block_size for k, h in store.specs.items()}
+            seen: dict[tuple[str, GroupKey], str] = {}
+            for name, life in store.lives.items():
+                state = state_of(life, now, self.window)
+                if state in ("live", "silent"):
+                    for key in sizes:
+                        if key.model == life.model:
+                            seen[(name, key)] = "active" if state == "live" else "paused"
+            self.workers.see([name for name, _ in seen])
+            out = []
+            for (name, key), status in sorted(seen.items()):
+                wid = self.workers.id_of(name)
+                reg = self.workers.registered.get((wid, key.model, routing_group_of(key.group_idx)))
+                out.append(self._worker(wid, key, sizes[key], status, reg, name))
+            for (wid, m, rg), reg in sorted(self.workers.registered.items()):
+                pinned = self.workers.names.get(wid)
+                group = group_of(rg)
+                key = GroupKey(m, group if group is not None else -1)
+                if pinned is None or (pinned, key) not in seen:
+                    out.append(self._worker(wid, key, reg["block_size"], "pending", reg, pinned,
+                                            routing_group=rg))  # fmt: skip
+        return 200, [
+            w for w in out
+            if (model is None or w["model_name"] == model)
+            and (routing_group is None or w["routing_group"] == routing_group)
+        ]  # fmt: skip
+
+    @staticmethod
+    def _worker(
+        wid: int, key: GroupKey, block_size: int, status: str, reg: dict[str, Any] | None,
+        source: str | None, routing_group: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        endpoint = reg["endpoint"] if reg else ""
+        return {
+            "instance_id": wid, "source": "zmq", "status": status, "model_name": key.model,
+            "routing_group": routing_group or routing_group_of(key.group_idx),
+            "block_size": block_size, "endpoints": {"0": endpoint},
+            "listeners": {"0": {"endpoint": endpoint, "status": status}},
+            "kvledger_source": source,
+        }  # fmt: skip
+
+    def register(self, raw: bytes) -> Answer:
+        body = _body(raw)
+        wid = _ints([_field(body, "instance_id", int)], "instance_id", 0, 1 << 64, 1)[0]
+        model = _field(body, "model_name", str)
+        endpoint = _field(body, "endpoint", str)
+        rg = _field(body, "routing_group", str, DEFAULT_ROUTING_GROUP)
+        block_size = _ints([_field(body, "block_size", int)], "block_size", 1, 1 << 32, 1)[0]
+        source = _field(body, "source", str, None)
+        with self.router.lock:
+            group = group_of(rg)
+            held = (
+                self.router.store.specs.get(GroupKey(model, group)) if group is not None else None
+            )
+            if held is not None and held.spec.block_size != block_size:
+                why = (
+                    f"block_size {block_size} does not match the index's "
+                    f"{held.spec.block_size} for model={model} routing_group={rg}"
+                )
+                return 409, {"error": why}
+            if source is not None:
+                self.workers.pin(source, wid)
+            self.workers.registered[(wid, model, rg)] = {
+                "endpoint": endpoint, "block_size": block_size, "source": source,
+            }  # fmt: skip
+        return 201, {"status": "ok"}
+
+    def unregister(self, raw: bytes) -> Answer:
+        body = _body(raw)
+        wid = _ints([_field(body, "instance_id", int)], "instance_id", 0, 1 << 64, 1)[0]
+        model = _field(body, "model_name", str)
+        rg = _field(body, "routing_group", str, None)
+        with self.router.lock:
+            gone = [k for k in self.workers.registered
+                    if k[0] == wid and k[1] == model and (rg is None or k[2] == rg)]  # fmt: skip
+            for k in gone:
+                del self.workers.registered[k]
+        if not gone:
+            return 404, {"error": f"worker {wid} is not registered for model={model} (kvledger "
+                         "follows its sources from the log: one leaves when its engine says "
+                         "goodbye or goes silent)"}  # fmt: skip
+        return 200, {"status": "ok"}
+
+
+# ---------------------------------------------------------------------- HTTP
+def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[Route]:
+    """Starlette routes for Dynamo's paths; ``refusal(request)``: the service's answer to a
+    request it refuses before reading it (a missing bearer token), else None."""
+
+    def handler(name: str, fn: Callable[[Request, bytes], Answer], slow: bool = False) -> Any:
+        async def handle(request: Request) -> Response:
+            start = time.perf_counter()
+            result = refusal(request)
+            raw = b""
+            if result is None and request.method == "POST":
+                length = request.headers.get("content-length")
+                if length is None or not length.isdigit():
+                    result = 411, {"error": "a JSON body with Content-Length is required"}
+                elif int(length) > MAX_BODY_BYTES:
+                    result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
+                else:
+                    raw = await request.body()
+            if result is None:
+                result = await run_in_threadpool(_answer, name, fn, request, raw) if slow else (
+                    _answer(name, fn, request, raw)
+                )  # fmt: skip
+            LATENCY.labels(name).observe(time.perf_counter() - start)
+            REQUESTS.labels(name, str(result[0])).inc()
+            return JSONResponse(result[1], result[0])
+
+        return handle
+
+    def workers(request: Request, _: bytes) -> Answer:
+        q = request.query_params
+        return api.list_workers(q.get("model_name"), q.get("routing_group"))
+
+    return [
+        Route("/query", handler("dynamo_query", lambda _, b: api.query(b, False)),
+              methods=["POST"]),
+        Route("/query_by_hash", handler("dynamo_query_by_hash", lambda _, b: api.query(b, True)),
+              methods=["POST"]),
+        Route("/dump", handler("dynamo_dump", lambda _, b: api.dump(), slow=True),
+              methods=["GET"]),
+        Route("/workers", handler("dynamo_workers", workers), methods=["GET"]),
+        Route("/register", handler("dynamo_register", lambda _, b: api.register(b)),
+              methods=["POST"]),
+        Route("/unregister", handler("dynamo_unregister", lambda _, b: api.unregister(b)),
+              methods=["POST"]),
+        Route("/health", lambda _: Response(status_code=200), methods=["GET"]),
+    ]  # fmt: skip
+
+
+def _answer(
+    name: str, fn: Callable[[Request, bytes], Answer], request: Request, raw: bytes
+) -> Answer:
+    try:
+        return fn(request, raw)
+    except DynamoRequestError as exc:
+        return exc.status, {"error": str(exc)}
+    except Exception:  # a bug: answered and counted as a 500, never a dropped request
+        logger.exception("Dynamo API %s failed", name)
+        return 500, {"error": "internal error"}

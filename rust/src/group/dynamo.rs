@@ -1,0 +1,192 @@
+//! NVIDIA Dynamo's view of a group: each full block's Dynamo local hash (XXH3-64 of its
+//! token ids as little-endian u32, under Dynamo's seed, LoRA mixed in), and a walk of a
+//! prompt by those hashes, as Dynamo's indexer keys its tree.
+//!
+//! Kept only once a group is asked to ([`Group::enable_dynamo`]: `serve --dynamo-api`):
+//! 8 bytes a row and a slot table of (parent row, local hash) -> row. The table's keys are
+//! mixed under the group's secret seed, so although Dynamo's hash is public (and XXH3
+//! collisions are cheap to make), no one can aim rows at one slot run but by giving them
+//! the same parent and the same local hash, and those are, for Dynamo, one node anyway.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+
+use foldhash::fast::RandomState;
+use smallvec::SmallVec;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use super::{Group, DYNAMO, NONE, PARTIAL, PLAIN, STORED};
+use crate::slots::Slots;
+
+/// Dynamo's base seed for block hashes.
+const SEED: u64 = 1337;
+
+/// Dynamo's seed for a LoRA adapter's blocks (an empty name counts as none).
+pub fn seed_for(lora: Option<&str>) -> u64 {
+    match lora {
+        Some(name) if !name.is_empty() => SEED.wrapping_add(xxh3_64(name.as_bytes())),
+        _ => SEED,
+    }
+}
+
+/// Dynamo's local hash of one block's token ids.
+pub fn local_hash(tokens: &[i32], seed: u64) -> u64 {
+    let mut bytes: SmallVec<[u8; 256]> = SmallVec::with_capacity(tokens.len() * 4);
+    for &t in tokens {
+        bytes.extend_from_slice(&(t as u32).to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, seed)
+}
+
+#[derive(Default)]
+pub(super) struct Dynamo {
+    locals: Vec<u64>, // per row, where the row has DYNAMO
+    index: Slots,     // seed-mixed (parent row, local hash) -> row
+}
+
+impl Group {
+    fn dynamo_key(&self, parent: u32, local: u64) -> u64 {
+        self.seed.hash_one((parent, local))
+    }
+
+    /// The row's Dynamo local hash: it has content, a full block, no extra keys.
+    pub(super) fn local_of(&self, row: u32) -> Option<u64> {
+        let r = &self.rows[row as usize];
+        let full = r.block_size > 0 && r.tok_len == r.block_size as u32;
+        if r.flags & STORED == 0 || r.flags & PLAIN == 0 || r.flags & PARTIAL != 0 || !full {
+            return None;
+        }
+        let lora = (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str());
+        Some(local_hash(self.row_tokens(row), seed_for(lora)))
+    }
+
+    /// Keep Dynamo's hashes from now on (those of the rows already here included).
+    pub fn enable_dynamo(&mut self) {
+        if self.dynamo.is_some() {
+            return;
+        }
+        self.dynamo = Some(Box::default());
+        for row in 0..self.rows.len() as u32 {
+            if self.rows[row as usize].flags & STORED != 0 {
+                self.dynamo_add(row);
+            }
+        }
+    }
+
+    pub fn dynamo_enabled(&self) -> bool {
+        self.dynamo.is_some()
+    }
+
+    /// The Dynamo local hash of a block (None: not a full plain block with content).
+    pub fn dynamo_local(&self, key: &[u8]) -> Option<u64> {
+        self.local_of(self.find(key)?)
+    }
+
+    /// Before a change to `row`'s content, parent or metadata: its entry out of the table.
+    pub(super) fn dynamo_drop(&mut self, row: u32) {
+        if self.rows[row as usize].flags & DYNAMO == 0 {
+            return;
+        }
+        let Some(d) = self.dynamo.as_deref_mut() else {
+            return;
+        };
+        let (rows, seed) = (&self.rows, &self.seed);
+        let key_of = |r: u32| seed.hash_one((rows[r as usize].parent, d.locals[r as usize]));
+        let key = key_of(row);
+        d.index.remove(key, row, key_of);
+        self.rows[row as usize].flags &= !DYNAMO;
+    }
+
+    /// After such a change: its entry, where it has a local hash.
+    pub(super) fn dynamo_add(&mut self, row: u32) {
+        if self.dynamo.is_none() {
+            return;
+        }
+        let Some(local) = self.local_of(row) else {
+            return;
+        };
+        let key = self.dynamo_key(self.rows[row as usize].parent, local);
+        let (rows, seed) = (&self.rows, &self.seed);
+        let d = self.dynamo.as_deref_mut().expect("checked above");
+        if d.locals.len() < rows.len() {
+            d.locals.resize(rows.len(), 0);
+        }
+        d.locals[row as usize] = local;
+        if d.index.full() {
+            let locals = &d.locals;
+            let pairs = (0..rows.len() as u32)
+                .filter(|&r| rows[r as usize].flags & DYNAMO != 0)
+                .map(|r| {
+                    (
+                        seed.hash_one((rows[r as usize].parent, locals[r as usize])),
+                        r,
+                    )
+                });
+            let pairs: Vec<(u64, u32)> = pairs.collect();
+            d.index.rebuild(pairs.into_iter());
+        }
+        d.index.insert(key, row);
+        self.rows[row as usize].flags |= DYNAMO;
+    }
+
+    /// The walk of a prompt's Dynamo local hashes from the root: level i holds the rows
+    /// of local hash `locals[i]` and block size `block_size` whose parent is at level
+    /// i - 1. For every holder of any level, the levels it holds, as bits (bit i of word
+    /// i / 64). Empty where Dynamo's hashes are not kept.
+    pub fn dynamo_levels(&self, locals: &[u64], block_size: i32) -> Vec<(usize, Vec<u64>)> {
+        let Some(d) = self.dynamo.as_deref() else {
+            return Vec::new();
+        };
+        let words = locals.len().div_ceil(64);
+        let mut held: HashMap<usize, Vec<u64>, RandomState> = HashMap::default();
+        let mut parents: SmallVec<[u32; 2]> = smallvec::smallvec![NONE];
+        for (i, &local) in locals.iter().enumerate() {
+            let mut level: SmallVec<[u32; 2]> = SmallVec::new();
+            for &p in &parents {
+                for row in d.index.rows(self.dynamo_key(p, local)) {
+                    let r = &self.rows[row as usize];
+                    if r.flags & DYNAMO != 0
+                        && r.parent == p
+                        && r.block_size == block_size
+                        && d.locals[row as usize] == local
+                    {
+                        level.push(row);
+                    }
+                }
+            }
+            if level.is_empty() {
+                break;
+            }
+            for &row in &level {
+                for k in 0..self.width {
+                    let mut w = self.word(row, k);
+                    while w != 0 {
+                        let hid = k * 64 + w.trailing_zeros() as usize;
+                        let bits = held.entry(hid).or_insert_with(|| vec![0; words]);
+                        bits[i / 64] |= 1 << (i % 64);
+                        w &= w - 1;
+                    }
+                }
+            }
+            parents = level;
+        }
+        let mut out: Vec<(usize, Vec<u64>)> = held.into_iter().collect();
+        out.sort_unstable_by_key(|(hid, _)| *hid);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_hash_is_dynamos() {
+        // compute_block_hash_for_seq([1..8], 4) in Dynamo 1.6.1 (../shared/DYNAMO_FACTS.md)
+        let seed = seed_for(None);
+        assert_eq!(local_hash(&[1, 2, 3, 4], seed), 14643705804678351452);
+        assert_eq!(local_hash(&[5, 6, 7, 8], seed), 16777012769546811212);
+        assert_eq!(seed_for(Some("")), SEED);
+        assert_ne!(seed_for(Some("adapter")), SEED);
+    }
+}

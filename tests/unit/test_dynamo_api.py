@@ -1,0 +1,258 @@
+"""Dynamo's KV-indexer API over the router index (consumer/lookup/dynamo.py), without
+services: a simulated fleet's stream through the router store, then Dynamo's routes asked
+over HTTP. Dynamo's own RadixTree (the ai-dynamo-runtime 1.6.1 wheel), fed kvledger's
+/dump, scores every prompt as kvledger's /query does; refusals have Dynamo's status codes.
+tests/test_dynamo_api.py runs Dynamo's indexer itself against a served kvledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvledger.consumer.core.model import SourceLife
+from kvledger.consumer.lookup import dynamo as api
+from kvledger.consumer.lookup.http import create_app
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router import groups
+from kvledger.consumer.router import store as store_module
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.fleet import FleetConfig, random_tokens, system_prompts
+from kvledger.schemas.codec import Codec
+from tests.helpers.streams import fleet_stream
+
+if os.environ.get("CI") == "true":  # CI installs the dev extra: no skipping there
+    import dynamo._core as dynamo
+else:
+    dynamo = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime (the dev extra)")
+
+FLEET = FleetConfig(instances=4, requests=40, seed=41, gpu_capacity_blocks=64)
+MODEL = FLEET.model
+WIDE = timedelta(days=3650)  # a replayed stream's sources are all "live" within it
+
+
+@pytest.fixture(params=["compiled", "pure"])
+def router(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> RouterIndex:
+    """A router index holding the fleet's stream (never tailing a broker)."""
+    if request.param == "pure":
+        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
+    elif not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")
+    index = RouterIndex("127.0.0.1:9", dynamo=True)
+    codec = Codec()
+    messages = fleet_stream(FLEET).messages
+    for i in range(0, len(messages), 100):
+        run_batch(messages[i : i + 100], codec, index.store, "g")
+    return index
+
+
+@pytest.fixture
+def client(router: RouterIndex) -> TestClient:
+    return TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
+
+
+def prompts(count: int, seed: int = 3) -> list[list[int]]:
+    rng, systems = random.Random(seed), system_prompts(FLEET)
+    out = []
+    for _ in range(count):
+        base = rng.choice(systems)
+        cut = rng.randrange(0, len(base) + 1)
+        out.append(base[:cut] + random_tokens(rng, rng.choice([0, 16, 40, 300])))
+    return out
+
+
+def query(client: TestClient, tokens: list[int], **extra: Any) -> dict[str, Any]:
+    r = client.post("/query", json={"token_ids": tokens, "model_name": MODEL, **extra})
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def tree_from_dump(client: TestClient) -> tuple[Any, int]:
+    """Dynamo's RadixTree holding kvledger's /dump (its device tier: what the tree keeps)."""
+    dump = client.get("/dump").json()
+    entry = dump[f"{MODEL}:default"]
+    tree = dynamo.RadixTree()
+    device = [e for e in entry["events"] if e["storage_tier"] == "device"]
+    assert len(device) > 100
+    for e in device:
+        tree.apply_event(e["worker_id"], json.dumps(e["event"]).encode())
+    return tree, entry["block_size"]
+
+
+def test_dynamos_tree_fed_kvledgers_dump_scores_every_prompt_as_kvledger_does(
+    client: TestClient,
+) -> None:
+    tree, block_size = tree_from_dump(client)
+    hits = 0
+    for tokens in prompts(300):
+        locals_ = dynamo.compute_block_hash_for_seq(tokens, block_size)
+        theirs = {
+            str(w): {str(dp): n * block_size}
+            for (w, dp), n in tree.find_matches(locals_).scores.items()
+        }
+        ours = query(client, tokens)
+        assert ours["scores"] == theirs
+        by_hash = client.post("/query_by_hash", json={"block_hashes": locals_, "model_name": MODEL})
+        assert by_hash.json() == ours
+        signed = [h - (1 << 64) if h >= 1 << 63 else h for h in locals_]  # as Dynamo's i64
+        by_signed = client.post(
+            "/query_by_hash", json={"block_hashes": signed, "model_name": MODEL}
+        )
+        assert by_signed.json() == ours
+        hits += bool(theirs)
+    assert hits > 100  # the prompts do hit
+
+
+def test_scores_agree_with_v1_match_and_lower_tiers_continue_the_gpu_match(
+    client: TestClient,
+) -> None:
+    lower = 0
+    for tokens in prompts(200, seed=5):
+        ours = query(client, tokens)
+        held = client.post(
+            "/v1/match", json={"model": MODEL, "group_idx": 0, "token_ids": tokens}
+        ).json()["holders"]
+        gpu = {
+            str(int(h["instance"].rsplit("-", 1)[1])): {"0": h["matched_blocks"] * 32}
+            for h in held
+            if h["medium"] == "GPU" and h["matched_blocks"] > 0
+        }
+        assert ours["scores"] == gpu
+        for wid, summary in ours["instances"].items():
+            assert summary["gpu"] <= summary["cpu"] <= summary["disk"] == summary["longest_matched"]
+            assert summary["dp"] == {"0": summary["gpu"]}
+            assert (wid in ours["scores"]) == (summary["gpu"] > 0)
+            # every tier's own run from the root is within what the tiers give together
+            for h in held:
+                if str(int(h["instance"].rsplit("-", 1)[1])) == wid:
+                    assert h["matched_blocks"] * 32 <= summary["longest_matched"]
+            lower += summary["cpu"] > summary["gpu"] or summary["disk"] > summary["cpu"]
+    assert lower > 20  # lower tiers extend matches past the GPU's
+
+
+def test_every_block_keeps_dynamos_local_hash(router: RouterIndex) -> None:
+    checked = 0
+    for g in router.store.groups.values():
+        for h in g.hashes():
+            row = g.row(h)
+            assert row is not None
+            local = g.dynamo_local(h)
+            tokens, size, partial = list(row[2]), row[3], row[4]
+            if partial or size <= 0 or len(tokens) != size:
+                assert local is None
+                continue
+            assert [local] == dynamo.compute_block_hash_for_seq(tokens, size)
+            checked += 1
+    assert checked > 1000
+
+
+def test_lora_blocks_hash_with_their_adapter() -> None:
+    for kind in (groups.PureGroup, *([groups.Group] if groups.COMPILED else [])):
+        g = kind()
+        g.enable_dynamo()
+        g.add_row(b"\x01" * 8, None, 0, [5, 6, 7, 8], 4, False, "adapter-x", True)
+        g.add_row(b"\x02" * 8, b"\x01" * 8, 4, [9, 10, 11, 12], 4, False, "adapter-x", True)
+        g.add_row(b"\x03" * 8, None, 0, [5, 6, 7, 8], 4, False, None, True)
+        g.hold(b"\x01" * 8, 0, 1)
+        g.hold(b"\x02" * 8, 0, 1)
+        g.hold(b"\x03" * 8, 1, 1)
+        with_lora = dynamo.compute_block_hash_for_seq(list(range(5, 13)), 4, lora_name="adapter-x")
+        assert g.dynamo_local(b"\x02" * 8) == with_lora[1]
+        assert g.dynamo_levels(with_lora, 4) == [(0, 0b11)]
+        plain = dynamo.compute_block_hash_for_seq([5, 6, 7, 8], 4)
+        assert g.dynamo_levels(plain, 4) == [(1, 0b1)]
+        g.set_meta(b"\x03" * 8, None, False)  # extra keys now: Dynamo's hash unknown
+        assert g.dynamo_levels(plain, 4) == [] and g.dynamo_local(b"\x03" * 8) is None
+
+
+def test_a_source_that_is_not_live_is_not_scored_nor_dumped(router: RouterIndex) -> None:
+    client = TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
+    tokens = next(p for p in prompts(50) if query(client, p)["scores"])
+    wid = next(iter(query(client, tokens)["scores"]))
+    name = f"engine-{wid}"
+    life = router.store.lives[name]
+    router.store.lives[name] = SourceLife(life.model, life.epoch, life.last_seen,
+                                          closed_at=datetime.now(UTC))  # fmt: skip
+    assert wid not in query(client, tokens)["scores"]
+    assert wid not in query(client, tokens)["instances"]
+    events = client.get("/dump").json()[f"{MODEL}:default"]["events"]
+    assert events and all(str(e["worker_id"]) != wid for e in events)
+
+
+def test_refusals_have_dynamos_status_codes(client: TestClient) -> None:
+    def post(path: str, body: Any) -> tuple[int, Any]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        return r.status_code, r.json()
+
+    assert post("/query", {"token_ids": [1], "model_name": "nope"}) == (
+        404, {"error": "no indexer for model=nope routing_group=default"},
+    )  # fmt: skip
+    status, body = post("/query", {"token_ids": [1], "model_name": MODEL, "routing_group": "x"})
+    assert status == 404 and "routing_group=x" in body["error"]
+    assert post("/query", b"{not json")[0] == 400
+    assert post("/query", [1, 2])[0] == 422
+    assert post("/query", {"model_name": MODEL})[0] == 422  # no token_ids
+    assert post("/query", {"token_ids": "1 2", "model_name": MODEL})[0] == 422
+    assert post("/query", {"token_ids": [-1], "model_name": MODEL})[0] == 422
+    assert post("/query", {"token_ids": [1 << 32], "model_name": MODEL})[0] == 422
+    assert post("/query", {"token_ids": [True], "model_name": MODEL})[0] == 422
+    assert post("/query", {"token_ids": [1], "model_name": 7})[0] == 422
+    assert post("/query_by_hash", {"block_hashes": [1 << 64], "model_name": MODEL})[0] == 422
+    assert post("/query_by_hash", {"block_hashes": [-1], "model_name": MODEL})[0] == 200
+    salted = {"block_hashes": [1], "model_name": MODEL, "cache_salt": "s"}
+    assert post("/query_by_hash", salted)[0] == 400
+    assert post("/query", {"token_ids": [1], "model_name": MODEL, "cache_salt": "s"})[0] == 400
+    too_many = {"token_ids": [1] * (api.MAX_TOKENS + 1), "model_name": MODEL}
+    assert post("/query", too_many)[0] == 413
+    huge = b'{"token_ids": [' + b"1," * (api.MAX_BODY_BYTES // 2) + b'1], "model_name": "m"}'
+    assert post("/query", huge)[0] == 413
+    empty = post("/query", {"token_ids": [], "model_name": MODEL})
+    assert empty == (200, {"scores": {}, "frequencies": [], "instances": {}})
+
+
+def test_workers_registration_and_unregistration(client: TestClient) -> None:
+    workers = client.get("/workers").json()
+    assert {w["instance_id"] for w in workers} == {0, 1, 2, 3}
+    w = next(w for w in workers if w["instance_id"] == 2)
+    assert w["kvledger_source"] == "engine-2" and w["status"] == "active"
+    assert (w["model_name"], w["routing_group"], w["block_size"]) == (MODEL, "default", 32)
+    assert client.get("/workers", params={"model_name": "other"}).json() == []
+
+    reg = {"instance_id": 42, "endpoint": "tcp://10.0.0.9:5557", "model_name": MODEL,
+           "block_size": 32, "source": "engine-3"}  # fmt: skip
+    assert client.post("/register", json=reg).status_code == 201
+    ids = {w["kvledger_source"]: w["instance_id"] for w in client.get("/workers").json()}
+    assert ids["engine-3"] == 42
+    tokens = next(p for p in prompts(80) if "42" in query(client, p)["instances"])
+    assert "3" not in query(client, tokens)["instances"]
+
+    unknown = {"instance_id": 77, "endpoint": "tcp://x:1", "model_name": MODEL, "block_size": 32}
+    assert client.post("/register", json=unknown).status_code == 201
+    pending = [w for w in client.get("/workers").json() if w["instance_id"] == 77]
+    assert [w["status"] for w in pending] == ["pending"]
+    wrong = dict(unknown, instance_id=78, block_size=16)
+    assert client.post("/register", json=wrong).status_code == 409
+    assert client.post("/register", json={"instance_id": 1}).status_code == 422
+
+    out = {"instance_id": 77, "model_name": MODEL}
+    assert client.post("/unregister", json=out).json() == {"status": "ok"}
+    assert client.post("/unregister", json=out).status_code == 404
+    assert 77 not in {w["instance_id"] for w in client.get("/workers").json()}
+
+
+def test_worker_ids_are_stable_and_distinct() -> None:
+    w = api.Workers()
+    w.see(["b-7", "a-7", "plain", "9"])
+    assert w.id_of("a-7") == 7 and w.id_of("9") == 9
+    assert w.id_of("b-7") == api.hashed_worker_id("b-7") != 7  # 7 was claimed first
+    assert w.id_of("plain") == api.hashed_worker_id("plain") < 1 << 63
+    w.pin("plain", 7)  # a registration takes the id; the source that had it gets another
+    assert w.id_of("plain") == 7 and w.id_of("a-7") != 7
+    assert len(set(w.ids.values())) == len(w.ids) == len(w.names)

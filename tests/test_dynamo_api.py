@@ -1,0 +1,148 @@
+"""Dynamo's released indexer as kvledger's client, through real Kafka and PostgreSQL: a
+simulated fleet's life in the index, `kvledger serve --memory --dynamo-api` over it, and
+Dynamo's standalone indexer (``python -m dynamo.indexer`` from ai-dynamo-runtime 1.6.1)
+started with ``--peers`` at kvledger: it recovers kvledger's state from /dump and answers
+/query as kvledger's /query does, which agrees with kvledger's own /v1/match. Dynamo's
+selection service (``--indexer-peers``) recovers the same blocks."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from kvledger.fleet import FleetConfig, random_tokens, system_prompts
+from kvledger.simulate_cmd import run_simulation
+from tests.helpers.consuming import consume
+from tests.helpers.procs import first_answer, free_port, spawn
+from tests.test_router import LORA, lora_chain
+
+pytestmark = pytest.mark.integration
+if os.environ.get("CI") != "true":
+    pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
+
+
+def prompts(fleet: FleetConfig, count: int) -> list[list[int]]:
+    rng, systems = random.Random(17), system_prompts(fleet)
+    out = []
+    for _ in range(count):
+        base = rng.choice(systems)
+        cut = rng.randrange(0, len(base) + 1)
+        out.append(base[:cut] + random_tokens(rng, rng.choice([0, 16, 40, 300])))
+    return out
+
+
+def post(url: str, body: dict[str, Any]) -> Any:
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def blocks_of(dump: dict[str, Any]) -> set[tuple[str, int, str, int]]:
+    """(partition, worker, tier, block id) of every block a /dump stores."""
+    out = set()
+    for key, entry in dump.items():
+        for e in entry["events"]:
+            for block in e["event"]["data"]["stored"]["blocks"]:
+                out.add((key, e["worker_id"], e["storage_tier"], block["block_hash"]))
+    return out
+
+
+def ready(url: str, body: dict[str, Any], what: str, timeout: float = 60) -> None:
+    """Wait until ``url`` answers ``body`` with a 200 (an indexer recovering from peers
+    answers 404 until it has)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.post(url, json=body, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{what} never answered /query"
+        time.sleep(0.3)
+
+
+def test_dynamos_indexer_recovers_from_kvledger_and_answers_as_it_does(
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id, tmp_path
+) -> None:
+    topic = make_topic("dynamo-api", partitions=3)
+    fleet = FleetConfig(
+        instances=4, requests=60, seed=41, gpu_capacity_blocks=64, restart=("engine-1", 30)
+    )
+    run_simulation(kafka_bootstrap, topic, fleet, 3, False)
+    lora_prompt = lora_chain(kafka_bootstrap, topic, fleet)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+
+    port = free_port()
+    kvledger = f"http://127.0.0.1:{port}"
+    serve_log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it
+    spawn(
+        [sys.executable, "-m", "kvledger", "serve", "--memory", "--dynamo-api",
+         "--database-url", as_reader(fresh_database), "--bootstrap", kafka_bootstrap,
+         "--topic", topic, "--consumer-group", group_id, "--port", str(port),
+         "--silent-after", "86400"],
+        stdout=serve_log, stderr=serve_log,
+    )  # fmt: skip
+    first_answer(f"{kvledger}/healthz", "kvledger serve", timeout=60)
+    model = {"model_name": fleet.model}
+    ready(f"{kvledger}/query", {"token_ids": [1], **model}, "kvledger")
+
+    dport = free_port()
+    theirs = f"http://127.0.0.1:{dport}"
+    dynamo_log = open(tmp_path / "dynamo.log", "w")  # noqa: SIM115
+    spawn(
+        [sys.executable, "-m", "dynamo.indexer", "--port", str(dport), "--peers", kvledger],
+        stdout=dynamo_log, stderr=dynamo_log,
+    )  # fmt: skip
+    ready(f"{theirs}/query", {"token_ids": [1], **model}, "Dynamo's indexer")
+
+    sport = free_port()
+    selector = f"http://127.0.0.1:{sport}"
+    select_log = open(tmp_path / "select.log", "w")  # noqa: SIM115
+    spawn(
+        [sys.executable, "-m", "dynamo.select_service", "--port", str(sport),
+         "--indexer-peers", kvledger],
+        stdout=select_log, stderr=select_log,
+    )  # fmt: skip
+    first_answer(f"{selector}/health", "Dynamo's selection service", timeout=60)
+    # Both of Dynamo's services begin with kvledger's state: their /dump holds the blocks
+    # kvledger's does, per worker and tier.
+    ours_dump = blocks_of(httpx.get(f"{kvledger}/dump", timeout=60).json())
+    assert len(ours_dump) > 500
+    assert blocks_of(httpx.get(f"{theirs}/dump", timeout=60).json()) == ours_dump
+    deadline = time.monotonic() + 30
+    while blocks_of(httpx.get(f"{selector}/dump", timeout=60).json()) != ours_dump:
+        assert time.monotonic() < deadline, "the selection service did not recover kvledger's"
+        time.sleep(0.5)
+
+    hits = lower = 0
+    for tokens in [*prompts(fleet, 520), lora_prompt]:
+        body = {"token_ids": tokens, **model}
+        if tokens is lora_prompt:
+            body["lora_name"] = LORA
+        ours, dyn = post(f"{kvledger}/query", body), post(f"{theirs}/query", body)
+        assert ours == dyn, tokens[:8]
+        hits += bool(ours["scores"])
+        lower += any(s["disk"] > s["gpu"] for s in ours["instances"].values())
+        if tokens is lora_prompt:
+            assert ours["instances"] and not ours["scores"]  # the adapter's blocks: CPU
+            continue
+        if not tokens:
+            assert ours == {"scores": {}, "frequencies": [], "instances": {}}
+            continue
+        match = {"model": fleet.model, "token_ids": tokens, "silent_after_s": 86400}
+        holders = post(f"{kvledger}/v1/match", match)["holders"]
+        gpu = {
+            h["instance"].rsplit("-", 1)[1]: {"0": h["matched_blocks"] * 32}
+            for h in holders
+            if h["medium"] == "GPU" and h["matched_blocks"] > 0
+        }
+        assert ours["scores"] == gpu
+    assert hits > 150 and lower > 50
+    workers = httpx.get(f"{kvledger}/workers").json()
+    assert {w["kvledger_source"] for w in workers} >= {f"engine-{i}" for i in range(4)}

@@ -69,6 +69,7 @@ TIERS = {"GPU": 0, "CPU": 1, "STORAGE": 2}  # device, host_pinned, disk
 TIER_NAMES = ("device", "host_pinned", "disk")
 _U64 = (1 << 64) - 1
 _SUFFIX = re.compile(r"(\d+)$")
+_RANK = re.compile(r"^(.+)-dp(\d{1,6})$")
 logger = logging.getLogger(__name__)
 
 Answer = tuple[int, Any]
@@ -154,6 +155,17 @@ class Workers:
 
     def pin(self, name: str, wid: int) -> None:
         self._claim(name, wid)
+
+    def worker_of(self, source: str) -> tuple[int, int]:
+        """(worker id, data-parallel rank) of a source: the relay names rank r of an engine
+        with ``--dp-size`` ``<source>-dp<r>``; every other source is rank 0 of its own."""
+        m = _RANK.match(source)
+        if m is None:
+            return self.id_of(source), 0
+        return self.id_of(m.group(1)), int(m.group(2))
+
+    def see_sources(self, sources: Sequence[str]) -> None:
+        self.see([_RANK.sub(r"\1", s) for s in sources])
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,8 +301,8 @@ class DynamoApi:
                     continue
                 masks = tiers.setdefault(instance, [0, 0, 0])
                 masks[tier] |= held
-            self.workers.see(list(tiers))
-            ids = {name: self.workers.id_of(name) for name in tiers}
+            self.workers.see_sources(list(tiers))
+            ranks = {name: self.workers.worker_of(name) for name in tiers}
         scores: dict[str, dict[str, int]] = {}
         instances: dict[str, dict[str, Any]] = {}
         for name, (gpu, cpu, disk) in tiers.items():
@@ -299,14 +311,17 @@ class DynamoApi:
             d_blocks = c_blocks + _ones(disk, c_blocks)
             if d_blocks == 0:
                 continue
-            wid = str(ids[name])
+            wid, rank = (str(x) for x in ranks[name])
             if g_blocks:
-                scores[wid] = {"0": g_blocks * block_size}
-            instances[wid] = {
-                "longest_matched": d_blocks * block_size, "gpu": g_blocks * block_size,
-                "dp": {"0": g_blocks * block_size}, "cpu": c_blocks * block_size,
-                "disk": d_blocks * block_size,
-            }  # fmt: skip
+                scores.setdefault(wid, {})[rank] = g_blocks * block_size
+            # per worker, the best of its ranks (as Dynamo sums up a worker's ranks)
+            s = instances.setdefault(wid, {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0,
+                                           "disk": 0})  # fmt: skip
+            s["dp"][rank] = g_blocks * block_size
+            s["gpu"] = max(s["gpu"], g_blocks * block_size)
+            s["cpu"] = max(s["cpu"], c_blocks * block_size)
+            s["disk"] = max(s["disk"], d_blocks * block_size)
+            s["longest_matched"] = max(s["gpu"], s["cpu"], s["disk"])
         return 200, {"scores": scores, "frequencies": [], "instances": instances}
 
     # ------------------------------------------------------------------ /dump
@@ -316,7 +331,7 @@ class DynamoApi:
         with self.router.lock:
             store = self.router.store
             live = self._live(store, now)
-            self.workers.see([n for n, ok in live.items() if ok])
+            self.workers.see_sources([n for n, ok in live.items() if ok])
             for key, held in store.specs.items():
                 g = store.groups.get(key)
                 events = list(self._events(store, g, live)) if g is not None else []
@@ -333,7 +348,7 @@ class DynamoApi:
             tier = TIERS.get(medium)
             if tier is None or not live.get(instance, False):
                 continue
-            wid = self.workers.id_of(instance)
+            wid, rank = self.workers.worker_of(instance)
             rows = {}
             for h in g.held_by(hid):
                 local = g.dynamo_local(h)
@@ -352,7 +367,7 @@ class DynamoApi:
                 yield {
                     "worker_id": wid, "storage_tier": TIER_NAMES[tier],
                     "event": {
-                        "event_id": event_id, "dp_rank": 0,
+                        "event_id": event_id, "dp_rank": rank,
                         "data": {"stored": {
                             "parent_hash": block_id(parent) if parent is not None else None,
                             "start_position": None,
@@ -368,44 +383,49 @@ class DynamoApi:
         with self.router.lock:
             store = self.router.store
             sizes = {k: h.spec.block_size for k, h in store.specs.items()}
-            seen: dict[tuple[str, GroupKey], str] = {}
+            # (worker id, partition) -> its ranks' listener states
+            seen: dict[tuple[int, GroupKey], dict[int, str]] = {}
+            self.workers.see_sources(list(store.lives))
             for name, life in store.lives.items():
                 state = state_of(life, now, self.window)
-                if state in ("live", "silent"):
-                    for key in sizes:
-                        if key.model == life.model:
-                            seen[(name, key)] = "active" if state == "live" else "paused"
-            self.workers.see([name for name, _ in seen])
+                if state not in ("live", "silent"):
+                    continue
+                wid, rank = self.workers.worker_of(name)
+                for key in sizes:
+                    if key.model == life.model:
+                        status = "active" if state == "live" else "paused"
+                        seen.setdefault((wid, key), {})[rank] = status
             out = []
-            for (name, key), status in sorted(seen.items()):
-                wid = self.workers.id_of(name)
-                reg = self.workers.registered.get((wid, key.model, routing_group_of(key.group_idx)))
-                out.append(self._worker(wid, key, sizes[key], status, reg, name))
+            for (wid, key), ranks in sorted(seen.items()):
+                rg = routing_group_of(key.group_idx)
+                reg = self.workers.registered.get((wid, key.model, rg))
+                out.append(self._worker(wid, key.model, rg, sizes[key], ranks, reg))
             for (wid, m, rg), reg in sorted(self.workers.registered.items()):
-                pinned = self.workers.names.get(wid)
                 group = group_of(rg)
-                key = GroupKey(m, group if group is not None else -1)
-                if pinned is None or (pinned, key) not in seen:
-                    out.append(self._worker(wid, key, reg["block_size"], "pending", reg, pinned,
-                                            routing_group=rg))  # fmt: skip
+                if group is None or (wid, GroupKey(m, group)) not in seen:
+                    out.append(self._worker(wid, m, rg, reg["block_size"], {0: "pending"}, reg))
         return 200, [
             w for w in out
             if (model is None or w["model_name"] == model)
             and (routing_group is None or w["routing_group"] == routing_group)
         ]  # fmt: skip
 
-    @staticmethod
     def _worker(
-        wid: int, key: GroupKey, block_size: int, status: str, reg: dict[str, Any] | None,
-        source: str | None, routing_group: str | None = None,
+        self, wid: int, model: str, routing_group: str, block_size: int, ranks: dict[int, str],
+        reg: dict[str, Any] | None,
     ) -> dict[str, Any]:  # fmt: skip
+        """One worker in Dynamo's shape (its listener status the aggregate of its ranks',
+        as Dynamo's is), and the kvledger source it is."""
         endpoint = reg["endpoint"] if reg else ""
+        states = set(ranks.values())
+        status = next(s for s in ("pending", "active", "paused") if s in states)
         return {
-            "instance_id": wid, "source": "zmq", "status": status, "model_name": key.model,
-            "routing_group": routing_group or routing_group_of(key.group_idx),
-            "block_size": block_size, "endpoints": {"0": endpoint},
-            "listeners": {"0": {"endpoint": endpoint, "status": status}},
-            "kvledger_source": source,
+            "instance_id": wid, "source": "zmq", "status": status, "model_name": model,
+            "routing_group": routing_group, "block_size": block_size,
+            "endpoints": {str(r): endpoint for r in sorted(ranks)},
+            "listeners": {str(r): {"endpoint": endpoint, "status": st}
+                          for r, st in sorted(ranks.items())},
+            "kvledger_source": self.workers.names.get(wid),
         }  # fmt: skip
 
     def register(self, raw: bytes) -> Answer:

@@ -256,3 +256,11 @@ def test_worker_ids_are_stable_and_distinct() -> None:
     w.pin("plain", 7)  # a registration takes the id; the source that had it gets another
     assert w.id_of("plain") == 7 and w.id_of("a-7") != 7
     assert len(set(w.ids.values())) == len(w.ids) == len(w.names)
+
+
+def test_a_relays_data_parallel_ranks_are_one_worker() -> None:
+    w = api.Workers()
+    w.see_sources(["engine-3-dp0", "engine-3-dp1", "engine-4"])
+    assert w.worker_of("engine-3-dp1") == (3, 1) and w.worker_of("engine-3-dp0") == (3, 0)
+    assert w.worker_of("engine-4") == (4, 0)
+    assert w.worker_of("plain-dp2") == (api.hashed_worker_id("plain"), 2)

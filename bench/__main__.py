@@ -14,6 +14,7 @@ import logging
 from bench import (
     cli_start,
     consume,
+    dynamo_api,
     flood,
     lookup,
     peers,
@@ -38,6 +39,7 @@ def main() -> None:
     lookup.main()
     router.main()  # on the lookup benchmark's index, beside SQL
     peers.main()  # the same index as events, into kvledger's core and Dynamo's RadixTree
+    dynamo_api.main()  # Dynamo's POST /query from kvledger beside Dynamo's own indexer
     produce.main()
     relay.main()
     consume.main()

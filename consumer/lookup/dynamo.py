@@ -40,8 +40,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import msgspec
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -217,23 +218,54 @@ def _ints(values: list[Any], name: str, low: int, high: int, limit: int) -> list
     return values
 
 
+class _TokenQuery(msgspec.Struct):
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
+    model_name: str
+    routing_group: str = DEFAULT_ROUTING_GROUP
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class _HashQuery(msgspec.Struct):
+    # Dynamo takes them as i64; their unsigned reading (what compute_block_hash_for_seq
+    # returns) is the same 8 bytes and is taken too.
+    block_hashes: list[int]
+    model_name: str
+    routing_group: str = DEFAULT_ROUTING_GROUP
+    cache_salt: str | None = None
+
+
+_DECODERS: dict[bool, msgspec.json.Decoder[_TokenQuery | _HashQuery]] = {
+    False: msgspec.json.Decoder(_TokenQuery),
+    True: msgspec.json.Decoder(_HashQuery),
+}
+
+
 def parse_query(raw: bytes, by_hash: bool) -> Query:
-    body = _body(raw)
-    model = _field(body, "model_name", str)
-    group = _field(body, "routing_group", str, DEFAULT_ROUTING_GROUP)
-    if body.get("cache_salt") is not None:
-        if by_hash:
-            raise DynamoRequestError(400, SALTED_HASHES)
-        raise DynamoRequestError(400, SALT_UNKNOWN)
-    if by_hash:
-        # Dynamo takes them as i64; their unsigned reading (what compute_block_hash_for_seq
-        # returns) is the same 8 bytes and is taken too.
-        hashes = _ints(_field(body, "block_hashes", list), "block_hashes", -(1 << 63), 1 << 64,
-                       MAX_TOKENS)  # fmt: skip
-        return Query(model, group, [h & _U64 for h in hashes], None, None)
-    tokens = _ints(_field(body, "token_ids", list), "token_ids", 0, 1 << 32, MAX_TOKENS)
-    lora = _field(body, "lora_name", str, None)
-    return Query(model, group, None, tokens, lora or None)
+    """A /query or /query_by_hash body (typed and bounded by msgspec, in C: a prompt's
+    tokens are checked without a Python loop over them)."""
+    try:
+        q = _DECODERS[by_hash].decode(raw)
+    except msgspec.ValidationError as exc:
+        raise DynamoRequestError(422, f"Failed to deserialize the JSON body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise DynamoRequestError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    if q.cache_salt is not None:
+        raise DynamoRequestError(400, SALTED_HASHES if by_hash else SALT_UNKNOWN)
+    if isinstance(q, _HashQuery):
+        hashes = q.block_hashes
+        if len(hashes) > MAX_TOKENS:
+            raise DynamoRequestError(413, f"`block_hashes` has over {MAX_TOKENS} items")
+        if hashes and (min(hashes) < -(1 << 63) or max(hashes) >= 1 << 64):
+            raise DynamoRequestError(
+                422, "Failed to deserialize the JSON body: `block_hashes` holds an integer "
+                "outside [-2**63, 2**64)",
+            )  # fmt: skip
+        return Query(q.model_name, q.routing_group, [h & _U64 for h in q.block_hashes], None,
+                     None)  # fmt: skip
+    if len(q.token_ids) > MAX_TOKENS:
+        raise DynamoRequestError(413, f"`token_ids` has over {MAX_TOKENS} items")
+    return Query(q.model_name, q.routing_group, None, q.token_ids, q.lora_name or None)
 
 
 def local_hashes(tokens: list[int], block_size: int, lora_name: str | None) -> list[int]:
@@ -519,8 +551,58 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
     ]  # fmt: skip
 
 
+def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]:
+    """POST /query and /query_by_hash straight on ASGI (as the service's /v1/match from
+    memory: Starlette's per-request layers cost more than the lookup). Same checks, answers
+    and metrics as :func:`routes`; ``allowed(authorization)``: the bearer check."""
+
+    def hot(name: str, by_hash: bool) -> Any:
+        async def handle(scope: Any, receive: Any, send: Any) -> None:
+            start = time.perf_counter()
+            authorization, length = "", None
+            for key, value in scope["headers"]:
+                if key == b"authorization":
+                    authorization = value.decode("latin-1")
+                elif key == b"content-length":
+                    length = value.decode("latin-1")
+            result: Answer
+            if not allowed(authorization):
+                result = 401, {"error": "a bearer token is required"}
+            elif length is None or not length.isdigit():
+                result = 411, {"error": "a JSON body with Content-Length is required"}
+            elif int(length) > MAX_BODY_BYTES:
+                result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
+            else:
+                chunks = []
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+                raw = b"".join(chunks)
+                result = _answer(name, lambda _, b: api.query(b, by_hash), None, raw)
+            LATENCY.labels(name).observe(time.perf_counter() - start)
+            REQUESTS.labels(name, str(result[0])).inc()
+            body = json.dumps(result[1], separators=(",", ":")).encode()
+            headers = [(b"content-length", str(len(body)).encode()),
+                       (b"content-type", b"application/json")]  # fmt: skip
+            if result[0] == 401:
+                headers.append((b"www-authenticate", b"Bearer"))
+            await send({"type": "http.response.start", "status": result[0], "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        return handle
+
+    return {
+        "/query": hot("dynamo_query", False),
+        "/query_by_hash": hot("dynamo_query_by_hash", True),
+    }
+
+
 def _answer(
-    name: str, fn: Callable[[Request, bytes], Answer], request: Request, raw: bytes
+    name: str, fn: Callable[[Any, bytes], Answer], request: Request | None, raw: bytes
 ) -> Answer:
     try:
         return fn(request, raw)

@@ -359,6 +359,7 @@ def create_app(
             pool.close()
 
     extra: list[Route] = []
+    hot: dict[str, ASGIApp] = {"/v1/match": hot_match}
     if dynamo_api:
         from kvledger.consumer.lookup import dynamo
 
@@ -368,7 +369,9 @@ def create_app(
         def refusal(request: Request) -> tuple[int, Any] | None:
             return None if allowed(request.headers.get("authorization", "")) else refused()[:2]
 
-        extra = dynamo.routes(dynamo.DynamoApi(router, silent_after), refusal)
+        dynamo_api_ = dynamo.DynamoApi(router, silent_after)
+        extra = dynamo.routes(dynamo_api_, refusal)
+        hot.update(dynamo.hot_routes(dynamo_api_, allowed))
     app = Starlette(
         routes=[
             *extra,
@@ -381,7 +384,7 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
-    return _HotPath(app, hot_match) if router is not None else app
+    return _HotPath(app, hot) if router is not None else app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -401,19 +404,22 @@ def length_error(length: str | None) -> str | None:
 
 
 class _HotPath:
-    """The app, with POST /v1/match (memory mode) answered straight on ASGI: the request a
+    """The app, with POST /v1/match (memory mode; and Dynamo's /query and /query_by_hash,
+    lookup/dynamo.py) answered straight on ASGI: the request a
     router makes per prompt skips Starlette's per-request layers (middleware, routing,
     Request and Response objects), which cost more than the lookup itself. Same checks,
     answers, bytes and metrics as the Starlette route; everything else goes to the app."""
 
-    def __init__(self, app: Starlette, match: ASGIApp) -> None:
-        self.app, self.match = app, match
+    def __init__(self, app: Starlette, hot: dict[str, ASGIApp]) -> None:
+        self.app, self.hot = app, hot  # POST path -> its handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/match" and scope["method"] == "POST":
-            await self.match(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.hot.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _send_json(send: Send, status: int, payload: Any, headers: dict[str, str]) -> None:

@@ -8,7 +8,6 @@ selection service (``--indexer-peers``) recovers the same blocks."""
 from __future__ import annotations
 
 import os
-import random
 import sys
 import time
 from typing import Any
@@ -16,25 +15,16 @@ from typing import Any
 import httpx
 import pytest
 
-from kvledger.fleet import FleetConfig, random_tokens, system_prompts
+from kvledger.fleet import FleetConfig
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.consuming import consume
 from tests.helpers.procs import first_answer, free_port, spawn
+from tests.helpers.streams import fleet_prompts
 from tests.test_router import LORA, lora_chain
 
 pytestmark = pytest.mark.integration
 if os.environ.get("CI") != "true":
     pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
-
-
-def prompts(fleet: FleetConfig, count: int) -> list[list[int]]:
-    rng, systems = random.Random(17), system_prompts(fleet)
-    out = []
-    for _ in range(count):
-        base = rng.choice(systems)
-        cut = rng.randrange(0, len(base) + 1)
-        out.append(base[:cut] + random_tokens(rng, rng.choice([0, 16, 40, 300])))
-    return out
 
 
 def post(url: str, body: dict[str, Any]) -> Any:
@@ -121,7 +111,7 @@ def test_dynamos_indexer_recovers_from_kvledger_and_answers_as_it_does(
         time.sleep(0.5)
 
     hits = lower = 0
-    for tokens in [*prompts(fleet, 520), lora_prompt]:
+    for tokens in [*fleet_prompts(fleet, 520, 17), lora_prompt]:
         body = {"token_ids": tokens, **model}
         if tokens is lora_prompt:
             body["lora_name"] = LORA

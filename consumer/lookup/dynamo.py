@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvledger.consumer.core.model import GroupKey
+from kvledger.consumer.lookup.http import read_body
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, state_of
 from kvledger.schemas.dynamo import dynamo_seed
@@ -573,15 +574,9 @@ def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]
             elif int(length) > MAX_BODY_BYTES:
                 result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
             else:
-                chunks = []
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return
-                    chunks.append(message.get("body", b""))
-                    if not message.get("more_body", False):
-                        break
-                raw = b"".join(chunks)
+                raw = await read_body(receive)
+                if raw is None:
+                    return
                 result = _answer(name, lambda _, b: api.query(b, by_hash), None, raw)
             LATENCY.labels(name).observe(time.perf_counter() - start)
             REQUESTS.labels(name, str(result[0])).inc()

@@ -326,15 +326,10 @@ def create_app(
         elif bad := length_error(length):
             result = 400, {"error": bad}, {}
         else:
-            chunks = []
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    break
-            result = answer("match", match, b"".join(chunks))
+            raw = await read_body(receive)
+            if raw is None:
+                return
+            result = answer("match", match, raw)
         status, payload, headers = counted("match", start, result)
         await _send_json(send, status, payload, headers)
 
@@ -420,6 +415,18 @@ class _HotPath:
                 await handler(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """A request's whole body from ASGI messages (None: the client went away)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 async def _send_json(send: Send, status: int, payload: Any, headers: dict[str, str]) -> None:

@@ -7,12 +7,13 @@ on partitions by key; :func:`fleet_stream` is the simulated fleet's whole output
 from __future__ import annotations
 
 import dataclasses
+import random
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvledger.consumer.inbound import Inbound
-from kvledger.fleet import Fleet, FleetConfig
+from kvledger.fleet import Fleet, FleetConfig, random_tokens, system_prompts
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from kvledger.schemas.events import (
     AllBlocksCleared,
@@ -185,3 +186,15 @@ def edge_stream() -> Stream:
     keep_cpu = dataclasses.replace(spec(0, block=8, hash_size=4), surviving_media=("CPU",))
     s.send(a, keep_cpu, epoch=3, seq=0)  # a restart that keeps CPU (and ends STORAGE)
     return s
+
+
+def fleet_prompts(config: FleetConfig, count: int, seed: int) -> list[list[int]]:
+    """Prompts a router would send a fleet: a system prompt cut anywhere (the whole, none),
+    then a tail of fresh tokens of 0, 16, 40 or 300."""
+    rng, systems = random.Random(seed), system_prompts(config)
+    out = []
+    for _ in range(count):
+        base = rng.choice(systems)
+        cut = rng.randrange(0, len(base) + 1)
+        out.append(base[:cut] + random_tokens(rng, rng.choice([0, 16, 40, 300])))
+    return out

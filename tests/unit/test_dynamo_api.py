@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,9 +21,9 @@ from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import groups
 from kvledger.consumer.router import store as store_module
 from kvledger.consumer.router.index import RouterIndex
-from kvledger.fleet import FleetConfig, random_tokens, system_prompts
+from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
-from tests.helpers.streams import fleet_stream
+from tests.helpers.streams import fleet_prompts, fleet_stream
 
 if os.environ.get("CI") == "true":  # CI installs the dev extra: no skipping there
     import dynamo._core as dynamo
@@ -57,13 +56,7 @@ def client(router: RouterIndex) -> TestClient:
 
 
 def prompts(count: int, seed: int = 3) -> list[list[int]]:
-    rng, systems = random.Random(seed), system_prompts(FLEET)
-    out = []
-    for _ in range(count):
-        base = rng.choice(systems)
-        cut = rng.randrange(0, len(base) + 1)
-        out.append(base[:cut] + random_tokens(rng, rng.choice([0, 16, 40, 300])))
-    return out
+    return fleet_prompts(FLEET, count, seed)
 
 
 def query(client: TestClient, tokens: list[int], **extra: Any) -> dict[str, Any]:

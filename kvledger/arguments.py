@@ -229,17 +229,21 @@ def add_lookup(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--dynamo-api", action="store_true",
-        help="with --memory: also serve NVIDIA Dynamo's KV-indexer API (/query, "
-        "/query_by_hash, /dump, /workers, /register, /unregister) for Dynamo's routers",
+        help="also serve NVIDIA Dynamo's KV-indexer API (/query, /query_by_hash, /dump, "
+        "/workers, /register, /unregister) for Dynamo's routers, from an in-memory router "
+        "index (the --memory one; without --memory, one of its own beside SQL)",
     )  # fmt: skip
-    _bootstrap_arg(p, "with --memory: ")
+    _bootstrap_arg(p, "with --memory or --dynamo-api: ")
     add_kafka_args(p)
     add_registry_args(p)
-    p.add_argument("--topic", default=DEFAULT_TOPIC, help="with --memory: the events topic")
+    p.add_argument(
+        "--topic", default=DEFAULT_TOPIC, help="with --memory or --dynamo-api: the events topic"
+    )
     p.add_argument(
         "--consumer-group",
         default=DEFAULT_GROUP,
-        help="with --memory: the consumer group whose stored offsets the snapshot is at",
+        help="with --memory or --dynamo-api: the consumer group whose stored offsets the "
+        "snapshot is at",
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")

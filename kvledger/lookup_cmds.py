@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvledger import settings
 from kvledger.arguments import ENV_LOOKUP_TOKEN
@@ -20,6 +21,9 @@ from kvledger.consumer.lookup.api import split_live, tied, unknown_group
 from kvledger.process import freeze_startup_objects
 from kvledger.schemas.lookup import Holder, Ranked
 from kvledger.tables import print_table
+
+if TYPE_CHECKING:
+    from kvledger.consumer.router.index import RouterIndex
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -49,20 +53,32 @@ def serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "log_level": "info", "access_log": False,
         "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
     }  # fmt: skip
-    if args.dynamo_api and not args.memory:
-        raise SystemExit(
-            "kvledger serve: --dynamo-api needs --memory (Dynamo's API is answered from the "
-            "router index, which keeps Dynamo's block hashes)"
-        )
-    if not args.memory:
-        app = create_app(
-            database, args.pool_size, window, token=token,
-            statement_timeout_ms=int(args.statement_timeout * 1000),
-            pool_timeout_s=args.pool_timeout, allow_writer=args.allow_writer,
-        )  # fmt: skip
+    # Dynamo's API is answered from a router index (it keeps Dynamo's block hashes): the
+    # memory mode's own, or, beside the SQL mode, one of its own.
+    router = _router(args, database) if args.memory or args.dynamo_api else None
+    try:
+        if args.memory:
+            app = create_app(
+                silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api
+            )
+        else:
+            app = create_app(
+                database, args.pool_size, window, token=token,
+                statement_timeout_ms=int(args.statement_timeout * 1000),
+                pool_timeout_s=args.pool_timeout, allow_writer=args.allow_writer,
+                dynamo_api=args.dynamo_api, dynamo_router=router,
+            )  # fmt: skip
         freeze_startup_objects()
         uvicorn.run(app, **server)
-        return 0
+    finally:
+        if router is not None:
+            router.stop()
+    return 0
+
+
+def _router(args: argparse.Namespace, database: str) -> RouterIndex:
+    """The router index `serve` answers from: bootstrapped from the database, following
+    the topic (with Dynamo's block hashes when --dynamo-api asks)."""
     from kvledger.consumer.router.index import RouterIndex
 
     router = RouterIndex(
@@ -73,15 +89,7 @@ def serve(args: argparse.Namespace) -> int:
     with connect(database) as conn:
         router.bootstrap(conn)
     router.start()
-    freeze_startup_objects()
-    try:
-        app = create_app(
-            silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api
-        )
-        uvicorn.run(app, **server)
-    finally:
-        router.stop()
-    return 0
+    return router
 
 
 def lookup(args: argparse.Namespace) -> int:

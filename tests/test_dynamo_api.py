@@ -81,7 +81,29 @@ def test_dynamos_indexer_recovers_from_kvledger_and_answers_as_it_does(
     first_answer(f"{kvledger}/healthz", "kvledger serve", timeout=60)
     model = {"model_name": fleet.model}
     ready(f"{kvledger}/query", {"token_ids": [1], **model}, "kvledger")
+    sql_port = free_port()  # the SQL-backed service, with Dynamo's API from a router of its own
+    beside_sql = f"http://127.0.0.1:{sql_port}"
+    sql_service = spawn(
+        [sys.executable, "-m", "kvledger", "serve", "--dynamo-api",
+         "--database-url", as_reader(fresh_database), "--bootstrap", kafka_bootstrap,
+         "--topic", topic, "--consumer-group", group_id, "--port", str(sql_port),
+         "--silent-after", "86400"],
+        stdout=serve_log, stderr=serve_log,
+    )  # fmt: skip
+    ready(f"{beside_sql}/query", {"token_ids": [1], **model}, "kvledger (SQL mode)")
+    try:
+        compare(fleet, lora_prompt, kvledger, beside_sql, tmp_path)
+    finally:  # its pool holds connections the database's drop would wait for
+        sql_service.terminate()
+        sql_service.wait(30)
 
+
+def compare(
+    fleet: FleetConfig, lora_prompt: list[int], kvledger: str, beside_sql: str, tmp_path: Any
+) -> None:
+    """Dynamo's indexer and selection service started at ``kvledger``; /query from Dynamo's
+    indexer, from kvledger and from the SQL mode's service compared; /v1/match beside."""
+    model = {"model_name": fleet.model}
     dport = free_port()
     theirs = f"http://127.0.0.1:{dport}"
     dynamo_log = open(tmp_path / "dynamo.log", "w")  # noqa: SIM115
@@ -117,6 +139,8 @@ def test_dynamos_indexer_recovers_from_kvledger_and_answers_as_it_does(
             body["lora_name"] = LORA
         ours, dyn = post(f"{kvledger}/query", body), post(f"{theirs}/query", body)
         assert ours == dyn, tokens[:8]
+        if hits < 100:
+            assert post(f"{beside_sql}/query", body) == ours
         hits += bool(ours["scores"])
         lower += any(s["disk"] > s["gpu"] for s in ours["instances"].values())
         if tokens is lora_prompt:
@@ -127,6 +151,8 @@ def test_dynamos_indexer_recovers_from_kvledger_and_answers_as_it_does(
             continue
         match = {"model": fleet.model, "token_ids": tokens, "silent_after_s": 86400}
         holders = post(f"{kvledger}/v1/match", match)["holders"]
+        if hits < 100:  # the SQL functions' answer is the router's
+            assert post(f"{beside_sql}/v1/match", match)["holders"] == holders
         gpu = {
             h["instance"].rsplit("-", 1)[1]: {"0": h["matched_blocks"] * 32}
             for h in holders

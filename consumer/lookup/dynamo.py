@@ -1,5 +1,6 @@
-"""NVIDIA Dynamo's KV-indexer API over the router index (`kvledger serve --memory
---dynamo-api`): Dynamo's indexer, selection service and routers ask kvledger as they ask
+"""NVIDIA Dynamo's KV-indexer API over the router index (`kvledger serve --dynamo-api`,
+from the --memory router or, beside SQL, one of its own): Dynamo's indexer, selection
+service and routers ask kvledger as they ask
 Dynamo's own standalone indexer (crate ``dynamo-kv-router`` 1.6.1, ``python -m
 dynamo.indexer``), at its paths, with its JSON and status codes.
 

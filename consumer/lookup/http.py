@@ -139,6 +139,7 @@ def create_app(
     pool_timeout_s: float = 5.0,
     allow_writer: bool = False,
     dynamo_api: bool = False,
+    dynamo_router: RouterIndex | None = None,
 ) -> ASGIApp:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
@@ -147,7 +148,8 @@ def create_app(
     ``pool_timeout_s`` for a connection is answered 503 with Retry-After. The database role
     must not be able to write to the index (:class:`WriterRoleError`, raised here) unless
     ``allow_writer``. ``dynamo_api``: also serve NVIDIA Dynamo's KV-indexer routes
-    (:mod:`.dynamo`; memory mode, with a router built with ``dynamo=True``)."""
+    (:mod:`.dynamo`), from ``dynamo_router`` or else ``router`` (built with
+    ``dynamo=True``): Dynamo's routes are always answered from memory."""
     expected = f"Bearer {token}".encode() if token else None
 
     def allowed(authorization: str) -> bool:
@@ -354,17 +356,18 @@ def create_app(
             pool.close()
 
     extra: list[Route] = []
-    hot: dict[str, ASGIApp] = {"/v1/match": hot_match}
+    hot: dict[str, ASGIApp] = {"/v1/match": hot_match} if router is not None else {}
     if dynamo_api:
         from kvledger.consumer.lookup import dynamo
 
-        if router is None:
-            raise ValueError("Dynamo's API is served from memory (a router)")
+        source = dynamo_router or router
+        if source is None:
+            raise ValueError("Dynamo's API is served from memory: it needs a router")
 
         def refusal(request: Request) -> tuple[int, Any] | None:
             return None if allowed(request.headers.get("authorization", "")) else refused()[:2]
 
-        dynamo_api_ = dynamo.DynamoApi(router, silent_after)
+        dynamo_api_ = dynamo.DynamoApi(source, silent_after)
         extra = dynamo.routes(dynamo_api_, refusal)
         hot.update(dynamo.hot_routes(dynamo_api_, allowed))
     app = Starlette(
@@ -379,7 +382,7 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
-    return _HotPath(app, hot) if router is not None else app
+    return _HotPath(app, hot) if hot else app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

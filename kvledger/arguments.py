@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 
 # The defaults of modules that import Kafka's client or more (tests/unit/test_cli_help.py
 # holds them equal to kvledger.producer.config.DEFAULT_TOPIC, schemas.topics'
-# DEFAULT_PARTITIONS and fleet.DEFAULT_MODEL).
+# DEFAULT_PARTITIONS, fleet.DEFAULT_MODEL and the relay's ENGINES).
 DEFAULT_TOPIC = "kv-events"
 DEFAULT_PARTITIONS = 12
 DEFAULT_MODEL = "sim-llama-8b"
+ENGINES = ("vllm", "sglang")
 ENV_LOOKUP_TOKEN = "KVLEDGER_LOOKUP_TOKEN"
 ENV_ADMIN = "KVLEDGER_ADMIN_DATABASE_URL"
 ENV_READER_PASSWORD = "KVLEDGER_READER_PASSWORD"
@@ -315,14 +316,20 @@ def add_sources(subparsers: Subparsers) -> None:
 def add_relay(subparsers: Subparsers) -> None:
     p = add(
         subparsers, "relay", "relay",
-        "relay a stock vLLM engine's ZMQ KV events into Kafka",
+        "relay a stock vLLM or SGLang engine's ZMQ KV events into Kafka",
         description=(
             "Subscribe to a vLLM engine's KV-event publisher (started with --kv-events-config "
             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
-            '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\') and publish its events '
-            "to Kafka, recovering missed batches from the engine's replay socket. One relay "
-            "per engine; data-parallel ranks listen on consecutive ports."
+            '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'), or an SGLang engine\'s '
+            "(--engine sglang; SGLang's --kv-events-config takes the same JSON), and publish "
+            "its events to Kafka, recovering missed batches from the engine's replay socket. "
+            "One relay per engine; data-parallel ranks listen on consecutive ports."
         ),
+    )  # fmt: skip
+    p.add_argument(
+        "--engine", choices=ENGINES, default="vllm",
+        help="whose events: vLLM's or SGLang's (the same ZMQ framing and replay; SGLang's "
+        "signed hashes, media and cache salts read as README's Engines table says)",
     )  # fmt: skip
     p.add_argument("--endpoint", required=True, help="the engine's PUB endpoint, tcp://HOST:PORT")
     p.add_argument(

@@ -1,4 +1,5 @@
-"""`kvledger relay`: one stock vLLM engine's ZMQ KV events into Kafka (a sidecar)."""
+"""`kvledger relay`: one stock vLLM or SGLang engine's ZMQ KV events into Kafka (a
+sidecar)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         engine_topic=args.engine_topic.encode(),
         heartbeat_interval_s=args.heartbeat_interval,
         surviving_media=survivors,
+        engine=args.engine,
         kafka=dict(kafka),
         codec=settings.codec(args, args.topic, writer=True),
     )

@@ -51,11 +51,12 @@ SCHEMAS: dict[str, Any] = {
                 "minItems": 1,
                 "maxItems": MAX_HASHES,
                 "description": "The prompt's block hashes in order: hex strings (0x optional) "
-                "or vLLM's unsigned 64-bit integers",
+                "or 64-bit integers, vLLM's unsigned form or SGLang's signed one (the same 8 "
+                "bytes: -1 is 18446744073709551615)",
                 "items": {
                     "oneOf": [
                         {"type": "string", "pattern": "^(0x)?([0-9a-fA-F]{2})+$"},
-                        {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
+                        {"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1},
                     ]
                 },
             },
@@ -236,10 +237,10 @@ DOCUMENT: dict[str, Any] = {
                         "in": "path",
                         "required": True,
                         "schema": {"type": "string"},
-                        "description": "The hash as hex (0x optional), or as vLLM's unsigned "
-                        "64-bit int in decimal. Digits alone of an even count read as hex "
-                        "first, then as the int (the first with rows answers); 0x makes it "
-                        "hex only.",
+                        "description": "The hash as hex (0x optional), or as a 64-bit int in "
+                        "decimal (vLLM's unsigned form, or SGLang's signed one with a minus "
+                        "sign). Digits alone of an even count read as hex first, then as the "
+                        "int (the first with rows answers); 0x makes it hex only.",
                     }
                 ],
                 "responses": {

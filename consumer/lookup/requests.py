@@ -47,22 +47,27 @@ class MatchRequest:
 
 
 def parse_hash(value: object) -> bytes:
-    """A hash in a JSON body: hex text (``0x`` optional) or vLLM's unsigned 64-bit integer."""
+    """A hash in a JSON body: hex text (``0x`` optional) or a 64-bit integer, vLLM's
+    unsigned form or SGLang's signed one (the same 8 bytes)."""
     if isinstance(value, str):
         try:
             return bytes.fromhex(value.removeprefix("0x"))
         except ValueError:
             raise BadRequestError(f"not a hex hash: {value[:80]!r}") from None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64:
-        return int_to_hash_bytes(value)
-    raise BadRequestError("hashes are hex strings or unsigned 64-bit integers")
+    if isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 64:
+        return int_to_hash_bytes(value)  # signed (SGLang's) or unsigned (vLLM's): 8 bytes
+    raise BadRequestError("hashes are hex strings or 64-bit integers (signed or unsigned)")
 
 
 def parse_path_hash(text: str) -> list[bytes]:
     """The hashes a URL path's text can name, most likely first: there a number and hex
-    are both text. ``0x`` + hex is hex; digits alone are vLLM's unsigned 64-bit integer
-    form, and also hex when they are an even number of them (``bytes.hex()`` of a hash
-    whose hex has no letter), hex first; anything else is hex."""
+    are both text. ``0x`` + hex is hex; ``-`` and digits are SGLang's signed 64-bit form;
+    digits alone are vLLM's unsigned 64-bit integer form, and also hex when they are an even
+    number of them (``bytes.hex()`` of a hash whose hex has no letter), hex first; anything
+    else is hex."""
+    digits = text[1:] if text.startswith("-") else ""
+    if digits.isascii() and digits.isdigit() and len(digits) <= 19 and int(text) >= -(1 << 63):
+        return [int_to_hash_bytes(int(text))]  # SGLang's signed form
     if text.startswith("0x") or not (text.isascii() and text.isdigit()):
         return [parse_hash(text)]
     out = [bytes.fromhex(text)] if len(text) % 2 == 0 else []

@@ -9,11 +9,15 @@ from dataclasses import dataclass, field
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import GroupSpec
 
+# The engines whose ZMQ stream a relay reads (producer/relay/wire.py, sglang.py).
+ENGINES = ("vllm", "sglang")
+
 
 @dataclass(frozen=True)
 class RelayConfig:
     """One engine's relay. ``source``: the engine's source id (with ``dp_size`` > 1 each
-    rank is ``<source>-dp<rank>``); ``groups``: the group specs to announce."""
+    rank is ``<source>-dp<rank>``); ``groups``: the group specs to announce; ``engine``:
+    vLLM's or SGLang's payloads (the framing and replay are the same)."""
 
     endpoint: str
     source: str
@@ -35,6 +39,11 @@ class RelayConfig:
     receive_hwm: int = 10_000
     queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
     surviving_media: tuple[str, ...] | None = None
+    engine: str = "vllm"  # whose wire the payloads are: ENGINES
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
 
     def rank_source(self, rank: int) -> str:
         return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"

@@ -40,6 +40,7 @@ from confluent_kafka import KafkaException
 
 from kvledger.producer.errors import PublishError
 from kvledger.producer.publisher import KVEventPublisher
+from kvledger.producer.relay import sglang
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
 from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
@@ -64,6 +65,7 @@ class RankRelay:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
+        self._read = sglang.read_batch if config.engine == "sglang" else read_batch
         self.rank = rank
         self.source = config.rank_source(rank)
         self.metrics = metrics or RelayMetrics()
@@ -260,7 +262,7 @@ class RankRelay:
     def _decode(self, seq: int, payload: bytes) -> EngineBatch | None:
         """The batch, its events still vLLM's (checked as they are prepared), or None."""
         try:
-            return read_batch(payload)
+            return self._read(payload)
         except VllmEventError as exc:
             self._undecodable(seq, exc)
             return None

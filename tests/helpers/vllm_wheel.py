@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -75,44 +75,62 @@ def split_zmq_path(path):
 def vllm_root() -> Path:
     """A folder whose ``vllm`` package holds vLLM's kv_events module and the stand-ins;
     downloads the wheel on first use (raises when the registry cannot be reached)."""
-    root = CACHE / f"vllm-{VERSION}-modules"
-    if not all((root / m).exists() for m in _MODULES):
-        wheels = CACHE / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        found = sorted(wheels.glob(f"vllm-{VERSION}-*.whl"))
-        if not found:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                 "--dest", str(wheels), f"vllm=={VERSION}"],
-                check=True, timeout=900,
-            )  # fmt: skip
-            found = sorted(wheels.glob(f"vllm-{VERSION}-*.whl"))
-        for rel, source in _STANDINS.items():
-            path = root / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(source.lstrip())
-        with zipfile.ZipFile(found[0]) as wheel:
-            for rel in _MODULES:
-                (root / rel).write_text(wheel.read(rel).decode("utf-8"))
-    return root
+    return wheel_root("vllm", VERSION, _MODULES, _STANDINS)
 
 
 @contextlib.contextmanager
 def vllm_module(name: str) -> Iterator[ModuleType]:
     """One of vLLM's modules, imported from the wheel (the import system restored after);
     skipped when the wheel cannot be had, unless CI is set."""
+    with wheel_module("vllm", vllm_root, name) as module:
+        yield module
+
+
+def wheel_root(
+    package: str, version: str, modules: tuple[str, ...], standins: dict[str, str]
+) -> Path:
+    """A folder holding ``modules`` (paths inside the wheel) taken unchanged from the
+    released wheel of ``package`` ``version``, beside ``standins`` (path -> source) for what
+    they import that the tests do not run; the wheel is downloaded once into the cache."""
+    root = CACHE / f"{package}-{version}-modules"
+    if not all((root / m).exists() for m in modules):
+        wheels = CACHE / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+        if not found:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                 "--dest", str(wheels), f"{package}=={version}"],
+                check=True, timeout=900,
+            )  # fmt: skip
+            found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+        for rel, source in standins.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(source.lstrip())
+        with zipfile.ZipFile(found[0]) as wheel:
+            for rel in modules:
+                (root / rel).write_text(wheel.read(rel).decode("utf-8"))
+    return root
+
+
+@contextlib.contextmanager
+def wheel_module(package: str, root_of: Callable[[], Path], name: str) -> Iterator[ModuleType]:
+    """Module ``name`` of ``package`` imported from ``root_of()`` (see :func:`wheel_root`),
+    the import system restored after; skipped when the wheel cannot be had, unless CI is
+    set."""
     import pytest
 
     try:
-        root = vllm_root()
+        root = root_of()
     except (subprocess.SubprocessError, OSError, KeyError) as exc:
         if os.environ.get("CI"):
             raise
-        pytest.skip(f"the vLLM wheel could not be had: {exc!r}")
+        pytest.skip(f"the {package} wheel could not be had: {exc!r}")
     sys.path.insert(0, str(root))
     try:
         yield importlib.import_module(name)
     finally:
         sys.path.remove(str(root))
-        for loaded in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        for loaded in [n for n in sys.modules if n == package or n.startswith(f"{package}.")]:
             del sys.modules[loaded]

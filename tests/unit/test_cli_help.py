@@ -168,10 +168,12 @@ def test_help_imports_no_server_dependency_and_defaults_match() -> None:
     assert out.strip() == "[]"
     from kvledger import arguments, fleet
     from kvledger.producer import config
+    from kvledger.producer.relay import config as relay_config
     from kvledger.schemas import topics
 
     assert arguments.DEFAULT_TOPIC == config.DEFAULT_TOPIC
     assert arguments.DEFAULT_PARTITIONS == topics.DEFAULT_PARTITIONS
+    assert arguments.ENGINES == relay_config.ENGINES
     assert arguments.DEFAULT_MODEL == fleet.DEFAULT_MODEL
 
 

@@ -13,16 +13,22 @@ from kvledger.consumer.lookup.requests import (
     MatchRequest,
     parse_hash,
     parse_match,
+    parse_path_hash,
 )
 
 
-def test_hashes_as_hex_or_unsigned_64_bit_integers() -> None:
+def test_hashes_as_hex_or_64_bit_integers_signed_or_unsigned() -> None:
     assert parse_hash("0x00ff") == b"\x00\xff" == parse_hash("00ff")
-    assert parse_hash(2**64 - 1) == b"\xff" * 8
+    assert parse_hash(2**64 - 1) == b"\xff" * 8 == parse_hash(-1)  # vLLM's and SGLang's forms
+    assert parse_hash(-(2**63)) == b"\x80" + b"\x00" * 7 == parse_hash(2**63)
     assert parse_hash(5) == (5).to_bytes(8, "big")
-    for bad in ("zz", -1, 2**64, True, 1.5, None):
+    for bad in ("zz", -(2**63) - 1, 2**64, True, 1.5, None):
         with pytest.raises(BadRequestError):
             parse_hash(bad)
+    assert parse_path_hash("-1") == [b"\xff" * 8]
+    assert parse_path_hash("-9223372036854775808") == [b"\x80" + b"\x00" * 7]
+    with pytest.raises(BadRequestError):
+        parse_path_hash("-9223372036854775809")
 
 
 def test_a_hash_request_with_defaults_and_an_instant() -> None:
@@ -72,7 +78,6 @@ def test_token_prompts_take_the_liveness_options_as_hashes_do() -> None:
 
 
 def test_a_hash_in_a_path_is_hex_or_the_unsigned_int_form() -> None:
-    from kvledger.consumer.lookup.requests import parse_path_hash
 
     assert parse_path_hash("0x0102") == [b"\x01\x02"]
     assert parse_path_hash("ab01") == [b"\xab\x01"]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 DEFAULT_TOPIC = "kv-events"
 DEFAULT_PARTITIONS = 12
 DEFAULT_MODEL = "sim-llama-8b"
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "trtllm")
 ENV_LOOKUP_TOKEN = "KVLEDGER_LOOKUP_TOKEN"
 ENV_ADMIN = "KVLEDGER_ADMIN_DATABASE_URL"
 ENV_READER_PASSWORD = "KVLEDGER_READER_PASSWORD"
@@ -328,10 +328,18 @@ def add_relay(subparsers: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument(
         "--engine", choices=ENGINES, default="vllm",
-        help="whose events: vLLM's or SGLang's (the same ZMQ framing and replay; SGLang's "
-        "signed hashes, media and cache salts read as README's Engines table says)",
+        help="whose events: vLLM's or SGLang's ZMQ stream (the same framing and replay), or "
+        "TensorRT-LLM's HTTP endpoint (trtllm-serve's POST /kv_cache_events, polled; no "
+        "replay): README's Engines table says how each is read",
     )  # fmt: skip
-    p.add_argument("--endpoint", required=True, help="the engine's PUB endpoint, tcp://HOST:PORT")
+    p.add_argument(
+        "--endpoint", required=True,
+        help="the engine's PUB endpoint, tcp://HOST:PORT (trtllm: http://HOST:PORT)",
+    )  # fmt: skip
+    p.add_argument(
+        "--poll-interval", type=float, default=0.2,
+        help="trtllm: seconds between polls of the engine's events",
+    )  # fmt: skip
     p.add_argument(
         "--replay-endpoint",
         help="the engine's replay (ROUTER) endpoint; without it gaps cannot be recovered",

@@ -1,5 +1,5 @@
-"""`kvledger relay`: one stock vLLM or SGLang engine's ZMQ KV events into Kafka (a
-sidecar)."""
+"""`kvledger relay`: one stock vLLM or SGLang engine's ZMQ KV events, or a TensorRT-LLM
+engine's polled ones, into Kafka (a sidecar)."""
 
 from __future__ import annotations
 
@@ -34,22 +34,26 @@ def run(args: argparse.Namespace) -> int:
     survivors = tuple(m.strip() for m in args.surviving_media.split(",")) if (
         args.surviving_media
     ) else None  # fmt: skip
-    config = RelayConfig(
-        endpoint=args.endpoint,
-        replay_endpoint=args.replay_endpoint,
-        source=args.source,
-        model=args.model,
-        bootstrap_servers=bootstrap,
-        dp_size=args.dp_size,
-        groups=groups,
-        topic=args.topic,
-        engine_topic=args.engine_topic.encode(),
-        heartbeat_interval_s=args.heartbeat_interval,
-        surviving_media=survivors,
-        engine=args.engine,
-        kafka=dict(kafka),
-        codec=settings.codec(args, args.topic, writer=True),
-    )
+    try:
+        config = RelayConfig(
+            endpoint=args.endpoint,
+            replay_endpoint=args.replay_endpoint,
+            source=args.source,
+            model=args.model,
+            bootstrap_servers=bootstrap,
+            dp_size=args.dp_size,
+            groups=groups,
+            topic=args.topic,
+            engine_topic=args.engine_topic.encode(),
+            heartbeat_interval_s=args.heartbeat_interval,
+            surviving_media=survivors,
+            engine=args.engine,
+            poll_interval_s=args.poll_interval,
+            kafka=dict(kafka),
+            codec=settings.codec(args, args.topic, writer=True),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvledger relay: {exc}") from None
     stopping = threading.Event()
 
     def _stop(signum: int, frame: FrameType | None) -> None:

@@ -10,14 +10,15 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import GroupSpec
 
 # The engines whose ZMQ stream a relay reads (producer/relay/wire.py, sglang.py).
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "trtllm")
 
 
 @dataclass(frozen=True)
 class RelayConfig:
     """One engine's relay. ``source``: the engine's source id (with ``dp_size`` > 1 each
     rank is ``<source>-dp<rank>``); ``groups``: the group specs to announce; ``engine``:
-    vLLM's or SGLang's payloads (the framing and replay are the same)."""
+    vLLM's or SGLang's payloads (the framing and replay are the same) or TensorRT-LLM's
+    HTTP endpoint, polled every ``poll_interval_s``."""
 
     endpoint: str
     source: str
@@ -40,10 +41,20 @@ class RelayConfig:
     queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
     surviving_media: tuple[str, ...] | None = None
     engine: str = "vllm"  # whose wire the payloads are: ENGINES
+    poll_interval_s: float = 0.2  # trtllm: seconds between polls of its HTTP endpoint
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.engine == "trtllm" and (self.dp_size != 1 or self.replay_endpoint):
+            raise ValueError(
+                "a TensorRT-LLM engine is one HTTP endpoint (its attention-DP ranks are in its "
+                "events) with no replay: no --dp-size, no --replay-endpoint"
+            )
+        if self.engine == "trtllm" and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(
+                f"a TensorRT-LLM endpoint is http(s)://HOST:PORT, not {self.endpoint!r}"
+            )
 
     def rank_source(self, rank: int) -> str:
         return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"

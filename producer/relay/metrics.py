@@ -51,6 +51,11 @@ class RelayMetrics:
             "kvledger_relay_lost_batches_total",
             "Engine batches lost in unrecoverable gaps", ["source"], registry=r,
         )  # fmt: skip
+        self.poll_errors = Counter(
+            "kvledger_relay_poll_errors_total",
+            "Failed polls of a TensorRT-LLM engine's HTTP endpoint (retried with back-off)",
+            ["source"], registry=r,
+        )  # fmt: skip
         self.undecodable = Counter(
             "kvledger_relay_undecodable_batches_total",
             "Engine batches that did not decode (recorded as lost)", ["source"], registry=r,

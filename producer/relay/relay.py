@@ -40,7 +40,7 @@ from confluent_kafka import KafkaException
 
 from kvledger.producer.errors import PublishError
 from kvledger.producer.publisher import KVEventPublisher
-from kvledger.producer.relay import sglang
+from kvledger.producer.relay import sglang, trtllm
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
 from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
@@ -65,7 +65,10 @@ class RankRelay:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self._read = sglang.read_batch if config.engine == "sglang" else read_batch
+        self._read = {
+            "sglang": sglang.read_batch,
+            "trtllm": trtllm.TrtllmReader(config.groups).read_batch,
+        }.get(config.engine, read_batch)
         self.rank = rank
         self.source = config.rank_source(rank)
         self.metrics = metrics or RelayMetrics()
@@ -75,7 +78,7 @@ class RankRelay:
         self._stop = threading.Event()
         self.sequence = EngineSequence()
         self.codec = config.codec or Codec()
-        self.link: EngineLink | None = None
+        self.link: EngineLink | trtllm.TrtllmLink | None = None
         self.txn = RelayTransactions(config, rank, self.codec, self.metrics, self._stop)
         self._last_activity = time.monotonic()
         self.ready = threading.Event()  # set once resynchronised with the engine
@@ -92,12 +95,16 @@ class RankRelay:
     def run(self) -> None:
         """Relay until :meth:`stop`; survives broker outages and engine restarts."""
         cfg = self.config
-        self.link = EngineLink(
-            offset_endpoint(cfg.endpoint, self.rank),
-            offset_endpoint(cfg.replay_endpoint, self.rank) if cfg.replay_endpoint else None,
-            cfg.engine_topic,
-            cfg.receive_hwm,
-        )
+        if cfg.engine == "trtllm":
+            errors = self.metrics.poll_errors.labels(self.source)
+            self.link = trtllm.TrtllmLink(cfg.endpoint, cfg.poll_interval_s, on_error=errors.inc)
+        else:
+            self.link = EngineLink(
+                offset_endpoint(cfg.endpoint, self.rank),
+                offset_endpoint(cfg.replay_endpoint, self.rank) if cfg.replay_endpoint else None,
+                cfg.engine_topic,
+                cfg.receive_hwm,
+            )
         try:
             self.txn.connect()
             self._resync_at_start()
@@ -171,7 +178,7 @@ class RankRelay:
             self._engine_restarted(None)
             return self._replay_from(0)
         last = self.sequence.last
-        if upto is not None and (last is None or last < upto - 1):
+        if upto and (last is None or last < upto - 1):  # something before upto is missing
             self._lost((last + 1) if last is not None else 0, upto - 1)
         return answered
 
@@ -292,16 +299,21 @@ class RankRelay:
 
     def _probe(self) -> None:
         """Idle: is the engine there? Its answer also brings any batch the SUB missed."""
+        since = self._last_activity
         self._last_activity = time.monotonic()
         last = self.sequence.last
-        if self.config.replay_endpoint is None:
+        link = self._link
+        if isinstance(link, trtllm.TrtllmLink):  # polled: a good poll since is the answer
+            answered = link.last_answer >= since and not link.failing
+        elif self.config.replay_endpoint is None:
             return
-        known = self.sequence.time_of(last) if last is not None else None
-        if last is not None and known is not None:
-            # The last batch too: is the engine still the process that sent it?
-            answered = self._replay_from(last, verify=known)
         else:
-            answered = self._replay_from(last + 1 if last is not None else 0)
+            known = self.sequence.time_of(last) if last is not None else None
+            if last is not None and known is not None:
+                # The last batch too: is the engine still the process that sent it?
+                answered = self._replay_from(last, verify=known)
+            else:
+                answered = self._replay_from(last + 1 if last is not None else 0)
         if answered:
             self.txn.begin()
             pub = self._pub
@@ -338,7 +350,7 @@ class RankRelay:
         return self.txn.pub
 
     @property
-    def _link(self) -> EngineLink:
+    def _link(self) -> EngineLink | trtllm.TrtllmLink:
         assert self.link is not None
         return self.link
 

@@ -1,0 +1,115 @@
+"""`kvledger relay --engine trtllm` polling a TensorRT-LLM endpoint, into real Kafka and a
+real PostgreSQL index. TensorRT-LLM's own code cannot run here (no wheel on PyPI): the
+endpoint is tests/helpers/trtllm_fixture.py, serving events in the JSON shape of
+TensorRT-LLM's ``KVCacheEventSerializer`` as ``trtllm-serve``'s ``POST /kv_cache_events``
+does (each poll drains the queue).
+
+One engine's life: events from before the relay started (the first poll drains them all,
+from id 0), chains stored and extended, blocks moved to the host pool and back (a removal
+plus a store each), evictions, a block with extra token ids, the endpoint answering 500s
+then HTML (retried with back-off, counted), events lost before any poll (an id gap:
+recorded lost, the source cleared), and an engine restart (ids from 0: a new epoch). The
+index ends equal to the truth built from what the engine emitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from kvledger.consumer.db import connect
+from kvledger.consumer.lookup import PrefixIndex
+from kvledger.producer.relay.config import RelayConfig, parse_group
+from kvledger.producer.relay.relay import Relay
+from tests.helpers.consuming import consume
+from tests.helpers.trtllm_fixture import TrtllmServe, truth
+
+pytestmark = pytest.mark.integration
+MODEL, SOURCE = "m", "trt-0"
+
+
+@pytest.fixture
+def serve() -> Iterator[TrtllmServe]:
+    s = TrtllmServe()
+    yield s
+    s.close()
+
+
+def relayed(relay: Relay, serve: TrtllmServe, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while relay.ranks[0].committed_seq != serve.next_id - 1 or serve.queue:
+        assert not relay.errors, relay.errors
+        assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, serve.next_id - 1)
+        time.sleep(0.05)
+
+
+def test_a_trtllm_engines_life_through_the_relay_equals_the_truth(
+    kafka_bootstrap: str, fresh_database: str, make_topic: object, group_id: str,
+    serve: TrtllmServe,
+) -> None:  # fmt: skip
+    topic = make_topic("trtllm", partitions=3)  # type: ignore[operator]
+    serve.emit({"type": "created", "num_blocks_per_cache_level": [128, 512]})
+    system = serve.store()
+    serve.store(system[-1])
+    relay = Relay(RelayConfig(
+        endpoint=serve.endpoint, source=SOURCE, model=MODEL, bootstrap_servers=kafka_bootstrap,
+        topic=topic, groups=[parse_group("0:full_attention:4", MODEL)], engine="trtllm",
+        poll_interval_s=0.05, heartbeat_interval_s=1.0,
+    ))  # fmt: skip
+    relay.start()
+    lost: set[tuple[int, int]] = set()
+    try:
+        assert relay.ready(60)
+        tail = serve.store(system[-1])
+        serve.move(tail[-1], 1)  # offloaded to the host pool
+        serve.move(system[-1], 1)
+        serve.move(system[-1], 0)  # and back
+        serve.store(extra=True)  # multimodal tokens: an extra key
+        serve.remove(tail[-1:])  # leaves the host pool it was moved to
+        relayed(relay, serve)
+
+        serve.answer = "500"
+        time.sleep(0.5)
+        serve.answer = "html"
+        time.sleep(0.5)
+        serve.answer = "ok"
+        first = serve.next_id
+        serve.store(system[-1], lose=True)  # never polled: the id gap is a loss
+        serve.store(lose=True)
+        lost |= {(0, first), (0, first + 1)}
+        serve.store()
+        relayed(relay, serve)
+
+        serve.restart()  # ids from 0
+        kept = serve.store()
+        serve.move(kept[0], 1)
+        relayed(relay, serve)
+    finally:
+        relay.stop()
+    metrics = relay.metrics
+    assert metrics.poll_errors.labels(SOURCE)._value.get() > 0
+    assert metrics.engine_restarts.labels(SOURCE)._value.get() == 1
+    assert metrics.unrecoverable.labels(SOURCE)._value.get() == 1
+
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    want = truth(serve.log, lost)
+    with connect(fresh_database, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT group_idx, block_hash, medium, ownership, refcount "
+            "FROM kvledger.residencies WHERE instance = %s", (SOURCE,),
+        ).fetchall()  # fmt: skip
+        ranges = conn.execute(
+            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
+            "WHERE kind = 'lost' AND source = %s", (SOURCE,),
+        ).fetchall()  # fmt: skip
+        hashes = [(h % 2**64).to_bytes(8, "big") for h in kept]
+        holders = PrefixIndex(conn).match(MODEL, 0, hashes, "block", True, timedelta(hours=1))
+    got = {(g, bytes(h), m, o): n for g, h, m, o, n in rows}
+    assert want and got == want
+    assert ranges == [(first, first + 1)]
+    # the chain's first block moved to the host pool: CPU holds the prefix's first block,
+    # the GPU no prefix at all
+    assert [(h.medium, h.matched_blocks) for h in holders] == [("CPU", 1)]

@@ -77,6 +77,11 @@ class IndexConsumer:
         # each batch it applied (run_batch's read_from).
         self._read_from: dict[tuple[str, int], int] = {}
         self._consumer: Consumer | None = None
+        # The client's assignment and read positions as its own thread last saw them: other
+        # threads (lag(), a demo's progress) read these, never the client, whose calls
+        # wait on one another (a consume() of the loop would starve them).
+        self._assigned: frozenset[int] = frozenset()
+        self._positions: dict[int, int] = {}
         self._dlq: DeadLetterProducer | None = None
         self._admin = AdminClient(client_logging(
             {**admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
@@ -135,6 +140,7 @@ class IndexConsumer:
                     continue
                 if batch:
                     self._apply(batch)
+                self._note_positions(consumer)  # all it read is applied now
                 if cfg.stop_at is not None and self._reached(cfg.stop_at):
                     break
                 if cfg.until_caught_up and len(messages) < cfg.batch_size and self._caught_up():
@@ -313,6 +319,8 @@ class IndexConsumer:
             "assigned partitions %s", ", ".join(f"{tp.partition}@{tp.offset}" for tp in partitions)
         )
         consumer.assign(partitions)
+        self._assigned = frozenset(tp.partition for tp in partitions)
+        self._positions = {}
 
     def _note_deleted(self, stored: dict[int, int], partitions: list[int]) -> None:
         """Say so when the log no longer holds records this index never read: a stored
@@ -349,6 +357,7 @@ class IndexConsumer:
             with contextlib.suppress(KeyError):  # no longer ours: another consumer reports it
                 metrics.LAG.remove(tp.topic, str(tp.partition))
         consumer.unassign()
+        self._assigned, self._positions = frozenset(), {}
 
     def _reseek(self) -> None:
         consumer = self._consumer
@@ -388,30 +397,25 @@ class IndexConsumer:
         return total
 
     def _assigned_partitions(self) -> set[int]:
-        consumer = self._consumer
-        if consumer is None:
-            return set()
+        return set(self._assigned)
+
+    def _note_positions(self, consumer: Consumer) -> None:
+        """The client's positions, from its own thread, between batches (every message read
+        so far is applied)."""
         try:
-            return {tp.partition for tp in consumer.assignment()}
+            positions = consumer.position(consumer.assignment())
         except KafkaException:
-            return set()
+            return
+        self._positions = {tp.partition: tp.offset for tp in positions if tp.offset >= 0}
 
     def _read_up_to(self) -> dict[int, int]:
         """The stored offsets, moved on to the consumer's position where it has read past
         them: what lies between is no data (a transaction's commit marker, an aborted
-        transaction's messages), so a partition that ends with one is still caught up.
-        Called between batches, when every message read has been applied."""
+        transaction's messages), so a partition that ends with one is still caught up."""
         stored = self._stored()
-        consumer = self._consumer
-        if consumer is None:
-            return stored
-        try:
-            positions = consumer.position(consumer.assignment())
-        except KafkaException:
-            return stored
-        for tp in positions:
-            if tp.offset >= 0 and tp.offset > stored.get(tp.partition, -1):
-                stored[tp.partition] = tp.offset
+        for partition, offset in self._positions.items():
+            if offset > stored.get(partition, -1):
+                stored[partition] = offset
         return stored
 
     def _reached(self, targets: Mapping[int, int]) -> bool:

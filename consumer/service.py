@@ -35,6 +35,7 @@ from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
 from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
 from kvledger.consumer.inbound import Inbound, from_kafka
+from kvledger.consumer.log_loss import act_on_losses, below_start
 from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
@@ -112,8 +113,14 @@ class IndexConsumer:
                 messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
                 batch: list[Inbound] = []
                 fatal = None
+                reset: set[int] = set()
                 for m in messages:
                     err = m.error()
+                    if err is not None and err.code() == KafkaError._AUTO_OFFSET_RESET:
+                        where = m.partition()
+                        if where is not None and where >= 0:
+                            reset.add(where)
+                        continue
                     if err is not None:
                         if refused(err):  # no retry changes who we are or what we may do
                             raise NotAuthorizedError(
@@ -140,6 +147,8 @@ class IndexConsumer:
                     continue
                 if batch:
                     self._apply(batch)
+                if reset:
+                    self._on_reset(reset)
                 self._note_positions(consumer)  # all it read is applied now
                 if cfg.stop_at is not None and self._reached(cfg.stop_at):
                     break
@@ -160,7 +169,9 @@ class IndexConsumer:
             "bootstrap.servers": cfg.bootstrap_servers,
             "group.id": cfg.group_id,
             "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
+            # A stored offset out of the log's range is an error to act on (records lost
+            # before they were read: log_loss.py), never a silent jump.
+            "auto.offset.reset": "error",
             "client.id": f"kvledger-consumer-{cfg.group_id}",
             "fetch.max.bytes": 52428800,
             "max.partition.fetch.bytes": 4194304,
@@ -308,8 +319,7 @@ class IndexConsumer:
                     self._conn = self._connect()
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        stored = self._stored()
-        self._note_deleted(stored, [tp.partition for tp in partitions])
+        stored = self._note_deleted(self._stored(), [tp.partition for tp in partitions])
         for tp in partitions:
             tp.offset = stored.get(tp.partition, OFFSET_BEGINNING)
             self._read_from.pop((tp.topic, tp.partition), None)
@@ -322,33 +332,39 @@ class IndexConsumer:
         self._assigned = frozenset(tp.partition for tp in partitions)
         self._positions = {}
 
-    def _note_deleted(self, stored: dict[int, int], partitions: list[int]) -> None:
-        """Say so when the log no longer holds records this index never read: a stored
-        offset below its partition's first (retention deleted them while the consumer was
-        away). Reading goes on from the partition's start, so the error and the
-        ``kvledger_log_records_lost_total`` counter are what tells it; what those records
-        removed may still be in the index (`kvledger rebuild --accept-partial` rebuilds
-        from what the log has left)."""
-        behind = [p for p in partitions if stored.get(p, -1) > 0]
-        if not behind:
-            return
+    def _note_deleted(self, stored: dict[int, int], partitions: list[int]) -> dict[int, int]:
+        """Records the log no longer holds that this index never read (a stored offset below
+        its partition's first: retention deleted them while the consumer was away or
+        behind) are recorded and acted on (:mod:`.log_loss`); the stored offsets after."""
         try:
-            first = partition_offsets(
-                self._admin, self.config.topic, earliest=True, partitions=behind, timeout=5
-            )
+            lost = below_start(self._admin, self.config.topic, stored, partitions)
         except KafkaException as exc:
             logger.warning("could not read the partitions' first offsets: %s", exc)
-            return
-        for p in behind:
-            if first.get(p, 0) > stored[p]:
-                lost = first[p] - stored[p]
-                metrics.RECORDS_LOST.labels(self.config.topic, str(p)).inc(lost)
-                logger.error(
-                    "%s[%d]: %d record(s), offsets %d..%d, were deleted from the log before "
-                    "this index read them; what they said is missing from the index (reading "
-                    "goes on at %d; `kvledger rebuild --accept-partial` rebuilds from what is "
-                    "left)", self.config.topic, p, lost, stored[p], first[p] - 1, first[p],
-                )  # fmt: skip
+            return stored
+        if not lost:
+            return stored
+        conn = self._conn
+        assert conn is not None
+        act_on_losses(conn, self.config.group_id, self.config.topic, stored, lost)
+        return self._stored()
+
+    def _on_reset(self, partitions: set[int]) -> None:
+        """The client found a partition's position out of the log's range while reading:
+        records deleted before they were read are a loss (above); a position past the end
+        (the topic made again) starts the partition over, said aloud."""
+        stored = self._note_deleted(self._stored(), sorted(partitions))
+        try:
+            ends = partition_offsets(self._admin, self.config.topic, partitions=partitions)
+        except KafkaException:
+            ends = {}
+        past = [p for p in partitions if stored.get(p, -1) > ends.get(p, 1 << 62)]
+        for p in past:
+            logger.error(
+                "%s[%d]: the stored offset %d is past the log's end %d (was the topic made "
+                "again?); reading the partition from its start", self.config.topic, p,
+                stored[p], ends[p],
+            )  # fmt: skip
+        self._reseek(start_over=set(past))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))
@@ -359,13 +375,15 @@ class IndexConsumer:
         consumer.unassign()
         self._assigned, self._positions = frozenset(), {}
 
-    def _reseek(self) -> None:
+    def _reseek(self, start_over: set[int] | None = None) -> None:
         consumer = self._consumer
         if consumer is None:
             return
         stored = self._stored()
         for tp in consumer.assignment():
             offset = stored.get(tp.partition, OFFSET_BEGINNING)
+            if start_over and tp.partition in start_over:
+                offset = OFFSET_BEGINNING
             self._read_from.pop((tp.topic, tp.partition), None)
             if offset >= 0:
                 self._read_from[(tp.topic, tp.partition)] = offset

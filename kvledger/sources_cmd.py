@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 
@@ -17,6 +18,19 @@ def run(args: argparse.Namespace) -> int:
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         sources = list_sources(conn, window)
+        losses = conn.execute(
+            "SELECT kafka_topic, kafka_partition, first_lost_offset, last_lost_offset, "
+            "detected_at, ended_residencies, sources FROM kvledger.log_losses "
+            "ORDER BY detected_at DESC LIMIT 20"
+        ).fetchall()
+    for topic, partition, first, last, when, ended, whose in losses:
+        print(
+            f"warning: {topic}[{partition}] lost offsets {first}..{last} before the index read "
+            f"them (found {_utc(when)}): {ended} residencies ended "
+            f"({', '.join(whose) or 'none held'}) — the topic's retention is shorter than "
+            "this consumer was away",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps([asdict(s) for s in sources], default=str, indent=2))
         return 0

@@ -132,15 +132,20 @@ def test_ctrl_c_stops_a_relay_that_waits_for_its_broker() -> None:
             proc.wait()
 
 
-def test_records_deleted_before_the_consumer_read_them_are_said_aloud(
+def test_records_deleted_before_the_consumer_read_them_are_recorded_and_acted_on(
     fresh_database: str, kafka_bootstrap: str, make_topic, group_id: str,
     kafka_admin, caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    """The consumer was away while retention deleted records it had not read: it says how
-    many and where (an error and kvledger_log_records_lost_total), never silently on."""
+    """The consumer was away while retention deleted records it had not read (engine-0's
+    removal of blocks 1-5): it records the loss (a row of kvledger.log_losses, an error,
+    kvledger_log_records_lost_total), ends the residencies of the streams on that partition
+    (1-5 are no longer claimed), and goes on from the log's start (6-8 are held). A router
+    whose position falls out of the log stops, saying why, instead of skipping."""
     from confluent_kafka import TopicPartition
 
     from kvledger.consumer import metrics
+    from kvledger.consumer.db import connect
+    from kvledger.consumer.router.index import RouterIndex
 
     topic = make_topic("deleted", partitions=1)
     stream = Stream(topic)
@@ -153,8 +158,20 @@ def test_records_deleted_before_the_consumer_read_them_are_said_aloud(
             producer.produce(topic, value=m.value, key=m.key, partition=0)
         assert producer.flush(30) == 0
 
+    def held() -> list[bytes]:
+        with connect(fresh_database, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT block_hash FROM kvledger.residencies WHERE instance = 'engine-0' "
+                "ORDER BY block_hash"
+            ).fetchall()
+        return [bytes(r[0]) for r in rows]
+
     produce(stream.messages)
     consume(kafka_bootstrap, fresh_database, topic, group_id)  # caught up at offset 2
+    assert len(held()) == 5
+    router = RouterIndex(kafka_bootstrap, topic, group_id)
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)  # at offset 2, as the consumer
     stream.send("engine-0", removed([1, 2, 3, 4, 5]))
     stream.send("engine-0", stored([6, 7, 8]))
     produce(stream.messages[2:])
@@ -166,7 +183,31 @@ def test_records_deleted_before_the_consumer_read_them_are_said_aloud(
     said = [r.getMessage() for r in caplog.records if "deleted from the log" in r.getMessage()]
     assert said == [
         f"{topic}[0]: 1 record(s), offsets 2..2, were deleted from the log before this index "
-        "read them; what they said is missing from the index (reading goes on at 3; "
-        "`kvledger rebuild --accept-partial` rebuilds from what is left)"
+        "read them: the 5 residencies of the streams on that partition are ended (sources: "
+        "engine-0), as a lost gap ends them, and reading goes on at 3"
     ]
     assert metrics.RECORDS_LOST.labels(topic, "0")._value.get() == 1
+    assert held() == [h.to_bytes(8, "big") for h in (6, 7, 8)]  # the truth
+    with connect(fresh_database, autocommit=True) as conn:
+        losses = conn.execute(
+            "SELECT consumer_group, kafka_partition, first_lost_offset, last_lost_offset, "
+            "ended_residencies, sources FROM kvledger.log_losses"
+        ).fetchall()
+        closed = conn.execute(
+            "SELECT count(*) FROM kvledger.residency_history WHERE removed_by = 'cleared'"
+        ).fetchone()
+    assert losses == [(group_id, 0, 2, 2, 5, ["engine-0"])] and closed == (5,)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)  # again: nothing more lost
+    assert held() == [h.to_bytes(8, "big") for h in (6, 7, 8)]
+
+    router.start()  # its snapshot's offset (2) is no longer in the log
+    try:
+        deadline = time.monotonic() + 30
+        while router.position().error is None:
+            assert time.monotonic() < deadline, "the router skipped what was deleted"
+            time.sleep(0.1)
+        assert "records were deleted from the log before this router read them" in (
+            router.position().error or ""
+        )
+    finally:
+        router.stop()

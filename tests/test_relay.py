@@ -30,7 +30,7 @@ from kvledger.producer.vllm import from_vllm_fields
 from kvledger.schemas.events import BlockRemoved, BlockStored
 from kvledger.schemas.topics import ensure_topic
 from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
-from tests.helpers.consuming import consume
+from tests.helpers.consuming import consume, residencies_of
 from tests.helpers.kafka import private_kafka
 from tests.helpers.procs import free_port, spawn
 from tests.helpers.vllm_wheel import vllm_module
@@ -112,13 +112,7 @@ def reference(incarnations: Sequence[Sequence[tuple[int, float, list[Event]]]],
 
 
 def index_of(db: str, source: str) -> dict[Key, int]:
-    with connect(db, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT group_idx, block_hash, medium, ownership, refcount "
-            "FROM kvledger.residencies WHERE instance = %s",
-            (source,),
-        ).fetchall()
-    return {(g, bytes(h), m, o): n for g, h, m, o, n in rows}
+    return residencies_of(db, source)
 
 
 def health(db: str, source: str) -> tuple[int, int, int, int]:

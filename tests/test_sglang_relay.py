@@ -27,7 +27,7 @@ from kvledger.consumer.lookup import PrefixIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
 from kvledger.producer.relay.sglang import MEDIA
-from tests.helpers.consuming import consume
+from tests.helpers.consuming import consume, lost_ranges, residencies_of
 from tests.helpers.procs import free_port
 from tests.helpers.sglang_wheel import sglang_kv_events
 
@@ -215,17 +215,9 @@ def test_an_sglang_engines_life_through_the_relay_equals_the_truth(
     assert first_relay.metrics.engine_restarts.labels(SOURCE)._value.get() == 1
 
     consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    got, ranges = residencies_of(fresh_database, SOURCE), lost_ranges(fresh_database, SOURCE)
     want = truth(life.sent, lost)
     with connect(fresh_database, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT group_idx, block_hash, medium, ownership, refcount "
-            "FROM kvledger.residencies WHERE instance = %s", (SOURCE,),
-        ).fetchall()  # fmt: skip
-        got = {(g, bytes(h), m, o): n for g, h, m, o, n in rows}
-        ranges = conn.execute(
-            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
-            "WHERE kind = 'lost' AND source = %s", (SOURCE,),
-        ).fetchall()  # fmt: skip
         salts = conn.execute(
             "SELECT count(*) FROM kvledger.blocks WHERE extra_keys IS NOT NULL"
         ).fetchone()

@@ -24,7 +24,7 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
-from tests.helpers.consuming import consume
+from tests.helpers.consuming import consume, lost_ranges, residencies_of
 from tests.helpers.trtllm_fixture import TrtllmServe, truth
 
 pytestmark = pytest.mark.integration
@@ -95,19 +95,11 @@ def test_a_trtllm_engines_life_through_the_relay_equals_the_truth(
     assert metrics.unrecoverable.labels(SOURCE)._value.get() == 1
 
     consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    got, ranges = residencies_of(fresh_database, SOURCE), lost_ranges(fresh_database, SOURCE)
     want = truth(serve.log, lost)
     with connect(fresh_database, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT group_idx, block_hash, medium, ownership, refcount "
-            "FROM kvledger.residencies WHERE instance = %s", (SOURCE,),
-        ).fetchall()  # fmt: skip
-        ranges = conn.execute(
-            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
-            "WHERE kind = 'lost' AND source = %s", (SOURCE,),
-        ).fetchall()  # fmt: skip
         hashes = [(h % 2**64).to_bytes(8, "big") for h in kept]
         holders = PrefixIndex(conn).match(MODEL, 0, hashes, "block", True, timedelta(hours=1))
-    got = {(g, bytes(h), m, o): n for g, h, m, o, n in rows}
     assert want and got == want
     assert ranges == [(first, first + 1)]
     # the chain's first block moved to the host pool: CPU holds the prefix's first block,

@@ -49,6 +49,13 @@ from kvledger.schemas.topics import STARTUP_TIMEOUT_S, partition_offsets
 logger = logging.getLogger(__name__)
 
 
+# Why a router stops when its position falls out of the log (retention deleted records it
+# had not read: what they said is missing from its memory).
+_LOST = (
+    "{topic}[{partition}]: records were deleted from the log before this router read them; "
+    "it cannot know what they changed: restart it (it bootstraps again from the index, whose "
+    "consumer records the loss and ends what it can no longer trust)"
+)
 # Messages applied per hold of the lock lookups take (see _tail).
 APPLY_CHUNK = 500
 
@@ -183,6 +190,7 @@ class RouterIndex:
             "group.id": f"kvledger-router-{uuid.uuid4().hex[:12]}",  # never joins a group
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
+            "auto.offset.reset": "error",  # records lost before it read them: it stops
             "client.id": "kvledger-router",
             "log_level": 4,
         }
@@ -214,6 +222,10 @@ class RouterIndex:
             for msg in messages:
                 err = msg.error()
                 if err is not None:
+                    if err.code() == KafkaError._AUTO_OFFSET_RESET:
+                        self.error = _LOST.format(topic=self.topic, partition=msg.partition())
+                        logger.error("router stopped following the topic: %s", self.error)
+                        return
                     if err.code() != KafkaError._PARTITION_EOF:
                         logger.warning("router consumer: %s", err)
                     continue

@@ -108,3 +108,29 @@ def with_session_setting(url: str, name: str, value: str) -> str:
     assert "options" not in parsed.query
     options = f"-c{name}={value}"
     return parsed.update_query_dict({"options": options}).render_as_string(hide_password=False)
+
+
+def residencies_of(db: str, source: str) -> dict[tuple[int, bytes, str, str], int]:
+    """A source's residencies in the index: (group, hash, medium, ownership) -> refcount."""
+    from kvledger.consumer.db import connect
+
+    with connect(db, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT group_idx, block_hash, medium, ownership, refcount "
+            "FROM kvledger.residencies WHERE instance = %s",
+            (source,),
+        ).fetchall()
+    return {(g, bytes(h), m, o): n for g, h, m, o, n in rows}
+
+
+def lost_ranges(db: str, source: str) -> list[tuple[int, int]]:
+    """The engine-batch ranges the index recorded lost for a source."""
+    from kvledger.consumer.db import connect
+
+    with connect(db, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
+            "WHERE kind = 'lost' AND source = %s ORDER BY 1",
+            (source,),
+        ).fetchall()
+    return [(a, b) for a, b in rows]

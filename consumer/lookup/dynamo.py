@@ -14,7 +14,7 @@ POST /register       {"instance_id", "model_name", "endpoint", "block_size", "so
 POST /unregister     {"instance_id", "model_name", ...}
 GET  /health         200
 
-The mapping (README, "kvledger as Dynamo's KV indexer"):
+Its HTTP face: :mod:`.dynamo_http`. The mapping (README, "kvledger as Dynamo's KV indexer"):
 - a (model, routing group) is kvledger's (model, group): routing group ``default`` is
   group 0, a routing group ``N`` (digits) is group N;
 - a worker is a kvledger source at data-parallel rank 0; its id is the integer a source's
@@ -35,23 +35,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from kvledger.consumer.core.model import GroupKey
-from kvledger.consumer.lookup.http import read_body
-from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, state_of
 from kvledger.schemas.dynamo import dynamo_seed
 
@@ -73,7 +65,6 @@ TIER_NAMES = ("device", "host_pinned", "disk")
 _U64 = (1 << 64) - 1
 _SUFFIX = re.compile(r"(\d+)$")
 _RANK = re.compile(r"^(.+)-dp(\d{1,6})$")
-logger = logging.getLogger(__name__)
 
 Answer = tuple[int, Any]
 SALTED_HASHES = (
@@ -503,107 +494,3 @@ class DynamoApi:
                          "follows its sources from the log: one leaves when its engine says "
                          "goodbye or goes silent)"}  # fmt: skip
         return 200, {"status": "ok"}
-
-
-# ---------------------------------------------------------------------- HTTP
-def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[Route]:
-    """Starlette routes for Dynamo's paths; ``refusal(request)``: the service's answer to a
-    request it refuses before reading it (a missing bearer token), else None."""
-
-    def handler(name: str, fn: Callable[[Request, bytes], Answer], slow: bool = False) -> Any:
-        async def handle(request: Request) -> Response:
-            start = time.perf_counter()
-            result = refusal(request)
-            raw = b""
-            if result is None and request.method == "POST":
-                length = request.headers.get("content-length")
-                if length is None or not length.isdigit():
-                    result = 411, {"error": "a JSON body with Content-Length is required"}
-                elif int(length) > MAX_BODY_BYTES:
-                    result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
-                else:
-                    raw = await request.body()
-            if result is None:
-                result = await run_in_threadpool(_answer, name, fn, request, raw) if slow else (
-                    _answer(name, fn, request, raw)
-                )  # fmt: skip
-            LATENCY.labels(name).observe(time.perf_counter() - start)
-            REQUESTS.labels(name, str(result[0])).inc()
-            return JSONResponse(result[1], result[0])
-
-        return handle
-
-    def workers(request: Request, _: bytes) -> Answer:
-        q = request.query_params
-        return api.list_workers(q.get("model_name"), q.get("routing_group"))
-
-    return [
-        Route("/query", handler("dynamo_query", lambda _, b: api.query(b, False)),
-              methods=["POST"]),
-        Route("/query_by_hash", handler("dynamo_query_by_hash", lambda _, b: api.query(b, True)),
-              methods=["POST"]),
-        Route("/dump", handler("dynamo_dump", lambda _, b: api.dump(), slow=True),
-              methods=["GET"]),
-        Route("/workers", handler("dynamo_workers", workers), methods=["GET"]),
-        Route("/register", handler("dynamo_register", lambda _, b: api.register(b)),
-              methods=["POST"]),
-        Route("/unregister", handler("dynamo_unregister", lambda _, b: api.unregister(b)),
-              methods=["POST"]),
-        Route("/health", lambda _: Response(status_code=200), methods=["GET"]),
-    ]  # fmt: skip
-
-
-def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]:
-    """POST /query and /query_by_hash straight on ASGI (as the service's /v1/match from
-    memory: Starlette's per-request layers cost more than the lookup). Same checks, answers
-    and metrics as :func:`routes`; ``allowed(authorization)``: the bearer check."""
-
-    def hot(name: str, by_hash: bool) -> Any:
-        async def handle(scope: Any, receive: Any, send: Any) -> None:
-            start = time.perf_counter()
-            authorization, length = "", None
-            for key, value in scope["headers"]:
-                if key == b"authorization":
-                    authorization = value.decode("latin-1")
-                elif key == b"content-length":
-                    length = value.decode("latin-1")
-            result: Answer
-            if not allowed(authorization):
-                result = 401, {"error": "a bearer token is required"}
-            elif length is None or not length.isdigit():
-                result = 411, {"error": "a JSON body with Content-Length is required"}
-            elif int(length) > MAX_BODY_BYTES:
-                result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
-            else:
-                raw = await read_body(receive)
-                if raw is None:
-                    return
-                result = _answer(name, lambda _, b: api.query(b, by_hash), None, raw)
-            LATENCY.labels(name).observe(time.perf_counter() - start)
-            REQUESTS.labels(name, str(result[0])).inc()
-            body = json.dumps(result[1], separators=(",", ":")).encode()
-            headers = [(b"content-length", str(len(body)).encode()),
-                       (b"content-type", b"application/json")]  # fmt: skip
-            if result[0] == 401:
-                headers.append((b"www-authenticate", b"Bearer"))
-            await send({"type": "http.response.start", "status": result[0], "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-
-        return handle
-
-    return {
-        "/query": hot("dynamo_query", False),
-        "/query_by_hash": hot("dynamo_query_by_hash", True),
-    }
-
-
-def _answer(
-    name: str, fn: Callable[[Any, bytes], Answer], request: Request | None, raw: bytes
-) -> Answer:
-    try:
-        return fn(request, raw)
-    except DynamoRequestError as exc:
-        return exc.status, {"error": str(exc)}
-    except Exception:  # a bug: answered and counted as a 500, never a dropped request
-        logger.exception("Dynamo API %s failed", name)
-        return 500, {"error": "internal error"}

@@ -358,7 +358,7 @@ def create_app(
     extra: list[Route] = []
     hot: dict[str, ASGIApp] = {"/v1/match": hot_match} if router is not None else {}
     if dynamo_api:
-        from kvledger.consumer.lookup import dynamo
+        from kvledger.consumer.lookup import dynamo, dynamo_http
 
         source = dynamo_router or router
         if source is None:
@@ -368,8 +368,8 @@ def create_app(
             return None if allowed(request.headers.get("authorization", "")) else refused()[:2]
 
         dynamo_api_ = dynamo.DynamoApi(source, silent_after)
-        extra = dynamo.routes(dynamo_api_, refusal)
-        hot.update(dynamo.hot_routes(dynamo_api_, allowed))
+        extra = dynamo_http.routes(dynamo_api_, refusal)
+        hot.update(dynamo_http.hot_routes(dynamo_api_, allowed))
     app = Starlette(
         routes=[
             *extra,

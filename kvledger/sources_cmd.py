@@ -7,6 +7,9 @@ import json
 import sys
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
 
 from kvledger import settings
 from kvledger.consumer.admin import SourceStatus, list_sources
@@ -18,11 +21,7 @@ def run(args: argparse.Namespace) -> int:
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         sources = list_sources(conn, window)
-        losses = conn.execute(
-            "SELECT kafka_topic, kafka_partition, first_lost_offset, last_lost_offset, "
-            "detected_at, ended_residencies, sources FROM kvledger.log_losses "
-            "ORDER BY detected_at DESC LIMIT 20"
-        ).fetchall()
+        losses = _log_losses(conn)
     for topic, partition, first, last, when, ended, whose in losses:
         print(
             f"warning: {topic}[{partition}] lost offsets {first}..{last} before the index read "
@@ -53,6 +52,20 @@ def run(args: argparse.Namespace) -> int:
             f"{when}: give each engine and model its own source id"
         )
     return 0
+
+
+def _log_losses(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    """The newest records the log lost before the index read them (none on a schema from
+    before revision 0013, which `kvledger migrate` brings)."""
+    try:
+        with conn.transaction():
+            return conn.execute(
+                "SELECT kafka_topic, kafka_partition, first_lost_offset, last_lost_offset, "
+                "detected_at, ended_residencies, sources FROM kvledger.log_losses "
+                "ORDER BY detected_at DESC LIMIT 20"
+            ).fetchall()
+    except psycopg.errors.UndefinedTable:
+        return []
 
 
 def _model(s: SourceStatus) -> str:

@@ -134,7 +134,7 @@ def test_ctrl_c_stops_a_relay_that_waits_for_its_broker() -> None:
 
 def test_records_deleted_before_the_consumer_read_them_are_recorded_and_acted_on(
     fresh_database: str, kafka_bootstrap: str, make_topic, group_id: str,
-    kafka_admin, caplog: pytest.LogCaptureFixture,
+    kafka_admin, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     """The consumer was away while retention deleted records it had not read (engine-0's
     removal of blocks 1-5): it records the loss (a row of kvledger.log_losses, an error,
@@ -197,6 +197,11 @@ def test_records_deleted_before_the_consumer_read_them_are_recorded_and_acted_on
             "SELECT count(*) FROM kvledger.residency_history WHERE removed_by = 'cleared'"
         ).fetchone()
     assert losses == [(group_id, 0, 2, 2, 5, ["engine-0"])] and closed == (5,)
+    capsys.readouterr()
+    assert cli(["sources", "--database-url", fresh_database]) == 0
+    warned = capsys.readouterr().err
+    assert f"{topic}[0] lost offsets 2..2 before the index read them" in warned
+    assert "5 residencies ended (engine-0)" in warned
     consume(kafka_bootstrap, fresh_database, topic, group_id)  # again: nothing more lost
     assert held() == [h.to_bytes(8, "big") for h in (6, 7, 8)]
 

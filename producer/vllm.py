@@ -32,6 +32,7 @@ from kvledger.schemas.events import (
     GroupSpec,
     KVEvent,
 )
+from kvledger.schemas.hashing import int_to_hash_bytes
 
 # vLLM 0.33.0's fields per event type, in declaration order (positional encodings follow it).
 FIELDS: Mapping[str, tuple[str, ...]] = {
@@ -154,6 +155,14 @@ def hash_bytes(value: object) -> bytes:
             raise VllmEventError(f"an int block hash must be unsigned 64-bit, got {value}")
         return value.to_bytes(8, "big")
     raise TypeError(f"a block hash must be int or bytes, got {type(value).__name__}")
+
+
+def signed_hash_bytes(value: object) -> bytes:
+    """A block hash an engine publishes as a 64-bit int of either sign (SGLang's signed
+    int64, TensorRT-LLM's size_t): the same 8 bytes either way (-1 is 2**64 - 1)."""
+    if type(value) is not int or not -(1 << 63) <= value <= _MAX_U64:
+        raise VllmEventError(f"a block hash must be a 64-bit int, got {str(value)[:40]}")
+    return int_to_hash_bytes(value)
 
 
 def hash_tuple(values: object) -> tuple[bytes, ...]:

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from kvledger.producer.relay.wire import EngineBatch
-from kvledger.producer.vllm import VllmEventError, extra_keys_json
+from kvledger.producer.vllm import VllmEventError, extra_keys_json, signed_hash_bytes
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 MEDIA: dict[str | None, tuple[str, str | None]] = {
@@ -39,7 +39,6 @@ MEDIA: dict[str | None, tuple[str, str | None]] = {
     "DISK": ("STORAGE", None),
     "EXTERNAL": ("STORAGE", "external"),
 }
-_MASK = (1 << 64) - 1
 
 
 class _Stored(msgspec.Struct, tag="BlockStored"):
@@ -72,13 +71,6 @@ class _Batch(msgspec.Struct, array_like=True):
 _DECODER = msgspec.msgpack.Decoder(_Batch)
 
 
-def hash_bytes(value: int) -> bytes:
-    """An SGLang block hash (signed 64-bit; the unsigned reading is taken too) as 8 bytes."""
-    if not -(1 << 63) <= value <= _MASK:
-        raise VllmEventError(f"a block hash must fit 64 bits, got {value}")
-    return (value & _MASK).to_bytes(8, "big")
-
-
 def medium_of(medium: str | None) -> tuple[str, str | None]:
     """(kvledger's medium, ownership) of an SGLang medium."""
     try:
@@ -101,7 +93,7 @@ def read_batch(payload: bytes) -> EngineBatch:
 def _event(e: Any) -> KVEvent:
     if isinstance(e, _Stored):
         medium, ownership = medium_of(e.medium)
-        hashes = tuple(hash_bytes(h) for h in e.block_hashes)
+        hashes = tuple(signed_hash_bytes(h) for h in e.block_hashes)
         extra = None
         if e.cache_salt is not None:
             extra = extra_keys_json([["cache_salt", e.cache_salt]] * len(hashes))
@@ -109,7 +101,9 @@ def _event(e: Any) -> KVEvent:
             return BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=(
-                    hash_bytes(e.parent_block_hash) if e.parent_block_hash is not None else None
+                    signed_hash_bytes(e.parent_block_hash)
+                    if e.parent_block_hash is not None
+                    else None
                 ),
                 token_ids=tuple(e.token_ids),
                 block_size=e.block_size,
@@ -124,6 +118,6 @@ def _event(e: Any) -> KVEvent:
             raise VllmEventError(f"BlockStored: {exc}") from exc
     if isinstance(e, _Removed):
         medium, ownership = medium_of(e.medium)
-        hashes = tuple(hash_bytes(h) for h in e.block_hashes)
+        hashes = tuple(signed_hash_bytes(h) for h in e.block_hashes)
         return BlockRemoved(block_hashes=hashes, medium=medium, ownership=ownership)
     return AllBlocksCleared()

@@ -48,22 +48,15 @@ import httpx
 
 from kvledger.producer.relay.engine import ReplayTimeoutError
 from kvledger.producer.relay.wire import EngineBatch
-from kvledger.producer.vllm import VllmEventError
+from kvledger.producer.vllm import VllmEventError, signed_hash_bytes
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
 
 logger = logging.getLogger(__name__)
 
 LEVELS = {0: "GPU", 1: "CPU"}
-_MASK = (1 << 64) - 1
 # How much the relay remembers to turn a tier move into a store: each block's parent,
 # tokens and tier, while it is held (a removal forgets it).
 MAX_REMEMBERED = 1 << 17
-
-
-def hash_bytes(value: object) -> bytes:
-    if type(value) is not int or not -(1 << 63) <= value <= _MASK:
-        raise VllmEventError(f"a block hash must be a 64-bit int, got {str(value)[:40]}")
-    return (value & _MASK).to_bytes(8, "big")
 
 
 def level_of(value: object) -> str:
@@ -111,7 +104,7 @@ class TrtllmReader:
             yield from self._stored(data, group)
         elif kind == "removed":
             by_medium: dict[str, list[bytes]] = {}
-            for h in (hash_bytes(v) for v in data["block_hashes"]):
+            for h in (signed_hash_bytes(v) for v in data["block_hashes"]):
                 held = self.blocks.pop((group, h), None)
                 by_medium.setdefault(held[2] if held else "GPU", []).append(h)
             for medium, hashes in by_medium.items():
@@ -123,7 +116,7 @@ class TrtllmReader:
             old, new = level_of(level["old_value"]), level_of(level["new_value"])
             if old == new:
                 return
-            h = hash_bytes(data["block_hash"])
+            h = signed_hash_bytes(data["block_hash"])
             yield BlockRemoved((h,), old, group_idx=group)
             held = self.blocks.get((group, h))
             if held is None:  # its store came before the relay: where it is, not what
@@ -136,11 +129,13 @@ class TrtllmReader:
             raise VllmEventError(f"unknown TensorRT-LLM event type {kind!r}")
 
     def _stored(self, data: dict[str, Any], group: int) -> Iterator[KVEvent]:
-        parent = hash_bytes(data["parent_hash"]) if data.get("parent_hash") is not None else None
+        parent = (
+            signed_hash_bytes(data["parent_hash"]) if data.get("parent_hash") is not None else None
+        )
         run: list[tuple[bytes, tuple[int, ...], str | None]] = []
         medium: str | None = None
         for block in data["blocks"]:
-            h = hash_bytes(block["block_hash"])
+            h = signed_hash_bytes(block["block_hash"])
             tokens = [(t["token_id"], t.get("token_extra_id", 0)) for t in block["tokens"]]
             if any(type(t) is not int or type(x) is not int for t, x in tokens):
                 raise VllmEventError("token ids are ints")

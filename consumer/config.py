@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvledger.consumer.retention_policy import Retention
+
 DEFAULT_GROUP = "kvledger-index"
 DEFAULT_DLQ_TOPIC = "kv-events.dlq"
 
@@ -43,3 +45,8 @@ class ConsumerConfig:
     group_instance_id: str | None = None
     session_timeout_ms: int = 10000
     kafka: Mapping[str, object] = field(default_factory=dict)
+    # How long history, audit and dead blocks are kept, applied by a pass every
+    # retention_every_s from a thread of the consumer's own (consumer/retention.py). None:
+    # nothing is deleted (a rebuild's scratch index); partitions are still made ahead.
+    retention: Retention | None = None
+    retention_every_s: float = 60.0

@@ -32,12 +32,12 @@ logger = logging.getLogger("kvledger.consumer.service")
 
 _CLOSE = """
 UPDATE kvledger.residency_history h
-SET removed_at = GREATEST(now(), h.stored_at), removed_by = 'cleared'
+SET removed_at = GREATEST(now(), h.stored_at), removed_by = 'cleared', closed_at = now()
 FROM kvledger.residencies r
 WHERE r.kafka_topic = %(topic)s AND r.kafka_partition = %(partition)s
   AND h.model = r.model AND h.group_idx = r.group_idx AND h.block_hash = r.block_hash
   AND h.instance = r.instance AND h.medium = r.medium AND h.ownership = r.ownership
-  AND h.removed_at IS NULL
+  AND h.removed_at IS NULL AND coalesce(h.closed_at, 'infinity'::timestamptz) = 'infinity'
 """
 _END = """
 DELETE FROM kvledger.residencies

@@ -124,6 +124,31 @@ LAG = Gauge(
 )
 
 
+RETENTION_PASSES = Counter(
+    "kvledger_retention_passes_total",
+    "Retention passes, by outcome (skipped: a table was busy, its drops wait for the next)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+PARTITIONS_DROPPED = Counter(
+    "kvledger_partitions_dropped_total",
+    "Time partitions retention dropped, by table",
+    ["table"],
+    registry=REGISTRY,
+)
+BLOCKS_EXPIRED = Counter(
+    "kvledger_blocks_expired_total",
+    "Block rows deleted: held by no one and named by no retained history",
+    registry=REGISTRY,
+)
+RETAINED_SINCE = Gauge(
+    "kvledger_retained_since_seconds",
+    "Unix time where each table's retained rows start (absent: never trimmed)",
+    ["table"],
+    registry=REGISTRY,
+)
+
+
 def record_batch(plan: Plan, seconds: float) -> None:
     """Count one applied batch (its plan) and its duration."""
     BATCH_SECONDS.observe(seconds)

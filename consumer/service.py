@@ -37,6 +37,7 @@ from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
 from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.log_loss import act_on_losses, below_start
 from kvledger.consumer.pipeline import BatchResult, run_batch
+from kvledger.consumer.retention import Retainer, ensure_partitions
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.summary import RunSummary
@@ -100,6 +101,12 @@ class IndexConsumer:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.REGISTRY)
         started = time.monotonic()
         self._conn = self._connect()
+        retainer = None
+        if cfg.retention is not None:
+            retainer = Retainer(cfg.database_url, cfg.retention, cfg.retention_every_s)
+            retainer.start()
+        else:
+            ensure_partitions(self._conn)
         if cfg.dlq_topic:
             self._dlq = DeadLetterProducer(
                 cfg.bootstrap_servers, cfg.dlq_topic, settings=cfg.kafka,
@@ -156,6 +163,8 @@ class IndexConsumer:
                     break
         finally:
             self.summary.seconds = time.monotonic() - started
+            if retainer is not None:
+                retainer.stop()
             if self._consumer is not None:
                 self._consumer.close()
             if self._dlq is not None:

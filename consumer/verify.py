@@ -3,7 +3,9 @@
 verify: replay the topic from its beginning into a scratch database, stopping exactly at the
 live index's stored offsets, then compare every table (minus wall-clock columns). Declared
 group specs are copied first (they are operator input, not in the log). Operator replays
-of rejected events are not in the log either, so they show up as differences.
+of rejected events are not in the log either, so they show up as differences. Where the
+live index's retention has dropped rows, both sides are compared within its retained
+windows only (:func:`window_filters`), and the result says how many rows that left out.
 
 rebuild: replace the live index with one rebuilt from the topic (declared specs kept).
 """
@@ -14,6 +16,7 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import psycopg
 import sqlalchemy as sa
@@ -41,13 +44,80 @@ def _value(v: object) -> object:
     return v
 
 
-def dump(conn: psycopg.Connection) -> dict[str, Counter[tuple[object, ...]]]:
-    """Every table as a multiset of rows (wall-clock columns left out)."""
+def window_filters(windows: Mapping[str, datetime]) -> dict[str, tuple[str, tuple[object, ...]]]:
+    """Per table, the rows a comparison covers when the live index has retained windows
+    (consumer/retention.py): the same condition on both sides, so what retention dropped
+    from one is left out of the other. Each is SQL over the table as ``t``, with parameters.
+
+    - history: open intervals, and those that ended at or after its window start (an
+      interval retention dropped was closed, so ended, before that);
+    - the audit log: messages whose event time is inside its window; a rejection: the same,
+      through its message's audit row;
+    - blocks: held ones, those named by a compared interval, and those last stored at or
+      after the last block expiry's cut-off.
+    """
+    out: dict[str, tuple[str, tuple[object, ...]]] = {}
+    history = windows.get("residency_history")
+    named = "true"
+    named_args: tuple[object, ...] = ()
+    if history is not None:
+        out["residency_history"] = ("t.removed_at IS NULL OR t.removed_at >= %s", (history,))
+        named, named_args = "h.removed_at IS NULL OR h.removed_at >= %s", (history,)
+    if (audit := windows.get("events")) is not None:
+        out["events"] = ("t.event_time >= %s", (audit,))
+    if (rejected := windows.get("rejected_events")) is not None:
+        out["rejected_events"] = (
+            "EXISTS (SELECT 1 FROM kvledger.events e WHERE e.kafka_topic = t.kafka_topic "
+            "AND e.kafka_partition = t.kafka_partition AND e.kafka_offset = t.kafka_offset "
+            "AND e.event_time >= %s)",
+            (rejected,),
+        )
+    if (blocks := windows.get("blocks")) is not None:
+        out["blocks"] = (
+            "t.last_seen >= %s OR EXISTS (SELECT 1 FROM kvledger.residencies r "
+            "WHERE r.model = t.model AND r.group_idx = t.group_idx AND r.block_hash = t.block_hash)"
+            " OR EXISTS (SELECT 1 FROM kvledger.residency_history h WHERE h.model = t.model "
+            f"AND h.group_idx = t.group_idx AND h.block_hash = t.block_hash AND ({named}))",
+            (blocks, *named_args),
+        )
+    return out
+
+
+def dump(
+    conn: psycopg.Connection,
+    filters: Mapping[str, tuple[str, tuple[object, ...]]] | None = None,
+) -> dict[str, Counter[tuple[object, ...]]]:
+    """Every table as a multiset of rows (wall-clock columns left out), only the rows each
+    filter (:func:`window_filters`) covers."""
     out = {}
     for table, cols in COLUMNS.items():
-        rows = conn.execute(f"SELECT {cols} FROM kvledger.{table}").fetchall()
+        where, args = (filters or {}).get(table, ("true", ()))
+        rows = conn.execute(f"SELECT {cols} FROM kvledger.{table} t WHERE {where}", args).fetchall()
         out[table] = Counter(tuple(_value(v) for v in row) for row in rows)
     return out
+
+
+def left_out(
+    conn: psycopg.Connection, filters: Mapping[str, tuple[str, tuple[object, ...]]]
+) -> dict[str, int]:
+    """Per filtered table, the rows outside what the comparison covers."""
+    out = {}
+    for table, (where, args) in filters.items():
+        row = conn.execute(
+            f"SELECT count(*) FROM kvledger.{table} t WHERE NOT coalesce({where}, false)", args
+        ).fetchone()
+        out[table] = int(row[0]) if row else 0
+    return out
+
+
+def retained_windows(conn: psycopg.Connection) -> dict[str, datetime]:
+    """The live index's retained windows (none on a schema from before revision 0014)."""
+    try:
+        with conn.transaction():
+            rows = conn.execute("SELECT what, since FROM kvledger.retained_windows").fetchall()
+    except psycopg.errors.UndefinedTable:
+        return {}
+    return {str(what): since for what, since in rows}
 
 
 @dataclass
@@ -128,6 +198,10 @@ class VerifyResult:
     rebuilt: RunSummary
     targets: dict[int, int]
     rows: dict[str, int]
+    # Where the live index's retention left each trimmed table, and the rows of each side
+    # the comparison left out for that (table -> (live, rebuilt)).
+    windows: dict[str, datetime] = field(default_factory=dict)
+    not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -163,10 +237,14 @@ def verify(
             codec=codec,
         )
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
-            a, b = dump(live), dump(scratch)
+            windows = retained_windows(live)
+            filters = window_filters(windows)
+            a, b = dump(live, filters), dump(scratch, filters)
+            out_live, out_rebuilt = left_out(live, filters), left_out(scratch, filters)
         return VerifyResult(
-            diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()}
-        )
+            diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()},
+            windows, {t: (out_live[t], out_rebuilt[t]) for t in filters},
+        )  # fmt: skip
     finally:
         if created:
             drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
@@ -251,14 +329,23 @@ def _refuse_unsafe(
         )
 
 
+# The live index's own bookkeeping of its partitions and retention (not rebuilt from the log).
+_KEPT_ON_SWAP = ("time_partitions", "retention_settings", "retained_windows")
+
+
 def _swap_in(
     scratch: psycopg.Connection, live: psycopg.Connection, summary_group: str, live_group: str
 ) -> None:
-    """Every table of the scratch index replaces the live one's, in one live transaction."""
+    """Every table of the scratch index replaces the live one's, in one live transaction
+    (a partitioned table's rows go through its parent into the live index's partitions; the
+    live index keeps its own partitions, interval and retained windows)."""
     tables = [
         name
         for (name,) in live.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = 'kvledger' ORDER BY tablename"
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'kvledger' AND c.relkind IN ('r', 'p') AND NOT c.relispartition "
+            "AND c.relname <> ALL(%s) ORDER BY c.relname",
+            (list(_KEPT_ON_SWAP),),
         )
     ]
     with live.transaction():
@@ -266,7 +353,9 @@ def _swap_in(
         # the swap, then see the new index).
         live.execute("TRUNCATE " + ", ".join(f"kvledger.{t}" for t in tables) + " RESTART IDENTITY")
         for table in tables:
-            source = scratch.cursor().copy(f"COPY kvledger.{table} TO STDOUT (FORMAT BINARY)")
+            source = scratch.cursor().copy(
+                f"COPY (SELECT * FROM kvledger.{table}) TO STDOUT (FORMAT BINARY)"
+            )
             target = live.cursor().copy(f"COPY kvledger.{table} FROM STDIN (FORMAT BINARY)")
             with source as out, target as inp:
                 for chunk in out:
@@ -278,7 +367,9 @@ def _swap_in(
         )
         for table, column in live.execute(
             "SELECT table_name, column_name FROM information_schema.columns "
-            "WHERE table_schema = 'kvledger' AND column_default LIKE 'nextval%%'"
+            "WHERE table_schema = 'kvledger' AND column_default LIKE 'nextval%%' "
+            "AND table_name = ANY(%s)",
+            (tables,),
         ).fetchall():
             live.execute(
                 f"SELECT setval(pg_get_serial_sequence('kvledger.{table}', %s), "

@@ -8,6 +8,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from kvledger.consumer.config import DEFAULT_DLQ_TOPIC, DEFAULT_GROUP
+from kvledger.consumer.retention_policy import duration_arg
 from kvledger.parsers import add, command
 from kvledger.schemas.events import SPEC_KINDS
 from kvledger.settings import ENV_KAFKA, ENV_KAFKA_CONFIG, ENV_REGISTRY, ENV_REGISTRY_CONFIG
@@ -80,6 +81,23 @@ def _log_args(p: argparse.ArgumentParser, group_help: str) -> None:
     p.add_argument("--consumer-group", dest="group", default=DEFAULT_GROUP, help=group_help)
 
 
+def _retention_args(p: argparse.ArgumentParser) -> None:
+    """How long history, audit and blocks no one holds are kept (consume and retention)."""
+    p.add_argument(
+        "--history-retention", type=duration_arg, default="7d", metavar="D",
+        help="keep residency history intervals this long after they closed",
+    )  # fmt: skip
+    p.add_argument(
+        "--audit-retention", type=duration_arg, default="7d", metavar="D",
+        help="keep the audit log (events) and rejected events this long",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-retention", type=duration_arg, default="1d", metavar="D",
+        help="delete a block row this long after it was last stored, once no residency "
+        "holds it and no retained history names it",
+    )  # fmt: skip
+
+
 def add_simulate(subparsers: Subparsers) -> None:
     p = add(subparsers, "simulate", "", "publish a simulated fleet's KV events to Kafka")
     p.add_argument("--instances", type=int, default=4, help="simulated engines")
@@ -108,6 +126,12 @@ def add_consumer(subparsers: Subparsers) -> None:
     p = add(subparsers, "migrate", extra, "create or upgrade the index schema (alembic)")
     _db_arg(p)
     p.add_argument("--revision", default="head", help="the Alembic revision to reach")
+    p.add_argument(
+        "--partition-interval", type=duration_arg, metavar="D",
+        help="the time span of each history and audit partition (90s, 10m, 1d; a new index "
+        "starts at 1d); applies from now where the partitions made so far are empty, else "
+        "from the end of the newest one in use",
+    )  # fmt: skip
     p.set_defaults(run=command("consumer_cmds:migrate_cmd"))
 
     p = add(subparsers, "consume", extra, "materialize the topic into the index")
@@ -140,7 +164,22 @@ def add_consumer(subparsers: Subparsers) -> None:
         help="static group membership id: a restart with the same id resumes at once",
     )
     p.add_argument("--no-migrate", action="store_true", help="do not run migrations first")
+    _retention_args(p)
+    p.add_argument(
+        "--retention-every", type=float, default=60.0, metavar="SECONDS",
+        help="seconds between retention passes (each from a thread of its own)",
+    )  # fmt: skip
     p.set_defaults(run=command("consumer_cmds:consume"))
+
+    p = add(
+        subparsers, "retention", extra,
+        "show the retained windows and partitions, or run one retention pass (--once)",
+    )  # fmt: skip
+    _db_arg(p)
+    _retention_args(p)
+    p.add_argument("--once", action="store_true", help="run one retention pass now")
+    p.add_argument("--json", action="store_true", help="the windows and the pass as JSON")
+    p.set_defaults(run=command("consumer_cmds:retention_cmd"))
 
     g = add(subparsers, "groups", extra, "declare or list KV-cache group specs")
     gs = g.add_subparsers(dest="groups_command", metavar="ACTION", required=True)

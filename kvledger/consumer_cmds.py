@@ -14,6 +14,7 @@ from kvledger import settings
 from kvledger.consumer import admin
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect, current_revision, migrate
+from kvledger.consumer.retention_policy import DurationError, Retention, show_duration
 from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.summary import RunSummary
 from kvledger.process import freeze_startup_objects
@@ -25,6 +26,14 @@ logger = logging.getLogger(__name__)
 
 def migrate_cmd(args: argparse.Namespace) -> int:
     url = settings.database_url(args.database_url)
+    interval = args.partition_interval
+    if interval is not None and interval.total_seconds() < 1:
+        print(
+            f"kvledger: --partition-interval {show_duration(interval)}: partitions span at "
+            "least 1s",
+            file=sys.stderr,
+        )
+        return 2
     before = current_revision(url)
     migrate(url, args.revision)
     after = current_revision(url)
@@ -32,7 +41,33 @@ def migrate_cmd(args: argparse.Namespace) -> int:
         print(f"index schema already at revision {after} ({args.revision}): nothing to do")
     else:
         print(f"index schema migrated from revision {before or '(none)'} to {after}")
+    if args.partition_interval is not None:
+        from kvledger.consumer import retention
+
+        with connect(url, autocommit=True) as conn:
+            made = retention.set_partition_interval(conn, args.partition_interval)
+        print(
+            f"partition interval {show_duration(args.partition_interval)}: {made} partitions "
+            "made ahead at it"
+        )
     return 0
+
+
+def _retention(args: argparse.Namespace) -> Retention:
+    return Retention(args.history_retention, args.audit_retention, args.block_retention)
+
+
+def _check_retention(url: str, policy: Retention) -> None:
+    """A retention shorter than the index's partition interval: a usage error (exit 2)."""
+    from kvledger.consumer import retention
+
+    with connect(url, autocommit=True) as conn:
+        interval = retention.partition_interval(conn)
+    try:
+        policy.check(interval)
+    except DurationError as exc:
+        print(f"kvledger: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
@@ -51,6 +86,8 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         dlq_replication_factor=args.dlq_replication_factor,
         kafka=settings.kafka_settings(args),
         max_batch_retries=args.max_batch_retries,
+        retention=_retention(args),
+        retention_every_s=args.retention_every,
     )
 
 
@@ -69,6 +106,8 @@ def consume(args: argparse.Namespace) -> int:
     config = consumer_config(args)
     if not args.no_migrate:
         migrate(config.database_url)
+    assert config.retention is not None
+    _check_retention(config.database_url, config.retention)
     codec = settings.codec(args, config.topic, writer=False)
     service = IndexConsumer(config, codec=codec, progress=terminal_progress)
 
@@ -184,15 +223,24 @@ def verify_cmd(args: argparse.Namespace) -> int:
             "ok": result.ok, "rebuilt_messages": result.rebuilt.messages,
             "targets": {str(p): o for p, o in sorted(result.targets.items())},
             "rows": result.rows,
+            "retained_since": result.windows,
+            "not_compared": {t: {"live": a, "rebuilt": b}
+                             for t, (a, b) in result.not_compared.items()},
             "differences": [
                 {"table": d.table, "only_live": len(d.only_live),
                  "only_rebuilt": len(d.only_rebuilt)}
                 for d in result.differences
             ],
-        }))  # fmt: skip
+        }, default=str))  # fmt: skip
         return 0 if result.ok else 1
     targets = ", ".join(f"{p}@{o}" for p, o in sorted(result.targets.items())) or "(none)"
     print(f"rebuilt {result.rebuilt.messages} messages from {args.topic} up to {targets}")
+    for table, (live_rows, rebuilt_rows) in result.not_compared.items():
+        print(
+            f"  {table}: compared from {result.windows[table]} (the live index's retained "
+            f"window); not compared: {live_rows} live and "
+            f"{rebuilt_rows} rebuilt row(s) outside it"
+        )
     if result.ok:
         rows = ", ".join(f"{t} {n}" for t, n in result.rows.items())
         print(f"verify: OK — the index equals the rebuild ({rows})")
@@ -236,4 +284,37 @@ def rebuild_cmd(args: argparse.Namespace) -> int:
         f"rebuilt the index from {summary.messages} messages: {summary.applied} applied, "
         f"{summary.rejected} rejected"
     )
+    return 0
+
+
+def retention_cmd(args: argparse.Namespace) -> int:
+    """Where each table's retained rows start and its partitions; with --once, one pass."""
+    from kvledger.consumer import retention
+
+    url = settings.database_url(args.database_url)
+    policy = _retention(args)
+    _check_retention(url, policy)
+    with connect(url, autocommit=True) as conn:
+        report = retention.run_pass(conn, policy) if args.once else None
+        state = retention.status(conn)
+    if args.json:
+        out: dict[str, Any] = {**state.as_json()}
+        if report is not None:
+            out["pass"] = report.as_json()
+        print(json.dumps(out, default=str))
+        return 0
+    if report is not None:
+        print(
+            f"retention pass ({report.seconds:.2f} s): made {report.made} partitions, dropped "
+            f"{len(report.dropped)}, deleted {report.blocks_deleted} blocks no one holds"
+        )
+        if report.skipped:
+            print(f"  drops skipped: {report.skipped}")
+    print(f"partition interval {show_duration(state.interval)}")
+    rows: list[tuple[object, ...]] = [
+        (table, t.partitions, t.first, t.last, state.windows.get(table, "everything"))
+        for table, t in state.tables.items()
+    ]
+    rows.append(("blocks", "", "", "", state.windows.get("blocks", "everything")))
+    print_table(["table", "partitions", "from", "to", "retained since"], rows)
     return 0

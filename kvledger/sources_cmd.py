@@ -22,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         sources = list_sources(conn, window)
         losses = _log_losses(conn)
+        retained = _retained(conn)
     for topic, partition, first, last, when, ended, whose in losses:
         print(
             f"warning: {topic}[{partition}] lost offsets {first}..{last} before the index read "
@@ -44,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
          for s in sources],
     )  # fmt: skip
     print("times in UTC; started: the epoch of the source's current process")
+    if retained:
+        print(
+            "retained (older rows dropped by retention): "
+            + ", ".join(f"{what} since {_utc(since)}" for what, since in sorted(retained.items()))
+        )
     changed = [s for s in sources if s.previous_model is not None]
     for s in changed:
         when = _utc(s.model_changed_at) if s.model_changed_at else "?"
@@ -82,3 +88,13 @@ def _started(epoch_ms: int) -> str:
 
 def _utc(when: datetime) -> str:
     return f"{when.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+
+
+def _retained(conn: psycopg.Connection) -> dict[str, datetime]:
+    """Where each trimmed table's retained rows start (none before revision 0014)."""
+    try:
+        with conn.transaction():
+            rows = conn.execute("SELECT what, since FROM kvledger.retained_windows").fetchall()
+    except psycopg.errors.UndefinedTable:
+        return {}
+    return {str(what): since for what, since in rows}

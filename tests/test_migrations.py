@@ -15,7 +15,8 @@ def _objects(url: str) -> tuple[set[str], set[str]]:
             name
             for (name,) in conn.execute(
                 "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = 'kvledger' AND c.relkind IN ('r', 'v')"
+                "WHERE n.nspname = 'kvledger' AND c.relkind IN ('r', 'p', 'v') "
+                "AND NOT c.relispartition"
             )
         }
         functions = {

@@ -17,11 +17,16 @@ from typing import Literal, get_args
 
 import psycopg
 
+from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType(
     {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 )
+
+
+class NotRetainedError(KvledgerError, ValueError):
+    """An as-of question about a time whose history retention has dropped."""
 
 
 Granularity = Literal["block", "hash"]
@@ -99,10 +104,14 @@ class PrefixIndex:
         granularity: Granularity = "block",
     ) -> list[Holder]:
         """The same answer as of ``at``, from the residency history (no liveness filter:
-        every holder's ``source_state`` is ``as_of``)."""
+        every holder's ``source_state`` is ``as_of``). A time before the retained history
+        raises :class:`NotRetainedError`, which says where it starts."""
         _check(granularity)
         params = (model, group_idx, list(hashes), at, granularity)
-        return self._holders("match_prefix_at", params, "'as_of'")
+        try:
+            return self._holders("match_prefix_at", params, "'as_of'")
+        except psycopg.errors.InvalidParameterValue as exc:
+            raise NotRetainedError(exc.diag.message_primary or str(exc)) from None
 
     def match_tokens(
         self,

@@ -46,7 +46,13 @@ from kvledger.consumer.db import (
     SchemaMissingError,
     conninfo,
 )
-from kvledger.consumer.lookup.api import PrefixIndex, rank, split_live, unknown_group
+from kvledger.consumer.lookup.api import (
+    NotRetainedError,
+    PrefixIndex,
+    rank,
+    split_live,
+    unknown_group,
+)
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
 from kvledger.consumer.lookup.openapi import DOCUMENT
@@ -211,6 +217,8 @@ def create_app(
             return result
         except BadRequestError as exc:
             return 400, {"error": str(exc)}, {}
+        except NotRetainedError as exc:  # the history asked about is gone, for good
+            return 410, {"error": str(exc)}, {}
         except (PoolTimeout, psycopg.errors.QueryCanceled) as exc:
             why = "no database connection free" if isinstance(exc, PoolTimeout) else (
                 "the lookup ran past the statement timeout"

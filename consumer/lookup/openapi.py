@@ -74,7 +74,8 @@ SCHEMAS: dict[str, Any] = {
             "at": {
                 "type": "string",
                 "format": "date-time",
-                "description": "With hashes: the answer as of this time (with a time zone)",
+                "description": "With hashes: the answer as of this time (with a time zone), "
+                "within the retained history (else a 410)",
             },
             "lora_name": {**_NAME, "description": "With token_ids: only this adapter's blocks"},
             "weights": {
@@ -224,6 +225,11 @@ DOCUMENT: dict[str, Any] = {
                 "responses": {
                     "200": _json({"$ref": "#/components/schemas/MatchAnswer"}, "The match"),
                     **_ERRORS,
+                    "410": _json(
+                        _ERROR,
+                        "`at` is before the retained history (retention dropped it); `error` "
+                        "says where the retained history starts",
+                    ),
                 },
             }
         },

@@ -45,13 +45,17 @@ ON CONFLICT (model, group_idx, block_hash) DO UPDATE SET
     last_seen = GREATEST(blocks.last_seen, EXCLUDED.last_seen)
 """
 
+# Closing an interval moves it from the open partition into the time partition of now (the
+# partition key is coalesce(closed_at, 'infinity'): the last line keeps the scan on the open
+# partition).
 CLOSE_HISTORY = """
 UPDATE kvledger.residency_history h
-SET removed_at = GREATEST(c.removed_at, h.stored_at), removed_by = c.removed_by
+SET removed_at = GREATEST(c.removed_at, h.stored_at), removed_by = c.removed_by,
+    closed_at = now()
 FROM tmp_close c
 WHERE h.model = c.model AND h.group_idx = c.group_idx AND h.block_hash = c.block_hash
   AND h.instance = c.instance AND h.medium = c.medium AND h.ownership = c.ownership
-  AND h.removed_at IS NULL
+  AND h.removed_at IS NULL AND coalesce(h.closed_at, 'infinity'::timestamptz) = 'infinity'
 """
 
 MERGE_RESIDENCIES = """
@@ -68,6 +72,15 @@ ON CONFLICT (model, group_idx, block_hash, instance, medium, ownership) DO UPDAT
     refcount = EXCLUDED.refcount, locality = EXCLUDED.locality, since = EXCLUDED.since,
     kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
     kafka_offset = EXCLUDED.kafka_offset
+"""
+
+# A rejection is stored once per message (a replay that rejects it again keeps the first).
+INSERT_REJECTED = """
+INSERT INTO kvledger.rejected_events (kafka_topic, kafka_partition, kafka_offset, kafka_key,
+    raw, reason, detail, source)
+SELECT %s, %s, %s, %s, %s, %s, %s, %s
+WHERE NOT EXISTS (SELECT 1 FROM kvledger.rejected_events r
+                  WHERE r.kafka_topic = %s AND r.kafka_partition = %s AND r.kafka_offset = %s)
 """
 
 UPSERT_SOURCE = """

@@ -43,7 +43,6 @@ from kvledger.consumer.store.tables import (
     EVENTS,
     HISTORY_CLOSE,
     LIFECYCLE_EVENTS,
-    REJECTED_EVENTS,
     RESIDENCIES,
     RESIDENCY_HISTORY,
 )
@@ -275,12 +274,11 @@ class PostgresStore:
             copy_rows(cur, EVENTS.qualified, EVENTS.columns, plan.audit)
             if plan.rejected:
                 cur.executemany(
-                    f"INSERT INTO {REJECTED_EVENTS.qualified} ({REJECTED_EVENTS.names()}) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-                    "ON CONFLICT (kafka_topic, kafka_partition, kafka_offset) DO NOTHING",
+                    sql.INSERT_REJECTED,
                     [
                         (r.message.topic, r.message.partition, r.message.offset,
-                         r.message.key, r.message.value, r.reason, r.detail, r.source)
+                         r.message.key, r.message.value, r.reason, r.detail, r.source,
+                         r.message.topic, r.message.partition, r.message.offset)
                         for r in plan.rejected
                     ],
                 )  # fmt: skip
@@ -298,11 +296,16 @@ class PostgresStore:
         if closes:
             copy_rows(cur, "tmp_close", HISTORY_CLOSE, closes)
             cur.execute(sql.CLOSE_HISTORY)
+        # An interval closed in the batch that opened it goes straight to now's partition.
+        closed_at = None
+        if any(i.removed_at is not None for d in deltas for i in d.intervals):
+            closed_at = cur.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         intervals = [
-            (*d.key, i.locality, i.stored_at, i.removed_at, i.removed_by, i.partition, i.offset)
+            (*d.key, i.locality, i.stored_at, i.removed_at, i.removed_by, i.partition, i.offset,
+             None if i.removed_at is None else closed_at)
             for d in deltas
             for i in d.intervals
-        ]
+        ]  # fmt: skip
         copy_rows(cur, RESIDENCY_HISTORY.qualified, RESIDENCY_HISTORY.columns, intervals)
         holders = [
             (*d.key, d.locality, d.since, d.topic, d.partition, d.offset, d.refcount)

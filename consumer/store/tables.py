@@ -103,6 +103,7 @@ RESIDENCY_HISTORY = Table(
         ("removed_by", "text"),
         ("stored_partition", "int4"),
         ("stored_offset", "int8"),
+        ("closed_at", "timestamptz"),  # when the index closed it: the partition key
     ),
     (
         "model", "group_idx", "block_hash", "instance", "medium", "ownership", "locality",

@@ -9,6 +9,14 @@ AS $function$
             v_ratio integer;
             v_hash_size integer;
         BEGIN
+            IF p_at < (SELECT w.since FROM kvledger.retained_windows w
+                       WHERE w.what = 'residency_history') THEN
+                RAISE EXCEPTION 'the residency history before % is not retained: ask for a time at or after it',
+                    (SELECT w.since FROM kvledger.retained_windows w
+                     WHERE w.what = 'residency_history')
+                    USING ERRCODE = 'invalid_parameter_value',
+                          HINT = 'kvledger consume --history-retention sets how long it is kept';
+            END IF;
             IF p_granularity = 'block' THEN
                 RETURN QUERY WITH held AS MATERIALIZED (
                 SELECT DISTINCT r.instance, r.medium, r.ownership, q.i::integer AS i
@@ -95,4 +103,3 @@ AS $function$
             FROM runs;
         END
         $function$
-

@@ -21,6 +21,7 @@ from bench import (
     previous,
     produce,
     relay,
+    retention,
     router,
     scale,
     tracker_encode,
@@ -45,6 +46,7 @@ def main() -> None:
     consume.main()
     previous.main()  # the apply rate beside the release before the core split
     scale.main()  # 1, 2 and 3 consumers in one group, side by side
+    retention.main()  # 10 minutes: the schema's size with retention beside without
     data = json.loads(RESULTS.read_text())
     written = publish(data)
     print(f"\nwrote {', '.join(str(p) for p in written)}")

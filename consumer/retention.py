@@ -259,6 +259,8 @@ class Retainer:
                 if conn is not None:
                     conn.close()
                 conn = None
+            except Exception:  # a bug: logged, and the consumer's retention goes on
+                logger.exception("retention pass failed (next in %.0f s)", self.every_s)
             self._stop.wait(self.every_s)
         if conn is not None:
             conn.close()

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvledger import settings
-from kvledger.arguments import ENV_LOOKUP_TOKEN
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex, rank
 from kvledger.consumer.lookup.api import split_live, tied, unknown_group
+from kvledger.options import ENV_LOOKUP_TOKEN
 from kvledger.process import freeze_startup_objects
 from kvledger.schemas.lookup import Holder, Ranked
 from kvledger.tables import print_table

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from kvledger import settings
-from kvledger.arguments import ENV_ADMIN
-from kvledger.arguments import ENV_READER_PASSWORD as ENV_PASSWORD
+from kvledger.options import ENV_ADMIN
+from kvledger.options import ENV_READER_PASSWORD as ENV_PASSWORD
 
 
 def create_reader_cmd(args: argparse.Namespace) -> int:

@@ -166,15 +166,15 @@ def test_help_imports_no_server_dependency_and_defaults_match() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert out.strip() == "[]"
-    from kvledger import arguments, fleet
+    from kvledger import fleet, options
     from kvledger.producer import config
     from kvledger.producer.relay import config as relay_config
     from kvledger.schemas import topics
 
-    assert arguments.DEFAULT_TOPIC == config.DEFAULT_TOPIC
-    assert arguments.DEFAULT_PARTITIONS == topics.DEFAULT_PARTITIONS
-    assert arguments.ENGINES == relay_config.ENGINES
-    assert arguments.DEFAULT_MODEL == fleet.DEFAULT_MODEL
+    assert options.DEFAULT_TOPIC == config.DEFAULT_TOPIC
+    assert options.DEFAULT_PARTITIONS == topics.DEFAULT_PARTITIONS
+    assert options.ENGINES == relay_config.ENGINES
+    assert options.DEFAULT_MODEL == fleet.DEFAULT_MODEL
 
 
 def test_a_missing_extra_is_named_when_the_command_runs() -> None:

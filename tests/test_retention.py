@@ -329,3 +329,31 @@ def test_a_partition_interval_below_a_second_is_refused(fresh_database: str) -> 
     done = _kvledger("migrate", "--database-url", fresh_database, "--partition-interval", "0.5s")
     assert done.returncode == 2
     assert "--partition-interval 0.5s: partitions span at least 1s" in done.stderr
+
+
+def test_passes_of_several_consumers_at_once_do_not_collide(fresh_database: str) -> None:
+    """Every consumer of a group runs passes: at the same instant, one makes and drops the
+    partitions and the others wait for it, then find nothing left to do."""
+    with connect(fresh_database, autocommit=True) as conn:
+        set_partition_interval(conn, SECOND)
+    time.sleep(2.5)  # partitions to drop, and new ones to make
+    errors: list[BaseException] = []
+    dropped: list[int] = []
+
+    def one_pass() -> None:
+        try:
+            with connect(fresh_database, autocommit=True) as conn:
+                dropped.append(len(run_pass(conn, Retention(SECOND, SECOND, SECOND)).dropped))
+        except BaseException as exc:
+            errors.append(exc)
+
+    passes = [threading.Thread(target=one_pass) for _ in range(4)]
+    for t in passes:
+        t.start()
+    for t in passes:
+        t.join(60)
+    assert errors == [] and len(dropped) == 4
+    assert sum(dropped) >= 3  # each expired partition dropped once, by whichever came first
+    with connect(fresh_database, autocommit=True) as conn:
+        names = conn.execute("SELECT partition FROM kvledger.time_partitions").fetchall()
+    assert len(names) == len(set(names)) and names

@@ -97,6 +97,9 @@ DECLARE
     v_made integer := 0;
     v_stray boolean;
 BEGIN
+    -- One maker at a time (every consumer of a group runs passes): a second waits, then
+    -- finds the partitions made.
+    PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     SELECT partition_interval INTO STRICT v_iv FROM kvledger.retention_settings;
     v_step := extract(epoch FROM v_iv);
     FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP
@@ -144,6 +147,7 @@ DECLARE
     v_parent text;
     v_cut timestamptz;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     FOR v_row IN
         SELECT t.parent, t.partition, t.lo, t.hi FROM kvledger.time_partitions t
         WHERE t.hi <= CASE t.parent WHEN 'residency_history' THEN p_history ELSE p_audit END
@@ -179,6 +183,7 @@ BEGIN
         RAISE EXCEPTION 'the partition interval must be at least 1 second, not %', p_interval
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     UPDATE kvledger.retention_settings SET partition_interval = p_interval, updated_at = now();
     FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP
         FOR v_row IN

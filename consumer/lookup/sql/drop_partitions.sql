@@ -9,6 +9,7 @@ DECLARE
     v_parent text;
     v_cut timestamptz;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     FOR v_row IN
         SELECT t.parent, t.partition, t.lo, t.hi FROM kvledger.time_partitions t
         WHERE t.hi <= CASE t.parent WHEN 'residency_history' THEN p_history ELSE p_audit END

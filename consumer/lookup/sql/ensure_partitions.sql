@@ -15,6 +15,9 @@ DECLARE
     v_made integer := 0;
     v_stray boolean;
 BEGIN
+    -- One maker at a time (every consumer of a group runs passes): a second waits, then
+    -- finds the partitions made.
+    PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     SELECT partition_interval INTO STRICT v_iv FROM kvledger.retention_settings;
     v_step := extract(epoch FROM v_iv);
     FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP

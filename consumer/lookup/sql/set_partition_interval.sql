@@ -13,6 +13,7 @@ BEGIN
         RAISE EXCEPTION 'the partition interval must be at least 1 second, not %', p_interval
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     UPDATE kvledger.retention_settings SET partition_interval = p_interval, updated_at = now();
     FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP
         FOR v_row IN

@@ -105,7 +105,7 @@ def from_vllm_fields(kind: str, fields: Mapping[str, Any]) -> KVEvent:
                 lora_id=_opt_int(get("lora_id")),
                 medium=_opt_str(get("medium")),
                 lora_name=_opt_str(get("lora_name")),
-                extra_keys=extra_keys_json(get("extra_keys")),
+                extra_keys=extra_keys_json(without_lora(get("extra_keys"), get("lora_name"))),
                 group_idx=_opt_int(get("group_idx")),
                 kv_cache_spec_kind=_opt_str(get("kv_cache_spec_kind")),
                 kv_cache_spec_sliding_window=_opt_int(get("kv_cache_spec_sliding_window")),
@@ -215,6 +215,23 @@ def _lookahead(value: object) -> tuple[tuple[int, ...], ...] | None:
     if not isinstance(value, list | tuple):
         raise TypeError("lookahead_token_ids must be a list of lists")
     return tuple(tuple(_int(t) for t in block) for block in value)
+
+
+def without_lora(extra: object, lora_name: object) -> object:
+    """vLLM's extra keys with the LoRA name left out.
+
+    vLLM puts a LoRA request's name first in every block's extra keys (the hash mixes it
+    in), and also sends it as the event's ``lora_name``. kvledger keeps it once, in
+    ``lora_name``: a LoRA block with no other extra key is then a plain block of its
+    adapter, which a token lookup with that ``lora_name`` finds (a cache salt, multimodal
+    inputs or prompt embeddings still make a block's extra keys)."""
+    if not isinstance(lora_name, str) or not isinstance(extra, list | tuple):
+        return extra
+    out = [
+        (list(e[1:]) or None) if isinstance(e, list | tuple) and e and e[0] == lora_name else e
+        for e in extra
+    ]
+    return None if all(e is None for e in out) else out
 
 
 def extra_keys_json(extra: object) -> tuple[str | None, ...] | None:

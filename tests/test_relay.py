@@ -432,6 +432,7 @@ def test_vllms_own_publisher_feeds_the_index(
             sent.append((len(sent), ts, events))
 
     chain = [2**64 - 3, 2**64 - 2, 2**64 - 1]  # a prompt's first blocks, held on GPU
+    lora_chain = [2**64 - 13, 2**64 - 12, 2**64 - 11]  # and a LoRA prompt's
 
     try:
         publish(40)  # before the relay listens: it starts by replaying from 0
@@ -448,9 +449,18 @@ def test_vllms_own_publisher_feeds_the_index(
         try:
             publish(300)
             chain_event = stored(chain, None, list(range(12)), 4, "GPU")
-            batch = kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(**chain_event.fields)])
+            # A LoRA request's blocks, as vLLM 0.33.0 sends them: the adapter's name first in
+            # every block's extra keys, and as lora_name.
+            lora_event = stored(
+                lora_chain, None, list(range(500, 512)), 4, "GPU", lora_id=7,
+                lora_name="adapter-a", extra_keys=[("adapter-a",)] * 3,
+            )  # fmt: skip
+            batch = kv.KVEventBatch(
+                ts=time.time(),
+                events=[kv.BlockStored(**e.fields) for e in (chain_event, lora_event)],
+            )
             publisher.publish(batch)
-            sent.append((len(sent), batch.ts, [chain_event]))
+            sent.append((len(sent), batch.ts, [chain_event, lora_event]))
             deadline = time.monotonic() + 60
             while relay.ranks[0].committed_seq != len(sent) - 1:
                 assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, len(sent))
@@ -477,6 +487,18 @@ def test_vllms_own_publisher_feeds_the_index(
     assert [(h.instance, h.medium, h.matched_blocks, h.matched_tokens) for h in holders] == [
         ("stock", "GPU", 3, 12)
     ]
+    # The LoRA prompt is found by its tokens under its adapter, and only under it.
+    with connect(fresh_database, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        hour = timedelta(hours=1)
+        lora = index.match_tokens(MODEL, 0, range(500, 512), "adapter-a", silent_after=hour)
+        base = index.match_tokens(MODEL, 0, range(500, 512), silent_after=hour)
+        (kept,) = conn.execute(
+            "SELECT array_agg(DISTINCT lora_name) FROM kvledger.blocks WHERE block_hash = ANY(%s)",
+            ([h.to_bytes(8, "big") for h in lora_chain],),
+        ).fetchone()  # type: ignore[misc]
+    assert [(h.instance, h.matched_blocks, h.matched_tokens) for h in lora] == [("stock", 3, 12)]
+    assert base == [] and kept == ["adapter-a"]
 
 
 def test_what_cannot_be_recovered_is_recorded_lost(

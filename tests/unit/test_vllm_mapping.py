@@ -15,7 +15,14 @@ import pytest
 
 from kvledger.producer.prepared import Prepared, WireForm, frame
 from kvledger.producer.relay.wire import _Removed, _Stored, _StoredArray, decode_batch
-from kvledger.producer.vllm import EXTENSIONS, FIELDS, VllmEventError, fit_to_spec, from_vllm_event
+from kvledger.producer.vllm import (
+    EXTENSIONS,
+    FIELDS,
+    VllmEventError,
+    fit_to_spec,
+    from_vllm_event,
+    from_vllm_fields,
+)
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import Envelope, GroupSpec, KVEvent, group_of
 from tests.helpers.vllm_wheel import vllm_module
@@ -356,3 +363,27 @@ def test_a_number_past_an_avro_long_is_not_framed() -> None:
     head = CODEC.envelope_head(STAMP["source"], STAMP["model"], STAMP["dp_rank"], STAMP["epoch"])
     with pytest.raises(ValueError, match="past an Avro long"):
         frame(head, 0, 1, item[2], 2**63)  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "kept"),
+    [
+        ([["a"], ["a"]], None),  # LoRA alone: plain blocks of adapter "a"
+        ([["a", "salt-1"], ["a"]], ('["salt-1"]', None)),  # the salt stays, on the first block
+        ([["a", ["mm-1", 0]], None], ('[["mm-1", 0]]', None)),  # multimodal inputs stay
+        ([["b"], ["a"]], ('["b"]', None)),  # only the event's own adapter name goes
+    ],
+)
+def test_a_lora_name_is_kept_once_not_in_every_blocks_extra_keys(
+    extra: list[Any], kept: tuple[str | None, ...] | None
+) -> None:
+    """vLLM sends a LoRA request's adapter name first in each block's extra keys and as
+    lora_name: kvledger keeps it in lora_name, so a block with nothing else is plain."""
+    fields = {
+        "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": list(range(32)),
+        "block_size": 16, "lora_id": 3, "medium": "GPU", "lora_name": "a", "extra_keys": extra,
+    }  # fmt: skip
+    event = from_vllm_fields("BlockStored", fields)
+    assert event.lora_name == "a" and event.extra_keys == kept
+    without = from_vllm_fields("BlockStored", {**fields, "lora_name": None, "lora_id": None})
+    assert without.extra_keys is not None and len(without.extra_keys) == 2  # no LoRA: as sent

@@ -3,7 +3,8 @@ simulated fleet's life in the index, `kvledger serve --memory --dynamo-api` over
 Dynamo's standalone indexer (``python -m dynamo.indexer`` from ai-dynamo-runtime 1.6.1)
 started with ``--peers`` at kvledger: it recovers kvledger's state from /dump and answers
 /query as kvledger's /query does, which agrees with kvledger's own /v1/match. Dynamo's
-selection service (``--indexer-peers``) recovers the same blocks."""
+selection service (``--indexer-peers``) recovers the same blocks and, with the workers
+registered with it, scores and selects on them as kvledger's /query says."""
 
 from __future__ import annotations
 
@@ -98,6 +99,46 @@ def test_dynamos_indexer_recovers_from_kvledger_and_answers_as_it_does(
         sql_service.wait(30)
 
 
+def schedulable(selector: str, kvledger: str, model: str) -> None:
+    """Every kvledger worker registered with Dynamo's selection service as Dynamo needs it
+    to schedule one (an endpoint, the block size, a KV-event endpoint of its own, here with
+    no publisher): the blocks it recovered from kvledger stay."""
+    before = blocks_of(httpx.get(f"{selector}/dump", timeout=60).json())
+    workers = httpx.get(f"{kvledger}/workers").json()
+    ids = sorted({w["instance_id"] for w in workers if w["routing_group"] == "default"})
+    for worker_id in ids:
+        answer = httpx.post(
+            f"{selector}/workers",
+            json={"worker_id": worker_id, "model_name": model, "block_size": 32,
+                  "endpoint": "http://127.0.0.1:9", "data_parallel_size": 1,
+                  "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+            timeout=30,
+        )  # fmt: skip
+        assert answer.status_code == 201 and answer.json()["lifecycle"] == "schedulable"
+    assert httpx.get(f"{selector}/ready").json()["schedulable_workers"] == len(ids)
+    assert blocks_of(httpx.get(f"{selector}/dump", timeout=60).json()) == before
+
+
+def agrees_with_selection(selector: str, body: dict[str, Any], scores: dict[str, Any]) -> int:
+    """Dynamo's selection service on kvledger's state: its overlap on GPU per worker is
+    kvledger's score, and with one best GPU holder and no load anywhere it selects that
+    holder. Returns 1 where the selection was compared (a single best holder)."""
+    overlap = post(f"{selector}/overlap_scores", body)
+    theirs = {
+        str(w["worker_id"]): {str(w["dp_rank"]): w["device_blocks"] * overlap["block_size"]}
+        for w in overlap["workers"]
+        if w["device_blocks"]
+    }
+    assert theirs == scores
+    best = max(ranks["0"] for ranks in scores.values())
+    top = [worker for worker, ranks in scores.items() if ranks["0"] == best]
+    if len(top) != 1:
+        return 0
+    chosen = post(f"{selector}/select", body)
+    assert (str(chosen["worker_id"]), chosen["overlap"]["gpu"]) == (top[0], best)
+    return 1
+
+
 def compare(
     fleet: FleetConfig, lora_prompt: list[int], kvledger: str, beside_sql: str, tmp_path: Any
 ) -> None:
@@ -132,7 +173,9 @@ def compare(
         assert time.monotonic() < deadline, "the selection service did not recover kvledger's"
         time.sleep(0.5)
 
-    hits = lower = 0
+    schedulable(selector, kvledger, fleet.model)
+
+    hits = lower = selected = 0
     for tokens in [*fleet_prompts(fleet, 520, 17), lora_prompt]:
         body = {"token_ids": tokens, **model}
         if tokens is lora_prompt:
@@ -159,6 +202,8 @@ def compare(
             if h["medium"] == "GPU" and h["matched_blocks"] > 0
         }
         assert ours["scores"] == gpu
-    assert hits > 150 and lower > 50
+        if gpu and selected < 60:
+            selected += agrees_with_selection(selector, body, ours["scores"])
+    assert hits > 150 and lower > 50 and selected >= 30
     workers = httpx.get(f"{kvledger}/workers").json()
     assert {w["kvledger_source"] for w in workers} >= {f"engine-{i}" for i in range(4)}

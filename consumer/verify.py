@@ -202,6 +202,9 @@ class VerifyResult:
     # the comparison left out for that (table -> (live, rebuilt)).
     windows: dict[str, datetime] = field(default_factory=dict)
     not_compared: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Partitions whose log no longer starts at offset 0 (the topic's retention deleted
+    # records): what only those said is in the live index and cannot be in the rebuild.
+    log_starts: dict[int, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -236,6 +239,7 @@ def verify(
             stop_at=targets,
             codec=codec,
         )
+        starts = _log_starts(bootstrap, topic, kafka)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             windows = retained_windows(live)
             filters = window_filters(windows)
@@ -244,10 +248,22 @@ def verify(
         return VerifyResult(
             diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()},
             windows, {t: (out_live[t], out_rebuilt[t]) for t in filters},
+            {p: o for p, o in sorted(starts.items()) if o > 0},
         )  # fmt: skip
     finally:
         if created:
             drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
+
+
+def _log_starts(bootstrap: str, topic: str, kafka: Mapping[str, object] | None) -> dict[int, int]:
+    """Each partition's first offset still in the log."""
+    from confluent_kafka.admin import AdminClient
+
+    from kvledger.schemas.topics import partition_offsets
+
+    settings = {**(kafka or {}), "bootstrap.servers": bootstrap}
+    admin = AdminClient(client_logging({**admin_settings(settings), "log_level": 3}))
+    return partition_offsets(admin, topic, earliest=True, timeout=STARTUP_TIMEOUT_S)
 
 
 class RebuildRefusedError(KvledgerError):

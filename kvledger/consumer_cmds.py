@@ -224,6 +224,7 @@ def verify_cmd(args: argparse.Namespace) -> int:
             "targets": {str(p): o for p, o in sorted(result.targets.items())},
             "rows": result.rows,
             "retained_since": result.windows,
+            "log_starts": {str(p): o for p, o in result.log_starts.items()},
             "not_compared": {t: {"live": a, "rebuilt": b}
                              for t, (a, b) in result.not_compared.items()},
             "differences": [
@@ -235,6 +236,13 @@ def verify_cmd(args: argparse.Namespace) -> int:
         return 0 if result.ok else 1
     targets = ", ".join(f"{p}@{o}" for p, o in sorted(result.targets.items())) or "(none)"
     print(f"rebuilt {result.rebuilt.messages} messages from {args.topic} up to {targets}")
+    if result.log_starts:
+        where = ", ".join(f"{p} at {o}" for p, o in result.log_starts.items())
+        print(
+            f"  the topic no longer starts at offset 0 ({where}): the topic's retention "
+            "deleted those records, so what only they said cannot be rebuilt and shows as "
+            "a difference"
+        )
     for table, (live_rows, rebuilt_rows) in result.not_compared.items():
         print(
             f"  {table}: compared from {result.windows[table]} (the live index's retained "

@@ -204,6 +204,10 @@ def test_records_deleted_before_the_consumer_read_them_are_recorded_and_acted_on
     assert "5 residencies ended (engine-0)" in warned
     consume(kafka_bootstrap, fresh_database, topic, group_id)  # again: nothing more lost
     assert held() == [h.to_bytes(8, "big") for h in (6, 7, 8)]
+    from kvledger.consumer.verify import verify
+
+    checked = verify(kafka_bootstrap, fresh_database, topic, group_id)
+    assert checked.log_starts == {0: 3}  # verify says the log no longer holds offsets 0-2
 
     router.start()  # its snapshot's offset (2) is no longer in the log
     try:

@@ -131,6 +131,7 @@ def add_lookup(subparsers: Subparsers) -> None:
         help="comma-separated token ids, or @FILE with whitespace/comma-separated ids",
     )
     p.add_argument("--lora-name", help="only blocks of this LoRA adapter")
+    p.add_argument("--cache-salt", help="the cache salt the engine hashed the prompt with")
     p.add_argument(
         "--include-silent", action="store_true", help="also holders whose source is not live"
     )

@@ -88,8 +88,10 @@ class LookupClient:
         weights: Mapping[str, float] | None = None,
         include_silent: bool = False,
         silent_after_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> MatchAnswer:
-        """POST /v1/match: by block hashes (bytes, vLLM's int form, or hex) or token ids."""
+        """POST /v1/match: by block hashes (bytes, vLLM's int form, or hex) or token ids
+        (``cache_salt``: the salt the engine hashed a salted prompt with)."""
         body: dict[str, Any] = {"model": model, "group_idx": group_idx}
         if hashes is not None:
             body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
@@ -97,7 +99,8 @@ class LookupClient:
         if token_ids is not None:
             body["token_ids"] = list(token_ids)
         for key, value in (("lora_name", lora_name), ("weights", weights),
-                           ("silent_after_s", silent_after_s)):  # fmt: skip
+                           ("silent_after_s", silent_after_s),
+                           ("cache_salt", cache_salt)):  # fmt: skip
             if value is not None:
                 body[key] = dict(value) if isinstance(value, Mapping) else value
         if at is not None:

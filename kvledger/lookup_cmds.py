@@ -100,7 +100,9 @@ def lookup(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         window = timedelta(seconds=args.silent_after) if args.silent_after else None
         index = PrefixIndex(conn)
-        holders = index.match_tokens(args.model, args.group, tokens, args.lora_name, True, window)
+        holders = index.match_tokens(
+            args.model, args.group, tokens, args.lora_name, True, window, args.cache_salt
+        )
         unknown = not holders and not index.knows_group(args.model, args.group)
     left_out: list[Holder] = []
     if not args.include_silent:

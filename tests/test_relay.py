@@ -24,6 +24,7 @@ import pytest
 
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex
+from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
 from kvledger.producer.vllm import from_vllm_fields
@@ -433,6 +434,7 @@ def test_vllms_own_publisher_feeds_the_index(
 
     chain = [2**64 - 3, 2**64 - 2, 2**64 - 1]  # a prompt's first blocks, held on GPU
     lora_chain = [2**64 - 13, 2**64 - 12, 2**64 - 11]  # and a LoRA prompt's
+    salted_chain = [2**64 - 23, 2**64 - 22, 2**64 - 21]  # and a salted prompt's
 
     try:
         publish(40)  # before the relay listens: it starts by replaying from 0
@@ -455,12 +457,17 @@ def test_vllms_own_publisher_feeds_the_index(
                 lora_chain, None, list(range(500, 512)), 4, "GPU", lora_id=7,
                 lora_name="adapter-a", extra_keys=[("adapter-a",)] * 3,
             )  # fmt: skip
+            # A salted request's: the salt is the first block's only extra key.
+            salted_event = stored(
+                salted_chain, None, list(range(500, 512)), 4, "GPU",
+                extra_keys=[("tenant-9",), None, None],
+            )  # fmt: skip
+            events = (chain_event, lora_event, salted_event)
             batch = kv.KVEventBatch(
-                ts=time.time(),
-                events=[kv.BlockStored(**e.fields) for e in (chain_event, lora_event)],
+                ts=time.time(), events=[kv.BlockStored(**e.fields) for e in events]
             )
             publisher.publish(batch)
-            sent.append((len(sent), batch.ts, [chain_event, lora_event]))
+            sent.append((len(sent), batch.ts, list(events)))
             deadline = time.monotonic() + 60
             while relay.ranks[0].committed_seq != len(sent) - 1:
                 assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, len(sent))
@@ -493,12 +500,28 @@ def test_vllms_own_publisher_feeds_the_index(
         hour = timedelta(hours=1)
         lora = index.match_tokens(MODEL, 0, range(500, 512), "adapter-a", silent_after=hour)
         base = index.match_tokens(MODEL, 0, range(500, 512), silent_after=hour)
+        salted = index.match_tokens(
+            MODEL, 0, range(500, 512), silent_after=hour, cache_salt="tenant-9"
+        )
+        other_salt = index.match_tokens(
+            MODEL, 0, range(500, 512), silent_after=hour, cache_salt="tenant-8"
+        )
+        router = RouterIndex(kafka_bootstrap, topic, group_id)
+        router.bootstrap(conn)
         (kept,) = conn.execute(
             "SELECT array_agg(DISTINCT lora_name) FROM kvledger.blocks WHERE block_hash = ANY(%s)",
             ([h.to_bytes(8, "big") for h in lora_chain],),
         ).fetchone()  # type: ignore[misc]
     assert [(h.instance, h.matched_blocks, h.matched_tokens) for h in lora] == [("stock", 3, 12)]
-    assert base == [] and kept == ["adapter-a"]
+    assert base == [] and kept == ["adapter-a"]  # the same tokens, unsalted, without LoRA
+    # The salted prompt: found by its tokens given its salt, from SQL and from memory.
+    assert [(h.instance, h.matched_blocks) for h in salted] == [("stock", 3)]
+    assert other_salt == []
+    from_memory = router.match_tokens(
+        MODEL, 0, range(500, 512), silent_after=hour, cache_salt="tenant-9"
+    )
+    assert [(h.instance, h.matched_blocks) for h in from_memory] == [("stock", 3)]
+    assert router.match_tokens(MODEL, 0, range(500, 512), silent_after=hour) == []
 
 
 def test_what_cannot_be_recovered_is_recorded_lost(

@@ -223,14 +223,16 @@ def test_an_sglang_engines_life_through_the_relay_equals_the_truth(
         ).fetchone()
         index = PrefixIndex(conn)
 
-        def walk(last: int, lora: str | None) -> list[tuple[str, int]]:
-            holders = index.match_tokens(MODEL, 0, life.tokens(last), lora, True, HOUR)
+        def walk(last: int, lora: str | None, salt: str | None = None) -> list[tuple[str, int]]:
+            holders = index.match_tokens(MODEL, 0, life.tokens(last), lora, True, HOUR, salt)
             return [(h.medium, h.matched_blocks) for h in holders]
 
         found = {
             "plain": walk(plain[-1], None), "lora": walk(adapted[-1], LORA),
             "lora, asked without it": walk(adapted[-1], None),
             "salted, by tokens": walk(salted[-1], None),
+            "salted, with its salt": walk(salted[-1], None, "tenant-7"),
+            "salted, with another": walk(salted[-1], None, "tenant-8"),
         }  # fmt: skip
         by_hash = index.match(MODEL, 0, [(h % 2**64).to_bytes(8, "big") for h in salted],
                               "block", True, HOUR)  # fmt: skip
@@ -248,5 +250,7 @@ def test_an_sglang_engines_life_through_the_relay_equals_the_truth(
         "lora": [("GPU", 3)],
         "lora, asked without it": [],
         "salted, by tokens": [],  # a salted page is never found without its salt
+        "salted, with its salt": [("GPU", 3)],
+        "salted, with another": [],
     }  # fmt: skip
     assert [(h.medium, h.matched_blocks) for h in by_hash] == [("GPU", 3)]

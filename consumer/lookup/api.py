@@ -121,9 +121,14 @@ class PrefixIndex:
         lora_name: str | None = None,
         include_silent: bool = False,
         silent_after: timedelta | None = None,
+        cache_salt: str | None = None,
     ) -> list[Holder]:
-        """The same answer found by walking the hash chain by token content."""
-        params = (model, group_idx, list(token_ids), lora_name, include_silent, silent_after)
+        """The same answer found by walking the hash chain by token content; a salted
+        prompt's walk (``cache_salt``) starts at the first blocks of that salt."""
+        params = (
+            model, group_idx, list(token_ids), lora_name, include_silent, silent_after,
+            cache_salt,
+        )  # fmt: skip
         return self._holders("match_tokens", params, "source_state")
 
     def knows_group(self, model: str, group_idx: int) -> bool:

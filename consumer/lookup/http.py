@@ -1,7 +1,8 @@
 """The lookup service (`kvledger serve`): prefix matches over HTTP for routers.
 
 POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...],
-                   "granularity"? ("block" | "hash", with hashes), "lora_name"?, "at"?,
+                   "granularity"? ("block" | "hash", with hashes), "lora_name"?,
+                   "cache_salt"? (with token_ids), "at"?,
                    "weights"?, "include_silent"?, "silent_after_s"?} → holders, a routing
                    rank, and the holders left out because their source is not live
 GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
@@ -267,8 +268,9 @@ def create_app(
         with index() as idx:
             if req.token_ids is not None:
                 holders = idx.match_tokens(
-                    req.model, req.group_idx, req.token_ids, req.lora_name, True, window(req)
-                )
+                    req.model, req.group_idx, req.token_ids, req.lora_name, True, window(req),
+                    req.cache_salt,
+                )  # fmt: skip
             elif req.at is not None:
                 assert req.hashes is not None
                 holders = idx.match_at(

@@ -78,6 +78,11 @@ SCHEMAS: dict[str, Any] = {
                 "within the retained history (else a 410)",
             },
             "lora_name": {**_NAME, "description": "With token_ids: only this adapter's blocks"},
+            "cache_salt": {
+                **_NAME,
+                "description": "With token_ids: the cache salt the engine hashed the prompt "
+                "with (the walk starts at the first blocks of that salt)",
+            },
             "weights": {
                 "type": "object",
                 "additionalProperties": {"type": "number"},

@@ -22,7 +22,7 @@ MAX_TOKENS = 262_144
 MAX_NAME_CHARS = 512
 FIELDS = frozenset({
     "model", "group_idx", "weights", "hashes", "token_ids", "granularity", "at", "lora_name",
-    "include_silent", "silent_after_s",
+    "cache_salt", "include_silent", "silent_after_s",
 })  # fmt: skip
 
 
@@ -44,6 +44,7 @@ class MatchRequest:
     lora_name: str | None = None
     include_silent: bool = False
     silent_after: timedelta | None = None
+    cache_salt: str | None = None  # with token_ids: the salt the engine hashed the prompt with
 
 
 def parse_hash(value: object) -> bytes:
@@ -133,7 +134,10 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         return MatchRequest(
             model, group, weights, token_ids=_tokens(tokens), lora_name=_lora(data),
             include_silent=include_silent, silent_after=silent_after,
+            cache_salt=_text(data, "cache_salt"),
         )  # fmt: skip
+    if data.get("cache_salt") is not None:
+        raise BadRequestError("cache_salt applies to token_ids (a hash already includes it)")
     if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
         raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
     return MatchRequest(
@@ -163,12 +167,16 @@ def _tokens(tokens: object) -> list[int]:
 
 
 def _lora(data: Mapping[str, Any]) -> str | None:
-    lora = data.get("lora_name")
-    if lora is not None and not isinstance(lora, str):
-        raise BadRequestError("lora_name must be a string")
-    if lora is not None:
-        _name("lora_name", lora)
-    return lora
+    return _text(data, "lora_name")
+
+
+def _text(data: Mapping[str, Any], field: str) -> str | None:
+    value = data.get(field)
+    if value is not None and not isinstance(value, str):
+        raise BadRequestError(f"{field} must be a string")
+    if value is not None:
+        _name(field, value)
+    return value
 
 
 def _name(field: str, value: str) -> None:

@@ -50,7 +50,8 @@ class Row:
     block_size: int
     partial: bool
     lora_name: str | None
-    plain: bool  # no extra keys: a token walk may use it
+    plain: bool  # no extra keys (or only a cache salt): a token walk may use it
+    salt: str | None = None  # a first block's cache salt: the walk of that salt starts here
     # The hash as the rows dict holds it: the parent links of its children and the masks
     # dict reuse this one bytes object instead of each keeping an equal copy (~48 bytes).
     key: bytes = b""
@@ -71,11 +72,13 @@ class BlockGroup(Protocol):
     def add_row(
         self, key: bytes, parent: bytes | None, token_start: int | None,
         tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
-        plain: bool,
+        plain: bool, salt: str | None = None,
     ) -> None: ...  # fmt: skip
     def row(self, key: bytes) -> BlockFields | None: ...
-    def meta(self, key: bytes) -> tuple[str | None, bool] | None: ...
-    def set_meta(self, key: bytes, lora_name: str | None, plain: bool) -> None: ...
+    def meta(self, key: bytes) -> tuple[str | None, bool, str | None] | None: ...
+    def set_meta(
+        self, key: bytes, lora_name: str | None, plain: bool, salt: str | None = None
+    ) -> None: ...
     def hold(self, key: bytes, hid: int, refcount: int) -> None: ...
     def refcount(self, key: bytes, hid: int) -> int: ...
     def held_by(self, hid: int) -> list[bytes]: ...
@@ -85,8 +88,9 @@ class BlockGroup(Protocol):
     def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]: ...
     def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]: ...
     def match_tokens(
-        self, tokens: Sequence[int], block_size: int, hash_block_size: int, lora_name: str | None
-    ) -> list[tuple[int, int, int]]: ...
+        self, tokens: Sequence[int], block_size: int, hash_block_size: int,
+        lora_name: str | None, salt: str | None = None,
+    ) -> list[tuple[int, int, int]]: ...  # fmt: skip
     def enable_dynamo(self) -> None: ...
     def dynamo_local(self, key: bytes) -> int | None: ...
     def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...
@@ -112,10 +116,10 @@ class PureGroup:
     def add_row(
         self, key: bytes, parent: bytes | None, token_start: int | None,
         tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
-        plain: bool,
+        plain: bool, salt: str | None = None,
     ) -> None:  # fmt: skip
         self._add(key, Row(parent, token_start, pack(tokens), block_size, partial, lora_name,
-                           plain))  # fmt: skip
+                           plain, salt if parent is None else None))  # fmt: skip
 
     def _add(self, block_hash: bytes, row: Row) -> None:
         old = self.rows.get(block_hash)
@@ -145,14 +149,17 @@ class PureGroup:
             return None
         return (r.parent, r.token_start, tuple(array("i", r.tokens)), r.block_size, r.partial)
 
-    def meta(self, key: bytes) -> tuple[str | None, bool] | None:
+    def meta(self, key: bytes) -> tuple[str | None, bool, str | None] | None:
         r = self.rows.get(key)
-        return None if r is None else (r.lora_name, r.plain)
+        return None if r is None else (r.lora_name, r.plain, r.salt)
 
-    def set_meta(self, key: bytes, lora_name: str | None, plain: bool) -> None:
+    def set_meta(
+        self, key: bytes, lora_name: str | None, plain: bool, salt: str | None = None
+    ) -> None:
         r = self.rows.get(key)
         if r is not None:
             r.lora_name, r.plain = lora_name, plain
+            r.salt = salt if r.parent is None else None
 
     def hold(self, key: bytes, hid: int, refcount: int) -> None:
         h = self.canon(key)
@@ -197,9 +204,11 @@ class PureGroup:
         return self.masks.runs_covered(hashes, ratio)
 
     def match_tokens(
-        self, tokens: Sequence[int], block_size: int, hash_block_size: int, lora_name: str | None
-    ) -> list[tuple[int, int, int]]:
-        """The token walk of ``held_tokens``: full blocks from the start, then partial tails."""
+        self, tokens: Sequence[int], block_size: int, hash_block_size: int,
+        lora_name: str | None, salt: str | None = None,
+    ) -> list[tuple[int, int, int]]:  # fmt: skip
+        """The token walk of ``held_tokens``: full blocks from the start (the first under
+        ``salt``, a cache salt), then partial tails."""
         bs, hbs, lora = block_size, hash_block_size, lora_name
         if bs <= 0:
             return []
@@ -209,7 +218,7 @@ class PureGroup:
         while True:  # chain level i + 1: children of level i holding the next bs tokens
             if i > 0 and (i + 1) * bs > len(tokens):
                 break
-            found = self._level(level, tokens[i * bs : (i + 1) * bs], bs, False, lora)
+            found = self._level(level, tokens[i * bs : (i + 1) * bs], bs, False, lora, salt)
             if not found:
                 break
             levels.append(found)
@@ -220,7 +229,7 @@ class PureGroup:
         tail: list[bytes] = []
         parents: list[bytes | None] = [tip]
         while hbs > 0 and pos + hbs <= len(tokens):
-            found = self._level(parents, tokens[pos : pos + hbs], hbs, True, lora)
+            found = self._level(parents, tokens[pos : pos + hbs], hbs, True, lora, salt)
             if not found:
                 break
             tail.extend(found)
@@ -229,18 +238,19 @@ class PureGroup:
 
     def _level(
         self, parents: list[bytes | None], tokens: Sequence[int], size: int, partial: bool,
-        lora: str | None,
+        lora: str | None, salt: str | None,
     ) -> list[bytes]:  # fmt: skip
         """The children of ``parents`` holding exactly ``tokens``, sorted."""
         want = pack(tokens)
         return sorted(
             h for parent in parents for h in self._child_hashes(parent)
-            if self._fits(h, want, size, partial, lora, parent is None)
+            if self._fits(h, want, size, partial, lora, parent is None, salt)
         )  # fmt: skip
 
     def _fits(
-        self, h: bytes, want: bytes, size: int, partial: bool, lora: str | None, root: bool
-    ) -> bool:
+        self, h: bytes, want: bytes, size: int, partial: bool, lora: str | None, root: bool,
+        salt: str | None,
+    ) -> bool:  # fmt: skip
         row = self.rows[h]
         return (
             row.partial == partial
@@ -249,6 +259,7 @@ class PureGroup:
             and row.lora_name == lora
             and row.plain
             and (row.parent is None) == root
+            and row.salt == (salt if root else None)
         )
 
     def enable_dynamo(self) -> None:
@@ -259,7 +270,9 @@ class PureGroup:
     def dynamo_local(self, key: bytes) -> int | None:
         """The block's Dynamo local hash (None: not a full plain block with content)."""
         row = self.rows.get(key)
-        if row is None or not row.plain or row.partial or row.block_size <= 0:
+        if row is None or not row.plain or row.salt is not None or row.partial:
+            return None
+        if row.block_size <= 0:
             return None
         if len(row.tokens) != 4 * row.block_size:  # int32 tokens: a full block
             return None

@@ -37,7 +37,7 @@ from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.lookup.api import Granularity
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import match as m
-from kvledger.consumer.router.store import RouterStore
+from kvledger.consumer.router.store import RouterStore, walkable
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.pg_state import load_source_lives, load_source_states, load_specs
 from kvledger.consumer.store.postgres import PostgresStore
@@ -169,17 +169,18 @@ class RouterIndex:
     def _load_blocks(cur: psycopg.Cursor, store: RouterStore, seen: dict[bytes, bytes]) -> None:
         with cur.copy(
             "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
-            "partial, lora_name, extra_keys IS NULL, token_ids FROM kvledger.blocks) "
+            "partial, lora_name, extra_keys, token_ids FROM kvledger.blocks) "
             "TO STDOUT (FORMAT BINARY)"
         ) as copy:
             copy.set_types(
-                ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "bool", "int4[]"]
+                ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]"]
             )
-            for model, group, raw, up, start, size, partial, lora, plain, tokens in copy.rows():
+            for model, group, raw, up, start, size, partial, lora, extra, tokens in copy.rows():
                 h = seen.setdefault(raw, raw)
                 parent = seen.setdefault(up, up) if up is not None else None
+                plain, salt = walkable(extra)
                 store.group(GroupKey(model, group)).add_row(
-                    h, parent, start, tokens, size, partial, lora, plain
+                    h, parent, start, tokens, size, partial, lora, plain, salt
                 )
 
     # ------------------------------------------------------------------ tailing
@@ -349,10 +350,11 @@ class RouterIndex:
         lora_name: str | None = None,
         include_silent: bool = False,
         silent_after: timedelta | None = None,
+        cache_salt: str | None = None,
     ) -> list[Holder]:
         """As :meth:`PrefixIndex.match_tokens`, from memory."""
         with self.lock:
-            found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name)
+            found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name, cache_salt)
             return m.answer(self.store, found, include_silent, silent_after, _now())
 
     def knows_group(self, model: str, group_idx: int) -> bool:

@@ -43,15 +43,17 @@ def held_prefix(
 
 
 def held_tokens(
-    store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None
-) -> list[Run]:
-    """The token walk of ``held_tokens``: full blocks from the start, then partial tails
-    (one call into the group: :meth:`~.store.BlockGroup.match_tokens`)."""
+    store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None,
+    salt: str | None = None,
+) -> list[Run]:  # fmt: skip
+    """The token walk of ``held_tokens``: full blocks from the start (the first under the
+    cache salt ``salt``), then partial tails (one call into the group:
+    :meth:`~.store.BlockGroup.match_tokens`)."""
     held = store.specs.get(GroupKey(model, group))
     g = store.groups.get(GroupKey(model, group))
     if held is None or g is None:
         return []
-    return g.match_tokens(tokens, held.spec.block_size, held.spec.hash_block_size, lora)
+    return g.match_tokens(tokens, held.spec.block_size, held.spec.hash_block_size, lora, salt)
 
 
 def state_of(life: SourceLife | None, now: datetime, silent_after: timedelta) -> str:

@@ -13,6 +13,7 @@ rejections stay in PostgreSQL: a router does not answer audits.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterator, Mapping
 from datetime import UTC, datetime
 
@@ -105,18 +106,37 @@ class RouterStore(StagedStore):
         """As the PostgreSQL store merges a block row (content upgrades, first metadata)."""
         g = self.group(key[:2])  # type: ignore[arg-type]
         new, h = write.row, key.block_hash
-        plain = write.extra_keys is None
+        plain, salt = walkable(write.extra_keys)
         fields = g.row(h)
         if fields is None:
-            g.add_row(h, *new, write.lora_name, plain)
+            g.add_row(h, *new, write.lora_name, plain, salt)
             return
         known = new_tuple(BlockRow, fields)
-        old_lora, old_plain = g.meta(h) or (None, True)
+        old_lora, old_plain, old_salt = g.meta(h) or (None, True, None)
         lora = old_lora if old_lora is not None else write.lora_name
+        # Metadata is kept from the first writer that has it, as the PostgreSQL store keeps
+        # a block's first extra keys.
+        salt = old_salt if old_salt is not None or not old_plain else salt
         if known.placeholder or upgrades(known, new):
-            g.add_row(h, *new, lora, old_plain and plain)
-        elif (lora, old_plain and plain) != (old_lora, old_plain):
-            g.set_meta(h, lora, old_plain and plain)
+            g.add_row(h, *new, lora, old_plain and plain, salt)
+        elif (lora, old_plain and plain, salt) != (old_lora, old_plain, old_salt):
+            g.set_meta(h, lora, old_plain and plain, salt)
+
+
+def walkable(extra_keys: str | None) -> tuple[bool, str | None]:
+    """(plain, salt) of a block's extra keys (canonical JSON, or None): a block with none, or
+    whose only extra key is a cache salt (``["<salt>"]``, as vLLM publishes a first block's
+    and the SGLang relay every salted block's), is walkable by tokens; the salt is where
+    the token walk of that salt starts (kept for a first block only)."""
+    if extra_keys is None:
+        return True, None
+    try:
+        keys = json.loads(extra_keys)
+    except ValueError:
+        return False, None
+    if isinstance(keys, list) and len(keys) == 1 and isinstance(keys[0], str):
+        return True, keys[0]
+    return False, None
 
 
 # ---------------------------------------------------------------------- snapshot views

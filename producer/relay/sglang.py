@@ -17,8 +17,9 @@ as vLLM does (``[topic, seq, payload]``; replay over a ROUTER socket, the end ma
   from the engine's own disk for lookups and audits. Any other medium is refused by name
   (the batch is recorded lost, as an undecodable one);
 - a stored block's hash is namespaced by the request's ``cache_salt`` (SGLang hashes the
-  salt in): kvledger carries the salt as each block's extra key, so such blocks are found
-  by their hashes, never by a token walk without the salt; ``lora_name`` and
+  salt in): kvledger carries the salt as each block's extra key, untagged as vLLM sends a
+  salted first block's (``["<salt>"]``), so such blocks are found by their hashes or by a
+  token walk given that salt (``cache_salt``), never by one without it; ``lora_name`` and
   ``session_id`` are carried as they are.
 """
 
@@ -96,7 +97,7 @@ def _event(e: Any) -> KVEvent:
         hashes = tuple(signed_hash_bytes(h) for h in e.block_hashes)
         extra = None
         if e.cache_salt is not None:
-            extra = extra_keys_json([["cache_salt", e.cache_salt]] * len(hashes))
+            extra = extra_keys_json([[e.cache_salt]] * len(hashes))
         try:
             return BlockStored(
                 block_hashes=hashes,

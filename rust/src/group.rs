@@ -53,6 +53,7 @@ struct Row {
     tok_len: u32,
     block_size: i32,
     lora: u32, // 0: none; else Group::loras[lora - 1]
+    salt: u32, // a first block's cache salt: 0 none; else Group::loras[salt - 1]
     // The rows naming this one as their parent: a list through first_kid and the kids'
     // sibling links (doubly linked: a row changes parent in O(1)).
     first_kid: u32,
@@ -71,6 +72,9 @@ pub struct Content<'a> {
     pub partial: bool,
     pub lora: Option<&'a str>,
     pub plain: bool,
+    /// A first block's cache salt (its only extra key): the token walk of that salt starts
+    /// at it. Kept for a block under the root only.
+    pub salt: Option<&'a str>,
 }
 
 /// A block's content as the group keeps it.
@@ -157,6 +161,7 @@ impl Group {
             tok_len: 0,
             block_size: 0,
             lora: 0,
+            salt: 0,
             first_kid: NONE,
             next_sib: NONE,
             prev_sib: NONE,

@@ -29,9 +29,11 @@ impl Group {
         Group { core: Core::new() }
     }
 
-    /// add_row(hash, parent, token_start, tokens, block_size, partial, lora_name, plain):
-    /// a store's content for the hash (replacing what the group had).
+    /// add_row(hash, parent, token_start, tokens, block_size, partial, lora_name, plain,
+    /// salt=None): a store's content for the hash (replacing what the group had); `salt`: a
+    /// first block's cache salt.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, parent, token_start, tokens, block_size, partial, lora_name, plain, salt=None))]
     fn add_row(
         &mut self,
         key: &Bound<'_, PyAny>,
@@ -42,6 +44,7 @@ impl Group {
         partial: bool,
         lora_name: Option<String>,
         plain: bool,
+        salt: Option<String>,
     ) -> PyResult<()> {
         let parent = match &parent {
             Some(p) => Some(key_bytes(p)?),
@@ -55,6 +58,7 @@ impl Group {
             partial,
             lora: lora_name.as_deref(),
             plain,
+            salt: salt.as_deref(),
         };
         self.core.add_row(key_bytes(key)?, &content);
         Ok(())
@@ -77,23 +81,37 @@ impl Group {
         ))
     }
 
-    /// meta(hash) -> (lora_name, plain), or None.
-    fn meta(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<(Option<String>, bool)>> {
-        Ok(self
-            .core
-            .stored(key_bytes(key)?)
-            .map(|s| (s.lora.map(str::to_owned), s.plain)))
+    /// meta(hash) -> (lora_name, plain, salt), or None.
+    #[allow(clippy::type_complexity)]
+    fn meta(
+        &self,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(Option<String>, bool, Option<String>)>> {
+        Ok(self.core.stored(key_bytes(key)?).map(|s| {
+            (
+                s.lora.map(str::to_owned),
+                s.plain,
+                s.salt.map(str::to_owned),
+            )
+        }))
     }
 
-    /// set_meta(hash, lora_name, plain): a known block's LoRA and extra-keys flag.
+    /// set_meta(hash, lora_name, plain, salt=None): a known block's LoRA, extra-keys flag
+    /// and first block's salt.
+    #[pyo3(signature = (key, lora_name, plain, salt=None))]
     fn set_meta(
         &mut self,
         key: &Bound<'_, PyAny>,
         lora_name: Option<String>,
         plain: bool,
+        salt: Option<String>,
     ) -> PyResult<()> {
-        self.core
-            .set_meta(key_bytes(key)?, lora_name.as_deref(), plain);
+        self.core.set_meta(
+            key_bytes(key)?,
+            lora_name.as_deref(),
+            plain,
+            salt.as_deref(),
+        );
         Ok(())
     }
 
@@ -172,7 +190,9 @@ impl Group {
         PyList::new(py, self.core.runs_covered(&keys, ratio))
     }
 
-    /// match_tokens(tokens, block_size, hash_block_size, lora_name) -> runs: the token walk.
+    /// match_tokens(tokens, block_size, hash_block_size, lora_name, salt=None) -> runs: the
+    /// token walk (of a salted prompt: from the first block of that cache salt).
+    #[pyo3(signature = (tokens, block_size, hash_block_size, lora_name, salt=None))]
     fn match_tokens<'py>(
         &self,
         py: Python<'py>,
@@ -180,6 +200,7 @@ impl Group {
         block_size: i64,
         hash_block_size: i64,
         lora_name: Option<&str>,
+        salt: Option<&str>,
     ) -> PyResult<Bound<'py, PyList>> {
         let (Ok(bs), Ok(hbs)) = (
             usize::try_from(block_size),
@@ -191,7 +212,10 @@ impl Group {
             return Ok(PyList::empty(py));
         }
         let tokens = token_list(tokens)?;
-        PyList::new(py, self.core.match_tokens(&tokens, bs, hbs, lora_name))
+        PyList::new(
+            py,
+            self.core.match_tokens(&tokens, bs, hbs, lora_name, salt),
+        )
     }
 
     /// enable_dynamo(): keep each full block's Dynamo local hash from now on.

@@ -29,6 +29,7 @@ compiled = pytest.mark.skipif(
 KEYS = [bytes([i]) * n for i in range(8) for n in (8, 32, 3)] + [b""]
 BLOCKS = [(1, 2), (3, 4), (5, 6), (1, 2, 3, 4), (7,)]
 LORAS = [None, None, "adapter"]
+SALTS = [None, None, "salt-1"]  # a first block's cache salt (kept under the root only)
 ops = st.lists(
     st.one_of(
         st.tuples(
@@ -41,6 +42,7 @@ ops = st.lists(
             st.booleans(),
             st.sampled_from(LORAS),
             st.booleans(),
+            st.sampled_from(SALTS),
         ),
         st.tuples(
             st.just("hold"),
@@ -48,7 +50,13 @@ ops = st.lists(
             st.integers(0, 199),
             st.sampled_from([0, 0, 1, 1, 3]),
         ),
-        st.tuples(st.just("meta"), st.sampled_from(KEYS), st.sampled_from(LORAS), st.booleans()),
+        st.tuples(
+            st.just("meta"),
+            st.sampled_from(KEYS),
+            st.sampled_from(LORAS),
+            st.booleans(),
+            st.sampled_from(SALTS),
+        ),
     ),
     max_size=200,
 )
@@ -69,10 +77,10 @@ def apply(group: object, operations: list[tuple]) -> None:  # type: ignore[type-
 @compiled
 @settings(max_examples=300, deadline=None)
 @given(ops, PROMPTS, TOKENS, st.integers(1, 4), st.sampled_from([(2, 2), (4, 2), (2, 1), (4, 4)]),
-       st.sampled_from(LORAS))  # fmt: skip
+       st.sampled_from(LORAS), st.sampled_from(SALTS))  # fmt: skip
 def test_the_compiled_group_answers_as_the_pure_one(
     operations: list[tuple], prompt: list[bytes], tokens: list[int], ratio: int,  # type: ignore[type-arg]
-    sizes: tuple[int, int], lora: str | None,
+    sizes: tuple[int, int], lora: str | None, salt: str | None,
 ) -> None:  # fmt: skip
     assert Compiled is not None
     fast, pure = Compiled(), PureGroup()
@@ -91,8 +99,8 @@ def test_the_compiled_group_answers_as_the_pure_one(
     assert sorted(fast.runs(prompt)) == sorted(pure.runs(prompt))
     assert sorted(fast.runs_covered(prompt, ratio)) == sorted(pure.runs_covered(prompt, ratio))
     bs, hbs = sizes
-    assert sorted(fast.match_tokens(tokens, bs, hbs, lora)) == sorted(
-        pure.match_tokens(tokens, bs, hbs, lora)
+    assert sorted(fast.match_tokens(tokens, bs, hbs, lora, salt)) == sorted(
+        pure.match_tokens(tokens, bs, hbs, lora, salt)
     )
 
 
@@ -221,3 +229,21 @@ def test_a_cycle_of_parents_is_walked_as_the_pure_group_walks_it() -> None:
         [1, 2, 3, 4], 2, 2, None
     )
     assert fast.match_tokens([1, 2, 3, 4], 2, 2, None) == [(0, 2, 4)]
+
+
+@pytest.mark.parametrize("make", [PureGroup, pytest.param(Compiled, marks=compiled)])
+def test_a_salted_prompt_is_walked_from_its_salted_first_block(make: type) -> None:
+    """A first block whose only extra key is a cache salt starts the walk of that salt; its
+    children are reached through it; the same tokens unsalted are another walk."""
+    g = make()
+    g.add_row(b"s0", None, 0, [1, 2], 2, False, None, True, "salt-1")
+    g.add_row(b"s1", b"s0", 2, [3, 4], 2, False, None, True, "salt-1")  # kept on a root only
+    g.add_row(b"p0", None, 0, [1, 2], 2, False, None, True)
+    for key in (b"s0", b"s1", b"p0"):
+        g.hold(key, 0, 1)
+    assert g.match_tokens([1, 2, 3, 4], 2, 2, None, "salt-1") == [(0, 2, 4)]
+    assert g.match_tokens([1, 2, 3, 4], 2, 2, None) == [(0, 1, 2)]  # p0 only
+    assert g.match_tokens([1, 2], 2, 2, None, "salt-2") == []
+    assert g.meta(b"s0") == (None, True, "salt-1") and g.meta(b"s1") == (None, True, None)
+    g.enable_dynamo()
+    assert g.dynamo_local(b"s0") is None and g.dynamo_local(b"p0") is not None

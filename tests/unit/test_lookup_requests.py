@@ -43,6 +43,9 @@ def test_a_hash_request_with_defaults_and_an_instant() -> None:
 def test_a_token_request() -> None:
     req = parse_match({"model": "m", "group_idx": 2, "token_ids": [1, 2], "lora_name": "x"})
     assert (req.token_ids, req.lora_name, req.hashes, req.group_idx) == ([1, 2], "x", None, 2)
+    assert req.cache_salt is None
+    salted = parse_match({"model": "m", "token_ids": [1, 2], "cache_salt": "tenant-7"})
+    assert salted.cache_salt == "tenant-7"
 
 
 @pytest.mark.parametrize(
@@ -61,6 +64,9 @@ def test_a_token_request() -> None:
         ({"model": "m", "token_ids": [2**31]}, "int32"),
         ({"model": "m", "token_ids": [True]}, "int32"),
         ({"model": "m", "token_ids": [1], "lora_name": 3}, "lora_name"),
+        ({"model": "m", "token_ids": [1], "cache_salt": 7}, "cache_salt must be a string"),
+        ({"model": "m", "token_ids": [1], "cache_salt": "a\x00b"}, "cache_salt contains a NUL"),
+        ({"model": "m", "hashes": ["01"], "cache_salt": "s"}, "cache_salt applies to token_ids"),
         ({"model": "m", "hashes": ["01"], "at": "yesterday"}, "ISO 8601"),
         ({"model": "m", "hashes": ["01"], "at": "2026-11-30T00:00:00"}, "time zone"),
         ({"model": "m", "hashes": ["01"], "weights": {"GPU": "high"}}, "weights"),

@@ -52,7 +52,7 @@ def test_sglangs_own_events_read_as_kvledgers(kv: ModuleType) -> None:
     assert (salted.medium, salted.ownership, salted.lora_name, salted.lora_id) == (
         "CPU", None, "adapter", 3,
     )  # fmt: skip
-    assert salted.extra_keys == ('["cache_salt", "tenant-7"]',) * 2 and salted.session_id == "s-1"
+    assert salted.extra_keys == ('["tenant-7"]',) * 2 and salted.session_id == "s-1"
     assert (plain.medium, plain.extra_keys, plain.token_ids) == ("GPU", None, (1, 2, 3, 4))
     assert isinstance(external, BlockRemoved) and isinstance(disk, BlockRemoved)
     assert (external.medium, external.ownership) == ("STORAGE", "external")

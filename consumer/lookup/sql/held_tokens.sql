@@ -1,6 +1,6 @@
 -- kvledger.held_tokens as of the newest migration, as PostgreSQL prints it (pg_get_functiondef).
 -- A revision that changes it freezes its own copy and updates this file; a test compares.
-CREATE OR REPLACE FUNCTION kvledger.held_tokens(p_model text, p_group integer, p_tokens integer[], p_lora text DEFAULT NULL::text)
+CREATE OR REPLACE FUNCTION kvledger.held_tokens(p_model text, p_group integer, p_tokens integer[], p_lora text DEFAULT NULL::text, p_salt text DEFAULT NULL::text)
  RETURNS TABLE(instance text, medium text, ownership text, matched_blocks integer, matched_tokens bigint)
  LANGUAGE sql
  STABLE
@@ -15,7 +15,8 @@ AS $function$
                 WHERE b.model = p_model AND b.group_idx = p_group AND b.parent_hash IS NULL
                   AND NOT b.partial AND b.block_size = spec.block_size
                   AND b.token_ids = p_tokens[1:spec.block_size]
-                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora
+                  AND kvledger.first_under(b.extra_keys, p_salt)
                 UNION ALL
                 SELECT b.block_hash, c.i + 1
                 FROM chain c, spec, kvledger.blocks b
@@ -23,7 +24,8 @@ AS $function$
                   AND NOT b.partial AND b.block_size = spec.block_size
                   AND (c.i + 1) * spec.block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[c.i * spec.block_size + 1:(c.i + 1) * spec.block_size]
-                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora
+                  AND kvledger.walkable_extra(b.extra_keys)
             ),
             tip AS (
                 SELECT (SELECT h FROM chain ORDER BY i DESC LIMIT 1) AS h,
@@ -38,7 +40,9 @@ AS $function$
                   AND b.partial AND b.block_size = spec.hash_block_size
                   AND tip.pos + spec.hash_block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[tip.pos + 1:tip.pos + spec.hash_block_size]
-                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora
+                  AND CASE WHEN tip.h IS NULL THEN kvledger.first_under(b.extra_keys, p_salt)
+                           ELSE kvledger.walkable_extra(b.extra_keys) END
                 UNION ALL
                 SELECT b.block_hash, t.j + 1, t.pos + spec.hash_block_size
                 FROM tail t, spec, kvledger.blocks b
@@ -46,7 +50,8 @@ AS $function$
                   AND b.partial AND b.block_size = spec.hash_block_size
                   AND t.pos + spec.hash_block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
-                  AND b.lora_name IS NOT DISTINCT FROM p_lora AND b.extra_keys IS NULL
+                  AND b.lora_name IS NOT DISTINCT FROM p_lora
+                  AND kvledger.walkable_extra(b.extra_keys)
             )
             SELECT m.instance, m.medium, m.ownership,
                    least(m.matched_blocks, (SELECT count(*) FROM chain))::integer,
@@ -58,4 +63,3 @@ AS $function$
                       ORDER BY k, h)) m
 
         $function$
-

@@ -18,6 +18,15 @@ type Level = SmallVec<[u32; 2]>;
 
 impl Group {
     // ------------------------------------------------------------------ content
+    /// The interned id of a name a lookup gives (Some(0): none given; None: a name no block
+    /// has).
+    fn known_id(&self, name: Option<&str>) -> Option<u32> {
+        match name {
+            None => Some(0),
+            Some(name) => self.lora_ids.get(name).copied(),
+        }
+    }
+
     fn lora_id(&mut self, lora: Option<&str>) -> u32 {
         let Some(name) = lora else {
             return 0;
@@ -42,6 +51,15 @@ impl Group {
         h.finish()
     }
 
+    /// Where a token walk of `salt` (an interned id; 0: none) starts: the root's key, or one
+    /// of the salt's own that no block's content key can be.
+    fn root_key(&self, salt: u32) -> u64 {
+        if salt == 0 {
+            return ROOT;
+        }
+        self.content_key(ROOT, -1, false, salt, &[])
+    }
+
     pub(super) fn row_tokens(&self, row: u32) -> &[i32] {
         let r = &self.rows[row as usize];
         &self.tokens[r.tok_off as usize..(r.tok_off + r.tok_len) as usize]
@@ -55,7 +73,7 @@ impl Group {
             return None;
         }
         let parent = match r.parent {
-            NONE => ROOT,
+            NONE => self.root_key(r.salt),
             p if self.rows[p as usize].flags & CHAINED != 0 => self.rows[p as usize].chain,
             _ => return None,
         };
@@ -188,11 +206,17 @@ impl Group {
             r.tok_len = c.tokens.len() as u32;
         }
         let lora = self.lora_id(c.lora);
+        let salt = if parent == NONE {
+            self.lora_id(c.salt)
+        } else {
+            0
+        };
         let r = &mut self.rows[row as usize];
         if r.flags & STORED == 0 {
             self.stored += 1;
         }
         r.parent = parent;
+        r.salt = salt;
         r.start = c.start.unwrap_or(i64::MIN);
         r.block_size = c.block_size;
         r.lora = lora;
@@ -208,8 +232,9 @@ impl Group {
         }
     }
 
-    /// A known row's LoRA and extra-keys flag (a later store's metadata, its content kept).
-    pub fn set_meta(&mut self, key: &[u8], lora: Option<&str>, plain: bool) {
+    /// A known row's LoRA, extra-keys flag and salt (a later store's metadata, its content
+    /// kept).
+    pub fn set_meta(&mut self, key: &[u8], lora: Option<&str>, plain: bool, salt: Option<&str>) {
         let Some(row) = self.find(key) else {
             return;
         };
@@ -218,8 +243,11 @@ impl Group {
         }
         self.dynamo_drop(row);
         let lora = self.lora_id(lora);
+        let root = self.rows[row as usize].parent == NONE;
+        let salt = if root { self.lora_id(salt) } else { 0 };
         let r = &mut self.rows[row as usize];
         r.lora = lora;
+        r.salt = salt;
         r.flags = (r.flags & !PLAIN) | if plain { PLAIN } else { 0 };
         self.rechain(row);
         self.dynamo_add(row);
@@ -240,6 +268,7 @@ impl Group {
             partial: r.flags & PARTIAL != 0,
             lora: (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str()),
             plain: r.flags & PLAIN != 0,
+            salt: (r.salt != 0).then(|| self.loras[r.salt as usize - 1].as_str()),
         })
     }
 
@@ -260,7 +289,7 @@ impl Group {
         want: &[i32],
         size: i32,
         partial: bool,
-        lora: u32,
+        (lora, salt): (u32, u32), // the walk's LoRA and cache salt (interned; 0: none)
     ) -> Level {
         let mut found: Level = candidates
             .iter()
@@ -272,6 +301,7 @@ impl Group {
                     && (r.flags & PARTIAL != 0) == partial
                     && r.flags & PLAIN != 0
                     && r.lora == lora
+                    && r.salt == if r.parent == NONE { salt } else { 0 }
                     && self.row_tokens(row) == want
             })
             .collect();
@@ -294,13 +324,10 @@ impl Group {
         block_size: usize,
         hash_block_size: usize,
         lora: Option<&str>,
+        salt: Option<&str>,
     ) -> Vec<Run> {
-        let lora = match lora {
-            None => 0,
-            Some(name) => match self.lora_ids.get(name) {
-                Some(&id) => id,
-                None => return Vec::new(), // no block of that LoRA
-            },
+        let (Some(lora), Some(salt)) = (self.known_id(lora), self.known_id(salt)) else {
+            return Vec::new(); // no block of that LoRA, or with that salt
         };
         let (bs, hbs) = (block_size, hash_block_size);
         let block =
@@ -308,7 +335,7 @@ impl Group {
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short
         let mut chain: Vec<u32> = Vec::new();
         let mut level: Level = smallvec::smallvec![NONE];
-        let mut key = ROOT;
+        let mut key = self.root_key(salt);
         let mut i = 0;
         'full: while i < levels {
             let upto = (i + LEVELS_AT_ONCE).min(levels);
@@ -333,7 +360,7 @@ impl Group {
                 }
             }
             for (j, cands) in (i..upto).zip(found) {
-                let next = self.level(&cands, &level, block(j), bs as i32, false, lora);
+                let next = self.level(&cands, &level, block(j), bs as i32, false, (lora, salt));
                 if next.is_empty() {
                     break 'full;
                 }
@@ -347,7 +374,7 @@ impl Group {
         let tip = if full > 0 { level[0] } else { NONE };
         let mut parents: Level = smallvec::smallvec![tip];
         let mut key = if tip == NONE {
-            ROOT
+            self.root_key(salt)
         } else {
             self.rows[tip as usize].chain
         };
@@ -360,7 +387,7 @@ impl Group {
                 want,
                 hbs as i32,
                 true,
-                lora,
+                (lora, salt),
             );
             if found.is_empty() {
                 break;

@@ -53,7 +53,8 @@ impl Group {
     pub(super) fn local_of(&self, row: u32) -> Option<u64> {
         let r = &self.rows[row as usize];
         let full = r.block_size > 0 && r.tok_len == r.block_size as u32;
-        if r.flags & STORED == 0 || r.flags & PLAIN == 0 || r.flags & PARTIAL != 0 || !full {
+        let plain = r.flags & PLAIN != 0 && r.salt == 0; // a salt is an extra key to Dynamo
+        if r.flags & STORED == 0 || !plain || r.flags & PARTIAL != 0 || !full {
             return None;
         }
         let lora = (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str());

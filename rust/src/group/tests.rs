@@ -11,6 +11,7 @@ fn content<'a>(parent: Option<&'a [u8]>, start: i64, tokens: &'a [i32]) -> Conte
         partial: false,
         lora: None,
         plain: true,
+        salt: None,
     }
 }
 
@@ -27,14 +28,16 @@ fn a_chain_is_found_by_its_tokens_and_by_its_hashes() {
     let mut by_hash = g.runs(&[a, b]);
     by_hash.sort();
     assert_eq!(by_hash, vec![(3, 2, 4), (70, 1, 2)]);
-    let mut by_tokens = g.match_tokens(&[1, 2, 3, 4, 5], 2, 2, None);
+    let mut by_tokens = g.match_tokens(&[1, 2, 3, 4, 5], 2, 2, None, None);
     by_tokens.sort();
     assert_eq!(by_tokens, vec![(3, 2, 4), (70, 1, 2)]);
     assert!(g
-        .match_tokens(&[1, 2, 3, 9], 2, 2, None)
+        .match_tokens(&[1, 2, 3, 9], 2, 2, None, None)
         .iter()
         .all(|r| r.1 == 1));
-    assert!(g.match_tokens(&[1, 2], 2, 2, Some("adapter")).is_empty());
+    assert!(g
+        .match_tokens(&[1, 2], 2, 2, Some("adapter"), None)
+        .is_empty());
 }
 
 #[test]
@@ -58,13 +61,19 @@ fn a_cycle_of_parents_is_reached_by_no_walk_and_ends() {
     g.add_row(b"b", &content(Some(b"a"), 2, &[3, 4]));
     g.hold(b"a", 0, 1);
     g.hold(b"b", 0, 1);
-    assert_eq!(g.match_tokens(&[1, 2, 3, 4], 2, 2, None), vec![(0, 2, 4)]);
+    assert_eq!(
+        g.match_tokens(&[1, 2, 3, 4], 2, 2, None, None),
+        vec![(0, 2, 4)]
+    );
     g.add_row(b"a", &content(Some(b"b"), 0, &[1, 2])); // a's parent is now b: a cycle
-    assert!(g.match_tokens(&[1, 2, 3, 4], 2, 2, None).is_empty());
+    assert!(g.match_tokens(&[1, 2, 3, 4], 2, 2, None, None).is_empty());
     g.add_row(b"c", &content(Some(b"c"), 0, &[1, 2])); // its own parent
-    assert!(g.match_tokens(&[1, 2], 2, 2, None).is_empty());
+    assert!(g.match_tokens(&[1, 2], 2, 2, None, None).is_empty());
     g.add_row(b"a", &content(None, 0, &[1, 2])); // the cycle broken again
-    assert_eq!(g.match_tokens(&[1, 2, 3, 4], 2, 2, None), vec![(0, 2, 4)]);
+    assert_eq!(
+        g.match_tokens(&[1, 2, 3, 4], 2, 2, None, None),
+        vec![(0, 2, 4)]
+    );
 }
 
 #[test]
@@ -72,10 +81,40 @@ fn metadata_changes_move_a_row_in_the_content_index() {
     let mut g = Group::new();
     g.add_row(b"a", &content(None, 0, &[1, 2]));
     g.hold(b"a", 0, 1);
-    assert_eq!(g.match_tokens(&[1, 2], 2, 2, None).len(), 1);
-    g.set_meta(b"a", Some("lora"), true);
-    assert!(g.match_tokens(&[1, 2], 2, 2, None).is_empty());
-    assert_eq!(g.match_tokens(&[1, 2], 2, 2, Some("lora")).len(), 1);
-    g.set_meta(b"a", Some("lora"), false); // extra keys: no token walk uses it
-    assert!(g.match_tokens(&[1, 2], 2, 2, Some("lora")).is_empty());
+    assert_eq!(g.match_tokens(&[1, 2], 2, 2, None, None).len(), 1);
+    g.set_meta(b"a", Some("lora"), true, None);
+    assert!(g.match_tokens(&[1, 2], 2, 2, None, None).is_empty());
+    assert_eq!(g.match_tokens(&[1, 2], 2, 2, Some("lora"), None).len(), 1);
+    g.set_meta(b"a", Some("lora"), false, None); // extra keys: no token walk uses it
+    assert!(g.match_tokens(&[1, 2], 2, 2, Some("lora"), None).is_empty());
+}
+
+#[test]
+fn a_salted_prompt_is_walked_from_the_first_block_of_its_salt() {
+    let mut g = Group::new();
+    let hid = 0;
+    g.add_row(
+        b"s0",
+        &Content {
+            salt: Some("salt-1"),
+            ..content(None, 0, &[1, 2])
+        },
+    );
+    g.add_row(b"s1", &content(Some(b"s0"), 2, &[3, 4]));
+    g.add_row(b"p0", &content(None, 0, &[1, 2])); // the same tokens, unsalted
+    for key in [&b"s0"[..], b"s1", b"p0"] {
+        g.hold(key, hid, 1);
+    }
+    let salted = g.match_tokens(&[1, 2, 3, 4], 2, 2, None, Some("salt-1"));
+    assert_eq!(salted, vec![(hid, 2, 4)]);
+    assert_eq!(
+        g.match_tokens(&[1, 2, 3, 4], 2, 2, None, None),
+        vec![(hid, 1, 2)]
+    );
+    assert!(g
+        .match_tokens(&[1, 2], 2, 2, None, Some("salt-2"))
+        .is_empty());
+    // A salt is an extra key to Dynamo: no local hash for the salted block.
+    g.enable_dynamo();
+    assert!(g.dynamo_local(b"s0").is_none() && g.dynamo_local(b"p0").is_some());
 }

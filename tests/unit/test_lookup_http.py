@@ -107,3 +107,31 @@ def test_a_slow_healthz_does_not_hold_up_lookups(router: RouterIndex, monkeypatc
         waited = time.monotonic() - start
         health.join()
     assert waited < 1.0, waited
+
+
+def test_a_salted_prompt_is_found_over_http_given_its_salt() -> None:
+    """POST /v1/match with token_ids and cache_salt walks from the salt's first block (its
+    only extra key is the salt, as vLLM sends a salted first block); without the salt, or
+    with another, nothing is found."""
+    from kvledger.schemas.events import BlockStored
+    from tests.helpers.streams import MODEL, Stream, h, spec
+
+    stream = Stream("t")
+    stream.send("engine-0", spec(0))
+    stream.send(
+        "engine-0",
+        BlockStored((h(1), h(2)), None, tuple(range(8)), 4, None, "GPU", None,
+                    extra_keys=('["tenant-1"]', None), group_idx=0, token_start=0),
+    )  # fmt: skip
+    router = RouterIndex("127.0.0.1:9", "t", "g")
+    run_batch(stream.messages, Codec(), router.store, "g")
+    with TestClient(create_app(router=router)) as client:
+
+        def found(**salt: str) -> list[tuple[str, int]]:
+            body = {"model": MODEL, "token_ids": list(range(8)), "silent_after_s": 9e8, **salt}
+            answer = client.post("/v1/match", json=body)
+            assert answer.status_code == 200, answer.text
+            return [(x["instance"], x["matched_blocks"]) for x in answer.json()["holders"]]
+
+        assert found(cache_salt="tenant-1") == [("engine-0", 2)]
+        assert found() == [] and found(cache_salt="tenant-2") == []

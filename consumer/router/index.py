@@ -178,7 +178,7 @@ class RouterIndex:
             for model, group, raw, up, start, size, partial, lora, extra, tokens in copy.rows():
                 h = seen.setdefault(raw, raw)
                 parent = seen.setdefault(up, up) if up is not None else None
-                plain, salt = walkable(extra)
+                plain, salt = walkable(extra, up is None)
                 store.group(GroupKey(model, group)).add_row(
                     h, parent, start, tokens, size, partial, lora, plain, salt
                 )

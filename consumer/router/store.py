@@ -106,7 +106,7 @@ class RouterStore(StagedStore):
         """As the PostgreSQL store merges a block row (content upgrades, first metadata)."""
         g = self.group(key[:2])  # type: ignore[arg-type]
         new, h = write.row, key.block_hash
-        plain, salt = walkable(write.extra_keys)
+        plain, salt = walkable(write.extra_keys, new.parent_hash is None)
         fields = g.row(h)
         if fields is None:
             g.add_row(h, *new, write.lora_name, plain, salt)
@@ -123,13 +123,15 @@ class RouterStore(StagedStore):
             g.set_meta(h, lora, old_plain and plain, salt)
 
 
-def walkable(extra_keys: str | None) -> tuple[bool, str | None]:
-    """(plain, salt) of a block's extra keys (canonical JSON, or None): a block with none, or
-    whose only extra key is a cache salt (``["<salt>"]``, as vLLM publishes a first block's
-    and the SGLang relay every salted block's), is walkable by tokens; the salt is where
-    the token walk of that salt starts (kept for a first block only)."""
+def walkable(extra_keys: str | None, first: bool) -> tuple[bool, str | None]:
+    """(plain, salt) of a block's extra keys (canonical JSON, or None): a block with none is
+    walkable by tokens, and so is a ``first`` block (no parent) whose only extra key is a
+    cache salt (``["<salt>"]``, as vLLM and the SGLang relay publish a salted request's
+    first block): the token walk of that salt starts there."""
     if extra_keys is None:
         return True, None
+    if not first:
+        return False, None
     try:
         keys = json.loads(extra_keys)
     except ValueError:

@@ -1,14 +1,14 @@
 """Token walks of salted prompts: a first block whose only extra key is a cache salt.
 
-A block whose extra keys are only a cache salt (``["<salt>"]``: vLLM publishes a salted
-request's first block so, and the SGLang relay every block of one) is walkable by tokens:
+A first block whose only extra key is a cache salt (``["<salt>"]``: vLLM publishes a
+salted request's first block so, and so does the SGLang relay) is walkable by tokens:
 ``held_tokens`` and ``match_tokens`` take ``p_salt``, and the walk of a salt starts at the
-first blocks of that salt (every later block is reached through its parent, whose hash
-the salt already namespaces). Without ``p_salt`` the answers are as before: a salted first
-block is never reached.
+first blocks of that salt (every later block, with no extra key, is reached through its
+parent, whose hash the salt already namespaces). Without ``p_salt`` the answers are as
+before: a salted first block is never reached.
 
 - ``first_under(extra_keys, salt)``: a first block the walk of ``salt`` (NULL: none) starts
-  at; ``walkable_extra(extra_keys)``: no extra keys, or only a cache salt.
+  at; ``salt_only(extra_keys)``: its extra keys are one string (a cache salt).
 
 Revision ID: 0015
 Revises: 0014
@@ -23,10 +23,10 @@ branch_labels = None
 depends_on = None
 
 _UPGRADE = r"""
-CREATE FUNCTION kvledger.walkable_extra(p_extra text) RETURNS boolean
+CREATE FUNCTION kvledger.salt_only(p_extra text) RETURNS boolean
 LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE
-        WHEN p_extra IS NULL THEN true
+        WHEN p_extra IS NULL THEN false
         WHEN jsonb_typeof(p_extra::jsonb) <> 'array' THEN false
         ELSE jsonb_array_length(p_extra::jsonb) = 1
              AND jsonb_typeof(p_extra::jsonb -> 0) = 'string'
@@ -38,7 +38,7 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE
         WHEN p_extra IS NULL THEN p_salt IS NULL
         WHEN p_salt IS NULL THEN false
-        ELSE kvledger.walkable_extra(p_extra) AND p_extra::jsonb = jsonb_build_array(p_salt)
+        ELSE kvledger.salt_only(p_extra) AND p_extra::jsonb = jsonb_build_array(p_salt)
     END
 $$;
 
@@ -70,7 +70,7 @@ AS $function$
                   AND (c.i + 1) * spec.block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[c.i * spec.block_size + 1:(c.i + 1) * spec.block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
-                  AND kvledger.walkable_extra(b.extra_keys)
+                  AND b.extra_keys IS NULL
             ),
             tip AS (
                 SELECT (SELECT h FROM chain ORDER BY i DESC LIMIT 1) AS h,
@@ -87,7 +87,7 @@ AS $function$
                   AND b.token_ids = p_tokens[tip.pos + 1:tip.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
                   AND CASE WHEN tip.h IS NULL THEN kvledger.first_under(b.extra_keys, p_salt)
-                           ELSE kvledger.walkable_extra(b.extra_keys) END
+                           ELSE b.extra_keys IS NULL END
                 UNION ALL
                 SELECT b.block_hash, t.j + 1, t.pos + spec.hash_block_size
                 FROM tail t, spec, kvledger.blocks b
@@ -96,7 +96,7 @@ AS $function$
                   AND t.pos + spec.hash_block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
-                  AND kvledger.walkable_extra(b.extra_keys)
+                  AND b.extra_keys IS NULL
             )
             SELECT m.instance, m.medium, m.ownership,
                    least(m.matched_blocks, (SELECT count(*) FROM chain))::integer,
@@ -139,7 +139,7 @@ _DOWNGRADE = r"""
 DROP FUNCTION kvledger.match_tokens(text, integer, integer[], text, boolean, interval, text);
 DROP FUNCTION kvledger.held_tokens(text, integer, integer[], text, text);
 DROP FUNCTION kvledger.first_under(text, text);
-DROP FUNCTION kvledger.walkable_extra(text);
+DROP FUNCTION kvledger.salt_only(text);
 CREATE OR REPLACE FUNCTION kvledger.held_tokens(p_model text, p_group integer, p_tokens integer[], p_lora text DEFAULT NULL::text)
  RETURNS TABLE(instance text, medium text, ownership text, matched_blocks integer, matched_tokens bigint)
  LANGUAGE sql

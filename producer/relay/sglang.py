@@ -17,9 +17,9 @@ as vLLM does (``[topic, seq, payload]``; replay over a ROUTER socket, the end ma
   from the engine's own disk for lookups and audits. Any other medium is refused by name
   (the batch is recorded lost, as an undecodable one);
 - a stored block's hash is namespaced by the request's ``cache_salt`` (SGLang hashes the
-  salt in): kvledger carries the salt as each block's extra key, untagged as vLLM sends a
-  salted first block's (``["<salt>"]``), so such blocks are found by their hashes or by a
-  token walk given that salt (``cache_salt``), never by one without it; ``lora_name`` and
+  salt in): kvledger carries the salt as the request's first block's extra key, untagged as
+  vLLM sends it (``["<salt>"]``), so such blocks are found by their hashes or by a token
+  walk given that salt (``cache_salt``), never by one without it; ``lora_name`` and
   ``session_id`` are carried as they are.
 """
 
@@ -96,8 +96,10 @@ def _event(e: Any) -> KVEvent:
         medium, ownership = medium_of(e.medium)
         hashes = tuple(signed_hash_bytes(h) for h in e.block_hashes)
         extra = None
-        if e.cache_salt is not None:
-            extra = extra_keys_json([[e.cache_salt]] * len(hashes))
+        # The salt namespaces every hash of the request: kept on its first block, as vLLM
+        # sends a salted request's (the later ones are reached through it).
+        if e.cache_salt is not None and e.parent_block_hash is None:
+            extra = extra_keys_json([[e.cache_salt]] + [None] * (len(hashes) - 1))
         try:
             return BlockStored(
                 block_hashes=hashes,

@@ -52,7 +52,7 @@ def test_sglangs_own_events_read_as_kvledgers(kv: ModuleType) -> None:
     assert (salted.medium, salted.ownership, salted.lora_name, salted.lora_id) == (
         "CPU", None, "adapter", 3,
     )  # fmt: skip
-    assert salted.extra_keys == ('["tenant-7"]',) * 2 and salted.session_id == "s-1"
+    assert salted.extra_keys is None and salted.session_id == "s-1"  # under a parent: no salt
     assert (plain.medium, plain.extra_keys, plain.token_ids) == ("GPU", None, (1, 2, 3, 4))
     assert isinstance(external, BlockRemoved) and isinstance(disk, BlockRemoved)
     assert (external.medium, external.ownership) == ("STORAGE", "external")
@@ -78,3 +78,16 @@ def test_what_is_not_sglangs_shape_is_refused_with_its_reason(kv: ModuleType) ->
     vllm_only = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}]])
     with pytest.raises(VllmEventError, match="not an SGLang"):
         sglang.read_batch(vllm_only)
+
+
+@pytest.mark.downloads
+def test_a_salted_requests_first_block_carries_its_salt(kv: ModuleType) -> None:
+    """As vLLM sends a salted request's: the salt is the first block's one extra key (the
+    token walk of that salt starts there); the blocks after it are reached through it."""
+    payload = encoded(
+        kv,
+        kv.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)),
+                       block_size=4, lora_id=None, cache_salt="tenant-7"),
+    )  # fmt: skip
+    (first,) = sglang.read_batch(payload).events
+    assert isinstance(first, BlockStored) and first.extra_keys == ('["tenant-7"]', None)

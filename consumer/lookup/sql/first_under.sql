@@ -8,6 +8,6 @@ AS $function$
     SELECT CASE
         WHEN p_extra IS NULL THEN p_salt IS NULL
         WHEN p_salt IS NULL THEN false
-        ELSE kvledger.walkable_extra(p_extra) AND p_extra::jsonb = jsonb_build_array(p_salt)
+        ELSE kvledger.salt_only(p_extra) AND p_extra::jsonb = jsonb_build_array(p_salt)
     END
 $function$

@@ -25,7 +25,7 @@ AS $function$
                   AND (c.i + 1) * spec.block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[c.i * spec.block_size + 1:(c.i + 1) * spec.block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
-                  AND kvledger.walkable_extra(b.extra_keys)
+                  AND b.extra_keys IS NULL
             ),
             tip AS (
                 SELECT (SELECT h FROM chain ORDER BY i DESC LIMIT 1) AS h,
@@ -42,7 +42,7 @@ AS $function$
                   AND b.token_ids = p_tokens[tip.pos + 1:tip.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
                   AND CASE WHEN tip.h IS NULL THEN kvledger.first_under(b.extra_keys, p_salt)
-                           ELSE kvledger.walkable_extra(b.extra_keys) END
+                           ELSE b.extra_keys IS NULL END
                 UNION ALL
                 SELECT b.block_hash, t.j + 1, t.pos + spec.hash_block_size
                 FROM tail t, spec, kvledger.blocks b
@@ -51,7 +51,7 @@ AS $function$
                   AND t.pos + spec.hash_block_size <= cardinality(p_tokens)
                   AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
-                  AND kvledger.walkable_extra(b.extra_keys)
+                  AND b.extra_keys IS NULL
             )
             SELECT m.instance, m.medium, m.ownership,
                    least(m.matched_blocks, (SELECT count(*) FROM chain))::integer,

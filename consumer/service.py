@@ -101,18 +101,18 @@ class IndexConsumer:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.REGISTRY)
         started = time.monotonic()
         self._conn = self._connect()
-        retainer = None
-        if cfg.retention is not None:
-            retainer = Retainer(cfg.database_url, cfg.retention, cfg.retention_every_s)
-            retainer.start()
-        else:
-            ensure_partitions(self._conn)
         if cfg.dlq_topic:
             self._dlq = DeadLetterProducer(
                 cfg.bootstrap_servers, cfg.dlq_topic, settings=cfg.kafka,
                 replication_factor=cfg.dlq_replication_factor, topic_config=cfg.dlq_topic_config,
             )  # fmt: skip
         self._consumer = self._new_consumer()
+        retainer = None
+        if cfg.retention is not None:  # its first pass makes the partitions ahead
+            retainer = Retainer(cfg.database_url, cfg.retention, cfg.retention_every_s)
+            retainer.start()
+        else:
+            ensure_partitions(self._conn)
         try:
             while not self._stop.is_set():
                 consumer = self._consumer

@@ -108,8 +108,13 @@ def set_partition_interval(conn: psycopg.Connection, interval: timedelta) -> int
 
 
 def windows(conn: psycopg.Connection) -> dict[str, datetime]:
-    """Where each table's retained rows start (a table never trimmed is not named)."""
-    rows = conn.execute("SELECT what, since FROM kvledger.retained_windows").fetchall()
+    """Where each table's retained rows start (a table never trimmed is not named; none on
+    a schema from before revision 0014)."""
+    try:
+        with conn.transaction():
+            rows = conn.execute("SELECT what, since FROM kvledger.retained_windows").fetchall()
+    except psycopg.errors.UndefinedTable:
+        return {}
     return {str(what): since for what, since in rows}
 
 

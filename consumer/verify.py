@@ -21,6 +21,7 @@ from datetime import datetime
 import psycopg
 import sqlalchemy as sa
 
+from kvledger.consumer import retention
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
 from kvledger.consumer.service import IndexConsumer, stored_offsets
@@ -108,16 +109,6 @@ def left_out(
         ).fetchone()
         out[table] = int(row[0]) if row else 0
     return out
-
-
-def retained_windows(conn: psycopg.Connection) -> dict[str, datetime]:
-    """The live index's retained windows (none on a schema from before revision 0014)."""
-    try:
-        with conn.transaction():
-            rows = conn.execute("SELECT what, since FROM kvledger.retained_windows").fetchall()
-    except psycopg.errors.UndefinedTable:
-        return {}
-    return {str(what): since for what, since in rows}
 
 
 @dataclass
@@ -241,7 +232,7 @@ def verify(
         )
         starts = _log_starts(bootstrap, topic, kafka)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
-            windows = retained_windows(live)
+            windows = retention.windows(live)
             filters = window_filters(windows)
             a, b = dump(live, filters), dump(scratch, filters)
             out_live, out_rebuilt = left_out(live, filters), left_out(scratch, filters)

@@ -14,6 +14,7 @@ import psycopg
 from kvledger import settings
 from kvledger.consumer.admin import SourceStatus, list_sources
 from kvledger.consumer.db import connect
+from kvledger.consumer.retention import windows
 from kvledger.tables import print_table
 
 
@@ -22,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         sources = list_sources(conn, window)
         losses = _log_losses(conn)
-        retained = _retained(conn)
+        retained = windows(conn)
     for topic, partition, first, last, when, ended, whose in losses:
         print(
             f"warning: {topic}[{partition}] lost offsets {first}..{last} before the index read "
@@ -88,13 +89,3 @@ def _started(epoch_ms: int) -> str:
 
 def _utc(when: datetime) -> str:
     return f"{when.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
-
-
-def _retained(conn: psycopg.Connection) -> dict[str, datetime]:
-    """Where each trimmed table's retained rows start (none before revision 0014)."""
-    try:
-        with conn.transaction():
-            rows = conn.execute("SELECT what, since FROM kvledger.retained_windows").fetchall()
-    except psycopg.errors.UndefinedTable:
-        return {}
-    return {str(what): since for what, since in rows}

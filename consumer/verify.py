@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import psycopg
 import sqlalchemy as sa
@@ -32,6 +33,9 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
 
 # Every compared table's columns (wall-clock ones left out), from the one table list.
 COLUMNS: Mapping[str, str] = {name: ", ".join(t.compared) for name, t in COMPARED.items()}
@@ -230,7 +234,7 @@ def verify(
             stop_at=targets,
             codec=codec,
         )
-        starts = _log_starts(bootstrap, topic, kafka)
+        starts = _trimmed(_admin({**(kafka or {}), "bootstrap.servers": bootstrap}), topic)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             windows = retention.windows(live)
             filters = window_filters(windows)
@@ -239,22 +243,26 @@ def verify(
         return VerifyResult(
             diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()},
             windows, {t: (out_live[t], out_rebuilt[t]) for t in filters},
-            {p: o for p, o in sorted(starts.items()) if o > 0},
+            starts,
         )  # fmt: skip
     finally:
         if created:
             drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
 
 
-def _log_starts(bootstrap: str, topic: str, kafka: Mapping[str, object] | None) -> dict[int, int]:
-    """Each partition's first offset still in the log."""
+def _admin(settings: Mapping[str, object]) -> AdminClient:
     from confluent_kafka.admin import AdminClient
 
+    return AdminClient(client_logging({**admin_settings(settings), "log_level": 3}))
+
+
+def _trimmed(admin: AdminClient, topic: str) -> dict[int, int]:
+    """The partitions whose log no longer starts at offset 0, and where each starts now
+    (the topic's retention deleted what came before)."""
     from kvledger.schemas.topics import partition_offsets
 
-    settings = {**(kafka or {}), "bootstrap.servers": bootstrap}
-    admin = AdminClient(client_logging({**admin_settings(settings), "log_level": 3}))
-    return partition_offsets(admin, topic, earliest=True, timeout=STARTUP_TIMEOUT_S)
+    starts = partition_offsets(admin, topic, earliest=True, timeout=STARTUP_TIMEOUT_S)
+    return {p: o for p, o in sorted(starts.items()) if o > 0}
 
 
 class RebuildRefusedError(KvledgerError):
@@ -302,10 +310,9 @@ def rebuild(
 def _refuse_unsafe(
     settings: Mapping[str, object], topic: str, group: str, accept_partial: bool
 ) -> None:
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka import KafkaException
 
-    admin = AdminClient(client_logging(admin_settings(settings)))
+    admin = _admin(settings)
     try:
         described = admin.describe_consumer_groups([group])[group].result(timeout=STARTUP_TIMEOUT_S)
         members = len(described.members)
@@ -316,20 +323,9 @@ def _refuse_unsafe(
             f"consumer group {group!r} has {members} active member(s): stop its consumers "
             "before a rebuild (they would write into the index being replaced)"
         )
-    probe = Consumer(
-        client_logging({**settings, "group.id": f"{group}-rebuild-probe", "log_level": 3})
-    )
-    try:
-        partitions = probe.list_topics(topic, timeout=STARTUP_TIMEOUT_S).topics[topic].partitions
-        trimmed = {
-            p: low
-            for p in partitions
-            if (low := probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[0]) > 0
-        }
-    finally:
-        probe.close()
+    trimmed = _trimmed(admin, topic)
     if trimmed and not accept_partial:
-        where = ", ".join(f"{p} starts at {o}" for p, o in sorted(trimmed.items()))
+        where = ", ".join(f"{p} starts at {o}" for p, o in trimmed.items())
         raise RebuildRefusedError(
             f"topic {topic!r} no longer holds its whole history ({where}): a rebuild would "
             "lose what retention deleted; pass --accept-partial to rebuild from what is left"

@@ -41,15 +41,12 @@ def migrate_cmd(args: argparse.Namespace) -> int:
         print(f"index schema already at revision {after} ({args.revision}): nothing to do")
     else:
         print(f"index schema migrated from revision {before or '(none)'} to {after}")
-    if args.partition_interval is not None:
+    if interval is not None:
         from kvledger.consumer import retention
 
         with connect(url, autocommit=True) as conn:
-            made = retention.set_partition_interval(conn, args.partition_interval)
-        print(
-            f"partition interval {show_duration(args.partition_interval)}: {made} partitions "
-            "made ahead at it"
-        )
+            made = retention.set_partition_interval(conn, interval)
+        print(f"partition interval {show_duration(interval)}: {made} partitions made ahead at it")
     return 0
 
 

@@ -50,7 +50,7 @@ class Row:
     block_size: int
     partial: bool
     lora_name: str | None
-    plain: bool  # no extra keys (or only a cache salt): a token walk may use it
+    plain: bool  # no extra keys (a first block: or only a cache salt): a token walk may use it
     salt: str | None = None  # a first block's cache salt: the walk of that salt starts here
     # The hash as the rows dict holds it: the parent links of its children and the masks
     # dict reuse this one bytes object instead of each keeping an equal copy (~48 bytes).

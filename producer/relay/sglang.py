@@ -98,7 +98,7 @@ def _event(e: Any) -> KVEvent:
         extra = None
         # The salt namespaces every hash of the request: kept on its first block, as vLLM
         # sends a salted request's (the later ones are reached through it).
-        if e.cache_salt is not None and e.parent_block_hash is None:
+        if e.cache_salt is not None and e.parent_block_hash is None and hashes:
             extra = extra_keys_json([[e.cache_salt]] + [None] * (len(hashes) - 1))
         try:
             return BlockStored(

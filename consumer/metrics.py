@@ -78,6 +78,12 @@ NOOP_REMOVALS = Counter(
     "Removals of a hash the holder had no reference to (recorded no-ops)",
     registry=REGISTRY,
 )
+REPORTED_REUSE = Counter(
+    "kvledger_reported_reuse_total",
+    "Stored blocks a source that reports reuse (GroupSpec.reports_reuse) already held: "
+    "reports, no second copy",
+    registry=REGISTRY,
+)
 SEQUENCE_GAPS = Counter(
     "kvledger_sequence_gaps_total",
     "Gaps in a source's per-group sequence numbers",
@@ -156,6 +162,7 @@ def record_batch(plan: Plan, seconds: float) -> None:
     MESSAGES_DUPLICATE.inc(plan.duplicates)
     BLOCK_EVENTS.inc(plan.block_events)
     NOOP_REMOVALS.inc(plan.noop_removals)
+    REPORTED_REUSE.inc(plan.reported_reuse)
     SEQUENCE_GAPS.inc(plan.gaps)
     for r in plan.rejected:
         MESSAGES_REJECTED.labels(r.reason).inc()

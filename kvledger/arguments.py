@@ -219,6 +219,12 @@ def add_relay(subparsers: Subparsers) -> None:
         "--surviving-media", default=None,
         help="comma-separated media whose blocks outlive an engine restart (default STORAGE)",
     )  # fmt: skip
+    p.add_argument(
+        "--report-mode", choices=("incremental", "full"), default="incremental",
+        help="full: the engine serves requests with vLLM's kv_cache_report_mode=\"full\", "
+        "which announce the blocks they reuse as stores; the index takes a store of a block "
+        "the engine already holds as that report, not a second copy (needs --group)",
+    )  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
     p.add_argument(

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
             engine_topic=args.engine_topic.encode(),
             heartbeat_interval_s=args.heartbeat_interval,
             surviving_media=survivors,
+            reports_reuse=args.report_mode == "full",
             engine=args.engine,
             poll_interval_s=args.poll_interval,
             kafka=dict(kafka),

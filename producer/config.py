@@ -39,6 +39,9 @@ class PublisherConfig:
     ``heartbeat_interval_s``: a Heartbeat after this long without a message (0: never).
     ``surviving_media``: the media whose blocks outlive a restart of this engine, announced
     with each group (None: the contract's default, STORAGE only).
+    ``reports_reuse``: the engine also announces the blocks a request reuses from its cache
+    as stores (vLLM's ``kv_cache_report_mode="full"``), announced with each group: the index
+    then takes a store of a block the engine already holds there as a report, not a copy.
     ``handoff_batches``: an embedded engine's batches (``publish_vllm_batch``, ``publish``)
     are handed to a background thread that writes them, at most this many waiting (a full
     queue blocks the caller); 0 writes them on the caller's thread. Transactional
@@ -54,6 +57,7 @@ class PublisherConfig:
     kafka: Mapping[str, object] = field(default_factory=dict)
     heartbeat_interval_s: float = 5.0
     surviving_media: tuple[str, ...] | None = None
+    reports_reuse: bool = False
     handoff_batches: int = 1024
     # Set: every publish is inside a Kafka transaction the caller opens and commits (the
     # relay, which must publish each engine batch whole or not at all).

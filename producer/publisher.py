@@ -384,9 +384,15 @@ class KVEventPublisher:
         return n
 
     def _with_policy(self, spec: GroupSpec) -> GroupSpec:
-        if self.config.surviving_media is None or spec.surviving_media is not None:
+        """The spec with this engine's policies: its surviving media (unless the spec names
+        its own) and whether it reports reused blocks."""
+        media = spec.surviving_media
+        if media is None:
+            media = self.config.surviving_media
+        reports = spec.reports_reuse or self.config.reports_reuse
+        if media == spec.surviving_media and reports == spec.reports_reuse:
             return spec
-        return dataclasses.replace(spec, surviving_media=self.config.surviving_media)
+        return dataclasses.replace(spec, surviving_media=media, reports_reuse=reports)
 
     def _beat(self) -> None:
         interval = self.config.heartbeat_interval_s

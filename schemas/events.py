@@ -113,6 +113,9 @@ class GroupSpec:
     sliding_window: int | None = None
     # The source's restart policy (None: DEFAULT_SURVIVING_MEDIA); not part of the shape.
     surviving_media: tuple[str, ...] | None = None
+    # The source re-announces reused blocks as stores (vLLM's kv_cache_report_mode="full"):
+    # a store of a block it already holds on that medium adds no copy. Not part of the shape.
+    reports_reuse: bool = False
 
     def same_shape(self, other: GroupSpec) -> bool:
         """Two specs that describe one group alike (whatever model or index they name)."""

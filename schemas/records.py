@@ -92,6 +92,7 @@ def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
                 "surviving_media": (
                     list(event.surviving_media) if event.surviving_media is not None else None
                 ),
+                "reports_reuse": event.reports_reuse,
             },
         )
     if isinstance(event, Heartbeat):
@@ -157,6 +158,7 @@ def record_to_envelope(record: dict[str, Any]) -> Envelope:
             hash_block_size=body["hash_block_size"],
             sliding_window=body.get("sliding_window"),
             surviving_media=tuple(m) if (m := body.get("surviving_media")) is not None else None,
+            reports_reuse=body.get("reports_reuse", False),
         )
     elif name == "kvledger.Heartbeat":
         event = Heartbeat(group_idx=body.get("group_idx"), interval_ms=body.get("interval_ms"))

@@ -79,6 +79,7 @@ def test_postgres_and_memory_stores_build_the_same_index(fresh_database: str, na
             ("engine-c", "restart"), ("engine-b", "closed"), ("engine-a", "restart"),
             ("engine-c", "lost"),
         }  # fmt: skip
-        assert len(postgres["sources"]) == 3
+        assert len(postgres["sources"]) == 4
+        assert ("reported_reuse", 2) in {(row[14], row[12]) for row in postgres["events"]}
     statuses = {row[13] for row in postgres["events"]}
     assert statuses == ({"applied", "rejected", "duplicate"} if name == "edge cases" else statuses)

@@ -13,8 +13,8 @@ def audit_row(
     d: Decoded, status: str, reason: str | None, hashes: int, noop: int, when: datetime | None
 ) -> AuditRow:
     """A message's audit row: its coordinates, what it was, what became of it (``status``,
-    ``reason``), the hashes it named and the removals that found nothing; ``when`` is the
-    event time (None for an undecodable message)."""
+    ``reason``), the hashes it named and its no-op hashes (removals that found nothing, reused
+    blocks a store reported); ``when`` is the event time (None for an undecodable message)."""
     msg, env = d.message, d.envelope
     if env is None:
         values: tuple[object, ...] = (

@@ -121,12 +121,14 @@ class SourceState:
     # Gaps a relay could not recover from its engine (EventsLost), and the batches lost.
     lost_gaps: int = 0
     lost_batches: int = 0
+    # Whether the source re-announces reused blocks as stores (GroupSpec.reports_reuse).
+    reports_reuse: bool = False
 
     def copy(self) -> SourceState:
         return SourceState(
             self.epoch, self.last_seq, self.gap_count, self.missing_events, self.epoch_changes,
             self.duplicates, self.last_event_time, self.surviving_media, self.lost_gaps,
-            self.lost_batches,
+            self.lost_batches, self.reports_reuse,
         )  # fmt: skip
 
 
@@ -350,6 +352,7 @@ class Plan:
     duplicates: int = 0
     block_events: int = 0  # hashes applied (stores + removals)
     noop_removals: int = 0
+    reported_reuse: int = 0  # stored blocks a reuse-reporting source already held
     gaps: int = 0
 
     @property

@@ -11,7 +11,10 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
   is a ``hash_conflict``, which rejects the whole event), and one holder reference per hash.
   An event without ``token_start`` (vLLM sends none) starts at 0 when it has no parent, else
   where its parent's row ends, when that is known. Lora name and extra keys are kept from
-  the first writer that has them;
+  the first writer that has them. From a source that announces reused blocks as stores
+  (``GroupSpec.reports_reuse``: vLLM's ``kv_cache_report_mode="full"``), a store of a block
+  it holds there adds no reference (``reported_reuse`` in the audit log): a rare second
+  physical copy then counts once, so its first removal ends the holder (a missed hit);
 - BlockRemoved: one reference less per hash; a removal with no reference left is a
   recorded no-op, never a negative count;
 - AllBlocksCleared: every reference of the instance on that medium (every ownership) in
@@ -170,7 +173,8 @@ class _Planner:
             self._reject(d, invalid.reason, invalid.detail, when)
         else:
             plan.applied += 1
-            reason = "noop_removal" if noop else None
+            kind = "reported_reuse" if isinstance(env.event, BlockStored) else "noop_removal"
+            reason = kind if noop else None
             m = d.message
             if (
                 self.late
@@ -210,8 +214,9 @@ class _Planner:
             self.specs[key] = HeldSpec(ev, "announced")
             self.plan.new_specs.append((ev, env.source))
         stream = self.sources.get(SourceKey(env.source, env.model, ev.group_idx))
-        if invalid is None and stream is not None:  # the source's restart policy
+        if invalid is None and stream is not None:  # the source's policies
             stream.surviving_media = ev.surviving_media
+            stream.reports_reuse = ev.reports_reuse
         return invalid
 
     def _known(self, key: BlockKey) -> BlockRow | None:
@@ -241,6 +246,9 @@ class _Planner:
         extra_by_block = ev.extra_keys or ()
         writes, blocks, change = self.plan.blocks, self.blocks, self.refs.change
         holders = not (self.late and (msg.topic, msg.partition, msg.offset) in self.late)
+        stream = new_tuple(SourceKey, (source, model, group))
+        state = self.sources.get(stream) or self.snap.sources.get(stream)
+        reports, count, reused = state is not None and state.reports_reuse, self.refs.count, 0
         for i, (h, row) in enumerate(rows):
             bkey = keys[i]
             # This event may have written the row already (a hash twice in one event).
@@ -261,9 +269,13 @@ class _Planner:
                 write.last_seen = max(write.last_seen, when)
             if holders:
                 key = new_tuple(ResidencyKey, (model, group, h, source, medium, ownership))
-                change(key, 1, when, ev.locality, msg)
+                if reports and count(key) > 0:  # a reused block reported: no second copy
+                    reused += 1
+                else:
+                    change(key, 1, when, ev.locality, msg)
         self.plan.block_events += len(rows)
-        return None, len(rows), 0
+        self.plan.reported_reuse += reused
+        return None, len(rows), reused
 
     def _start_after(self, model: str, group: int, parent: bytes | None) -> int | None:
         """Where a block chained to ``parent`` starts: 0 at the root, else where the

@@ -218,7 +218,8 @@ class MemoryStore(StagedStore):
         )  # fmt: skip
         out["source_health"] = Counter(
             (*k, s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes,
-             s.duplicates, s.last_event_time, s.surviving_media, s.lost_gaps, s.lost_batches)
+             s.duplicates, s.last_event_time, s.surviving_media, s.lost_gaps, s.lost_batches,
+             s.reports_reuse)
             for k, s in self.sources.items()
         )  # fmt: skip
         out["sources"] = Counter(

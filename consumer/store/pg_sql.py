@@ -86,14 +86,14 @@ WHERE NOT EXISTS (SELECT 1 FROM kvledger.rejected_events r
 UPSERT_SOURCE = """
 INSERT INTO kvledger.source_health AS s (source, model, group_idx, epoch, last_seq, gap_count,
     missing_events, epoch_changes, duplicates, last_event_time, surviving_media, lost_gaps,
-    lost_batches)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+    lost_batches, reports_reuse)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (source, model, group_idx) DO UPDATE SET
     epoch = EXCLUDED.epoch, last_seq = EXCLUDED.last_seq, gap_count = EXCLUDED.gap_count,
     missing_events = EXCLUDED.missing_events, epoch_changes = EXCLUDED.epoch_changes,
     duplicates = EXCLUDED.duplicates, last_event_time = EXCLUDED.last_event_time,
     surviving_media = EXCLUDED.surviving_media, lost_gaps = EXCLUDED.lost_gaps,
-    lost_batches = EXCLUDED.lost_batches
+    lost_batches = EXCLUDED.lost_batches, reports_reuse = EXCLUDED.reports_reuse
 """
 
 UPSERT_LIFE = """

@@ -71,16 +71,17 @@ def load_source_states(
     """The source streams' sequence states (``sources``: only theirs; None: all)."""
     cur.execute(
         "SELECT source, model, group_idx, epoch, last_seq, gap_count, missing_events, "
-        "epoch_changes, duplicates, last_event_time, surviving_media, lost_gaps, lost_batches "
+        "epoch_changes, duplicates, last_event_time, surviving_media, lost_gaps, lost_batches, "
+        "reports_reuse "
         "FROM kvledger.source_health WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
         (sources, sources),
     )
     out = {}
     for row in cur.fetchall():
-        epoch, last, gaps, missing, changes, dups, when, media, lost_gaps, lost = row[3:]
+        epoch, last, gaps, missing, changes, dups, when, media, lost_gaps, lost, reuse = row[3:]
         out[SourceKey(*row[:3])] = SourceState(
             epoch, last, gaps, missing, changes, dups, when,
-            tuple(media) if media is not None else None, lost_gaps, lost,
+            tuple(media) if media is not None else None, lost_gaps, lost, reuse,
         )  # fmt: skip
     return out
 
@@ -101,7 +102,7 @@ def load_source_lives(
 def source_row(s: SourceState) -> tuple[object, ...]:
     media = list(s.surviving_media) if s.surviving_media is not None else None
     return (s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes, s.duplicates,
-            s.last_event_time, media, s.lost_gaps, s.lost_batches)  # fmt: skip
+            s.last_event_time, media, s.lost_gaps, s.lost_batches, s.reports_reuse)  # fmt: skip
 
 
 def life_row(life: SourceLife) -> tuple[object, ...]:

@@ -175,11 +175,12 @@ SOURCE_HEALTH = Table(
         ("surviving_media", "text[]"),
         ("lost_gaps", "int8"),
         ("lost_batches", "int8"),
+        ("reports_reuse", "bool"),
     ),
     (
         "source", "model", "group_idx", "epoch", "last_seq", "gap_count", "missing_events",
         "epoch_changes", "duplicates", "last_event_time", "surviving_media", "lost_gaps",
-        "lost_batches",
+        "lost_batches", "reports_reuse",
     ),
 )  # fmt: skip
 SOURCES = Table(

@@ -40,6 +40,9 @@ class RelayConfig:
     receive_hwm: int = 10_000
     queue_kbytes: int = 65_536  # the producer's local queue: memory stays bounded
     surviving_media: tuple[str, ...] | None = None
+    # The engine re-announces reused blocks as stores (vLLM's kv_cache_report_mode="full"),
+    # said in each group's announcement: so it needs groups to announce.
+    reports_reuse: bool = False
     engine: str = "vllm"  # whose wire the payloads are: ENGINES
     poll_interval_s: float = 0.2  # trtllm: seconds between polls of its HTTP endpoint
 
@@ -50,6 +53,11 @@ class RelayConfig:
             raise ValueError(
                 "a TensorRT-LLM engine is one HTTP endpoint (its attention-DP ranks are in its "
                 "events) with no replay: no --dp-size, no --replay-endpoint"
+            )
+        if self.reports_reuse and not self.groups:
+            raise ValueError(
+                "the full report mode is announced with each group the relay announces: "
+                "give the engine's groups with --group"
             )
         if self.engine == "trtllm" and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(

@@ -94,6 +94,7 @@ class RelayTransactions:
             kafka=settings,
             heartbeat_interval_s=0,
             surviving_media=cfg.surviving_media,
+            reports_reuse=cfg.reports_reuse,
             transactional_id=f"kvledger-relay-{self.source}",
         )
         delay = 0.5

@@ -44,6 +44,8 @@ class Reference:
     rejected: Counter[str] = field(default_factory=Counter)
     # (source, model, group) -> (epoch, media that survive its restart)
     streams: dict[tuple[object, ...], tuple[int, frozenset[str]]] = field(default_factory=dict)
+    # the streams that announce reused blocks as stores (GroupSpec.reports_reuse)
+    reporting: set[tuple[object, ...]] = field(default_factory=set)
 
     def end(self, keep: object, when: datetime) -> None:
         """End every held residency for which ``keep(key)`` is false."""
@@ -88,6 +90,7 @@ def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
                 keep = frozenset(
                     ev.surviving_media if ev.surviving_media is not None else ("STORAGE",)
                 )
+                (ref.reporting.add if ev.reports_reuse else ref.reporting.discard)(stream)
             if env.epoch > epoch:  # a restart: this stream's blocks that did not survive end
                 ref.end(lambda r, s=stream, k=keep: (r[3], r[0], r[1]) != s or r[4] in k, when)
             ref.streams[stream] = (max(epoch, env.epoch), keep)
@@ -130,6 +133,8 @@ def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
                             ref.blocks[key] = row
                         parent = h
                         res = _residency(env, group, h, ev)
+                        if stream in ref.reporting and ref.refs[res] > 0:
+                            continue  # a reused block reported again: still one copy
                         ref.refs[res] += 1
                         if ref.refs[res] == 1:
                             ref.open_at[res] = when

@@ -185,6 +185,12 @@ def edge_stream() -> Stream:
     s.send(b, stored([32], size=8, start=8, medium="GPU"))  # back after its goodbye
     keep_cpu = dataclasses.replace(spec(0, block=8, hash_size=4), surviving_media=("CPU",))
     s.send(a, keep_cpu, epoch=3, seq=0)  # a restart that keeps CPU (and ends STORAGE)
+    # A source that reports reused blocks as stores: a report adds no copy of a held block.
+    d = "engine-d"
+    s.send(d, dataclasses.replace(spec(0, block=8, hash_size=4), reports_reuse=True))
+    s.send(d, stored([70, 71], size=8, start=0, medium="GPU"))
+    s.send(d, stored([70, 71, 72], size=8, start=0, medium="GPU"))  # 70, 71: reported reuse
+    s.send(d, removed([70, 72], medium="GPU"))  # 71 stays, held once
     return s
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import struct
@@ -246,6 +247,23 @@ def test_confluent_framing_with_mock_registry() -> None:
     with pytest.raises(DecodeError) as info:
         reader.decode(b"\x00" + struct.pack(">I", 999_999) + data[5:])
     assert info.value.reason == "unknown_schema"
+
+
+def test_the_reuse_report_flag_both_ways() -> None:
+    """0.1.1 → now: what producers wrote until the flag existed reads as not reporting;
+    now → 0.1.1: an old consumer reads the announcement without it (upgrade consumers
+    before relays set --report-mode full)."""
+    [previous] = [s for s in released_schemas() if "session_id" in s]
+    old_writer, old_reader = (
+        Codec(schema_json=previous),
+        Codec(schema_json=previous, known_writers=[envelope_schema_json()]),
+    )
+    kept = GroupSpec("m", 0, "full_attention", 16, 16, None, ("CPU",))
+    assert Codec().decode(old_writer.encode(envelope(kept))).event == kept
+    reporting = dataclasses.replace(kept, reports_reuse=True)
+    new_bytes = Codec().encode(envelope(reporting))
+    assert Codec().decode(new_bytes).event == reporting
+    assert old_reader.decode(new_bytes).event == kept
 
 
 def test_the_lifecycle_contract_both_ways() -> None:

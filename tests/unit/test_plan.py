@@ -6,6 +6,7 @@ the memory store (which the store suite checks against PostgreSQL).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -83,6 +84,39 @@ def test_a_residency_keeps_the_message_that_opened_it(s: Stream) -> None:
     store, _ = run(s.messages)
     held = store.residencies[res(1)]
     assert (held.refcount, held.offset) == (2, opened.offset)
+
+
+@pytest.mark.parametrize("batch", [1, 1000])
+def test_a_source_that_reports_reuse_adds_no_copy_for_a_block_it_holds(batch: int) -> None:
+    """vLLM's kv_cache_report_mode="full" re-announces reused prefix blocks as stores, in
+    the shape of a real store: for a source that says so, a store of a block it already
+    holds on that medium is a report (audited, counted), and one removal ends the holder.
+    The same bytes from a source that does not say so are a second copy."""
+    s = Stream()
+    s.send(A, dataclasses.replace(spec(0), reports_reuse=True))
+    s.send(B, spec(0))
+    for source in (A, B):
+        s.send(source, stored([1, 2], medium="GPU"))
+    reports = [s.send(source, stored([1, 2, 3], medium="GPU")) for source in (A, B)]
+    for source in (A, B):
+        s.send(source, removed([1, 2, 3], medium="GPU"))
+    store, results = run(s.messages, batch=batch)
+    assert set(store.residencies) == {res(1, B, "GPU"), res(2, B, "GPU")}
+    # Block 3 was new to A: its store opened a holder, which its removal ended.
+    assert [how for *_, how in history(store, res(3, A, "GPU"))] == ["removed"]
+    report_a, report_b = (store.events[(r.topic, 0, r.offset)] for r in reports)
+    assert report_a[12:15] == (2, "applied", "reported_reuse")
+    assert report_b[12:15] == (0, "applied", None)
+    assert sum(r.plan.reported_reuse for r in results) == 2
+    assert store.sources[SourceKey(A, MODEL, 0)].reports_reuse
+    assert not store.sources[SourceKey(B, MODEL, 0)].reports_reuse
+    # A later announcement without the flag (the engine restarted in incremental mode)
+    # makes the next store of a held block a copy again.
+    s.send(A, stored([7], medium="GPU"))
+    s.send(A, spec(0))
+    s.send(A, stored([7], medium="GPU"))
+    store, _ = run(s.messages, batch=batch)
+    assert store.residencies[res(7, A, "GPU")].refcount == 2
 
 
 def test_holders_are_counted_per_medium_and_ownership(s: Stream) -> None:

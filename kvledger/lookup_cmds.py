@@ -52,6 +52,9 @@ def serve(args: argparse.Namespace) -> int:
     server = {
         "host": args.host, "port": args.port, "log_level": "info", "access_log": False,
         "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
+        # Nothing reads the client's address (no access log; tokens, not addresses, admit),
+        # so uvicorn's X-Forwarded-* rewriting would be a layer per request for nothing.
+        "proxy_headers": False,
     }  # fmt: skip
     # Dynamo's API is answered from a router index (it keeps Dynamo's block hashes): the
     # memory mode's own, or, beside the SQL mode, one of its own.

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from kvledger.consumer.core.model import GroupKey
-from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, state_of
+from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, is_live, state_of
 from kvledger.schemas.dynamo import dynamo_seed
 
 if TYPE_CHECKING:
@@ -53,8 +53,10 @@ if TYPE_CHECKING:
 
 try:
     from kvledger._core import dynamo_block_hashes as _native_hashes
+    from kvledger._core import dynamo_packed_hashes as _packed_hashes
+    from kvledger._core import dynamo_token_query as _token_query
 except ImportError:  # built without a Rust toolchain
-    _native_hashes = None  # type: ignore[assignment]
+    _native_hashes = _packed_hashes = _token_query = None  # type: ignore[assignment]
 
 # Dynamo's own limit on a query's body ("one million tokens as JSON text").
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -122,6 +124,7 @@ class Workers:
         self.names: dict[int, str] = {}
         # (instance_id, model, routing_group) -> the registration's fields
         self.registered: dict[tuple[int, str, str], dict[str, Any]] = {}
+        self._sources: dict[str, tuple[str, str]] = {}  # worker_of's answers, until a claim
 
     def id_of(self, name: str) -> int:
         wid = self.ids.get(name)
@@ -138,6 +141,7 @@ class Workers:
             self.id_of(name)
 
     def _claim(self, name: str, wid: int) -> None:
+        self._sources.clear()
         old = self.ids.pop(name, None)
         if old is not None:
             self.names.pop(old, None)
@@ -161,6 +165,17 @@ class Workers:
     def see_sources(self, sources: Sequence[str]) -> None:
         self.see([_RANK.sub(r"\1", s) for s in sources])
 
+    def ranks(self, sources: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """:meth:`worker_of` each source as Dynamo's JSON keys, after :meth:`see_sources`
+        of them all (a query's path: the answers are kept until an id is claimed)."""
+        known = self._sources
+        if any(s not in known for s in sources):
+            self.see_sources(sources)
+            for s in sources:
+                wid, rank = self.worker_of(s)
+                known[s] = (str(wid), str(rank))
+        return {s: known[s] for s in sources}
+
 
 @dataclass(frozen=True, slots=True)
 class Query:
@@ -169,6 +184,7 @@ class Query:
     locals: list[int] | None  # Dynamo local hashes (query_by_hash)
     token_ids: list[int] | None
     lora_name: str | None
+    packed: bytes | None = None  # or the token ids as u32 LE bytes (the core's reading)
 
 
 # ---------------------------------------------------------------------- parsing
@@ -236,7 +252,14 @@ _DECODERS: dict[bool, msgspec.json.Decoder[_TokenQuery | _HashQuery]] = {
 
 def parse_query(raw: bytes, by_hash: bool) -> Query:
     """A /query or /query_by_hash body (typed and bounded by msgspec, in C: a prompt's
-    tokens are checked without a Python loop over them)."""
+    tokens are checked without a Python loop over them). A /query body the compiled core
+    reads (rust/src/dynamo_query.rs: a subset of what msgspec takes, the same values) keeps
+    its token ids packed, never made Python ints; what it declines is read here."""
+    if not by_hash and _token_query is not None:
+        fast = _token_query(raw)
+        if fast is not None and len(fast[3]) <= 4 * MAX_TOKENS:
+            model, routing_group, lora_name, packed = fast
+            return Query(model, routing_group, None, None, lora_name or None, packed)
     try:
         q = _DECODERS[by_hash].decode(raw)
     except msgspec.ValidationError as exc:
@@ -263,9 +286,8 @@ def parse_query(raw: bytes, by_hash: bool) -> Query:
 
 def local_hashes(tokens: list[int], block_size: int, lora_name: str | None) -> list[int]:
     seed = dynamo_seed(lora_name)
-    if _native_hashes is not None:
-        signed = [t - (1 << 32) if t >= 1 << 31 else t for t in tokens]
-        hashes: list[int] = _native_hashes(signed, block_size, seed)
+    if _native_hashes is not None:  # takes Dynamo's u32 token ids as they are
+        hashes: list[int] = _native_hashes(tokens, block_size, seed)
         return hashes
     from kvledger.schemas.dynamo import dynamo_block_hashes
 
@@ -305,48 +327,56 @@ class DynamoApi:
 
     def query(self, raw: bytes, by_hash: bool) -> Answer:
         q = parse_query(raw, by_hash)
-        now = datetime.now(UTC)
+        cut = datetime.now(UTC) - self.window
         with self.router.lock:
             store = self.router.store
             key = self._partition(store, q.model, q.routing_group)
             block_size = store.specs[key].spec.block_size
             if q.locals is not None:
                 locals_ = q.locals
+            elif q.packed is not None:
+                locals_ = _packed_hashes(q.packed, block_size, dynamo_seed(q.lora_name))
             else:
                 assert q.token_ids is not None
                 locals_ = local_hashes(q.token_ids, block_size, q.lora_name)
             g = store.groups.get(key)
             levels = g.dynamo_levels(locals_, block_size) if g is not None and locals_ else []
             tiers: dict[str, list[int]] = {}
-            live = self._live(store, now)
+            holders, lives = store.holders, store.lives
             for hid, held in levels:
-                instance, medium, _ = store.holders[hid]
+                instance, medium, _ = holders[hid]
                 tier = TIERS.get(medium)
-                if tier is None or not live.get(instance, False):
+                if tier is None:
                     continue
-                masks = tiers.setdefault(instance, [0, 0, 0])
+                masks = tiers.get(instance)
+                if masks is None:
+                    if not is_live(lives.get(instance), cut):
+                        continue
+                    masks = tiers[instance] = [0, 0, 0]
                 masks[tier] |= held
-            self.workers.see_sources(list(tiers))
-            ranks = {name: self.workers.worker_of(name) for name in tiers}
+            ranks = self.workers.ranks(list(tiers))
         scores: dict[str, dict[str, int]] = {}
         instances: dict[str, dict[str, Any]] = {}
         for name, (gpu, cpu, disk) in tiers.items():
-            g_blocks = _ones(gpu, 0)
-            c_blocks = g_blocks + _ones(cpu, g_blocks)
-            d_blocks = c_blocks + _ones(disk, c_blocks)
-            if d_blocks == 0:
+            # Each lower tier goes on from where the one above it ended: gpu <= cpu <= disk.
+            on_gpu = _ones(gpu, 0) if gpu else 0
+            on_cpu = on_gpu + _ones(cpu, on_gpu) if cpu else on_gpu
+            on_disk = on_cpu + _ones(disk, on_cpu) if disk else on_cpu
+            if on_disk == 0:
                 continue
-            wid, rank = (str(x) for x in ranks[name])
-            if g_blocks:
-                scores.setdefault(wid, {})[rank] = g_blocks * block_size
+            wid, rank = ranks[name]
+            gt, ct, dt = on_gpu * block_size, on_cpu * block_size, on_disk * block_size
+            if gt:
+                scores.setdefault(wid, {})[rank] = gt
             # per worker, the best of its ranks (as Dynamo sums up a worker's ranks)
-            s = instances.setdefault(wid, {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0,
-                                           "disk": 0})  # fmt: skip
-            s["dp"][rank] = g_blocks * block_size
-            s["gpu"] = max(s["gpu"], g_blocks * block_size)
-            s["cpu"] = max(s["cpu"], c_blocks * block_size)
-            s["disk"] = max(s["disk"], d_blocks * block_size)
-            s["longest_matched"] = max(s["gpu"], s["cpu"], s["disk"])
+            s = instances.get(wid)
+            if s is None:
+                instances[wid] = {"longest_matched": dt, "gpu": gt, "dp": {rank: gt}, "cpu": ct,
+                                  "disk": dt}  # fmt: skip
+            else:
+                s["dp"][rank] = gt
+                s["gpu"], s["cpu"] = max(s["gpu"], gt), max(s["cpu"], ct)
+                s["disk"] = s["longest_matched"] = max(s["disk"], dt)
         return 200, {"scores": scores, "frequencies": [], "instances": instances}
 
     # ------------------------------------------------------------------ /dump

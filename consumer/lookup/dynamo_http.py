@@ -4,12 +4,12 @@ routes for each path, and POST /query and /query_by_hash straight on ASGI, as th
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -75,6 +75,9 @@ def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]
     and metrics as :func:`routes`; ``allowed(authorization)``: the bearer check."""
 
     def hot(name: str, by_hash: bool) -> Any:
+        latency = LATENCY.labels(name)  # the metrics' children, found once
+        requests: dict[int, Any] = {}
+
         async def handle(scope: Any, receive: Any, send: Any) -> None:
             start = time.perf_counter()
             authorization, length = "", None
@@ -95,9 +98,12 @@ def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]
                 if raw is None:
                     return
                 result = _answer(name, lambda _, b: api.query(b, by_hash), None, raw)
-            LATENCY.labels(name).observe(time.perf_counter() - start)
-            REQUESTS.labels(name, str(result[0])).inc()
-            body = json.dumps(result[1], separators=(",", ":")).encode()
+            latency.observe(time.perf_counter() - start)
+            counter = requests.get(result[0])
+            if counter is None:
+                counter = requests[result[0]] = REQUESTS.labels(name, str(result[0]))
+            counter.inc()
+            body = msgspec.json.encode(result[1])  # compact JSON, as json.dumps(...) writes
             headers = [(b"content-length", str(len(body)).encode()),
                        (b"content-type", b"application/json")]  # fmt: skip
             if result[0] == 401:

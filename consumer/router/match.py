@@ -65,6 +65,12 @@ def state_of(life: SourceLife | None, now: datetime, silent_after: timedelta) ->
     return "silent" if life.last_seen < now - silent_after else "live"
 
 
+def is_live(life: SourceLife | None, cut: datetime) -> bool:
+    """Whether :func:`state_of` is live, given ``cut`` = now - silent_after (one
+    subtraction per request, not per source)."""
+    return life is not None and life.closed_at is None and not life.last_seen < cut
+
+
 def answer(
     store: RouterStore,
     found: list[Run],

@@ -4,7 +4,9 @@
 //!   index's core: lookups by hashes or by tokens (a content key per block) in one call,
 //!   under a secret hash seed per group (masks.rs: the holder runs);
 //! - `decode` / `encode` / `MalformedAvroError` (avro.rs, wire.rs): Avro binary coding of
-//!   the envelope schema's programs (kvledger.schemas.avro_program).
+//!   the envelope schema's programs (kvledger.schemas.avro_program);
+//! - `dynamo_token_query` / `dynamo_packed_hashes` (dynamo_query.rs): Dynamo's /query
+//!   body to token ids and block hashes, a fast path beside the service's msgspec reading.
 //!
 //! Each has a pure-Python twin that answers identically (see README.md beside this file).
 
@@ -14,6 +16,7 @@ pub mod slots;
 pub mod wire;
 
 mod avro;
+mod dynamo_query;
 mod py_args;
 mod py_group;
 
@@ -24,6 +27,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<py_group::Group>()?;
     m.add_function(wrap_pyfunction!(py_group::dynamo_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(dynamo_query::dynamo_token_query, m)?)?;
+    m.add_function(wrap_pyfunction!(dynamo_query::dynamo_packed_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(avro::decode, m)?)?;
     m.add_function(wrap_pyfunction!(avro::encode, m)?)?;
     m.add(

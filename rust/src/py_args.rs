@@ -30,8 +30,27 @@ pub(crate) fn hash_list<'py>(hashes: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'
 /// prompt's thousands of ids cost ~12 ns each through pyo3's generic sequence extraction);
 /// anything else (another sequence, an item that is not exactly an int) through pyo3.
 pub(crate) fn token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    int_list(tokens, i64::from(i32::MIN), i64::from(i32::MAX), "an int32")
+}
+
+/// Token ids as Dynamo takes them, unsigned 32-bit (or int32s, the same four bytes), each
+/// kept as the int32 of its bits.
+pub(crate) fn u32_token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    int_list(
+        tokens,
+        i64::from(i32::MIN),
+        i64::from(u32::MAX),
+        "a 32-bit integer",
+    )
+}
+
+fn int_list(tokens: &Bound<'_, PyAny>, low: i64, high: i64, what: &str) -> PyResult<Vec<i32>> {
     let Ok(list) = tokens.cast::<PyList>() else {
-        return tokens.extract();
+        let all: Vec<i64> = tokens.extract()?;
+        return all
+            .into_iter()
+            .map(|x| bits_of(x, low, high, what))
+            .collect();
     };
     let py = tokens.py();
     let n = list.len();
@@ -46,7 +65,11 @@ pub(crate) fn token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
                 return Err(PyErr::fetch(py));
             }
             if ffi::PyLong_CheckExact(item) == 0 {
-                return tokens.extract();
+                let all: Vec<i64> = tokens.extract()?;
+                return all
+                    .into_iter()
+                    .map(|x| bits_of(x, low, high, what))
+                    .collect();
             }
             ffi::PyLong_AsLongLong(item)
         };
@@ -55,14 +78,17 @@ pub(crate) fn token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
                 return Err(err);
             }
         }
-        match i32::try_from(x) {
-            Ok(x) => out.push(x),
-            Err(_) => {
-                return Err(PyValueError::new_err(format!(
-                    "a token id is an int32, not {x}"
-                )))
-            }
-        }
+        out.push(bits_of(x, low, high, what)?);
     }
     Ok(out)
+}
+
+/// ``x`` as the int32 of its low 32 bits, if it is in ``[low, high]``.
+fn bits_of(x: i64, low: i64, high: i64, what: &str) -> PyResult<i32> {
+    if x < low || x > high {
+        return Err(PyValueError::new_err(format!(
+            "a token id is {what}, not {x}"
+        )));
+    }
+    Ok(x as u32 as i32)
 }

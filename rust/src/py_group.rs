@@ -7,7 +7,7 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use crate::group::{Content, Group as Core};
 use crate::masks::MAX_HOLDERS;
-use crate::py_args::{hash_list, key_bytes, token_list};
+use crate::py_args::{hash_list, key_bytes, token_list, u32_token_list};
 
 /// One (model, group)'s blocks and holders, looked up a whole prompt at a time.
 #[pyclass(module = "kvledger._core", name = "Group")]
@@ -273,7 +273,7 @@ pub fn dynamo_block_hashes(
     if bs == 0 {
         return Ok(Vec::new());
     }
-    let tokens = token_list(tokens)?;
+    let tokens = u32_token_list(tokens)?;
     Ok(tokens
         .chunks_exact(bs)
         .map(|block| crate::group::local_hash(block, seed))

@@ -294,12 +294,6 @@ def local_hashes(tokens: list[int], block_size: int, lora_name: str | None) -> l
     return dynamo_block_hashes(tokens, block_size, lora_name)
 
 
-def _ones(mask: int, start: int) -> int:
-    """How many set bits run from bit ``start``."""
-    rest = mask >> start
-    return ((rest + 1) & ~rest).bit_length() - 1
-
-
 # ---------------------------------------------------------------------- the API
 class DynamoApi:
     """Dynamo's indexer routes over a :class:`RouterIndex` built with ``dynamo=True``."""
@@ -310,11 +304,33 @@ class DynamoApi:
         self.router = router
         self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
         self.workers = Workers()
+        self._slot_store: RouterStore | None = None  # the store _slots was built over
+        self._slot_of: dict[str, int] = {}
+        self._holder_slots: list[int] = []
+        self._slot_names: list[str] = []
 
     def _live(self, store: RouterStore, now: datetime) -> dict[str, bool]:
         return {
             name: state_of(life, now, self.window) == "live" for name, life in store.lives.items()
         }
+
+    def _slots(self, store: RouterStore) -> tuple[list[int], list[str]]:
+        """Each holder's ``slot * 3 + tier`` for ``dynamo_runs`` (-1: a tier Dynamo has
+        not), a slot per instance, and the instance of each slot; extended as the store's
+        holders grow (they are only ever appended)."""
+        if self._slot_store is not store:
+            self._slot_store, self._slot_of, self._holder_slots, self._slot_names = (
+                store, {}, [], []
+            )  # fmt: skip
+        slots, names = self._holder_slots, self._slot_names
+        for instance, medium, _ in store.holders[len(slots) :]:
+            slot = self._slot_of.get(instance)
+            if slot is None:
+                slot = self._slot_of[instance] = len(names)
+                names.append(instance)
+            tier = TIERS.get(medium)
+            slots.append(-1 if tier is None else slot * 3 + tier)
+        return slots, names
 
     def _partition(self, store: RouterStore, model: str, routing_group: str) -> GroupKey:
         group = group_of(routing_group)
@@ -340,30 +356,14 @@ class DynamoApi:
                 assert q.token_ids is not None
                 locals_ = local_hashes(q.token_ids, block_size, q.lora_name)
             g = store.groups.get(key)
-            levels = g.dynamo_levels(locals_, block_size) if g is not None and locals_ else []
-            tiers: dict[str, list[int]] = {}
-            holders, lives = store.holders, store.lives
-            for hid, held in levels:
-                instance, medium, _ = holders[hid]
-                tier = TIERS.get(medium)
-                if tier is None:
-                    continue
-                masks = tiers.get(instance)
-                if masks is None:
-                    if not is_live(lives.get(instance), cut):
-                        continue
-                    masks = tiers[instance] = [0, 0, 0]
-                masks[tier] |= held
-            ranks = self.workers.ranks(list(tiers))
+            slots, names = self._slots(store)
+            runs = g.dynamo_runs(locals_, block_size, slots) if g is not None and locals_ else []
+            lives = store.lives
+            found = [(names[slot], r) for slot, *r in runs if is_live(lives.get(names[slot]), cut)]
+            ranks = self.workers.ranks([name for name, _ in found])
         scores: dict[str, dict[str, int]] = {}
         instances: dict[str, dict[str, Any]] = {}
-        for name, (gpu, cpu, disk) in tiers.items():
-            # Each lower tier goes on from where the one above it ended: gpu <= cpu <= disk.
-            on_gpu = _ones(gpu, 0) if gpu else 0
-            on_cpu = on_gpu + _ones(cpu, on_gpu) if cpu else on_gpu
-            on_disk = on_cpu + _ones(disk, on_cpu) if disk else on_cpu
-            if on_disk == 0:
-                continue
+        for name, (on_gpu, on_cpu, on_disk) in found:
             wid, rank = ranks[name]
             gt, ct, dt = on_gpu * block_size, on_cpu * block_size, on_disk * block_size
             if gt:

@@ -94,6 +94,9 @@ class BlockGroup(Protocol):
     def enable_dynamo(self) -> None: ...
     def dynamo_local(self, key: bytes) -> int | None: ...
     def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...
+    def dynamo_runs(
+        self, locals: Sequence[int], block_size: int, slots: Sequence[int]
+    ) -> list[tuple[int, int, int, int]]: ...
     def __len__(self) -> int: ...
 
 
@@ -300,6 +303,28 @@ class PureGroup:
             parents = list(level)
         return sorted(held.items())
 
+    def dynamo_runs(
+        self, locals: Sequence[int], block_size: int, slots: Sequence[int]
+    ) -> list[tuple[int, int, int, int]]:
+        """:meth:`dynamo_levels` summed up per slot: ``slots[hid]`` is a holder's
+        ``slot * 3 + tier`` (0 GPU, 1 CPU, 2 storage; negative or absent: left out). Per
+        slot with a match, in slot order: (slot, blocks on GPU from the root, then on
+        through CPU, then through storage)."""
+        tiers: dict[int, list[int]] = {}
+        for hid, held in self.dynamo_levels(locals, block_size):
+            s = slots[hid] if hid < len(slots) else -1
+            if s >= 0:
+                tiers.setdefault(s // 3, [0, 0, 0])[s % 3] |= held
+        out = []
+        for slot in sorted(tiers):
+            gpu, cpu, disk = tiers[slot]
+            on_gpu = _run_from(gpu, 0)
+            on_cpu = on_gpu + _run_from(cpu, on_gpu)
+            on_disk = on_cpu + _run_from(disk, on_cpu)
+            if on_disk:
+                out.append((slot, on_gpu, on_cpu, on_disk))
+        return out
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -327,3 +352,9 @@ if _CompiledGroup is not None and os.environ.get("KVLEDGER_PURE_ROUTER", "") in 
     Group, COMPILED = _CompiledGroup, True
 else:
     Group, COMPILED = PureGroup, False
+
+
+def _run_from(mask: int, start: int) -> int:
+    """How many bits of ``mask`` are set in a row from bit ``start``."""
+    rest = mask >> start
+    return ((rest + 1) & ~rest).bit_length() - 1

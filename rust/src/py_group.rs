@@ -249,6 +249,20 @@ impl Group {
         Ok(out)
     }
 
+    /// dynamo_runs(locals, block_size, slots) -> [(slot, gpu, cpu, disk)]: see
+    /// `Group::dynamo_runs` (rust/src/group/dynamo.rs).
+    fn dynamo_runs(
+        &self,
+        locals: Vec<u64>,
+        block_size: i64,
+        slots: Vec<i64>,
+    ) -> Vec<(u32, u32, u32, u32)> {
+        match i32::try_from(block_size) {
+            Ok(bs) => self.core.dynamo_runs(&locals, bs, &slots),
+            Err(_) => Vec::new(),
+        }
+    }
+
     fn __len__(&self) -> usize {
         self.core.blocks()
     }

@@ -164,6 +164,32 @@ def test_lora_blocks_hash_with_their_adapter() -> None:
         assert g.dynamo_levels(plain, 4) == [] and g.dynamo_local(b"\x03" * 8) is None
 
 
+def test_runs_go_on_down_the_tiers_per_slot_in_both_twins() -> None:
+    """Blocks 0-4 of one chain: holder 0 (slot 0 GPU) has 0-1, holder 1 (slot 0 CPU) 2-3
+    (and 0), holder 2 (slot 0 storage) 4; holder 3 (slot 1 GPU) has 1-4 but not 0;
+    holder 4 is left out (-1), holder 5 has no slot."""
+    tokens = list(range(20))
+    locals_ = dynamo.compute_block_hash_for_seq(tokens, 4)
+    held = {0: [0, 1], 1: [0, 2, 3], 2: [4], 3: [1, 2, 3, 4], 4: [0], 5: [0]}
+    answers = []
+    for kind in (groups.PureGroup, *([groups.Group] if groups.COMPILED else [])):
+        g = kind()
+        g.enable_dynamo()
+        parent = None
+        for i in range(5):
+            key = bytes([i + 1]) * 8
+            g.add_row(key, parent, 4 * i, tokens[4 * i : 4 * i + 4], 4, False, None, True)
+            parent = key
+        for hid, blocks in held.items():
+            for i in blocks:
+                g.hold(bytes([i + 1]) * 8, hid, 1)
+        answers.append(g.dynamo_runs(locals_, 4, [0, 1, 2, 3, -1]))
+        assert g.dynamo_runs(locals_, 8, [0, 1, 2, 3]) == []  # another block size
+        assert g.dynamo_runs(locals_[1:], 4, [0, 1, 2, 3]) == []  # not from the root
+    assert answers[0] == [(0, 2, 4, 5)]  # slot 1's GPU run starts past block 0: none
+    assert all(a == answers[0] for a in answers)
+
+
 def test_a_source_that_is_not_live_is_not_scored_nor_dumped(router: RouterIndex) -> None:
     client = TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
     tokens = next(p for p in prompts(50) if query(client, p)["scores"])

@@ -175,6 +175,52 @@ impl Group {
         out.sort_unstable_by_key(|(hid, _)| *hid);
         out
     }
+
+    /// The walk of `dynamo_levels`, summed up per slot: `slots[hid]` is a holder's
+    /// `slot * 3 + tier` (tier 0 GPU, 1 CPU, 2 storage; negative or absent: left out).
+    /// For each slot with a match, (slot, blocks matched on GPU from the root, then on down
+    /// through CPU, then through storage): each lower tier goes on from where the one
+    /// above it ended. In slot order.
+    pub fn dynamo_runs(
+        &self,
+        locals: &[u64],
+        block_size: i32,
+        slots: &[i64],
+    ) -> Vec<(u32, u32, u32, u32)> {
+        let words = locals.len().div_ceil(64);
+        let mut tiers: std::collections::BTreeMap<u32, [Vec<u64>; 3]> = Default::default();
+        for (hid, bits) in self.dynamo_levels(locals, block_size) {
+            let Some(&s) = slots.get(hid) else { continue };
+            let (Ok(slot), Ok(tier)) = (u32::try_from(s / 3), usize::try_from(s % 3)) else {
+                continue;
+            };
+            let masks = tiers
+                .entry(slot)
+                .or_insert_with(|| [vec![0; words], vec![0; words], vec![0; words]]);
+            for (w, b) in masks[tier].iter_mut().zip(&bits) {
+                *w |= b;
+            }
+        }
+        let mut out = Vec::with_capacity(tiers.len());
+        for (slot, [gpu, cpu, disk]) in tiers {
+            let on_gpu = run_from(&gpu, 0);
+            let on_cpu = on_gpu + run_from(&cpu, on_gpu);
+            let on_disk = on_cpu + run_from(&disk, on_cpu);
+            if on_disk > 0 {
+                out.push((slot, on_gpu as u32, on_cpu as u32, on_disk as u32));
+            }
+        }
+        out
+    }
+}
+
+/// How many bits are set in a row from bit `start` of `bits` (bit i in word i / 64).
+fn run_from(bits: &[u64], start: usize) -> usize {
+    let mut i = start;
+    while i / 64 < bits.len() && (bits[i / 64] >> (i % 64)) & 1 == 1 {
+        i += 1;
+    }
+    i - start
 }
 
 #[cfg(test)]
@@ -189,5 +235,15 @@ mod tests {
         assert_eq!(local_hash(&[5, 6, 7, 8], seed), 16777012769546811212);
         assert_eq!(seed_for(Some("")), SEED);
         assert_ne!(seed_for(Some("adapter")), SEED);
+    }
+
+    #[test]
+    fn runs_count_set_bits_from_a_start_across_words() {
+        assert_eq!(run_from(&[0b0111], 0), 3);
+        assert_eq!(run_from(&[0b0110], 0), 0);
+        assert_eq!(run_from(&[0b0110], 1), 2);
+        assert_eq!(run_from(&[u64::MAX, 0b1], 0), 65);
+        assert_eq!(run_from(&[u64::MAX], 64), 0);
+        assert_eq!(run_from(&[], 0), 0);
     }
 }

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.consumer.lookup import dynamo as api
+from kvledger.consumer.lookup import dynamo_requests as api
 from kvledger.consumer.router import groups
 from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed
 

@@ -31,11 +31,20 @@ pub fn seed_for(lora: Option<&str>) -> u64 {
 
 /// Dynamo's local hash of one block's token ids.
 pub fn local_hash(tokens: &[i32], seed: u64) -> u64 {
-    let mut bytes: SmallVec<[u8; 256]> = SmallVec::with_capacity(tokens.len() * 4);
-    for &t in tokens {
-        bytes.extend_from_slice(&(t as u32).to_le_bytes());
+    // The ids as u32 LE bytes: a block of up to 64 tokens on the stack, a bigger one on
+    // the heap; one copy loop the compiler vectorizes.
+    let mut small = [0u8; 256];
+    let mut large = Vec::new();
+    let bytes: &mut [u8] = if tokens.len() <= 64 {
+        &mut small[..tokens.len() * 4]
+    } else {
+        large.resize(tokens.len() * 4, 0);
+        &mut large
+    };
+    for (out, t) in bytes.chunks_exact_mut(4).zip(tokens) {
+        out.copy_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(&bytes, seed)
+    xxh3_64_with_seed(bytes, seed)
 }
 
 #[derive(Default)]

@@ -44,6 +44,16 @@ const LEVELS_AT_ONCE: usize = 16;
 
 type Key = SmallVec<[u8; 32]>;
 
+/// Whether a row's key is `key`: an 8-byte one (an engine's int64 hash, the usual) as one
+/// compare, not a call to memcmp.
+#[inline]
+fn same_key(stored: &[u8], key: &[u8]) -> bool {
+    match (<[u8; 8]>::try_from(stored), <[u8; 8]>::try_from(key)) {
+        (Ok(a), Ok(b)) => u64::from_ne_bytes(a) == u64::from_ne_bytes(b),
+        _ => stored == key,
+    }
+}
+
 struct Row {
     key: Key,
     word: u64,  // holders 0..64; further words in Group::wide
@@ -138,7 +148,7 @@ impl Group {
     pub fn find(&self, key: &[u8]) -> Option<u32> {
         self.index
             .rows(self.hash_of(key))
-            .find(|&r| &self.rows[r as usize].key[..] == key)
+            .find(|&r| same_key(&self.rows[r as usize].key, key))
     }
 
     /// The row of `key`, made (without content) if it has none.
@@ -342,6 +352,32 @@ impl Group {
     /// The rows of a prompt's hashes (NONE where the group has none), the cache misses of
     /// every position overlapped.
     fn rows_of(&self, hashes: &[&[u8]]) -> Vec<u32> {
+        // Blocks stored together sit in consecutive rows (an engine stores a prompt's
+        // blocks in one event): while the row after the one found at the position before
+        // is this position's, it needs no probe. Past the first that is not, all are probed.
+        let mut out = Vec::with_capacity(hashes.len());
+        let Some(first) = hashes.first() else {
+            return out;
+        };
+        let mut row = self.find(first).unwrap_or(NONE);
+        out.push(row);
+        while out.len() < hashes.len() {
+            let Some(next) = self.row_after(row, hashes[out.len()]) else {
+                break;
+            };
+            out.push(next);
+            row = next;
+        }
+        let rest = out.len();
+        out.extend(self.probe_rows(&hashes[rest..]));
+        out
+    }
+
+    /// Each hash's row (NONE: not held), every probe issued before any is read.
+    fn probe_rows(&self, hashes: &[&[u8]]) -> Vec<u32> {
+        if hashes.is_empty() {
+            return Vec::new();
+        }
         let hs: Vec<u64> = hashes.iter().map(|k| self.hash_of(k)).collect();
         for &h in &hs {
             self.index.prefetch(h);
@@ -360,7 +396,7 @@ impl Group {
             .zip(first)
             .map(|(key, row)| match row {
                 NONE => NONE,
-                row if &self.rows[row as usize].key[..] == *key => row,
+                row if same_key(&self.rows[row as usize].key, key) => row,
                 _ => self.find(key).unwrap_or(NONE), // the same 64-bit hash, another key
             })
             .collect()
@@ -398,7 +434,93 @@ impl Group {
 
     /// Block granularity: (holder, run length, token end of the run's last block).
     pub fn runs(&self, hashes: &[&[u8]]) -> Vec<Run> {
-        self.runs_over(&self.rows_of(hashes))
+        match self.width {
+            1 => self.runs_of_width::<1>(hashes),
+            2 => self.runs_of_width::<2>(hashes),
+            3 => self.runs_of_width::<3>(hashes),
+            4 => self.runs_of_width::<4>(hashes),
+            _ => self.runs_over(&self.rows_of(hashes)),
+        }
+    }
+
+    /// `runs_over(rows_of(hashes))` in one pass for groups of `W` holder words, which
+    /// stops as soon as no holder runs on: a prompt's positions past its longest match are
+    /// never probed.
+    fn runs_of_width<const W: usize>(&self, hashes: &[&[u8]]) -> Vec<Run> {
+        debug_assert_eq!(W, self.width);
+        let n = hashes.len();
+        let mut out = Vec::new();
+        let mut alive = [0u64; W];
+        let mut ahead: Vec<u32> = Vec::new(); // rows probed for the positions from `next`
+        let mut next = 0;
+        let mut last = NONE; // the row at the position before
+        let mut probed = false; // whether it took a probe to find
+        for (i, key) in hashes.iter().enumerate() {
+            let row = if next < ahead.len() {
+                next += 1;
+                ahead[next - 1]
+            } else if let Some(row) = self.row_after(last, key) {
+                probed = false;
+                row
+            } else if !probed {
+                // One probe: past a prompt's match there is nothing to find, and after it
+                // the rows may run on consecutively again.
+                probed = true;
+                self.find(key).unwrap_or(NONE)
+            } else {
+                // Rows stored apart: the next positions' probes issued together.
+                ahead = self.probe_rows(&hashes[i..(i + LEVELS_AT_ONCE).min(n)]);
+                next = 1;
+                ahead[0]
+            };
+            let mut words = [0u64; W];
+            if row != NONE {
+                words[0] = self.rows[row as usize].word;
+                if W > 1 {
+                    let wide = row as usize * (W - 1);
+                    words[1..].copy_from_slice(&self.wide[wide..wide + W - 1]);
+                }
+            }
+            let mut any = 0;
+            for k in 0..W {
+                let still = if i == 0 {
+                    words[k]
+                } else {
+                    alive[k] & words[k]
+                };
+                let mut gone = alive[k] & !still;
+                while gone != 0 {
+                    out.push((k * 64 + gone.trailing_zeros() as usize, i, self.end(last)));
+                    gone &= gone - 1;
+                }
+                alive[k] = still;
+                any |= still;
+            }
+            if any == 0 {
+                return out;
+            }
+            last = row;
+        }
+        for (k, &word) in alive.iter().enumerate() {
+            let mut left = word;
+            while left != 0 {
+                out.push((k * 64 + left.trailing_zeros() as usize, n, self.end(last)));
+                left &= left - 1;
+            }
+        }
+        out
+    }
+
+    /// The row after `row`, if it is `key`'s (blocks stored together sit in consecutive
+    /// rows): found without a probe.
+    fn row_after(&self, row: u32, key: &[u8]) -> Option<u32> {
+        // A freed row's key is empty: a key that is not can only be a live row's.
+        if row == NONE || key.is_empty() {
+            return None;
+        }
+        let next = row + 1;
+        let r = self.rows.get(next as usize)?;
+        same_key(&r.key, key).then_some(next)
     }
 
     /// Hash granularity (`ratio` hashes a block): position i is also covered by the last

@@ -24,8 +24,9 @@ compiled = pytest.mark.skipif(
 )
 
 # Few distinct keys of several lengths (8-byte int64 forms, 32-byte digests, odd sizes), so
-# that operations meet the same keys again; holder ids across word boundaries (0..199);
-# few distinct token blocks, so that token walks find chains.
+# that operations meet the same keys again; holder ids across word boundaries (0..199, and
+# 260 and 329: groups wider than the 1-4 words lookups are specialised for); few distinct
+# token blocks, so that token walks find chains.
 KEYS = [bytes([i]) * n for i in range(8) for n in (8, 32, 3)] + [b""]
 BLOCKS = [(1, 2), (3, 4), (5, 6), (1, 2, 3, 4), (7,)]
 LORAS = [None, None, "adapter"]
@@ -47,7 +48,7 @@ ops = st.lists(
         st.tuples(
             st.just("hold"),
             st.sampled_from(KEYS),
-            st.integers(0, 199),
+            st.one_of(st.integers(0, 199), st.sampled_from([260, 329])),  # 5 or 6 words wide
             st.sampled_from([0, 0, 1, 1, 3]),
         ),
         st.tuples(
@@ -94,7 +95,7 @@ def test_the_compiled_group_answers_as_the_pure_one(
         assert fast.meta(key) == pure.meta(key)
         assert fast.end_of(key) == pure.end_of(key)
         assert all(fast.refcount(key, h) == pure.refcount(key, h) for h in (0, 63, 64, 199, 500))
-    for hid in (0, 1, 63, 64, 130, 199, 500):
+    for hid in (0, 1, 63, 64, 130, 199, 260, 329, 500):
         assert sorted(fast.held_by(hid)) == sorted(pure.held_by(hid))
     assert sorted(fast.runs(prompt)) == sorted(pure.runs(prompt))
     assert sorted(fast.runs_covered(prompt, ratio)) == sorted(pure.runs_covered(prompt, ratio))

@@ -83,6 +83,7 @@ fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
                         partial: false,
                         lora: None,
                         plain: true,
+                        salt: None,
                     };
                     group.add_row(key, &content);
                 }
@@ -159,7 +160,21 @@ fn main() {
                 let c = (round * 7919) % CHAINS;
                 let tokens = vec![c as i32; LENGTH * BLOCK];
                 for _ in 0..100 {
-                    found += group.match_tokens(&tokens, BLOCK, BLOCK, None).len();
+                    found += group.match_tokens(&tokens, BLOCK, BLOCK, None, None).len();
+                }
+            }
+            println!("{found}");
+            return;
+        }
+        Some("profile-hashes") => {
+            // Hash lookups alone, for a profiler: `perf record ... profile-hashes`.
+            let (group, _) = build_kvledger(&keys);
+            let mut found = 0;
+            for round in 0..200u64 {
+                let c = (round * 7919) % CHAINS;
+                let hashes: Vec<&[u8]> = keys[c as usize].iter().map(|k| &k[..]).collect();
+                for _ in 0..2000 {
+                    found += group.runs(&hashes).len();
                 }
             }
             println!("{found}");
@@ -254,7 +269,9 @@ fn main() {
         let dyn_h = timed(&locals, |l| {
             tree.find_matches(l.clone(), false).scores.len()
         });
-        let kv_t = timed(&tokens, |t| group.match_tokens(t, BLOCK, BLOCK, None).len());
+        let kv_t = timed(&tokens, |t| {
+            group.match_tokens(t, BLOCK, BLOCK, None, None).len()
+        });
         let dyn_t = timed(&utokens, |t| {
             tree.find_matches(compute_block_hash_for_seq(t, BLOCK as u32, options), false)
                 .scores

@@ -461,6 +461,9 @@ impl Group {
                 ahead[next - 1]
             } else if let Some(row) = self.row_after(last, key) {
                 probed = false;
+                if let Some(ahead) = self.rows.get(row as usize + 4) {
+                    prefetch(ahead); // the rows a consecutive walk reads next
+                }
                 row
             } else if !probed {
                 // One probe: past a prompt's match there is nothing to find, and after it

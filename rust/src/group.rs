@@ -36,6 +36,9 @@ const PLAIN: u8 = 8; // no extra keys: token walks may use it
 const CHAINED: u8 = 16; // Row::chain is its content key (in Group::content)
 const COUNTED: u8 = 32; // some residency of the row has a refcount above one (Group::counts)
 const DYNAMO: u8 = 64; // the row is in Group::dynamo's table (see dynamo.rs)
+                       // Another row has (or had) this row's content key: a token walk cannot take the row as
+                       // its level's only one without a probe. Set on both rows when a second takes a key.
+const SHARED: u8 = 128;
 
 /// The content key of the root (what a first block's key is mixed with).
 const ROOT: u64 = 0x6b76_6c65_6467_6572;

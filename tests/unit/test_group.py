@@ -139,6 +139,33 @@ def test_a_long_chain_is_walked_by_tokens_as_the_pure_group_walks_it() -> None:
     assert sorted(fast.runs(chain)) == sorted(pure.runs(chain))
 
 
+
+@compiled
+@pytest.mark.parametrize("twin_first", [True, False])
+def test_a_walk_down_consecutive_rows_finds_every_row_of_a_shared_content(
+    twin_first: bool,
+) -> None:
+    """Blocks stored together sit in consecutive rows, and a token walk takes the next row
+    without a probe when it is its level's only one. Two hashes of one content under one
+    parent (two engines that hash differently) are both found, whichever came first: the
+    compiled walk answers as the pure one's, which looks at every child."""
+    assert Compiled is not None
+    fast, pure = Compiled(), PureGroup()
+    a, b, twin, c = (bytes([i]) * 8 for i in (1, 2, 3, 4))
+    for g in (fast, pure):
+        g.add_row(a, None, 0, [1, 2], 2, False, None, True)
+        if twin_first:
+            g.add_row(twin, a, 2, [3, 4], 2, False, None, True)
+        g.add_row(b, a, 2, [3, 4], 2, False, None, True)  # right after a when not twin_first
+        g.add_row(c, b, 4, [5, 6], 2, False, None, True)
+        if not twin_first:
+            g.add_row(twin, a, 2, [3, 4], 2, False, None, True)
+        for key, holder in ((a, 1), (a, 2), (b, 1), (twin, 2), (c, 1)):
+            g.hold(key, holder, 1)
+    for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4]):
+        want = sorted(pure.match_tokens(prompt, 2, 2, None))
+        assert want and sorted(fast.match_tokens(prompt, 2, 2, None)) == want
+
 @compiled
 def test_rows_without_content_come_and_go_as_they_are_held() -> None:
     """A hash held before its store (or named only as a parent) is a row without content:

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use super::{
     Content, Group, Run, Stored, CHAINED, COUNTED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN,
-    ROOT, STORED,
+    ROOT, SHARED, STORED,
 };
 use crate::masks::prefetch;
 
@@ -129,7 +129,7 @@ impl Group {
         }
         let x = &mut self.rows[r as usize];
         x.chain = 0;
-        x.flags &= !CHAINED;
+        x.flags &= !(CHAINED | SHARED);
         let Some(key) = new else {
             return;
         };
@@ -142,10 +142,41 @@ impl Group {
             self.content
                 .rebuild(chained.map(|(i, x)| (x.chain, i as u32)));
         }
+        // The rows that have this key already: they and this one are SHARED from now on.
+        let others: SmallVec<[u32; 2]> = self
+            .content
+            .rows(key)
+            .filter(|&o| {
+                let x = &self.rows[o as usize];
+                x.flags & CHAINED != 0 && x.chain == key
+            })
+            .collect();
+        for &o in &others {
+            self.rows[o as usize].flags |= SHARED;
+        }
         let x = &mut self.rows[r as usize];
         x.chain = key;
-        x.flags |= CHAINED;
+        x.flags |= CHAINED | if others.is_empty() { 0 } else { SHARED };
         self.content.insert(key, r);
+    }
+
+    /// The row after `row`, when it is the one row of the next level of a token walk of
+    /// full blocks (`want`, `size`, `lora`): under `row`, its content exactly, and no other
+    /// row with its content key (see SHARED). Blocks stored together sit in consecutive
+    /// rows, so a walk down a stored prompt needs no probe per level.
+    fn kid_after(&self, row: u32, want: &[i32], size: i32, lora: u32) -> Option<u32> {
+        if row == NONE {
+            return None;
+        }
+        let kid = row + 1;
+        let r = self.rows.get(kid as usize)?;
+        let ok = r.flags & (CHAINED | SHARED | PARTIAL) == CHAINED
+            && r.parent == row
+            && r.block_size == size
+            && r.lora == lora
+            && r.salt == 0
+            && self.row_tokens(kid) == want;
+        ok.then_some(kid)
     }
 
     fn link(&mut self, row: u32, parent: u32) {
@@ -338,7 +369,25 @@ impl Group {
         let mut key = self.root_key(salt);
         let mut i = 0;
         'full: while i < levels {
-            let upto = (i + LEVELS_AT_ONCE).min(levels);
+            // Down consecutive rows while each is its level's only one.
+            while i < levels && level.len() == 1 {
+                let Some(kid) = self.kid_after(level[0], block(i), bs as i32, lora) else {
+                    break;
+                };
+                if let Some(ahead) = self.rows.get(kid as usize + 4) {
+                    prefetch(ahead);
+                }
+                chain.push(kid);
+                level = smallvec::smallvec![kid];
+                key = self.rows[kid as usize].chain;
+                i += 1;
+            }
+            if i >= levels {
+                break;
+            }
+            // The first level alone (the walk may go on down consecutive rows from it),
+            // then as many as LEVELS_AT_ONCE where rows are apart.
+            let upto = (i + if i == 0 { 1 } else { LEVELS_AT_ONCE }).min(levels);
             let mut keys: SmallVec<[u64; LEVELS_AT_ONCE]> = SmallVec::new();
             for j in i..upto {
                 key = self.content_key(key, bs as i32, false, lora, block(j));

@@ -139,7 +139,6 @@ def test_a_long_chain_is_walked_by_tokens_as_the_pure_group_walks_it() -> None:
     assert sorted(fast.runs(chain)) == sorted(pure.runs(chain))
 
 
-
 @compiled
 @pytest.mark.parametrize("twin_first", [True, False])
 def test_a_walk_down_consecutive_rows_finds_every_row_of_a_shared_content(
@@ -165,6 +164,7 @@ def test_a_walk_down_consecutive_rows_finds_every_row_of_a_shared_content(
     for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4]):
         want = sorted(pure.match_tokens(prompt, 2, 2, None))
         assert want and sorted(fast.match_tokens(prompt, 2, 2, None)) == want
+
 
 @compiled
 def test_rows_without_content_come_and_go_as_they_are_held() -> None:

@@ -42,10 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvledger.consumer.core.model import GroupKey
 from kvledger.consumer.lookup.dynamo_requests import (
     DEFAULT_ROUTING_GROUP,
-    MAX_BODY_BYTES,
-    MAX_TOKENS,
     DynamoRequestError,
-    Query,
     field,
     int_field,
     json_object,
@@ -63,8 +60,6 @@ _SUFFIX = re.compile(r"(\d+)$")
 _RANK = re.compile(r"^(.+)-dp(\d{1,6})$")
 
 Answer = tuple[int, Any]
-__all__ = ["MAX_BODY_BYTES", "MAX_TOKENS", "DynamoApi", "DynamoRequestError", "Query",
-           "parse_query"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------- naming

@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvledger.consumer.lookup.dynamo import MAX_BODY_BYTES, Answer, DynamoApi, DynamoRequestError
+from kvledger.consumer.lookup.dynamo import Answer, DynamoApi
+from kvledger.consumer.lookup.dynamo_requests import MAX_BODY_BYTES, DynamoRequestError
 from kvledger.consumer.lookup.http import read_body
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 

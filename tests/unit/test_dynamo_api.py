@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from kvledger.consumer.core.model import SourceLife
 from kvledger.consumer.lookup import dynamo as api
+from kvledger.consumer.lookup import dynamo_requests as requests
 from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import groups
@@ -228,9 +229,9 @@ def test_refusals_have_dynamos_status_codes(client: TestClient) -> None:
     salted = {"block_hashes": [1], "model_name": MODEL, "cache_salt": "s"}
     assert post("/query_by_hash", salted)[0] == 400
     assert post("/query", {"token_ids": [1], "model_name": MODEL, "cache_salt": "s"})[0] == 400
-    too_many = {"token_ids": [1] * (api.MAX_TOKENS + 1), "model_name": MODEL}
+    too_many = {"token_ids": [1] * (requests.MAX_TOKENS + 1), "model_name": MODEL}
     assert post("/query", too_many)[0] == 413
-    huge = b'{"token_ids": [' + b"1," * (api.MAX_BODY_BYTES // 2) + b'1], "model_name": "m"}'
+    huge = b'{"token_ids": [' + b"1," * (requests.MAX_BODY_BYTES // 2) + b'1], "model_name": "m"}'
     assert post("/query", huge)[0] == 413
     empty = post("/query", {"token_ids": [], "model_name": MODEL})
     assert empty == (200, {"scores": {}, "frequencies": [], "instances": {}})

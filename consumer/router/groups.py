@@ -226,18 +226,17 @@ class PureGroup:
                 break
             levels.append(found)
             level, i = list(found), i + 1
-        chain = [h for lv in levels for h in lv]
-        tip: bytes | None = levels[-1][0] if levels else None
-        pos = len(chain) * bs
-        tail: list[bytes] = []
-        parents: list[bytes | None] = [tip]
+        full = len(levels)
+        pos = full * bs
+        # Every block of the last full level is a parent of the tails.
+        parents: list[bytes | None] = list(levels[-1]) if levels else [None]
         while hbs > 0 and pos + hbs <= len(tokens):
             found = self._level(parents, tokens[pos : pos + hbs], hbs, True, lora, salt)
             if not found:
                 break
-            tail.extend(found)
+            levels.append(found)
             parents, pos = list(found), pos + hbs
-        return [(hid, min(b, len(chain)), t) for hid, b, t in self.masks.runs(chain + tail)]
+        return [(hid, min(b, full), t) for hid, b, t in self.masks.level_runs(levels)]
 
     def _level(
         self, parents: list[bytes | None], tokens: Sequence[int], size: int, partial: bool,

@@ -8,7 +8,9 @@ the same masks natively (rust/src/group.rs, rust/src/masks.rs).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import reduce
 from itertools import repeat
+from operator import or_
 
 
 class MaskDict(dict[bytes, int]):
@@ -60,6 +62,18 @@ class MaskDict(dict[bytes, int]):
             (hid, n, ends.get(hashes[n - 1], 0))
             for hid, n in runs(map(self.get, hashes, repeat(0)))
         ]
+
+    def level_runs(self, levels: Sequence[Sequence[bytes]]) -> list[tuple[int, int, int]]:
+        """As :meth:`runs` over levels of hashes (a token walk's: each level's blocks hold
+        the same tokens): a holder holds a level when it holds any of its hashes; the token
+        end is the furthest of the hashes it holds at its last level."""
+        get, ends = self.get, self.ends
+        out = []
+        for hid, n in runs(reduce(or_, (get(h, 0) for h in level), 0) for level in levels):
+            bit = 1 << hid
+            held = [ends.get(h, 0) for h in levels[n - 1] if get(h, 0) & bit]
+            out.append((hid, n, max(held, default=0)))
+        return out
 
     def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]:
         """As :meth:`runs`, with position i also covered by the last hash of its block."""

@@ -27,21 +27,22 @@ AS $function$
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
                   AND b.extra_keys IS NULL
             ),
-            tip AS (
-                SELECT (SELECT h FROM chain ORDER BY i DESC LIMIT 1) AS h,
-                       (SELECT count(*) FROM chain)::integer * spec.block_size AS pos
-                FROM spec
+            top AS (
+                SELECT coalesce(max(c.i), 0) AS n, coalesce(max(c.i), 0) * spec.block_size AS pos
+                FROM spec LEFT JOIN chain c ON true
+                GROUP BY spec.block_size
             ),
             tail(h, j, pos) AS (
-                SELECT b.block_hash, 1, tip.pos + spec.hash_block_size
-                FROM tip, spec, kvledger.blocks b
+                SELECT b.block_hash, 1, top.pos + spec.hash_block_size
+                FROM top, spec, kvledger.blocks b
                 WHERE b.model = p_model AND b.group_idx = p_group
-                  AND b.parent_hash IS NOT DISTINCT FROM tip.h
+                  AND CASE WHEN top.n = 0 THEN b.parent_hash IS NULL
+                           ELSE b.parent_hash IN (SELECT c.h FROM chain c WHERE c.i = top.n) END
                   AND b.partial AND b.block_size = spec.hash_block_size
-                  AND tip.pos + spec.hash_block_size <= cardinality(p_tokens)
-                  AND b.token_ids = p_tokens[tip.pos + 1:tip.pos + spec.hash_block_size]
+                  AND top.pos + spec.hash_block_size <= cardinality(p_tokens)
+                  AND b.token_ids = p_tokens[top.pos + 1:top.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
-                  AND CASE WHEN tip.h IS NULL THEN kvledger.first_under(b.extra_keys, p_salt)
+                  AND CASE WHEN top.n = 0 THEN kvledger.first_under(b.extra_keys, p_salt)
                            ELSE b.extra_keys IS NULL END
                 UNION ALL
                 SELECT b.block_hash, t.j + 1, t.pos + spec.hash_block_size
@@ -52,14 +53,37 @@ AS $function$
                   AND b.token_ids = p_tokens[t.pos + 1:t.pos + spec.hash_block_size]
                   AND b.lora_name IS NOT DISTINCT FROM p_lora
                   AND b.extra_keys IS NULL
+            ),
+            levels(h, k) AS (
+                SELECT c.h, c.i FROM chain c
+                UNION ALL
+                SELECT t.h, top.n + t.j FROM tail t, top
+            ),
+            held AS MATERIALIZED (
+                SELECT r.instance, r.medium, r.ownership, l.k, max(b.token_end) AS token_end
+                FROM levels l
+                JOIN kvledger.residencies r
+                  ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = l.h
+                LEFT JOIN kvledger.blocks b
+                  ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = l.h
+                GROUP BY r.instance, r.medium, r.ownership, l.k
+            ),
+            numbered AS (
+                SELECT held.instance, held.medium, held.ownership, held.k, held.token_end,
+                       row_number() OVER (PARTITION BY held.instance, held.medium,
+                                          held.ownership ORDER BY held.k) AS rn
+                FROM held
+            ),
+            runs AS (
+                SELECT n.instance, n.medium, n.ownership, max(n.k) AS k
+                FROM numbered n WHERE n.k = n.rn
+                GROUP BY n.instance, n.medium, n.ownership
             )
-            SELECT m.instance, m.medium, m.ownership,
-                   least(m.matched_blocks, (SELECT count(*) FROM chain))::integer,
-                   m.matched_tokens
-            FROM kvledger.held_prefix(
-                p_model, p_group,
-                ARRAY(SELECT h FROM (SELECT h, i AS k FROM chain
-                                     UNION ALL SELECT h, 1000000000 + j FROM tail) s
-                      ORDER BY k, h)) m
+            SELECT runs.instance, runs.medium, runs.ownership,
+                   least(runs.k, top.n)::integer, n.token_end
+            FROM runs
+            JOIN numbered n ON n.instance = runs.instance AND n.medium = runs.medium
+                           AND n.ownership = runs.ownership AND n.k = runs.k
+            CROSS JOIN top
 
         $function$

@@ -11,7 +11,7 @@ use super::{
     Content, Group, Run, Stored, CHAINED, COUNTED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN,
     ROOT, SHARED, STORED,
 };
-use crate::masks::prefetch;
+use crate::masks::{prefetch, runs_of};
 
 /// The rows found at one level of a token walk (almost always one).
 type Level = SmallVec<[u32; 2]>;
@@ -345,7 +345,9 @@ impl Group {
     }
 
     /// The token walk: full blocks of `block_size` from the root, then partial tails of
-    /// `hash_block_size`; the runs of the hashes found, at most the chain's length in blocks.
+    /// `hash_block_size`; each holder's run over the levels walked (a level is held when
+    /// any of its rows is: two engines that hash one content differently both hold it), at
+    /// most the full levels' count in blocks.
     /// The content keys of the next levels are computed from the prompt and probed together
     /// (their cache misses overlap); each candidate is then checked in full: its parent is
     /// one found at the level before, its tokens are the prompt's.
@@ -364,7 +366,7 @@ impl Group {
         let block =
             |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short
-        let mut chain: Vec<u32> = Vec::new();
+        let mut walked: Vec<Level> = Vec::new(); // the rows of each level
         let mut level: Level = smallvec::smallvec![NONE];
         let mut key = self.root_key(salt);
         let mut i = 0;
@@ -377,8 +379,8 @@ impl Group {
                 if let Some(ahead) = self.rows.get(kid as usize + 4) {
                     prefetch(ahead);
                 }
-                chain.push(kid);
                 level = smallvec::smallvec![kid];
+                walked.push(level.clone());
                 key = self.rows[kid as usize].chain;
                 i += 1;
             }
@@ -413,19 +415,18 @@ impl Group {
                 if next.is_empty() {
                     break 'full;
                 }
-                chain.extend_from_slice(&next);
+                walked.push(next.clone());
                 level = next;
             }
             i = upto;
         }
-        let full = chain.len();
+        let full = walked.len();
         let mut pos = full * bs;
-        let tip = if full > 0 { level[0] } else { NONE };
-        let mut parents: Level = smallvec::smallvec![tip];
-        let mut key = if tip == NONE {
-            self.root_key(salt)
-        } else {
-            self.rows[tip as usize].chain
+        // Every row of the last full level is a parent of the tails (they share its key).
+        let mut parents: Level = walked.last().cloned().unwrap_or(level);
+        let mut key = match parents[0] {
+            NONE => self.root_key(salt),
+            tip => self.rows[tip as usize].chain,
         };
         while hbs > 0 && pos + hbs <= tokens.len() {
             let want = &tokens[pos..pos + hbs];
@@ -441,13 +442,40 @@ impl Group {
             if found.is_empty() {
                 break;
             }
-            chain.extend_from_slice(&found);
+            walked.push(found.clone());
             parents = found;
             pos += hbs;
         }
-        self.runs_over(&chain)
+        self.runs_over_levels(&walked)
             .into_iter()
             .map(|(hid, blocks, end)| (hid, blocks.min(full), end))
+            .collect()
+    }
+
+    /// Each holder's run over `levels` (a level is held when any of its rows is), and the
+    /// token end of its last level (the furthest of the rows it holds there).
+    fn runs_over_levels(&self, levels: &[Level]) -> Vec<Run> {
+        let w = self.width;
+        let mut masks = vec![0u64; levels.len() * w];
+        for (i, level) in levels.iter().enumerate() {
+            for &row in level {
+                for k in 0..w {
+                    masks[i * w + k] |= self.word(row, k);
+                }
+            }
+        }
+        runs_of(&masks, w)
+            .into_iter()
+            .map(|(hid, n)| {
+                let (k, bit) = (hid / 64, 1u64 << (hid % 64));
+                let end = levels[n - 1]
+                    .iter()
+                    .filter(|&&row| self.word(row, k) & bit != 0)
+                    .map(|&row| self.end(row))
+                    .max()
+                    .unwrap_or(0);
+                (hid, n, end)
+            })
             .collect()
     }
 }

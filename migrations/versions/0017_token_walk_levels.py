@@ -88,16 +88,13 @@ AS $function$
                 SELECT t.h, top.n + t.j FROM tail t, top
             ),
             held AS MATERIALIZED (
-                SELECT r.instance, r.medium, r.ownership, l.k, max(b.token_end) AS token_end
+                SELECT DISTINCT r.instance, r.medium, r.ownership, l.k
                 FROM levels l
                 JOIN kvledger.residencies r
                   ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = l.h
-                LEFT JOIN kvledger.blocks b
-                  ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = l.h
-                GROUP BY r.instance, r.medium, r.ownership, l.k
             ),
             numbered AS (
-                SELECT held.instance, held.medium, held.ownership, held.k, held.token_end,
+                SELECT held.instance, held.medium, held.ownership, held.k,
                        row_number() OVER (PARTITION BY held.instance, held.medium,
                                           held.ownership ORDER BY held.k) AS rn
                 FROM held
@@ -108,11 +105,18 @@ AS $function$
                 GROUP BY n.instance, n.medium, n.ownership
             )
             SELECT runs.instance, runs.medium, runs.ownership,
-                   least(runs.k, top.n)::integer, n.token_end
-            FROM runs
-            JOIN numbered n ON n.instance = runs.instance AND n.medium = runs.medium
-                           AND n.ownership = runs.ownership AND n.k = runs.k
-            CROSS JOIN top
+                   least(runs.k, top.n)::integer,
+                   -- the furthest end of the blocks the holder holds at its last level
+                   (SELECT max(b.token_end)
+                    FROM levels l
+                    JOIN kvledger.residencies r
+                      ON r.model = p_model AND r.group_idx = p_group AND r.block_hash = l.h
+                     AND r.instance = runs.instance AND r.medium = runs.medium
+                     AND r.ownership = runs.ownership
+                    JOIN kvledger.blocks b
+                      ON b.model = p_model AND b.group_idx = p_group AND b.block_hash = l.h
+                    WHERE l.k = runs.k)
+            FROM runs CROSS JOIN top
 
         $function$;
 """

@@ -168,9 +168,8 @@ class DynamoApi:
         self._slot_names: list[str] = []
 
     def _live(self, store: RouterStore, now: datetime) -> dict[str, bool]:
-        return {
-            name: state_of(life, now, self.window) == "live" for name, life in store.lives.items()
-        }
+        cut = now - self.window
+        return {name: is_live(life, cut) for name, life in store.lives.items()}
 
     def _slots(self, store: RouterStore) -> tuple[list[int], list[str]]:
         """Each holder's ``slot * 3 + tier`` for ``dynamo_runs`` (-1: a tier Dynamo has

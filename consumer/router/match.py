@@ -62,7 +62,7 @@ def state_of(life: SourceLife | None, now: datetime, silent_after: timedelta) ->
         return "unknown"
     if life.closed_at is not None:
         return "closed"
-    return "silent" if life.last_seen < now - silent_after else "live"
+    return "live" if is_live(life, now - silent_after) else "silent"
 
 
 def is_live(life: SourceLife | None, cut: datetime) -> bool:

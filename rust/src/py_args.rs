@@ -45,12 +45,15 @@ pub(crate) fn u32_token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
 }
 
 fn int_list(tokens: &Bound<'_, PyAny>, low: i64, high: i64, what: &str) -> PyResult<Vec<i32>> {
-    let Ok(list) = tokens.cast::<PyList>() else {
+    // Any other sequence, or a list with an item that is not exactly an int: through pyo3.
+    let generic = || -> PyResult<Vec<i32>> {
         let all: Vec<i64> = tokens.extract()?;
-        return all
-            .into_iter()
+        all.into_iter()
             .map(|x| bits_of(x, low, high, what))
-            .collect();
+            .collect()
+    };
+    let Ok(list) = tokens.cast::<PyList>() else {
+        return generic();
     };
     let py = tokens.py();
     let n = list.len();
@@ -65,11 +68,7 @@ fn int_list(tokens: &Bound<'_, PyAny>, low: i64, high: i64, what: &str) -> PyRes
                 return Err(PyErr::fetch(py));
             }
             if ffi::PyLong_CheckExact(item) == 0 {
-                let all: Vec<i64> = tokens.extract()?;
-                return all
-                    .into_iter()
-                    .map(|x| bits_of(x, low, high, what))
-                    .collect();
+                return generic();
             }
             ffi::PyLong_AsLongLong(item)
         };

@@ -24,8 +24,9 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
 use foldhash::fast::RandomState;
-use smallvec::SmallVec;
 
 use crate::masks::{prefetch, runs_of, MAX_HOLDERS};
 use crate::slots::{Slots, NONE};
@@ -45,22 +46,32 @@ const ROOT: u64 = 0x6b76_6c65_6467_6572;
 /// How many levels of a token walk are probed at once (their misses overlapped).
 const LEVELS_AT_ONCE: usize = 16;
 
-type Key = SmallVec<[u8; 32]>;
+/// `Row::key_len` of a key longer than 8 bytes: `Row::key` holds its index in `Group::longs`.
+const LONG: u8 = u8::MAX;
 
-/// Whether a row's key is `key`: an 8-byte one (an engine's int64 hash, the usual) as one
-/// compare, not a call to memcmp.
+/// A row's key: inline up to 8 bytes (an engine's int64 hash, the usual), else in `longs`.
 #[inline]
-fn same_key(stored: &[u8], key: &[u8]) -> bool {
-    match (<[u8; 8]>::try_from(stored), <[u8; 8]>::try_from(key)) {
-        (Ok(a), Ok(b)) => u64::from_ne_bytes(a) == u64::from_ne_bytes(b),
-        _ => stored == key,
+fn key_in<'a>(r: &'a Row, longs: &'a [Box<[u8]>]) -> &'a [u8] {
+    if r.key_len == LONG {
+        &longs[u32::from_ne_bytes([r.key[0], r.key[1], r.key[2], r.key[3]]) as usize]
+    } else {
+        &r.key[..r.key_len as usize]
+    }
+}
+
+/// Whether a row's key is `key`: an 8-byte one as one compare, not a call to memcmp.
+#[inline]
+fn is_key(r: &Row, key: &[u8], longs: &[Box<[u8]>]) -> bool {
+    match <[u8; 8]>::try_from(key) {
+        Ok(k) => r.key_len == 8 && u64::from_ne_bytes(r.key) == u64::from_ne_bytes(k),
+        Err(_) => key_in(r, longs) == key,
     }
 }
 
 struct Row {
-    key: Key,
-    word: u64,  // holders 0..64; further words in Group::wide
-    start: i64, // i64::MIN: no position known
+    key: [u8; 8], // the key's bytes (key_len of them), or its index in Group::longs (LONG)
+    word: u64,    // holders 0..64; further words in Group::wide
+    start: i64,   // i64::MIN: no position known
     parent: u32,
     tok_off: u32, // tokens: Group::tokens[tok_off..tok_off + tok_len]
     tok_len: u32,
@@ -72,7 +83,8 @@ struct Row {
     first_kid: u32,
     next_sib: u32,
     prev_sib: u32,
-    chain: u64, // the content key, where CHAINED (see Group::chain_of)
+    chain: u64,  // the content key, where CHAINED (see Group::chain_of)
+    key_len: u8, // 0..=8, or LONG; 0 for a freed row
     flags: u8,
 }
 
@@ -98,6 +110,11 @@ pub type Run = (usize, usize, i64); // (holder id, matched blocks, token end)
 pub struct Group {
     index: Slots, // block hash -> row
     rows: Vec<Row>,
+    longs: Vec<Box<[u8]>>, // the keys longer than 8 bytes (an empty one: free)
+    free_longs: Vec<u32>,
+    // The row `find` found last: an engine stores a prompt's blocks in one event, and they
+    // sit in consecutive rows, so the next key asked for is mostly this row's or the next's.
+    hint: AtomicU32,
     free: Vec<u32>,
     live: usize,
     stored: usize,
@@ -123,6 +140,9 @@ impl Group {
         Group {
             index: Slots::default(),
             rows: Vec::new(),
+            longs: Vec::new(),
+            free_longs: Vec::new(),
+            hint: AtomicU32::new(NONE),
             free: Vec::new(),
             live: 0,
             stored: 0,
@@ -148,10 +168,57 @@ impl Group {
     }
 
     // ------------------------------------------------------------------ the table
+    /// The row of `key`: the row found last or the one after it where it is `key`'s, else
+    /// by a probe.
     pub fn find(&self, key: &[u8]) -> Option<u32> {
-        self.index
+        let hint = self.hint.load(Relaxed);
+        if !key.is_empty() {
+            // (a freed row's key is empty: a key that is not can only be a live row's)
+            for row in [hint, hint.wrapping_add(1)] {
+                if let Some(r) = self.rows.get(row as usize) {
+                    if is_key(r, key, &self.longs) {
+                        self.hint.store(row, Relaxed);
+                        return Some(row);
+                    }
+                }
+            }
+        }
+        let found = self
+            .index
             .rows(self.hash_of(key))
-            .find(|&r| same_key(&self.rows[r as usize].key, key))
+            .find(|&r| is_key(&self.rows[r as usize], key, &self.longs));
+        if let Some(row) = found {
+            self.hint.store(row, Relaxed);
+        }
+        found
+    }
+
+    /// The key of `row`.
+    pub(super) fn key(&self, row: u32) -> &[u8] {
+        key_in(&self.rows[row as usize], &self.longs)
+    }
+
+    /// A row's inline key bytes and length for `key` (a long one kept in `longs`).
+    fn keep_key(&mut self, key: &[u8]) -> ([u8; 8], u8) {
+        if key.len() <= 8 {
+            let mut inline = [0u8; 8];
+            inline[..key.len()].copy_from_slice(key);
+            return (inline, key.len() as u8);
+        }
+        let boxed: Box<[u8]> = key.into();
+        let at = match self.free_longs.pop() {
+            Some(at) => {
+                self.longs[at as usize] = boxed;
+                at
+            }
+            None => {
+                self.longs.push(boxed);
+                u32::try_from(self.longs.len() - 1).expect("fewer than 2**32 long keys")
+            }
+        };
+        let mut inline = [0u8; 8];
+        inline[..4].copy_from_slice(&at.to_ne_bytes());
+        (inline, LONG)
     }
 
     /// The row of `key`, made (without content) if it has none.
@@ -160,13 +227,15 @@ impl Group {
             return row;
         }
         if self.index.full() {
-            let (rows, seed) = (&self.rows, &self.seed);
+            let (rows, seed, longs) = (&self.rows, &self.seed, &self.longs);
             let live = rows.iter().enumerate().filter(|(_, r)| r.flags & LIVE != 0);
             self.index
-                .rebuild(live.map(|(i, r)| (seed.hash_one(&r.key[..]), i as u32)));
+                .rebuild(live.map(|(i, r)| (seed.hash_one(key_in(r, longs)), i as u32)));
         }
+        let (inline, key_len) = self.keep_key(key);
         let fresh = Row {
-            key: Key::from_slice(key),
+            key: inline,
+            key_len,
             word: 0,
             start: i64::MIN,
             parent: NONE,
@@ -195,6 +264,7 @@ impl Group {
         };
         self.index.insert(self.seed.hash_one(key), row);
         self.live += 1;
+        self.hint.store(row, Relaxed);
         row
     }
 
@@ -204,13 +274,20 @@ impl Group {
         if r.flags & STORED != 0 || r.first_kid != NONE || r.word != 0 || self.wide_any(row) {
             return;
         }
-        let hash = self.hash_of(&r.key);
-        let (rows, seed) = (&self.rows, &self.seed);
-        self.index
-            .remove(hash, row, |r| seed.hash_one(&rows[r as usize].key[..]));
+        let hash = self.hash_of(key_in(r, &self.longs));
+        let (rows, seed, longs) = (&self.rows, &self.seed, &self.longs);
+        self.index.remove(hash, row, |r| {
+            seed.hash_one(key_in(&rows[r as usize], longs))
+        });
+        let r = &mut self.rows[row as usize];
+        if r.key_len == LONG {
+            let at = u32::from_ne_bytes([r.key[0], r.key[1], r.key[2], r.key[3]]);
+            self.longs[at as usize] = Box::default();
+            self.free_longs.push(at);
+        }
         let r = &mut self.rows[row as usize];
         r.flags = 0;
-        r.key = Key::new();
+        r.key_len = 0;
         self.free.push(row);
         self.live -= 1;
     }
@@ -316,7 +393,7 @@ impl Group {
     pub fn held_by(&self, hid: usize) -> Vec<&[u8]> {
         self.live_rows()
             .filter(|&r| self.holds(r, hid))
-            .map(|r| &self.rows[r as usize].key[..])
+            .map(|r| self.key(r))
             .collect()
     }
 
@@ -329,7 +406,7 @@ impl Group {
                 while w != 0 {
                     let hid = k * 64 + w.trailing_zeros() as usize;
                     let count = self.count(row, hid);
-                    out.push((&self.rows[row as usize].key[..], hid, count));
+                    out.push((self.key(row), hid, count));
                     w &= w - 1;
                 }
             }
@@ -399,7 +476,7 @@ impl Group {
             .zip(first)
             .map(|(key, row)| match row {
                 NONE => NONE,
-                row if same_key(&self.rows[row as usize].key, key) => row,
+                row if is_key(&self.rows[row as usize], key, &self.longs) => row,
                 _ => self.find(key).unwrap_or(NONE), // the same 64-bit hash, another key
             })
             .collect()
@@ -526,7 +603,7 @@ impl Group {
         }
         let next = row + 1;
         let r = self.rows.get(next as usize)?;
-        same_key(&r.key, key).then_some(next)
+        is_key(r, key, &self.longs).then_some(next)
     }
 
     /// Hash granularity (`ratio` hashes a block): position i is also covered by the last

@@ -292,7 +292,7 @@ impl Group {
             return None;
         }
         Some(Stored {
-            parent: (r.parent != NONE).then(|| &self.rows[r.parent as usize].key[..]),
+            parent: (r.parent != NONE).then(|| self.key(r.parent)),
             start: (r.start != i64::MIN).then_some(r.start),
             tokens: self.row_tokens(row),
             block_size: r.block_size,
@@ -307,7 +307,7 @@ impl Group {
     pub fn stored_keys(&self) -> Vec<&[u8]> {
         self.live_rows()
             .filter(|&r| self.rows[r as usize].flags & STORED != 0)
-            .map(|r| &self.rows[r as usize].key[..])
+            .map(|r| self.key(r))
             .collect()
     }
 
@@ -336,7 +336,7 @@ impl Group {
                     && self.row_tokens(row) == want
             })
             .collect();
-        found.sort_by(|a, b| self.rows[*a as usize].key.cmp(&self.rows[*b as usize].key));
+        found.sort_by(|&a, &b| self.key(a).cmp(self.key(b)));
         found
     }
 
@@ -347,10 +347,12 @@ impl Group {
     /// The token walk: full blocks of `block_size` from the root, then partial tails of
     /// `hash_block_size`; each holder's run over the levels walked (a level is held when
     /// any of its rows is: two engines that hash one content differently both hold it), at
-    /// most the full levels' count in blocks.
-    /// The content keys of the next levels are computed from the prompt and probed together
-    /// (their cache misses overlap); each candidate is then checked in full: its parent is
-    /// one found at the level before, its tokens are the prompt's.
+    /// most the full levels' count in blocks. The walk stops at the first level no holder
+    /// of every level before it holds.
+    /// Where the row after the level before is the level's only one, it is taken without a
+    /// probe; elsewhere the content keys of the next levels are computed from the prompt and
+    /// probed together (their cache misses overlap), and each candidate is checked in full:
+    /// its parent is one found at the level before, its tokens are the prompt's.
     pub fn match_tokens(
         &self,
         tokens: &[i32],
@@ -366,23 +368,26 @@ impl Group {
         let block =
             |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short
-        let mut walked: Vec<Level> = Vec::new(); // the rows of each level
-        let mut level: Level = smallvec::smallvec![NONE];
+        let mut walk = Walk::new(self.width, levels);
+        let root: [u32; 1] = [NONE];
         let mut key = self.root_key(salt);
         let mut i = 0;
         'full: while i < levels {
             // Down consecutive rows while each is its level's only one.
-            while i < levels && level.len() == 1 {
-                let Some(kid) = self.kid_after(level[0], block(i), bs as i32, lora) else {
+            while i < levels {
+                let before = walk.last().unwrap_or(&root);
+                let [row] = before else { break };
+                let Some(kid) = self.kid_after(*row, block(i), bs as i32, lora) else {
                     break;
                 };
                 if let Some(ahead) = self.rows.get(kid as usize + 4) {
                     prefetch(ahead);
                 }
-                level = smallvec::smallvec![kid];
-                walked.push(level.clone());
                 key = self.rows[kid as usize].chain;
                 i += 1;
+                if !walk.push(self, &[kid]) {
+                    break 'full;
+                }
             }
             if i >= levels {
                 break;
@@ -411,24 +416,23 @@ impl Group {
                 }
             }
             for (j, cands) in (i..upto).zip(found) {
-                let next = self.level(&cands, &level, block(j), bs as i32, false, (lora, salt));
-                if next.is_empty() {
+                let before = walk.last().unwrap_or(&root);
+                let next = self.level(&cands, before, block(j), bs as i32, false, (lora, salt));
+                if next.is_empty() || !walk.push(self, &next) {
                     break 'full;
                 }
-                walked.push(next.clone());
-                level = next;
             }
             i = upto;
         }
-        let full = walked.len();
+        let full = walk.len();
         let mut pos = full * bs;
         // Every row of the last full level is a parent of the tails (they share its key).
-        let mut parents: Level = walked.last().cloned().unwrap_or(level);
+        let mut parents: Level = walk.last().unwrap_or(&root).into();
         let mut key = match parents[0] {
             NONE => self.root_key(salt),
             tip => self.rows[tip as usize].chain,
         };
-        while hbs > 0 && pos + hbs <= tokens.len() {
+        while walk.running() && hbs > 0 && pos + hbs <= tokens.len() {
             let want = &tokens[pos..pos + hbs];
             key = self.content_key(key, hbs as i32, true, lora, want);
             let found = self.level(
@@ -439,39 +443,90 @@ impl Group {
                 true,
                 (lora, salt),
             );
-            if found.is_empty() {
+            if found.is_empty() || !walk.push(self, &found) {
                 break;
             }
-            walked.push(found.clone());
             parents = found;
             pos += hbs;
         }
-        self.runs_over_levels(&walked)
+        walk.runs(self)
             .into_iter()
             .map(|(hid, blocks, end)| (hid, blocks.min(full), end))
             .collect()
     }
+}
 
-    /// Each holder's run over `levels` (a level is held when any of its rows is), and the
-    /// token end of its last level (the furthest of the rows it holds there).
-    fn runs_over_levels(&self, levels: &[Level]) -> Vec<Run> {
-        let w = self.width;
-        let mut masks = vec![0u64; levels.len() * w];
-        for (i, level) in levels.iter().enumerate() {
-            for &row in level {
-                for k in 0..w {
-                    masks[i * w + k] |= self.word(row, k);
-                }
-            }
+/// The levels of a token walk so far: their rows, each level's holder mask (the OR of its
+/// rows' words), and the holders of every level (the AND of the masks).
+struct Walk {
+    rows: Vec<u32>,
+    starts: Vec<usize>, // level i: rows[starts[i]..starts[i + 1]] (the last to rows.len())
+    masks: Vec<u64>,    // width words a level
+    alive: SmallVec<[u64; 4]>,
+    width: usize,
+}
+
+impl Walk {
+    fn new(width: usize, levels: usize) -> Self {
+        Walk {
+            rows: Vec::with_capacity(levels),
+            starts: Vec::with_capacity(levels),
+            masks: Vec::with_capacity(levels * width),
+            alive: SmallVec::new(),
+            width,
         }
-        runs_of(&masks, w)
+    }
+
+    fn len(&self) -> usize {
+        self.starts.len()
+    }
+
+    fn level(&self, i: usize) -> &[u32] {
+        let end = self.starts.get(i + 1).copied().unwrap_or(self.rows.len());
+        &self.rows[self.starts[i]..end]
+    }
+
+    fn last(&self) -> Option<&[u32]> {
+        self.len().checked_sub(1).map(|i| self.level(i))
+    }
+
+    /// Whether some holder holds every level so far (before the first: yes).
+    fn running(&self) -> bool {
+        self.starts.is_empty() || self.alive.iter().any(|&w| w != 0)
+    }
+
+    /// One more level (its rows, found under the last); whether some holder holds every
+    /// level (if none does, the runs are known: the walk goes no further).
+    fn push(&mut self, g: &Group, level: &[u32]) -> bool {
+        let first = self.starts.is_empty();
+        self.starts.push(self.rows.len());
+        self.rows.extend_from_slice(level);
+        let mut any = 0;
+        for k in 0..self.width {
+            let mask = level.iter().fold(0, |m, &row| m | g.word(row, k));
+            self.masks.push(mask);
+            if first {
+                self.alive.push(mask);
+            } else {
+                self.alive[k] &= mask;
+            }
+            any |= self.alive[k];
+        }
+        any != 0
+    }
+
+    /// Each holder's run over the levels, and the token end of its last level (the
+    /// furthest of the rows it holds there).
+    fn runs(&self, g: &Group) -> Vec<Run> {
+        runs_of(&self.masks, self.width)
             .into_iter()
             .map(|(hid, n)| {
                 let (k, bit) = (hid / 64, 1u64 << (hid % 64));
-                let end = levels[n - 1]
+                let end = self
+                    .level(n - 1)
                     .iter()
-                    .filter(|&&row| self.word(row, k) & bit != 0)
-                    .map(|&row| self.end(row))
+                    .filter(|&&row| g.word(row, k) & bit != 0)
+                    .map(|&row| g.end(row))
                     .max()
                     .unwrap_or(0);
                 (hid, n, end)

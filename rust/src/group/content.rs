@@ -11,7 +11,14 @@ use super::{
     Content, Group, Run, Stored, CHAINED, COUNTED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN,
     ROOT, SHARED, STORED,
 };
-use crate::masks::{prefetch, runs_of};
+use crate::masks::prefetch;
+
+/// Whether two blocks' tokens are the same: inline (a block is a few dozen ids; a call
+/// to memcmp per level cost more than the compare).
+#[inline]
+fn same_tokens(a: &[i32], b: &[i32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(true, |same, (x, y)| same & (x == y))
+}
 
 /// The rows found at one level of a token walk (almost always one).
 type Level = SmallVec<[u32; 2]>;
@@ -175,7 +182,7 @@ impl Group {
             && r.block_size == size
             && r.lora == lora
             && r.salt == 0
-            && self.row_tokens(kid) == want;
+            && same_tokens(self.row_tokens(kid), want);
         ok.then_some(kid)
     }
 
@@ -456,14 +463,14 @@ impl Group {
     }
 }
 
-/// The levels of a token walk so far: their rows, each level's holder mask (the OR of its
-/// rows' words), and the holders of every level (the AND of the masks).
+/// The levels of a token walk so far: their rows, the holders of every level (each
+/// level's mask is the OR of its rows' words; a holder runs on while it is in all), and the
+/// runs of those that stopped, as they stop.
 struct Walk {
     rows: Vec<u32>,
     starts: Vec<usize>, // level i: rows[starts[i]..starts[i + 1]] (the last to rows.len())
-    masks: Vec<u64>,    // width words a level
     alive: SmallVec<[u64; 4]>,
-    width: usize,
+    ended: Vec<(usize, usize)>, // (holder id, levels held), in the order they stopped
 }
 
 impl Walk {
@@ -471,9 +478,8 @@ impl Walk {
         Walk {
             rows: Vec::with_capacity(levels),
             starts: Vec::with_capacity(levels),
-            masks: Vec::with_capacity(levels * width),
-            alive: SmallVec::new(),
-            width,
+            alive: smallvec::smallvec![0; width],
+            ended: Vec::new(),
         }
     }
 
@@ -499,18 +505,27 @@ impl Walk {
     /// level (if none does, the runs are known: the walk goes no further).
     fn push(&mut self, g: &Group, level: &[u32]) -> bool {
         let first = self.starts.is_empty();
+        let at = self.starts.len();
         self.starts.push(self.rows.len());
         self.rows.extend_from_slice(level);
         let mut any = 0;
-        for k in 0..self.width {
-            let mask = level.iter().fold(0, |m, &row| m | g.word(row, k));
-            self.masks.push(mask);
+        for (k, alive) in self.alive.iter_mut().enumerate() {
+            let mask = match level {
+                [row] => g.word(*row, k),
+                _ => level.iter().fold(0, |m, &row| m | g.word(row, k)),
+            };
             if first {
-                self.alive.push(mask);
+                *alive = mask;
             } else {
-                self.alive[k] &= mask;
+                let mut gone = *alive & !mask;
+                while gone != 0 {
+                    self.ended
+                        .push((k * 64 + gone.trailing_zeros() as usize, at));
+                    gone &= gone - 1;
+                }
+                *alive &= mask;
             }
-            any |= self.alive[k];
+            any |= *alive;
         }
         any != 0
     }
@@ -518,8 +533,21 @@ impl Walk {
     /// Each holder's run over the levels, and the token end of its last level (the
     /// furthest of the rows it holds there).
     fn runs(&self, g: &Group) -> Vec<Run> {
-        runs_of(&self.masks, self.width)
-            .into_iter()
+        let n = self.len();
+        let still = self.alive.iter().enumerate().flat_map(|(k, &word)| {
+            let mut left = word;
+            std::iter::from_fn(move || {
+                (left != 0).then(|| {
+                    let hid = k * 64 + left.trailing_zeros() as usize;
+                    left &= left - 1;
+                    (hid, n)
+                })
+            })
+        });
+        self.ended
+            .iter()
+            .copied()
+            .chain(still)
             .map(|(hid, n)| {
                 let (k, bit) = (hid / 64, 1u64 << (hid % 64));
                 let end = self

@@ -147,6 +147,12 @@ BLOCKS_EXPIRED = Counter(
     "Block rows deleted: held by no one and named by no retained history",
     registry=REGISTRY,
 )
+ROUTER_BLOCKS_EXPIRED = Counter(
+    "kvledger_router_blocks_expired_total",
+    "Blocks an in-memory router forgot: held by no one, no block's parent, past the block "
+    "retention",
+    registry=REGISTRY,
+)
 RETAINED_SINCE = Gauge(
     "kvledger_retained_since_seconds",
     "Unix time where each table's retained rows start (absent: never trimmed)",

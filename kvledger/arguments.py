@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.arguments_consumer import add_consumer
 from kvledger.consumer.config import DEFAULT_GROUP
+from kvledger.consumer.retention_policy import duration_arg
 from kvledger.options import (
     DEFAULT_MODEL,
     DEFAULT_PARTITIONS,
@@ -119,6 +120,11 @@ def add_lookup(subparsers: Subparsers) -> None:
         help="seconds after which a silent source leaves routing answers (else the "
         "database's kvledger.silent_after, 30 s by default)",
     )
+    p.add_argument(
+        "--block-retention", type=duration_arg, default="1d", metavar="D",
+        help="with --memory or --dynamo-api: forget a block this long after it was last "
+        "stored or held, once no one holds it and no block names it as its parent",
+    )  # fmt: skip
     p.set_defaults(run=command("lookup_cmds:serve"))
 
     p = add(subparsers, "lookup", "consumer", "which instances hold a prompt's prefix")

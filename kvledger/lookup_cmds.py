@@ -88,6 +88,7 @@ def _router(args: argparse.Namespace, database: str) -> RouterIndex:
         settings.kafka_bootstrap(args), args.topic, args.consumer_group,
         kafka=dict(settings.kafka_settings(args)),
         codec=settings.codec(args, args.topic, writer=False), dynamo=args.dynamo_api,
+        block_retention=args.block_retention,
     )  # fmt: skip
     with connect(database) as conn:
         router.bootstrap(conn)

@@ -191,3 +191,53 @@ def test_a_router_from_an_empty_index_and_one_restarted_mid_stream(
         assert router_state(second) == sql_state(fresh_database)
     finally:
         second.stop()
+
+
+def test_a_router_forgets_what_no_one_holds_and_still_answers_as_sql(
+    kafka_bootstrap, fresh_database, make_topic, group_id
+) -> None:
+    """A router with a 1 s block retention forgets the blocks the fleet's engines evicted
+    (while the index keeps its rows for a day); the same fleet again stores them anew, and
+    the router then holds and answers what the index holds and answers."""
+    topic = make_topic("router-expiry", partitions=3)
+    fleet = FleetConfig(instances=3, requests=60, seed=45, gpu_capacity_blocks=48)
+    run_simulation(kafka_bootstrap, topic, fleet, partitions=3, show_progress=False)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    router = RouterIndex(kafka_bootstrap, topic, group_id, block_retention=timedelta(seconds=1))
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    loaded = sum(len(g) for g in router.store.groups.values())
+    router.start()
+    try:
+        deadline = time.monotonic() + 30
+        while router.blocks_expired == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with router.lock:
+            left = sum(len(g) for g in router.store.groups.values())
+        assert router.blocks_expired > 0 and left == loaded - router.blocks_expired
+        with connect(fresh_database, autocommit=True) as conn:
+            (rows,) = conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone()
+        assert rows == loaded  # the index keeps its rows (a day by default)
+        assert router_state(router) == sql_state(fresh_database)
+        run_simulation(kafka_bootstrap, topic, fleet, partitions=3, show_progress=False)
+        consume(kafka_bootstrap, fresh_database, topic, group_id)
+        with connect(fresh_database, autocommit=True) as conn:
+            offsets = stored_offsets(conn, group_id, topic)
+        router.wait_for(offsets)
+        assert router_state(router) == sql_state(fresh_database)
+        rng = random.Random(8)
+        with connect(fresh_database, autocommit=True) as conn:
+            index = PrefixIndex(conn)
+            for tokens in prompts(fleet, rng, 500):
+                hashes = prompt_hashes(tokens, fleet)
+                with router.lock:
+                    mem = (
+                        router.match(fleet.model, 0, hashes, "block", True, WIDE),
+                        router.match_tokens(fleet.model, 0, tokens, None, True, WIDE),
+                    )
+                assert mem == (
+                    index.match(fleet.model, 0, hashes, "block", True, WIDE),
+                    index.match_tokens(fleet.model, 0, tokens, None, True, WIDE),
+                )
+    finally:
+        router.stop()

@@ -97,6 +97,8 @@ class BlockGroup(Protocol):
     def dynamo_runs(
         self, locals: Sequence[int], block_size: int, slots: Sequence[int]
     ) -> list[tuple[int, int, int, int]]: ...
+    def set_clock(self, now: int) -> None: ...
+    def expire(self, cutoff: int) -> int: ...
     def __len__(self) -> int: ...
 
 
@@ -110,6 +112,8 @@ class PureGroup:
         # parent -> its child's hash, or a list when it has several (most have one)
         self.children: dict[bytes | None, bytes | list[bytes]] = {}
         self.dynamo = False  # whether dynamo_levels answers (see enable_dynamo)
+        self.clock = 0  # what stores and holders stamp (see set_clock)
+        self.seen: dict[bytes, int] = {}  # when each row was last stored or held
 
     def canon(self, block_hash: bytes) -> bytes:
         """The hash object the group already holds for ``block_hash`` (else itself)."""
@@ -133,6 +137,7 @@ class PureGroup:
                 row.parent = parent.key
         row.token_start = position(row.token_start)
         self.rows[block_hash] = row
+        self.seen[block_hash] = self.clock
         self.masks.set_end(block_hash, row.token_end or 0)
         if old is not None and old.parent == row.parent:
             return
@@ -166,6 +171,8 @@ class PureGroup:
 
     def hold(self, key: bytes, hid: int, refcount: int) -> None:
         h = self.canon(key)
+        if h in self.rows:
+            self.seen[h] = self.clock
         if refcount > 0:
             if self.masks.set_bit(h, hid):
                 self.masks.set_end(h, self.end_of(h))
@@ -323,6 +330,33 @@ class PureGroup:
             if on_disk:
                 out.append((slot, on_gpu, on_cpu, on_disk))
         return out
+
+    def set_clock(self, now: int) -> None:
+        """The time (whole seconds, in [0, 2**32)) that stores and holders from now on
+        stamp on the blocks they touch."""
+        if not 0 <= now < 1 << 32:
+            raise OverflowError(f"a clock time is in [0, 2**32), not {now}")
+        self.clock = now
+
+    def expire(self, cutoff: int) -> int:
+        """Drop the blocks no one holds, no block names as its parent, and nothing touched
+        before ``cutoff``, each dropped block's parent tried next; how many went."""
+        if not 0 <= cutoff < 1 << 32:
+            raise OverflowError(f"a clock time is in [0, 2**32), not {cutoff}")
+        dropped = 0
+        for h in list(self.rows):
+            at: bytes | None = h
+            while at is not None:
+                row = self.rows.get(at)
+                if row is None or at in self.masks or self._child_hashes(at):
+                    break
+                if self.seen[at] >= cutoff:
+                    break
+                del self.rows[at], self.seen[at]
+                self._unlink(row.parent, at)
+                dropped += 1
+                at = row.parent
+        return dropped
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -29,6 +29,7 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from kvledger.consumer import metrics
 from kvledger.consumer.core.model import (
     GroupKey,
     ResidencyKey,
@@ -36,6 +37,7 @@ from kvledger.consumer.core.model import (
 from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.lookup.api import Granularity
 from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
 from kvledger.consumer.router.store import RouterStore, walkable
 from kvledger.consumer.store.base import FencedError
@@ -58,6 +60,8 @@ _LOST = (
 )
 # Messages applied per hold of the lock lookups take (see _tail).
 APPLY_CHUNK = 500
+# How long a router keeps a block no one holds (as the index keeps its block rows).
+BLOCK_RETENTION = Retention().blocks
 
 
 @contextmanager
@@ -104,6 +108,7 @@ class RouterIndex:
         batch_size: int = 5000,
         codec: Codec | None = None,
         dynamo: bool = False,
+        block_retention: timedelta | None = BLOCK_RETENTION,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
@@ -125,12 +130,18 @@ class RouterIndex:
         self.applied_messages = 0
         self.block_events = 0
         self.error: str | None = None  # why the tail stopped, if it did
+        # A block no one holds or names as its parent is forgotten this long after it was
+        # last stored or held (None: never), checked every tenth of it (1 s to 60 s).
+        self.block_retention = block_retention
+        self._next_expiry = 0.0
+        self.blocks_expired = 0
 
     # ------------------------------------------------------------------ bootstrap
     def bootstrap(self, conn: psycopg.Connection) -> None:
         """Load one consistent snapshot of the PostgreSQL index (and its offsets)."""
         started = time.perf_counter()
         store = RouterStore(self.dynamo)
+        store.set_clock(_clock())  # what it loads counts as seen now
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             store.specs.update(load_specs(cur))
@@ -233,6 +244,7 @@ class RouterIndex:
                 batch.append(from_kafka(msg))
             if not batch:
                 self._note_read_to(consumer)
+                self.expire()
                 continue
             try:
                 self.apply(batch)
@@ -261,12 +273,38 @@ class RouterIndex:
                     (self.topic, p): o
                     for p, o in self.store.stored_offsets(self.consumer_group, self.topic).items()
                 }
+                self.store.set_clock(_clock())
                 result = run_batch(
                     batch[i : i + APPLY_CHUNK], self.codec, self.store, self.consumer_group,
                     read_from=read_from,
                 )  # fmt: skip
             self.applied_messages += result.plan.messages
             self.block_events += result.plan.block_events
+        self.expire()
+
+    def expire(self, force: bool = False) -> int:
+        """Forget the blocks past the block retention (see :meth:`RouterStore.expire`),
+        when a check is due (or ``force``); how many went. Bounds the router's memory as
+        the index's own retention bounds its block rows: without it, every block the fleet
+        ever stored would stay."""
+        if self.block_retention is None:
+            return 0
+        retention = self.block_retention.total_seconds()
+        now = time.monotonic()
+        if not force and now < self._next_expiry:
+            return 0
+        self._next_expiry = now + min(60.0, max(1.0, retention / 10))
+        with self.lock, _collector_paused():
+            started = time.perf_counter()
+            dropped = self.store.expire(_clock() - int(retention))
+        self.blocks_expired += dropped
+        metrics.ROUTER_BLOCKS_EXPIRED.inc(dropped)
+        if dropped:
+            logger.info(
+                "router forgot %d blocks unheld for %s (%.3f s)",
+                dropped, show_duration(self.block_retention), time.perf_counter() - started,
+            )  # fmt: skip
+        return dropped
 
     def _note_read_to(self, consumer: Consumer) -> None:
         """Idle, everything read is applied: the consumer's position counts as applied
@@ -365,3 +403,8 @@ class RouterIndex:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _clock() -> int:
+    """The blocks' clock: whole seconds of the wall clock."""
+    return int(time.time())

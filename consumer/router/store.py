@@ -55,15 +55,30 @@ class RouterStore(StagedStore):
         self.holders: list[Holder] = []
         self.sources: dict[SourceKey, SourceState] = {}
         self.lives: dict[str, SourceLife] = {}
+        self.clock = 0  # what stores and holders stamp on blocks (whole seconds)
 
     # ------------------------------------------------------------------ building
     def group(self, key: GroupKey) -> BlockGroup:
         g = self.groups.get(key)
         if g is None:
             g = self.groups[key] = Group()
+            g.set_clock(self.clock)
             if self.dynamo:
                 g.enable_dynamo()
         return g
+
+    def set_clock(self, now: int) -> None:
+        """The time (whole seconds) that stores and holders from now on stamp on the blocks
+        they touch."""
+        self.clock = now
+        for g in self.groups.values():
+            g.set_clock(now)
+
+    def expire(self, cutoff: int) -> int:
+        """Forget the blocks no one holds, no block names as its parent, and nothing stored
+        or held since ``cutoff``; how many went. Lookups count holders, so no answer
+        changes; the rules meet such a block's hash again as a new one."""
+        return sum(g.expire(max(cutoff, 0)) for g in self.groups.values())
 
     def holder_id(self, holder: Holder) -> int:
         hid = self.holder_ids.get(holder)

@@ -120,7 +120,13 @@ pub struct Group {
     stored: usize,
     wide: Vec<u64>, // rows.len() * (width - 1)
     width: usize,
+    // Per row, when a store or a holder last touched it (the caller's clock, in seconds):
+    // a block no one holds or names as its parent goes once this is older than the
+    // caller's retention (see `expire`).
+    seen: Vec<u32>,
+    clock: u32,
     tokens: Vec<i32>,
+    garbage: usize, // tokens no row uses any more (made good by `compact_tokens`)
     loras: Vec<String>,
     lora_ids: HashMap<String, u32>,
     counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
@@ -148,7 +154,10 @@ impl Group {
             stored: 0,
             wide: Vec::new(),
             width: 1,
+            seen: Vec::new(),
+            clock: 0,
             tokens: Vec::new(),
+            garbage: 0,
             loras: Vec::new(),
             lora_ids: HashMap::new(),
             counts: HashMap::default(),
@@ -253,11 +262,13 @@ impl Group {
         let row = match self.free.pop() {
             Some(row) => {
                 self.rows[row as usize] = fresh;
+                self.seen[row as usize] = self.clock;
                 row
             }
             None => {
                 let row = u32::try_from(self.rows.len()).ok().filter(|&r| r != NONE);
                 self.rows.push(fresh);
+                self.seen.push(self.clock);
                 self.wide.resize(self.wide.len() + self.width - 1, 0);
                 row.expect("fewer than 2**32 - 1 blocks in one group")
             }
@@ -268,10 +279,16 @@ impl Group {
         row
     }
 
-    /// Drop a row without content that nobody holds and no row names.
+    /// Drop a row without content that nobody holds and no row names (a freed one stays
+    /// as it is).
     fn release(&mut self, row: u32) {
         let r = &self.rows[row as usize];
-        if r.flags & STORED != 0 || r.first_kid != NONE || r.word != 0 || self.wide_any(row) {
+        if r.flags & LIVE == 0
+            || r.flags & STORED != 0
+            || r.first_kid != NONE
+            || r.word != 0
+            || self.wide_any(row)
+        {
             return;
         }
         let hash = self.hash_of(key_in(r, &self.longs));
@@ -345,11 +362,13 @@ impl Group {
                 *self.word_mut(row, hid / 64) &= !(1u64 << (hid % 64));
             }
             self.uncount(row, hid);
+            self.seen[row as usize] = self.clock;
             self.release(row);
             return;
         }
         self.widen(hid);
         let row = self.intern(key);
+        self.seen[row as usize] = self.clock;
         *self.word_mut(row, hid / 64) |= 1u64 << (hid % 64);
         if refcount > 1 {
             self.counts.insert((row, hid as u32), refcount);

@@ -263,6 +263,18 @@ impl Group {
         }
     }
 
+    /// set_clock(now): the time (whole seconds, in [0, 2**32)) that stores and holders
+    /// from now on stamp on the blocks they touch.
+    fn set_clock(&mut self, now: u32) {
+        self.core.set_clock(now);
+    }
+
+    /// expire(cutoff) -> int: drop the blocks no one holds, no block names as its parent,
+    /// and nothing touched before `cutoff` (a clock time); how many went.
+    fn expire(&mut self, cutoff: u32) -> usize {
+        self.core.expire(cutoff)
+    }
+
     fn __len__(&self) -> usize {
         self.core.blocks()
     }

@@ -6,9 +6,9 @@
 - ``batch``: an engine's ZMQ payload. The relay's reader and the vLLM mapping answer with
   events in their wire form or a VllmEventError, nothing else (a batch the relay cannot
   carry is recorded lost; one that raised anything else would stop the relay).
-- ``group``: the router's index under operations and lookups read from the bytes (crafted
-  hashes included). The compiled core's Group and the pure PureGroup hold and answer alike,
-  and neither raises.
+- ``group``: the router's index under operations (stores, holders, metadata, the clock,
+  expiry) and lookups read from the bytes (crafted hashes included). The compiled core's
+  Group and the pure PureGroup hold, expire and answer alike, and neither raises.
 
 Run by ``python -m tests.fuzz`` (atheris, coverage-guided) and over the seed corpus by
 tests/unit/test_fuzz_targets.py.
@@ -76,8 +76,9 @@ def group(data: bytes) -> None:
             return KEYS[fdp.ConsumeIntInRange(0, len(KEYS) - 1)]
         return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40))
 
+    dropped: list[list[int]] = [[] for _ in groups]  # what each expiry dropped, per group
     for _ in range(fdp.ConsumeIntInRange(0, 60)):
-        op = fdp.ConsumeIntInRange(0, 2)
+        op = fdp.ConsumeIntInRange(0, 4)
         k = key()
         if op == 0:
             parent = key() if fdp.ConsumeBool() else None
@@ -91,10 +92,19 @@ def group(data: bytes) -> None:
             hid, count = fdp.ConsumeIntInRange(0, 200), fdp.ConsumeIntInRange(0, 3)
             for g in groups:
                 g.hold(k, hid, count)
-        else:
+        elif op == 2:
             lora, plain = "a" if fdp.ConsumeBool() else None, fdp.ConsumeBool()
             for g in groups:
                 g.set_meta(k, lora, plain)
+        elif op == 3:
+            now = fdp.ConsumeIntInRange(0, 8)
+            for g in groups:
+                g.set_clock(now)
+        else:
+            cutoff = fdp.ConsumeIntInRange(0, 9)
+            for g, out in zip(groups, dropped, strict=True):
+                out.append(g.expire(cutoff))
+    assert all(out == dropped[0] for out in dropped), "the groups expired differently"
     prompt = [key() for _ in range(fdp.ConsumeIntInRange(0, 20))]
     tokens = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 24))]
     bs, hbs = fdp.ConsumeIntInRange(0, 6), fdp.ConsumeIntInRange(0, 6)

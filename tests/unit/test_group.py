@@ -58,6 +58,10 @@ ops = st.lists(
             st.booleans(),
             st.sampled_from(SALTS),
         ),
+        # The clock stores and holders stamp (it may go back: both stamp what it says),
+        # and expiry of what is older than a cutoff.
+        st.tuples(st.just("clock"), st.integers(0, 6)),
+        st.tuples(st.just("expire"), st.integers(0, 7)),
     ),
     max_size=200,
 )
@@ -65,14 +69,21 @@ PROMPTS = st.lists(st.sampled_from([*KEYS, b"nobody"]), max_size=30)
 TOKENS = st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9]), max_size=14)
 
 
-def apply(group: object, operations: list[tuple]) -> None:  # type: ignore[type-arg]
+def apply(group: object, operations: list[tuple]) -> list[int]:  # type: ignore[type-arg]
+    """The operations on ``group``; what each expiry dropped."""
+    dropped = []
     for op, key, *rest in operations:
         if op == "store":
             group.add_row(key, *rest)  # type: ignore[attr-defined]
         elif op == "hold":
             group.hold(key, *rest)  # type: ignore[attr-defined]
+        elif op == "clock":
+            group.set_clock(key)  # type: ignore[attr-defined]
+        elif op == "expire":
+            dropped.append(group.expire(key))  # type: ignore[attr-defined]
         else:
             group.set_meta(key, *rest)  # type: ignore[attr-defined]
+    return dropped
 
 
 @compiled
@@ -85,8 +96,7 @@ def test_the_compiled_group_answers_as_the_pure_one(
 ) -> None:  # fmt: skip
     assert Compiled is not None
     fast, pure = Compiled(), PureGroup()
-    apply(fast, operations)
-    apply(pure, operations)
+    assert apply(fast, operations) == apply(pure, operations)
     assert len(fast) == len(pure)
     assert sorted(fast.hashes()) == sorted(pure.hashes())
     assert sorted(fast.residencies()) == sorted(pure.residencies())

@@ -4,6 +4,7 @@ prefix walk agrees with a brute-force one."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 from datetime import UTC, datetime, timedelta
@@ -166,3 +167,57 @@ def test_apply_pauses_the_collector_per_chunk_and_restores_it(
         assert not gc.isenabled() and seen == [False]
     finally:
         gc.enable()
+
+
+def test_a_router_forgets_unheld_blocks_past_its_retention_and_answers_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RouterIndex.expire forgets, past the block retention, the blocks no one holds and no
+    kept block names as its parent (leaves first, then their parents), and nothing sooner;
+    every lookup answers as before, and what it forgot is stored again as new."""
+    fleet = FleetConfig(instances=3, requests=60, seed=5, gpu_capacity_blocks=48)
+    messages = fleet_stream(fleet, partitions=1).messages
+    clock = [10_000]
+    monkeypatch.setattr("kvledger.consumer.router.index._clock", lambda: clock[0])
+    router = RouterIndex("localhost:1", "fleet", "g", block_retention=timedelta(seconds=60))
+    router.apply(messages[: len(messages) // 2])
+    clock[0] += 30
+    router.apply(messages[len(messages) // 2 :])
+    everything = router.store.groups.items()
+    held = {(k, h) for k, g in everything for h, _, _ in g.residencies()}
+    unheld = {(k, h) for k, g in everything for h in g.hashes()} - held
+    assert unheld, "the fleet's engines evicted blocks"
+    rng = random.Random(4)
+    systems = system_prompts(fleet)
+    asked = [rng.choice(systems)[: rng.randrange(16, 1200)] for _ in range(200)]
+
+    def answers() -> list[object]:
+        return [
+            (m.held_tokens(router.store, fleet.model, 0, tokens, None),
+             m.held_prefix(router.store, fleet.model, 0,
+                           prompt_hashes(tokens, fleet, int64=False), "block"))
+            for tokens in asked
+        ]  # fmt: skip
+
+    before = answers()
+    clock[0] += 40  # the first half's blocks are 70 s old, the second half's 40 s
+    first = router.expire(force=True)
+    clock[0] += 30
+    second = router.expire(force=True)
+    assert first > 0 and second > 0 and router.blocks_expired == first + second
+    kept = {(k, h) for k, g in everything for h in g.hashes()}
+    parents = {(k, g.row(h)[0]) for k, g in everything for h in g.hashes()}  # type: ignore[index]
+    assert held <= kept and all(x in held or x in parents for x in kept)
+    assert len(unheld - kept) == first + second
+    assert answers() == before
+    assert router.expire(force=True) == 0
+    # The same fleet again: blocks it forgot come back as new ones, and the router holds
+    # what a router that never forgot holds.
+    again = [
+        dataclasses.replace(x, offset=x.offset + len(messages))
+        for x in fleet_stream(fleet, partitions=1).messages
+    ]
+    router.apply(again)
+    direct = RouterStore()
+    run_batch(messages + again, Codec(), direct, "g")
+    assert router_residencies(router.store) == router_residencies(direct)

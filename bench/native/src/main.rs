@@ -290,6 +290,45 @@ fn main() {
             }
         }
     }
+    // Expiry (a router's bound on memory): a pass with nothing to drop, the periodic cost,
+    // then one after every holder of half the chains let go, beside applying those blocks.
+    let mut group = group;
+    let start = Instant::now();
+    let none = group.expire(0);
+    let idle = start.elapsed().as_secs_f64();
+    let mut let_go = 0usize;
+    for c in (0..CHAINS).step_by(2) {
+        for (worker, n) in holders(c) {
+            for i in 0..n {
+                group.hold(&keys[c as usize][i], worker as usize, 0);
+            }
+            let_go += n;
+        }
+    }
+    group.set_clock(1);
+    let start = Instant::now();
+    let dropped = group.expire(1);
+    let drop_s = start.elapsed().as_secs_f64();
+    assert!(none == 0 && dropped > 0, "half the chains expire");
+    figures.extend([
+        (
+            "native: kvledger expiry pass with nothing to drop, ms".into(),
+            idle * 1e3,
+        ),
+        (
+            "native: kvledger expiry, blocks dropped (half the chains let go)".into(),
+            dropped as f64,
+        ),
+        (
+            "native: kvledger expiry, us per block dropped".into(),
+            drop_s * 1e6 / dropped as f64,
+        ),
+        (
+            "native: kvledger apply, us per block (the baseline)".into(),
+            kv_apply * 1e6 / blocks as f64,
+        ),
+        ("native: residencies let go".into(), let_go as f64),
+    ]);
     let body: Vec<String> = figures.iter().map(|(k, v)| format!("{k:?}: {v}")).collect();
     println!("{{{}}}", body.join(", "));
 }

@@ -234,9 +234,12 @@ impl Group {
             self.unlink(row, old_parent);
             self.link(row, parent);
         }
-        let same_tokens =
-            self.rows[row as usize].flags & STORED != 0 && self.row_tokens(row) == c.tokens;
+        let stored = self.rows[row as usize].flags & STORED != 0;
+        let same_tokens = stored && self.row_tokens(row) == c.tokens;
         if !same_tokens {
+            if stored {
+                self.garbage += self.rows[row as usize].tok_len as usize;
+            }
             let off = u32::try_from(self.tokens.len()).expect("fewer than 2**32 tokens in a group");
             self.tokens.extend_from_slice(c.tokens);
             let r = &mut self.rows[row as usize];
@@ -265,9 +268,85 @@ impl Group {
             | if c.plain { PLAIN } else { 0 };
         self.rechain(row);
         self.dynamo_add(row);
+        self.seen[row as usize] = self.clock;
         if old_parent != parent && old_parent != NONE {
             self.release(old_parent);
         }
+        if !same_tokens {
+            self.compact_tokens_if_sparse();
+        }
+    }
+
+    // ------------------------------------------------------------------ expiry
+    /// The time (seconds, the caller's clock) that stores and holders from now on stamp on
+    /// the rows they touch.
+    pub fn set_clock(&mut self, now: u32) {
+        self.clock = now;
+    }
+
+    /// Drop the blocks no one holds, no block names as its parent, and nothing touched
+    /// since before `cutoff`; a dropped block's parent is tried next (a chain goes from its
+    /// leaves up in one pass). How many went. The same blocks go whatever the order, as
+    /// the pure twin drops them.
+    pub fn expire(&mut self, cutoff: u32) -> usize {
+        let mut dropped = 0;
+        for row in 0..self.rows.len() as u32 {
+            let mut at = row;
+            while at != NONE && self.expired(at, cutoff) {
+                let parent = self.rows[at as usize].parent;
+                self.unstore(at);
+                dropped += 1;
+                at = parent;
+            }
+            if at != NONE {
+                self.release(at); // a parent without content that nothing names now
+            }
+        }
+        self.compact_tokens_if_sparse();
+        dropped
+    }
+
+    fn expired(&self, row: u32, cutoff: u32) -> bool {
+        let r = &self.rows[row as usize];
+        r.flags & STORED != 0
+            && r.first_kid == NONE
+            && r.word == 0
+            && !self.wide_any(row)
+            && self.seen[row as usize] < cutoff
+    }
+
+    /// A row's content gone (it then goes itself: no one holds or names it).
+    fn unstore(&mut self, row: u32) {
+        self.dynamo_drop(row);
+        self.set_chain(row, None);
+        let parent = self.rows[row as usize].parent;
+        self.unlink(row, parent);
+        self.garbage += self.rows[row as usize].tok_len as usize;
+        let r = &mut self.rows[row as usize];
+        r.parent = NONE;
+        r.tok_len = 0;
+        r.flags &= !(STORED | PARTIAL | PLAIN);
+        self.stored -= 1;
+        self.release(row);
+    }
+
+    /// The token arena again without what no row uses, once that is most of it (so each
+    /// token is copied a bounded number of times, amortized).
+    fn compact_tokens_if_sparse(&mut self) {
+        if self.garbage < 1 << 16 || self.garbage * 2 < self.tokens.len() {
+            return;
+        }
+        let mut tokens = Vec::with_capacity(self.tokens.len() - self.garbage);
+        for r in self.rows.iter_mut() {
+            if r.flags & STORED == 0 {
+                continue;
+            }
+            let (off, len) = (r.tok_off as usize, r.tok_len as usize);
+            r.tok_off = tokens.len() as u32;
+            tokens.extend_from_slice(&self.tokens[off..off + len]);
+        }
+        self.tokens = tokens;
+        self.garbage = 0;
     }
 
     /// A known row's LoRA, extra-keys flag and salt (a later store's metadata, its content

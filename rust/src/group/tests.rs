@@ -118,3 +118,59 @@ fn a_salted_prompt_is_walked_from_the_first_block_of_its_salt() {
     g.enable_dynamo();
     assert!(g.dynamo_local(b"s0").is_none() && g.dynamo_local(b"p0").is_some());
 }
+
+#[test]
+fn unheld_chains_expire_from_their_leaves_and_their_tokens_are_given_back() {
+    let mut g = Group::new();
+    // 40 chains of 100 blocks of 32 tokens (128,000 tokens), keys of 32 bytes (the side
+    // table); stored at time 10, held by holder 1 while stored.
+    let key = |c: u32, i: u32| {
+        let mut k = [0u8; 32];
+        k[..4].copy_from_slice(&c.to_le_bytes());
+        k[4..8].copy_from_slice(&i.to_le_bytes());
+        k
+    };
+    g.set_clock(10);
+    for c in 0..40u32 {
+        for i in 0..100u32 {
+            let tokens: Vec<i32> = (0..32).map(|t| (c * 1000 + i * 32 + t) as i32).collect();
+            let parent = (i > 0).then(|| key(c, i - 1));
+            let start = i64::from(i) * 32;
+            g.add_row(
+                &key(c, i),
+                &content(parent.as_ref().map(|p| &p[..]), start, &tokens),
+            );
+            g.hold(&key(c, i), 1, 1);
+        }
+    }
+    let walk = |g: &Group, c: u32| {
+        let tokens: Vec<i32> = (0..3200).map(|t| (c * 1000 + t) as i32).collect();
+        g.match_tokens(&tokens, 32, 32, None, None)
+    };
+    assert_eq!(walk(&g, 7), vec![(1, 100, 3200)]);
+    // Chain 0..20 let go at 20; chain 20..40 keeps its first half held.
+    g.set_clock(20);
+    for c in 0..40u32 {
+        for i in (if c < 20 { 0 } else { 50 })..100 {
+            g.hold(&key(c, i), 1, 0);
+        }
+    }
+    assert_eq!(g.expire(20), 0, "nothing is older than the cutoff");
+    assert_eq!(
+        g.expire(21),
+        20 * 100 + 20 * 50,
+        "whole chains, and the unheld halves"
+    );
+    assert_eq!(g.blocks(), 20 * 50);
+    assert!(walk(&g, 7).is_empty() && g.find(&key(7, 0)).is_none());
+    assert_eq!(walk(&g, 27), vec![(1, 50, 1600)]);
+    assert!(g.tokens.len() <= 20 * 50 * 32, "the arena was compacted");
+    assert_eq!(g.longs.len() - g.free_longs.len(), 20 * 50);
+    // What is stored again is found again, its key reusing a freed row.
+    g.set_clock(30);
+    let tokens: Vec<i32> = (7000..7032).collect();
+    g.add_row(&key(7, 0), &content(None, 0, &tokens));
+    g.hold(&key(7, 0), 2, 1);
+    assert_eq!(walk(&g, 7), vec![(2, 1, 32)]);
+    assert_eq!(g.rows.len(), 40 * 100);
+}

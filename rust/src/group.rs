@@ -73,7 +73,7 @@ struct Row {
     word: u64,    // holders 0..64; further words in Group::wide
     start: i64,   // i64::MIN: no position known
     parent: u32,
-    tok_off: u32, // tokens: Group::tokens[tok_off..tok_off + tok_len]
+    tok_off: u32, // tokens: tok_len ids of tok_width bytes from word tok_off of Group::tokens
     tok_len: u32,
     block_size: i32,
     lora: u32, // 0: none; else Group::loras[lora - 1]
@@ -85,6 +85,7 @@ struct Row {
     prev_sib: u32,
     chain: u64,  // the content key, where CHAINED (see Group::chain_of)
     key_len: u8, // 0..=8, or LONG; 0 for a freed row
+    tok_width: u8,
     flags: u8,
 }
 
@@ -103,7 +104,16 @@ pub struct Content<'a> {
 }
 
 /// A block's content as the group keeps it.
-pub type Stored<'a> = Content<'a>;
+pub struct Stored<'a> {
+    pub parent: Option<&'a [u8]>,
+    pub start: Option<i64>,
+    pub tokens: tokens::Ids,
+    pub block_size: i32,
+    pub partial: bool,
+    pub lora: Option<&'a str>,
+    pub plain: bool,
+    pub salt: Option<&'a str>,
+}
 
 pub type Run = (usize, usize, i64); // (holder id, matched blocks, token end)
 
@@ -125,8 +135,8 @@ pub struct Group {
     // caller's retention (see `expire`).
     seen: Vec<u32>,
     clock: u32,
-    tokens: Vec<i32>,
-    garbage: usize, // tokens no row uses any more (made good by `compact_tokens`)
+    tokens: tokens::Arena,
+    garbage: usize, // token words no row uses any more (see `compact_tokens_if_sparse`)
     loras: Vec<String>,
     lora_ids: HashMap<String, u32>,
     counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
@@ -156,7 +166,7 @@ impl Group {
             width: 1,
             seen: Vec::new(),
             clock: 0,
-            tokens: Vec::new(),
+            tokens: tokens::Arena::default(),
             garbage: 0,
             loras: Vec::new(),
             lora_ids: HashMap::new(),
@@ -250,6 +260,7 @@ impl Group {
             parent: NONE,
             tok_off: 0,
             tok_len: 0,
+            tok_width: 2,
             block_size: 0,
             lora: 0,
             salt: 0,
@@ -646,6 +657,7 @@ impl Group {
 
 mod content;
 mod dynamo;
+mod tokens;
 pub use dynamo::{local_hash, seed_for};
 #[cfg(test)]
 mod tests;

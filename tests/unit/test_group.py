@@ -28,7 +28,8 @@ compiled = pytest.mark.skipif(
 # 260 and 329: groups wider than the 1-4 words lookups are specialised for); few distinct
 # token blocks, so that token walks find chains.
 KEYS = [bytes([i]) * n for i in range(8) for n in (8, 32, 3)] + [b""]
-BLOCKS = [(1, 2), (3, 4), (5, 6), (1, 2, 3, 4), (7,)]
+# Ids that the core packs at 2, 3 and 4 bytes each (over 65,535; over 2**24; negative).
+BLOCKS = [(1, 2), (3, 4), (5, 6), (1, 2, 3, 4), (7,), (70_000, 2), (1 << 24, -5), (-1, 1)]
 LORAS = [None, None, "adapter"]
 SALTS = [None, None, "salt-1"]  # a first block's cache salt (kept under the root only)
 ops = st.lists(
@@ -66,7 +67,10 @@ ops = st.lists(
     max_size=200,
 )
 PROMPTS = st.lists(st.sampled_from([*KEYS, b"nobody"]), max_size=30)
-TOKENS = st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9]), max_size=14)
+TOKENS = st.lists(
+    st.sampled_from([1, 2, 3, 4, 5, 6, 7, 9, 70_000, 1 << 24, -5, -1, 70_000 + (1 << 16)]),
+    max_size=14,
+)
 
 
 def apply(group: object, operations: list[tuple]) -> list[int]:  # type: ignore[type-arg]
@@ -289,3 +293,30 @@ def test_a_salted_prompt_is_walked_from_its_salted_first_block(make: type) -> No
     assert g.meta(b"s0") == (None, True, "salt-1") and g.meta(b"s1") == (None, True, None)
     g.enable_dynamo()
     assert g.dynamo_local(b"s0") is None and g.dynamo_local(b"p0") is not None
+
+
+@compiled
+def test_token_ids_of_every_width_are_kept_and_matched_exactly() -> None:
+    """The core packs a block's ids at 2, 3 or 4 bytes each (the fewest its largest needs):
+    rows come back as stored, and an id that only agrees in the bytes a narrower block
+    keeps does not match."""
+    assert Compiled is not None
+    fast, pure = Compiled(), PureGroup()
+    blocks = [[5, 65_535], [65_536, 7], [(1 << 24) - 1, 1], [1 << 24, -1], [-(1 << 31), 2]]
+    parent = None
+    for i, block in enumerate(blocks):
+        h = bytes([i + 1]) * 8
+        for g in (fast, pure):
+            g.add_row(h, parent, 2 * i, block, 2, False, None, True)
+            g.hold(h, 3, 1)
+        parent = h
+    prompt = [t for block in blocks for t in block]
+    for g in (fast, pure):
+        assert [g.row(bytes([i + 1]) * 8)[2] for i in range(5)] == [tuple(b) for b in blocks]  # type: ignore[index]
+        assert g.match_tokens(prompt, 2, 2, None) == [(3, 5, 10)]
+    for at, wrong in ((1, 65_535 + (1 << 16)), (2, 65_536 + (1 << 16)), (4, 1), (7, 0x7FFF_FFFF)):
+        other = [*prompt[:at], wrong, *prompt[at + 1 :]]
+        assert fast.match_tokens(other, 2, 2, None) == pure.match_tokens(other, 2, 2, None)
+        assert fast.match_tokens(other, 2, 2, None) == (
+            [(3, at // 2, at // 2 * 2)] if at > 1 else []
+        )

@@ -7,18 +7,12 @@ use std::hash::{BuildHasher, Hash, Hasher};
 use foldhash::fast::RandomState;
 use smallvec::SmallVec;
 
+use super::tokens::{words, Ids};
 use super::{
     Content, Group, Run, Stored, CHAINED, COUNTED, LEVELS_AT_ONCE, LIVE, NONE, PARTIAL, PLAIN,
     ROOT, SHARED, STORED,
 };
 use crate::masks::prefetch;
-
-/// Whether two blocks' tokens are the same: inline (a block is a few dozen ids; a call
-/// to memcmp per level cost more than the compare).
-#[inline]
-fn same_tokens(a: &[i32], b: &[i32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(true, |same, (x, y)| same & (x == y))
-}
 
 /// The rows found at one level of a token walk (almost always one).
 type Level = SmallVec<[u32; 2]>;
@@ -67,9 +61,15 @@ impl Group {
         self.content_key(ROOT, -1, false, salt, &[])
     }
 
-    pub(super) fn row_tokens(&self, row: u32) -> &[i32] {
+    pub(super) fn row_tokens(&self, row: u32) -> Ids {
         let r = &self.rows[row as usize];
-        &self.tokens[r.tok_off as usize..(r.tok_off + r.tok_len) as usize]
+        self.tokens.ids(r.tok_off, r.tok_len, r.tok_width)
+    }
+
+    /// Whether a row's tokens are `want`.
+    fn row_has(&self, row: u32, want: &[i32]) -> bool {
+        let r = &self.rows[row as usize];
+        self.tokens.same(r.tok_off, r.tok_len, r.tok_width, want)
     }
 
     /// A row's content key: where it has content, no extra keys, and a parent that is the
@@ -85,7 +85,7 @@ impl Group {
             _ => return None,
         };
         let partial = r.flags & PARTIAL != 0;
-        Some(self.content_key(parent, r.block_size, partial, r.lora, self.row_tokens(row)))
+        Some(self.content_key(parent, r.block_size, partial, r.lora, &self.row_tokens(row)))
     }
 
     /// After a change to `row`'s content, metadata or parent: its content key, and those of
@@ -182,7 +182,7 @@ impl Group {
             && r.block_size == size
             && r.lora == lora
             && r.salt == 0
-            && same_tokens(self.row_tokens(kid), want);
+            && self.row_has(kid, want);
         ok.then_some(kid)
     }
 
@@ -235,16 +235,18 @@ impl Group {
             self.link(row, parent);
         }
         let stored = self.rows[row as usize].flags & STORED != 0;
-        let same_tokens = stored && self.row_tokens(row) == c.tokens;
+        let same_tokens = stored && self.row_has(row, c.tokens);
         if !same_tokens {
             if stored {
-                self.garbage += self.rows[row as usize].tok_len as usize;
+                let r = &self.rows[row as usize];
+                self.garbage += words(r.tok_len, r.tok_width);
             }
-            let off = u32::try_from(self.tokens.len()).expect("fewer than 2**32 tokens in a group");
-            self.tokens.extend_from_slice(c.tokens);
+            let len = u32::try_from(c.tokens.len()).expect("fewer than 2**32 tokens a block");
+            let (off, width) = self.tokens.put(c.tokens);
             let r = &mut self.rows[row as usize];
             r.tok_off = off;
-            r.tok_len = c.tokens.len() as u32;
+            r.tok_len = len;
+            r.tok_width = width;
         }
         let lora = self.lora_id(c.lora);
         let salt = if parent == NONE {
@@ -321,7 +323,8 @@ impl Group {
         self.set_chain(row, None);
         let parent = self.rows[row as usize].parent;
         self.unlink(row, parent);
-        self.garbage += self.rows[row as usize].tok_len as usize;
+        let r = &self.rows[row as usize];
+        self.garbage += words(r.tok_len, r.tok_width);
         let r = &mut self.rows[row as usize];
         r.parent = NONE;
         r.tok_len = 0;
@@ -333,17 +336,24 @@ impl Group {
     /// The token arena again without what no row uses, once that is most of it (so each
     /// token is copied a bounded number of times, amortized).
     fn compact_tokens_if_sparse(&mut self) {
-        if self.garbage < 1 << 16 || self.garbage * 2 < self.tokens.len() {
+        let total = self.tokens.len_words();
+        if self.garbage < 1 << 16 || self.garbage * 2 < total {
             return;
         }
-        let mut tokens = Vec::with_capacity(self.tokens.len() - self.garbage);
-        for r in self.rows.iter_mut() {
-            if r.flags & STORED == 0 {
-                continue;
-            }
-            let (off, len) = (r.tok_off as usize, r.tok_len as usize);
-            r.tok_off = tokens.len() as u32;
-            tokens.extend_from_slice(&self.tokens[off..off + len]);
+        let kept: Vec<u32> = (0..self.rows.len() as u32)
+            .filter(|&r| self.rows[r as usize].flags & STORED != 0)
+            .collect();
+        let rows = &self.rows;
+        let spans = kept.iter().map(|&r| {
+            let x = &rows[r as usize];
+            (x.tok_off, x.tok_len, x.tok_width)
+        });
+        let mut moved = Vec::with_capacity(kept.len());
+        let tokens = self
+            .tokens
+            .compacted(spans, |off| moved.push(off), total - self.garbage);
+        for (&r, off) in kept.iter().zip(moved) {
+            self.rows[r as usize].tok_off = off;
         }
         self.tokens = tokens;
         self.garbage = 0;
@@ -368,6 +378,12 @@ impl Group {
         r.flags = (r.flags & !PLAIN) | if plain { PLAIN } else { 0 };
         self.rechain(row);
         self.dynamo_add(row);
+    }
+
+    /// Whether a store brought content for `key`.
+    pub fn has_content(&self, key: &[u8]) -> bool {
+        self.find(key)
+            .is_some_and(|row| self.rows[row as usize].flags & STORED != 0)
     }
 
     /// The content a store brought for `key`.
@@ -419,7 +435,7 @@ impl Group {
                     && r.flags & PLAIN != 0
                     && r.lora == lora
                     && r.salt == if r.parent == NONE { salt } else { 0 }
-                    && self.row_tokens(row) == want
+                    && self.row_has(row, want)
             })
             .collect();
         found.sort_by(|&a, &b| self.key(a).cmp(self.key(b)));
@@ -497,9 +513,7 @@ impl Group {
                 prefetch(&self.rows[row as usize]);
             }
             for &row in found.iter().flatten() {
-                if let Some(t) = self.tokens.get(self.rows[row as usize].tok_off as usize) {
-                    prefetch(t);
-                }
+                self.tokens.prefetch(self.rows[row as usize].tok_off);
             }
             for (j, cands) in (i..upto).zip(found) {
                 let before = walk.last().unwrap_or(&root);

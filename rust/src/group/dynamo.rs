@@ -67,7 +67,7 @@ impl Group {
             return None;
         }
         let lora = (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str());
-        Some(local_hash(self.row_tokens(row), seed_for(lora)))
+        Some(local_hash(&self.row_tokens(row), seed_for(lora)))
     }
 
     /// Keep Dynamo's hashes from now on (those of the rows already here included).

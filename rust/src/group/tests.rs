@@ -122,8 +122,9 @@ fn a_salted_prompt_is_walked_from_the_first_block_of_its_salt() {
 #[test]
 fn unheld_chains_expire_from_their_leaves_and_their_tokens_are_given_back() {
     let mut g = Group::new();
-    // 40 chains of 100 blocks of 32 tokens (128,000 tokens), keys of 32 bytes (the side
-    // table); stored at time 10, held by holder 1 while stored.
+    // 40 chains of 100 blocks of 32 tokens (128,000 tokens, ids past 2**24: 4 bytes
+    // each), keys of 32 bytes (the side table); stored at time 10, held by holder 1.
+    const BIG: u32 = 1 << 24;
     let key = |c: u32, i: u32| {
         let mut k = [0u8; 32];
         k[..4].copy_from_slice(&c.to_le_bytes());
@@ -133,7 +134,9 @@ fn unheld_chains_expire_from_their_leaves_and_their_tokens_are_given_back() {
     g.set_clock(10);
     for c in 0..40u32 {
         for i in 0..100u32 {
-            let tokens: Vec<i32> = (0..32).map(|t| (c * 1000 + i * 32 + t) as i32).collect();
+            let tokens: Vec<i32> = (0..32)
+                .map(|t| (BIG + c * 1000 + i * 32 + t) as i32)
+                .collect();
             let parent = (i > 0).then(|| key(c, i - 1));
             let start = i64::from(i) * 32;
             g.add_row(
@@ -144,7 +147,7 @@ fn unheld_chains_expire_from_their_leaves_and_their_tokens_are_given_back() {
         }
     }
     let walk = |g: &Group, c: u32| {
-        let tokens: Vec<i32> = (0..3200).map(|t| (c * 1000 + t) as i32).collect();
+        let tokens: Vec<i32> = (0..3200).map(|t| (BIG + c * 1000 + t) as i32).collect();
         g.match_tokens(&tokens, 32, 32, None, None)
     };
     assert_eq!(walk(&g, 7), vec![(1, 100, 3200)]);
@@ -164,11 +167,14 @@ fn unheld_chains_expire_from_their_leaves_and_their_tokens_are_given_back() {
     assert_eq!(g.blocks(), 20 * 50);
     assert!(walk(&g, 7).is_empty() && g.find(&key(7, 0)).is_none());
     assert_eq!(walk(&g, 27), vec![(1, 50, 1600)]);
-    assert!(g.tokens.len() <= 20 * 50 * 32, "the arena was compacted");
+    assert!(
+        g.tokens.len_words() <= 20 * 50 * 32,
+        "the arena was compacted"
+    );
     assert_eq!(g.longs.len() - g.free_longs.len(), 20 * 50);
     // What is stored again is found again, its key reusing a freed row.
     g.set_clock(30);
-    let tokens: Vec<i32> = (7000..7032).collect();
+    let tokens: Vec<i32> = (0..32).map(|t| (BIG + 7000 + t) as i32).collect();
     g.add_row(&key(7, 0), &content(None, 0, &tokens));
     g.hold(&key(7, 0), 2, 1);
     assert_eq!(walk(&g, 7), vec![(2, 1, 32)]);

@@ -223,6 +223,7 @@ impl Group {
 
     /// A store's content for `key` (replacing what the row had).
     pub fn add_row(&mut self, key: &[u8], c: &Content<'_>) {
+        self.prefetch_content_slot(c);
         let row = self.intern(key);
         self.dynamo_drop(row);
         let parent = match c.parent {
@@ -357,6 +358,28 @@ impl Group {
         }
         self.tokens = tokens;
         self.garbage = 0;
+    }
+
+    /// A hint for the content slot a block's key will take (where its parent's key is
+    /// known), so that its cache miss overlaps the work of making the row.
+    fn prefetch_content_slot(&self, c: &Content<'_>) {
+        if !c.plain {
+            return;
+        }
+        let (Some(lora), Some(salt)) = (self.known_id(c.lora), self.known_id(c.salt)) else {
+            return; // a name not met yet: interned in a moment, no key to guess now
+        };
+        let parent = match c.parent {
+            None => self.root_key(salt),
+            Some(p) => match self.find(p) {
+                Some(row) if self.rows[row as usize].flags & CHAINED != 0 => {
+                    self.rows[row as usize].chain
+                }
+                _ => return,
+            },
+        };
+        let key = self.content_key(parent, c.block_size, c.partial, lora, c.tokens);
+        self.content.prefetch(key);
     }
 
     /// A known row's LoRA, extra-keys flag and salt (a later store's metadata, its content

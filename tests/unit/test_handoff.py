@@ -49,6 +49,42 @@ def test_a_full_queue_blocks_the_caller_until_the_writer_catches_up() -> None:
     handoff.stop(10)
 
 
+def test_callers_on_many_threads_never_have_more_than_the_capacity_waiting() -> None:
+    """Four threads put 2,000 items each into a handoff of two: every item is written once,
+    each thread's in its order, and no put returned while two items it could see were
+    still unwritten beyond the capacity."""
+    capacity, lock = 2, threading.Lock()
+    returned, written, worst = [0], [0], [0]
+    seen: list[tuple[int, int]] = []
+
+    def write(item: tuple[int, int]) -> None:
+        with lock:
+            written[0] += 1
+        seen.append(item)
+
+    handoff = Handoff(write, capacity, "w")
+
+    def caller(t: int) -> None:
+        for i in range(2000):
+            handoff.put((t, i))
+            with lock:
+                returned[0] += 1
+                worst[0] = max(worst[0], returned[0] - written[0])
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    handoff.stop(10)
+    assert sorted(seen) == [(t, i) for t in range(4) for i in range(2000)]
+    for t in range(4):
+        assert [i for u, i in seen if u == t] == list(range(2000))
+    # A put returns once its item is queued: with four callers, at most the capacity
+    # plus one item each can be queued or being written when one returns.
+    assert worst[0] <= capacity + 4
+
+
 def test_a_failure_raises_from_the_next_call_once_and_the_rest_is_written() -> None:
     written: list[int] = []
 

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -148,21 +148,17 @@ class RouterIndex:
             stored = PostgresStore(conn).stored_offsets(self.consumer_group, self.topic)
             for partition, offset in stored.items():
                 store.offsets[(self.consumer_group, self.topic, partition)] = offset
-            # One bytes object per hash, whichever copy meets it first (~48 bytes saved per
-            # parent link and per mask key). The residencies come first, so that the holder
-            # masks, which every lookup probes, keep the hash objects allocated alongside
-            # them; the rows and their parent links reuse those.
-            seen: dict[bytes, bytes] = {}
+            canon = _one_object_per_hash(store)
             with cur.copy(
                 "COPY (SELECT model, group_idx, block_hash, instance, medium, ownership, "
                 "refcount FROM kvledger.residencies) TO STDOUT (FORMAT BINARY)"
             ) as copy:
                 copy.set_types(["text", "int4", "bytea", "text", "text", "text", "int4"])
                 for model, group, raw, instance, medium, own, refcount in copy.rows():
-                    h = seen.setdefault(raw, raw)
+                    h = canon(raw)
                     store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
-            self._load_blocks(cur, store, seen)
-            del seen
+            self._load_blocks(cur, store, canon)
+            del canon
             store.sources.update(load_source_states(cur))
             store.lives.update(load_source_lives(cur))
         with self.lock:
@@ -177,7 +173,9 @@ class RouterIndex:
         )
 
     @staticmethod
-    def _load_blocks(cur: psycopg.Cursor, store: RouterStore, seen: dict[bytes, bytes]) -> None:
+    def _load_blocks(
+        cur: psycopg.Cursor, store: RouterStore, canon: Callable[[bytes], bytes]
+    ) -> None:
         with cur.copy(
             "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
             "partial, lora_name, extra_keys, token_ids FROM kvledger.blocks) "
@@ -187,8 +185,8 @@ class RouterIndex:
                 ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]"]
             )
             for model, group, raw, up, start, size, partial, lora, extra, tokens in copy.rows():
-                h = seen.setdefault(raw, raw)
-                parent = seen.setdefault(up, up) if up is not None else None
+                h = canon(raw)
+                parent = canon(up) if up is not None else None
                 plain, salt = walkable(extra, up is None)
                 store.group(GroupKey(model, group)).add_row(
                     h, parent, start, tokens, size, partial, lora, plain, salt
@@ -399,6 +397,19 @@ class RouterIndex:
         """As :meth:`PrefixIndex.knows_group`, from memory."""
         with self.lock:
             return GroupKey(model, group_idx) in self.store.specs
+
+
+def _one_object_per_hash(store: RouterStore) -> Callable[[bytes], bytes]:
+    """What a bootstrap hands the groups for each hash it reads. Pure-Python groups keep
+    the objects they are given: one bytes object per hash, whichever copy meets it first
+    (~48 bytes saved per parent link and per mask key; the residencies come first, so the
+    holder masks, which every lookup probes, keep the objects allocated alongside them).
+    The compiled core copies each hash in: sharing would only keep every object alive
+    until the load ends."""
+    if store.copies_hashes():
+        return lambda raw: raw
+    seen: dict[bytes, bytes] = {}
+    return lambda raw: seen.setdefault(raw, raw)
 
 
 def _now() -> datetime:

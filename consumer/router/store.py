@@ -35,7 +35,7 @@ from kvledger.consumer.core.model import (
     new_tuple,
 )
 from kvledger.consumer.core.validate import upgrades
-from kvledger.consumer.router.groups import BlockGroup, Group
+from kvledger.consumer.router.groups import BlockGroup, Group, PureGroup
 from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
@@ -66,6 +66,11 @@ class RouterStore(StagedStore):
             if self.dynamo:
                 g.enable_dynamo()
         return g
+
+    def copies_hashes(self) -> bool:
+        """Whether its groups copy the hash objects they are given (the compiled core's
+        do; the pure ones keep them)."""
+        return Group is not PureGroup
 
     def set_clock(self, now: int) -> None:
         """The time (whole seconds) that stores and holders from now on stamp on the blocks

@@ -99,6 +99,7 @@ class BlockGroup(Protocol):
     ) -> list[tuple[int, int, int, int]]: ...
     def set_clock(self, now: int) -> None: ...
     def expire(self, cutoff: int) -> int: ...
+    def expire_some(self, cutoff: int, rows: int) -> tuple[int, bool]: ...
     def __len__(self) -> int: ...
 
 
@@ -357,6 +358,11 @@ class PureGroup:
                 dropped += 1
                 at = row.parent
         return dropped
+
+    def expire_some(self, cutoff: int, rows: int) -> tuple[int, bool]:
+        """:meth:`expire` a slice of rows at a time, as the compiled core does; this twin
+        does the whole pass at once (it keeps no row order): (dropped, True)."""
+        return self.expire(cutoff), True
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -62,6 +62,8 @@ _LOST = (
 APPLY_CHUNK = 500
 # How long a router keeps a block no one holds (as the index keeps its block rows).
 BLOCK_RETENTION = Retention().blocks
+# Rows an expiry pass looks at per hold of the lookups' lock (~1 ms natively).
+EXPIRY_SLICE = 200_000
 
 
 @contextmanager
@@ -292,9 +294,14 @@ class RouterIndex:
         if not force and now < self._next_expiry:
             return 0
         self._next_expiry = now + min(60.0, max(1.0, retention / 10))
-        with self.lock, _collector_paused():
-            started = time.perf_counter()
-            dropped = self.store.expire(_clock() - int(retention))
+        started, dropped = time.perf_counter(), 0
+        slices = self.store.expire_slices(_clock() - int(retention), EXPIRY_SLICE)
+        while True:  # the lock held a slice at a time: lookups go on in between
+            with self.lock, _collector_paused():
+                step = next(slices, None)
+            if step is None:
+                break
+            dropped += step
         self.blocks_expired += dropped
         metrics.ROUTER_BLOCKS_EXPIRED.inc(dropped)
         if dropped:

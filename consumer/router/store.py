@@ -85,6 +85,15 @@ class RouterStore(StagedStore):
         changes; the rules meet such a block's hash again as a new one."""
         return sum(g.expire(max(cutoff, 0)) for g in self.groups.values())
 
+    def expire_slices(self, cutoff: int, rows: int) -> Iterator[int]:
+        """:meth:`expire` a slice of ``rows`` rows at a time: each step (run the iterator
+        under the writers' lock, released between steps) gives how many went."""
+        for g in list(self.groups.values()):
+            done = False
+            while not done:
+                dropped, done = g.expire_some(max(cutoff, 0), rows)
+                yield dropped
+
     def holder_id(self, holder: Holder) -> int:
         hid = self.holder_ids.get(holder)
         if hid is None:

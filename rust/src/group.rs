@@ -135,6 +135,7 @@ pub struct Group {
     // caller's retention (see `expire`).
     seen: Vec<u32>,
     clock: u32,
+    sweep: usize, // where `expire_some` goes on from
     tokens: tokens::Arena,
     garbage: usize, // token words no row uses any more (see `compact_tokens_if_sparse`)
     loras: Vec<String>,
@@ -166,6 +167,7 @@ impl Group {
             width: 1,
             seen: Vec::new(),
             clock: 0,
+            sweep: 0,
             tokens: tokens::Arena::default(),
             garbage: 0,
             loras: Vec::new(),

@@ -275,6 +275,12 @@ impl Group {
         self.core.expire(cutoff)
     }
 
+    /// expire_some(cutoff, rows) -> (dropped, done): expire over the next `rows` rows from
+    /// where the last call stopped; `done`: the pass reached the last row.
+    fn expire_some(&mut self, cutoff: u32, rows: usize) -> (usize, bool) {
+        self.core.expire_some(cutoff, rows)
+    }
+
     fn __len__(&self) -> usize {
         self.core.blocks()
     }

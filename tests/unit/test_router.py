@@ -173,12 +173,14 @@ def test_a_router_forgets_unheld_blocks_past_its_retention_and_answers_alike(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """RouterIndex.expire forgets, past the block retention, the blocks no one holds and no
-    kept block names as its parent (leaves first, then their parents), and nothing sooner;
-    every lookup answers as before, and what it forgot is stored again as new."""
+    kept block names as its parent (leaves first, then their parents), and nothing sooner,
+    a slice of rows per hold of the lock; every lookup answers as before, and what it
+    forgot is stored again as new."""
     fleet = FleetConfig(instances=3, requests=60, seed=5, gpu_capacity_blocks=48)
     messages = fleet_stream(fleet, partitions=1).messages
     clock = [10_000]
     monkeypatch.setattr("kvledger.consumer.router.index._clock", lambda: clock[0])
+    monkeypatch.setattr("kvledger.consumer.router.index.EXPIRY_SLICE", 50)  # many slices
     router = RouterIndex("localhost:1", "fleet", "g", block_retention=timedelta(seconds=60))
     router.apply(messages[: len(messages) // 2])
     clock[0] += 30

@@ -292,8 +292,26 @@ impl Group {
     /// leaves up in one pass). How many went. The same blocks go whatever the order, as
     /// the pure twin drops them.
     pub fn expire(&mut self, cutoff: u32) -> usize {
+        let dropped = self.expire_rows(cutoff, 0, self.rows.len());
+        self.sweep = 0;
+        dropped
+    }
+
+    /// `expire` a slice at a time: the next `rows` rows from where the last call stopped
+    /// (a caller that holds a lock for each slice lets lookups in between). How many
+    /// went, and whether the pass reached the last row (the next call starts another).
+    pub fn expire_some(&mut self, cutoff: u32, rows: usize) -> (usize, bool) {
+        let from = self.sweep.min(self.rows.len());
+        let to = from.saturating_add(rows.max(1)).min(self.rows.len());
+        let dropped = self.expire_rows(cutoff, from, to);
+        let done = to >= self.rows.len();
+        self.sweep = if done { 0 } else { to };
+        (dropped, done)
+    }
+
+    fn expire_rows(&mut self, cutoff: u32, from: usize, to: usize) -> usize {
         let mut dropped = 0;
-        for row in 0..self.rows.len() as u32 {
+        for row in from as u32..to as u32 {
             let mut at = row;
             while at != NONE && self.expired(at, cutoff) {
                 let parent = self.rows[at as usize].parent;

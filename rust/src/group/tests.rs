@@ -180,3 +180,49 @@ fn unheld_chains_expire_from_their_leaves_and_their_tokens_are_given_back() {
     assert_eq!(walk(&g, 7), vec![(2, 1, 32)]);
     assert_eq!(g.rows.len(), 40 * 100);
 }
+
+#[test]
+fn expiry_a_slice_at_a_time_drops_what_one_pass_drops() {
+    let build = || {
+        let mut g = Group::new();
+        g.set_clock(5);
+        for c in 0..50u8 {
+            let mut parent: Option<[u8; 8]> = None;
+            for i in 0..20u8 {
+                let key = [c, i, 1, 1, 1, 1, 1, 1];
+                g.add_row(
+                    &key,
+                    &content(
+                        parent.as_ref().map(|p| &p[..]),
+                        0,
+                        &[i32::from(c), i32::from(i)],
+                    ),
+                );
+                g.hold(&key, usize::from(c % 3), 1);
+                parent = Some(key);
+            }
+        }
+        g.set_clock(9);
+        for c in (0..50u8).filter(|c| c % 2 == 0) {
+            for i in (u8::from(c % 4 == 0) * 10)..20 {
+                g.hold(&[c, i, 1, 1, 1, 1, 1, 1], usize::from(c % 3), 0);
+            }
+        }
+        g
+    };
+    let (mut whole, mut sliced) = (build(), build());
+    let all = whole.expire(10);
+    let (mut dropped, mut passes) = (0, 0);
+    loop {
+        let (n, done) = sliced.expire_some(10, 7);
+        dropped += n;
+        passes += 1;
+        if done {
+            break;
+        }
+    }
+    assert_eq!((dropped, all), (25 * 20 - 13 * 10, 25 * 20 - 13 * 10));
+    assert_eq!(passes, 1000usize.div_ceil(7));
+    assert_eq!(sliced.stored_keys(), whole.stored_keys());
+    assert_eq!(sliced.expire_some(10, 5000), (0, true));
+}

@@ -659,7 +659,9 @@ impl Group {
 
 mod content;
 mod dynamo;
+mod expiry;
 mod tokens;
+mod walk;
 pub use dynamo::{local_hash, seed_for};
 #[cfg(test)]
 mod tests;

@@ -226,3 +226,37 @@ fn expiry_a_slice_at_a_time_drops_what_one_pass_drops() {
     assert_eq!(sliced.stored_keys(), whole.stored_keys());
     assert_eq!(sliced.expire_some(10, 5000), (0, true));
 }
+
+#[test]
+fn an_expired_block_leaves_dynamos_table_and_comes_back_when_stored_again() {
+    let mut g = Group::new();
+    g.enable_dynamo();
+    let (a, b) = (b"aaaaaaaa".as_slice(), b"bbbbbbbb".as_slice());
+    let locals = [
+        local_hash(&[1, 2], seed_for(None)),
+        local_hash(&[3, 4], seed_for(None)),
+    ];
+    let store = |g: &mut Group| {
+        g.add_row(a, &content(None, 0, &[1, 2]));
+        g.add_row(b, &content(Some(a), 2, &[3, 4]));
+        g.hold(a, 0, 1);
+        g.hold(b, 0, 1);
+    };
+    g.set_clock(1);
+    store(&mut g);
+    assert_eq!(g.dynamo_levels(&locals, 2), vec![(0, vec![0b11])]);
+    g.hold(b, 0, 0);
+    g.set_clock(5);
+    g.hold(a, 0, 0);
+    assert_eq!(
+        g.expire(2),
+        1,
+        "b, let go at 1; a was let go at 5 and names b"
+    );
+    assert!(g.dynamo_local(b).is_none() && g.dynamo_local(a).is_some());
+    assert_eq!(g.expire(6), 1);
+    assert!(g.dynamo_levels(&locals, 2).is_empty() && g.blocks() == 0);
+    g.set_clock(7);
+    store(&mut g);
+    assert_eq!(g.dynamo_levels(&locals, 2), vec![(0, vec![0b11])]);
+}

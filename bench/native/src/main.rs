@@ -63,6 +63,20 @@ fn timed<T>(inputs: &[T], mut f: impl FnMut(&T) -> usize) -> (f64, f64, usize) {
     (p50, p99, found)
 }
 
+/// A full block of BLOCK tokens at position `i` of its chain.
+fn full_block<'a>(parent: Option<&'a [u8]>, i: usize, tokens: &'a [i32]) -> Content<'a> {
+    Content {
+        parent,
+        start: Some((i * BLOCK) as i64),
+        tokens,
+        block_size: BLOCK as i32,
+        partial: false,
+        lora: None,
+        plain: true,
+        salt: None,
+    }
+}
+
 /// The store's path: a block's content the first time it is met (as the router's store
 /// merges rows), then each holder's residency.
 fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
@@ -75,17 +89,7 @@ fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
             for i in 0..n {
                 let key = &keys[c as usize][i][..];
                 if !group.has_content(key) {
-                    let content = Content {
-                        parent,
-                        start: Some((i * BLOCK) as i64),
-                        tokens: &tokens,
-                        block_size: BLOCK as i32,
-                        partial: false,
-                        lora: None,
-                        plain: true,
-                        salt: None,
-                    };
-                    group.add_row(key, &content);
+                    group.add_row(key, &full_block(parent, i, &tokens));
                 }
                 group.hold(key, worker as usize, 1);
                 parent = Some(key);
@@ -112,17 +116,10 @@ fn build_large(blocks: usize) -> Group {
         }
         let key = block_hash(c as u64, i).to_be_bytes();
         let parent = (i > 0).then(|| block_hash(c as u64, i - 1).to_be_bytes());
-        let content = Content {
-            parent: parent.as_ref().map(|p| &p[..]),
-            start: Some((i * BLOCK) as i64),
-            tokens: &tokens,
-            block_size: BLOCK as i32,
-            partial: false,
-            lora: None,
-            plain: true,
-            salt: None,
-        };
-        group.add_row(&key, &content);
+        group.add_row(
+            &key,
+            &full_block(parent.as_ref().map(|p| &p[..]), i, &tokens),
+        );
         group.hold(&key, c % INSTANCES as usize, 1);
     }
     group

@@ -49,11 +49,17 @@ const LEVELS_AT_ONCE: usize = 16;
 /// `Row::key_len` of a key longer than 8 bytes: `Row::key` holds its index in `Group::longs`.
 const LONG: u8 = u8::MAX;
 
+/// Where a LONG row's key is in `Group::longs`.
+#[inline]
+fn long_at(r: &Row) -> usize {
+    u32::from_ne_bytes([r.key[0], r.key[1], r.key[2], r.key[3]]) as usize
+}
+
 /// A row's key: inline up to 8 bytes (an engine's int64 hash, the usual), else in `longs`.
 #[inline]
 fn key_in<'a>(r: &'a Row, longs: &'a [Box<[u8]>]) -> &'a [u8] {
     if r.key_len == LONG {
-        &longs[u32::from_ne_bytes([r.key[0], r.key[1], r.key[2], r.key[3]]) as usize]
+        &longs[long_at(r)]
     } else {
         &r.key[..r.key_len as usize]
     }
@@ -309,11 +315,10 @@ impl Group {
         self.index.remove(hash, row, |r| {
             seed.hash_one(key_in(&rows[r as usize], longs))
         });
-        let r = &mut self.rows[row as usize];
         if r.key_len == LONG {
-            let at = u32::from_ne_bytes([r.key[0], r.key[1], r.key[2], r.key[3]]);
-            self.longs[at as usize] = Box::default();
-            self.free_longs.push(at);
+            let at = long_at(r);
+            self.longs[at] = Box::default();
+            self.free_longs.push(at as u32);
         }
         let r = &mut self.rows[row as usize];
         r.flags = 0;

@@ -71,6 +71,13 @@ impl Group {
         self.tokens.ids(r.tok_off, r.tok_len, r.tok_width)
     }
 
+    /// A row's tokens left to the arena's garbage (see `compact_tokens_if_sparse`).
+    pub(super) fn forget_tokens(&mut self, row: u32) {
+        let r = &mut self.rows[row as usize];
+        self.garbage += words(r.tok_len, r.tok_width);
+        r.tok_len = 0;
+    }
+
     /// Whether a row's tokens are `want`.
     pub(super) fn row_has(&self, row: u32, want: &[i32]) -> bool {
         let r = &self.rows[row as usize];
@@ -191,7 +198,7 @@ impl Group {
         ok.then_some(kid)
     }
 
-    pub(super) fn link(&mut self, row: u32, parent: u32) {
+    fn link(&mut self, row: u32, parent: u32) {
         if parent == NONE {
             return;
         }
@@ -244,8 +251,7 @@ impl Group {
         let same_tokens = stored && self.row_has(row, c.tokens);
         if !same_tokens {
             if stored {
-                let r = &self.rows[row as usize];
-                self.garbage += words(r.tok_len, r.tok_width);
+                self.forget_tokens(row);
             }
             let len = u32::try_from(c.tokens.len()).expect("fewer than 2**32 tokens a block");
             let (off, width) = self.tokens.put(c.tokens);

@@ -2,7 +2,6 @@
 //! nothing touched since a cutoff (the caller's clock), leaves first; their tokens are given
 //! back once they are most of the arena.
 
-use super::tokens::words;
 use super::{Group, NONE, PARTIAL, PLAIN, STORED};
 
 impl Group {
@@ -67,11 +66,9 @@ impl Group {
         self.set_chain(row, None);
         let parent = self.rows[row as usize].parent;
         self.unlink(row, parent);
-        let r = &self.rows[row as usize];
-        self.garbage += words(r.tok_len, r.tok_width);
+        self.forget_tokens(row);
         let r = &mut self.rows[row as usize];
         r.parent = NONE;
-        r.tok_len = 0;
         r.flags &= !(STORED | PARTIAL | PLAIN);
         self.stored -= 1;
         self.release(row);

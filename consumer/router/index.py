@@ -2,7 +2,7 @@
 
 1. :meth:`RouterIndex.bootstrap` reads one consistent snapshot of the PostgreSQL index —
    group specs, the blocks lookups need, live residencies, source states and lives, and the
-   consumer group's stored offsets — in one REPEATABLE READ transaction.
+   consumer group's stored offsets — in one REPEATABLE READ transaction (:mod:`.snapshot`).
 2. :meth:`RouterIndex.start` tails the topic from exactly those offsets (its own
    assignment of every partition, no consumer-group commits) through the same pipeline and
    pure core as the consumer, into the :class:`RouterStore`: no gap, no double count, the
@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,17 +32,15 @@ from confluent_kafka.admin import AdminClient
 from kvledger.consumer import metrics
 from kvledger.consumer.core.model import (
     GroupKey,
-    ResidencyKey,
 )
 from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.lookup.api import Granularity
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
-from kvledger.consumer.router.store import RouterStore, walkable
+from kvledger.consumer.router.snapshot import load_snapshot
+from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import FencedError
-from kvledger.consumer.store.pg_state import load_source_lives, load_source_states, load_specs
-from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.lookup import Holder
@@ -142,27 +140,7 @@ class RouterIndex:
     def bootstrap(self, conn: psycopg.Connection) -> None:
         """Load one consistent snapshot of the PostgreSQL index (and its offsets)."""
         started = time.perf_counter()
-        store = RouterStore(self.dynamo)
-        store.set_clock(_clock())  # what it loads counts as seen now
-        with conn.transaction(), conn.cursor() as cur:
-            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            store.specs.update(load_specs(cur))
-            stored = PostgresStore(conn).stored_offsets(self.consumer_group, self.topic)
-            for partition, offset in stored.items():
-                store.offsets[(self.consumer_group, self.topic, partition)] = offset
-            canon = _one_object_per_hash(store)
-            with cur.copy(
-                "COPY (SELECT model, group_idx, block_hash, instance, medium, ownership, "
-                "refcount FROM kvledger.residencies) TO STDOUT (FORMAT BINARY)"
-            ) as copy:
-                copy.set_types(["text", "int4", "bytea", "text", "text", "text", "int4"])
-                for model, group, raw, instance, medium, own, refcount in copy.rows():
-                    h = canon(raw)
-                    store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
-            self._load_blocks(cur, store, canon)
-            del canon
-            store.sources.update(load_source_states(cur))
-            store.lives.update(load_source_lives(cur))
+        store = load_snapshot(conn, self.consumer_group, self.topic, self.dynamo, _clock())
         with self.lock:
             self.store = store
         self._bootstrap_s = time.perf_counter() - started
@@ -173,26 +151,6 @@ class RouterIndex:
             len(store.holders),
             self.store.stored_offsets(self.consumer_group, self.topic),
         )
-
-    @staticmethod
-    def _load_blocks(
-        cur: psycopg.Cursor, store: RouterStore, canon: Callable[[bytes], bytes]
-    ) -> None:
-        with cur.copy(
-            "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
-            "partial, lora_name, extra_keys, token_ids FROM kvledger.blocks) "
-            "TO STDOUT (FORMAT BINARY)"
-        ) as copy:
-            copy.set_types(
-                ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]"]
-            )
-            for model, group, raw, up, start, size, partial, lora, extra, tokens in copy.rows():
-                h = canon(raw)
-                parent = canon(up) if up is not None else None
-                plain, salt = walkable(extra, up is None)
-                store.group(GroupKey(model, group)).add_row(
-                    h, parent, start, tokens, size, partial, lora, plain, salt
-                )
 
     # ------------------------------------------------------------------ tailing
     def start(self) -> None:
@@ -283,7 +241,7 @@ class RouterIndex:
         self.expire()
 
     def expire(self, force: bool = False) -> int:
-        """Forget the blocks past the block retention (see :meth:`RouterStore.expire`),
+        """Forget the blocks past the block retention (see :meth:`RouterStore.expire_slices`),
         when a check is due (or ``force``); how many went. Bounds the router's memory as
         the index's own retention bounds its block rows: without it, every block the fleet
         ever stored would stay."""
@@ -404,19 +362,6 @@ class RouterIndex:
         """As :meth:`PrefixIndex.knows_group`, from memory."""
         with self.lock:
             return GroupKey(model, group_idx) in self.store.specs
-
-
-def _one_object_per_hash(store: RouterStore) -> Callable[[bytes], bytes]:
-    """What a bootstrap hands the groups for each hash it reads. Pure-Python groups keep
-    the objects they are given: one bytes object per hash, whichever copy meets it first
-    (~48 bytes saved per parent link and per mask key; the residencies come first, so the
-    holder masks, which every lookup probes, keep the objects allocated alongside them).
-    The compiled core copies each hash in: sharing would only keep every object alive
-    until the load ends."""
-    if store.copies_hashes():
-        return lambda raw: raw
-    seen: dict[bytes, bytes] = {}
-    return lambda raw: seen.setdefault(raw, raw)
 
 
 def _now() -> datetime:

@@ -79,15 +79,12 @@ class RouterStore(StagedStore):
         for g in self.groups.values():
             g.set_clock(now)
 
-    def expire(self, cutoff: int) -> int:
-        """Forget the blocks no one holds, no block names as its parent, and nothing stored
-        or held since ``cutoff``; how many went. Lookups count holders, so no answer
-        changes; the rules meet such a block's hash again as a new one."""
-        return sum(g.expire(max(cutoff, 0)) for g in self.groups.values())
-
     def expire_slices(self, cutoff: int, rows: int) -> Iterator[int]:
-        """:meth:`expire` a slice of ``rows`` rows at a time: each step (run the iterator
-        under the writers' lock, released between steps) gives how many went."""
+        """Forget the blocks no one holds, no block names as its parent, and nothing stored
+        or held since ``cutoff``, a slice of ``rows`` rows at a time: each step (run the
+        iterator under the writers' lock, released between steps) gives how many went.
+        Lookups count holders, so no answer changes; the rules meet such a block's hash
+        again as a new one."""
         for g in list(self.groups.values()):
             done = False
             while not done:

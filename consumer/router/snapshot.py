@@ -1,0 +1,74 @@
+"""A router's start: one consistent snapshot of the PostgreSQL index read into a
+:class:`~.store.RouterStore` — group specs, live residencies, the block rows, source states
+and lives, and a consumer group's stored offsets — in one REPEATABLE READ transaction, so
+that tailing the topic from those offsets neither misses nor repeats an event."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psycopg
+
+from kvledger.consumer.core.model import GroupKey, ResidencyKey
+from kvledger.consumer.router.store import RouterStore, walkable
+from kvledger.consumer.store.pg_state import load_source_lives, load_source_states, load_specs
+from kvledger.consumer.store.postgres import PostgresStore
+
+
+def load_snapshot(
+    conn: psycopg.Connection, consumer_group: str, topic: str, dynamo: bool, clock: int
+) -> RouterStore:
+    """The index as of one transaction; what it loads counts as seen at ``clock``."""
+    store = RouterStore(dynamo)
+    store.set_clock(clock)
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        store.specs.update(load_specs(cur))
+        stored = PostgresStore(conn).stored_offsets(consumer_group, topic)
+        for partition, offset in stored.items():
+            store.offsets[(consumer_group, topic, partition)] = offset
+        canon = _one_object_per_hash(store)
+        with cur.copy(
+            "COPY (SELECT model, group_idx, block_hash, instance, medium, ownership, "
+            "refcount FROM kvledger.residencies) TO STDOUT (FORMAT BINARY)"
+        ) as copy:
+            copy.set_types(["text", "int4", "bytea", "text", "text", "text", "int4"])
+            for model, group, raw, instance, medium, own, refcount in copy.rows():
+                h = canon(raw)
+                store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
+        _load_blocks(cur, store, canon)
+        del canon
+        store.sources.update(load_source_states(cur))
+        store.lives.update(load_source_lives(cur))
+    return store
+
+
+def _load_blocks(cur: psycopg.Cursor, store: RouterStore, canon: Callable[[bytes], bytes]) -> None:
+    with cur.copy(
+        "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
+        "partial, lora_name, extra_keys, token_ids FROM kvledger.blocks) "
+        "TO STDOUT (FORMAT BINARY)"
+    ) as copy:
+        copy.set_types(
+            ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]"]
+        )
+        for model, group, raw, up, start, size, partial, lora, extra, tokens in copy.rows():
+            h = canon(raw)
+            parent = canon(up) if up is not None else None
+            plain, salt = walkable(extra, up is None)
+            store.group(GroupKey(model, group)).add_row(
+                h, parent, start, tokens, size, partial, lora, plain, salt
+            )
+
+
+def _one_object_per_hash(store: RouterStore) -> Callable[[bytes], bytes]:
+    """What a snapshot hands the groups for each hash it reads. Pure-Python groups keep
+    the objects they are given: one bytes object per hash, whichever copy meets it first
+    (~48 bytes saved per parent link and per mask key; the residencies come first, so the
+    holder masks, which every lookup probes, keep the objects allocated alongside them).
+    The compiled core copies each hash in: sharing would only keep every object alive
+    until the load ends."""
+    if store.copies_hashes():
+        return lambda raw: raw
+    seen: dict[bytes, bytes] = {}
+    return lambda raw: seen.setdefault(raw, raw)

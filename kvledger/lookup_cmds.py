@@ -42,6 +42,8 @@ def parse_token_ids(text: str) -> list[int]:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvledger.consumer.lookup.hot import HotPath
+    from kvledger.consumer.lookup.hot_protocol import protocol
     from kvledger.consumer.lookup.http import create_app
 
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
@@ -71,6 +73,8 @@ def serve(args: argparse.Namespace) -> int:
                 pool_timeout_s=args.pool_timeout, allow_writer=args.allow_writer,
                 dynamo_api=args.dynamo_api, dynamo_router=router,
             )  # fmt: skip
+        if isinstance(app, HotPath):  # its hot routes answered in uvicorn's HTTP parsing
+            server["http"] = protocol(app.routes)
         freeze_startup_objects()
         uvicorn.run(app, **server)
     finally:

@@ -50,3 +50,13 @@ def dynamo_block_hashes(
         digest(packer.pack(*(t & 0xFFFFFFFF for t in tokens[i : i + block_size])), seed=seed)
         for i in range(0, len(tokens) - block_size + 1, block_size)
     ]
+
+
+def packed_block_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
+    """:func:`dynamo_block_hashes` of token ids already packed as u32 LE bytes, under
+    ``seed`` (:func:`dynamo_seed`)."""
+    if block_size <= 0:
+        return []
+    width, digest = block_size * 4, xxhash.xxh3_64_intdigest
+    ends = range(width, len(packed) + 1, width)
+    return [digest(packed[end - width : end], seed=seed) for end in ends]

@@ -205,10 +205,9 @@ class DynamoApi:
             store = self.router.store
             key = self._partition(store, q.model, q.routing_group)
             block_size = store.specs[key].spec.block_size
-            locals_ = q.hashes(block_size)
             g = store.groups.get(key)
             slots, names = self._slots(store)
-            runs = g.dynamo_runs(locals_, block_size, slots) if g is not None and locals_ else []
+            runs = q.runs(g, block_size, slots) if g is not None else []
             lives = store.lives
             found = [(names[slot], r) for slot, *r in runs if is_live(lives.get(names[slot]), cut)]
             ranks = self.workers.ranks([name for name, _ in found])

@@ -1,6 +1,6 @@
 """Dynamo's KV-indexer routes on the lookup service (:mod:`.dynamo` answers them): Starlette
-routes for each path, and POST /query and /query_by_hash straight on ASGI, as the service's
-/v1/match from memory is."""
+routes for each path, and POST /query and /query_by_hash as hot routes (lookup/hot.py), as
+the service's /v1/match from memory is."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from kvledger.consumer.lookup.dynamo import Answer, DynamoApi
 from kvledger.consumer.lookup.dynamo_requests import MAX_BODY_BYTES, DynamoRequestError
-from kvledger.consumer.lookup.http import read_body
+from kvledger.consumer.lookup.hot import HotRoute, Reply
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 
 logger = logging.getLogger(__name__)
@@ -70,23 +70,25 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
     ]  # fmt: skip
 
 
-def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]:
-    """POST /query and /query_by_hash straight on ASGI (as the service's /v1/match from
-    memory: Starlette's per-request layers cost more than the lookup). Same checks, answers
-    and metrics as :func:`routes`; ``allowed(authorization)``: the bearer check."""
+def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, HotRoute]:
+    """POST /query and /query_by_hash as hot routes (lookup/hot.py: Starlette's and the
+    ASGI server's per-request layers cost more than the lookup). Same checks, answers and
+    metrics as :func:`routes`; ``allowed(authorization)``: the bearer check."""
 
-    def hot(name: str, by_hash: bool) -> Any:
+    def hot(name: str, by_hash: bool) -> HotRoute:
         latency = LATENCY.labels(name)  # the metrics' children, found once
         requests: dict[int, Any] = {}
 
-        async def handle(scope: Any, receive: Any, send: Any) -> None:
-            start = time.perf_counter()
-            authorization, length = "", None
-            for key, value in scope["headers"]:
-                if key == b"authorization":
-                    authorization = value.decode("latin-1")
-                elif key == b"content-length":
-                    length = value.decode("latin-1")
+        def done(started: float, result: Answer) -> Reply:
+            latency.observe(time.perf_counter() - started)
+            counter = requests.get(result[0])
+            if counter is None:
+                counter = requests[result[0]] = REQUESTS.labels(name, str(result[0]))
+            counter.inc()
+            body = msgspec.json.encode(result[1])  # compact JSON, as json.dumps(...) writes
+            return result[0], body, [(b"www-authenticate", b"Bearer")] if result[0] == 401 else []
+
+        def refusal(authorization: str, length: str | None) -> Reply | None:
             result: Answer
             if not allowed(authorization):
                 result = 401, {"error": "a bearer token is required"}
@@ -95,24 +97,13 @@ def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, Any]
             elif int(length) > MAX_BODY_BYTES:
                 result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
             else:
-                raw = await read_body(receive)
-                if raw is None:
-                    return
-                result = _answer(name, lambda _, b: api.query(b, by_hash), None, raw)
-            latency.observe(time.perf_counter() - start)
-            counter = requests.get(result[0])
-            if counter is None:
-                counter = requests[result[0]] = REQUESTS.labels(name, str(result[0]))
-            counter.inc()
-            body = msgspec.json.encode(result[1])  # compact JSON, as json.dumps(...) writes
-            headers = [(b"content-length", str(len(body)).encode()),
-                       (b"content-type", b"application/json")]  # fmt: skip
-            if result[0] == 401:
-                headers.append((b"www-authenticate", b"Bearer"))
-            await send({"type": "http.response.start", "status": result[0], "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+                return None
+            return done(time.perf_counter(), result)
 
-        return handle
+        def reply(raw: bytes, started: float) -> Reply:
+            return done(started, _answer(name, lambda _, b: api.query(b, by_hash), None, raw))
+
+        return HotRoute(refusal, reply)
 
     return {
         "/query": hot("dynamo_query", False),

@@ -10,14 +10,14 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvledger.consumer.router.groups import BlockGroup
 from kvledger.schemas.dynamo import dynamo_seed
 
 try:
     from kvledger._core import dynamo_block_hashes as _native_hashes
-    from kvledger._core import dynamo_packed_hashes as _packed_hashes
     from kvledger._core import dynamo_token_query as _token_query
 except ImportError:  # built without a Rust toolchain
-    _native_hashes = _packed_hashes = _token_query = None  # type: ignore[assignment]
+    _native_hashes = _token_query = None  # type: ignore[assignment]
 
 # Dynamo's own limit on a query's body ("one million tokens as JSON text").
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -52,14 +52,21 @@ class Query:
     lora_name: str | None
     packed: bytes | None = None  # or the token ids as u32 LE bytes (the core's reading)
 
+    def runs(
+        self, g: BlockGroup, block_size: int, slots: list[int]
+    ) -> list[tuple[int, int, int, int]]:
+        """``g.dynamo_runs`` of the query's blocks: from its packed token ids in one call
+        where the core read the body (no Python int per hash)."""
+        if self.packed is not None:
+            return g.dynamo_runs_packed(self.packed, block_size, dynamo_seed(self.lora_name), slots)
+        locals_ = self.hashes(block_size)
+        return g.dynamo_runs(locals_, block_size, slots) if locals_ else []
+
     def hashes(self, block_size: int) -> list[int]:
-        """The query's Dynamo local block hashes, for blocks of ``block_size`` tokens."""
+        """The Dynamo local block hashes of a query not read packed, for blocks of
+        ``block_size`` tokens."""
         if self.locals is not None:
             return self.locals
-        if self.packed is not None:
-            assert _packed_hashes is not None  # packed only where the core read the body
-            hashes: list[int] = _packed_hashes(self.packed, block_size, dynamo_seed(self.lora_name))
-            return hashes
         assert self.token_ids is not None
         return local_hashes(self.token_ids, block_size, self.lora_name)
 

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from kvledger.consumer.db import (
     SCHEMA_MISSING,
@@ -54,6 +54,7 @@ from kvledger.consumer.lookup.api import (
     split_live,
     unknown_group,
 )
+from kvledger.consumer.lookup.hot import HotPath, HotRoute, Reply
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
 from kvledger.consumer.lookup.openapi import DOCUMENT
@@ -324,26 +325,15 @@ def create_app(
             "replay_lsn": str(row[2]) if row[2] is not None else None,
         }, {}  # fmt: skip
 
-    async def hot_match(scope: Scope, receive: Receive, send: Send) -> None:
-        """POST /v1/match from memory, straight on ASGI (see _HotPath)."""
-        start = time.perf_counter()
-        authorization, length = "", None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"content-length":
-                length = value.decode("latin-1")
+    def match_refusal(authorization: str, length: str | None) -> Reply | None:
         if not allowed(authorization):
-            result = refused()
-        elif bad := length_error(length):
-            result = 400, {"error": bad}, {}
-        else:
-            raw = await read_body(receive)
-            if raw is None:
-                return
-            result = answer("match", match, raw)
-        status, payload, headers = counted("match", start, result)
-        await _send_json(send, status, payload, headers)
+            return _reply(counted("match", time.perf_counter(), refused()))
+        if bad := length_error(length):
+            return _reply(counted("match", time.perf_counter(), (400, {"error": bad}, {})))
+        return None
+
+    def match_reply(raw: bytes, started: float) -> Reply:
+        return _reply(counted("match", started, answer("match", match, raw)))
 
     def metrics(request: Request) -> Response:
         if not allowed(request.headers.get("authorization", "")):
@@ -366,7 +356,7 @@ def create_app(
             pool.close()
 
     extra: list[Route] = []
-    hot: dict[str, ASGIApp] = {"/v1/match": hot_match} if router is not None else {}
+    hot = {"/v1/match": HotRoute(match_refusal, match_reply)} if router is not None else {}
     if dynamo_api:
         from kvledger.consumer.lookup import dynamo, dynamo_http
 
@@ -392,7 +382,7 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
-    return _HotPath(app, hot) if hot else app
+    return HotPath(app, hot) if hot else app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -411,45 +401,14 @@ def length_error(length: str | None) -> str | None:
     return None
 
 
-class _HotPath:
-    """The app, with POST /v1/match (memory mode; and Dynamo's /query and /query_by_hash,
-    lookup/dynamo.py) answered straight on ASGI: the request a
-    router makes per prompt skips Starlette's per-request layers (middleware, routing,
-    Request and Response objects), which cost more than the lookup itself. Same checks,
-    answers, bytes and metrics as the Starlette route; everything else goes to the app."""
-
-    def __init__(self, app: Starlette, hot: dict[str, ASGIApp]) -> None:
-        self.app, self.hot = app, hot  # POST path -> its handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.hot.get(scope["path"])
-            if handler is not None:
-                await handler(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def read_body(receive: Receive) -> bytes | None:
-    """A request's whole body from ASGI messages (None: the client went away)."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _send_json(send: Send, status: int, payload: Any, headers: dict[str, str]) -> None:
+def _reply(answer: Answer) -> Reply:
+    """An answer as a hot route's reply: JSON as Starlette's JSONResponse renders it."""
+    status, payload, headers = answer
     body = json.dumps(
         payload, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    ).encode()  # as Starlette's JSONResponse renders it
-    raw = [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
-    raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+    ).encode()
+    return status, body, [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                          for k, v in headers.items()]  # fmt: skip
 
 
 def _block_json(b: Any) -> dict[str, Any]:

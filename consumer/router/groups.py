@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvledger.consumer.router.masks import MaskDict, bits
-from kvledger.schemas.dynamo import dynamo_block_hashes
+from kvledger.schemas.dynamo import dynamo_block_hashes, packed_block_hashes
 
 _PACKERS: dict[int, struct.Struct] = {}
 
@@ -96,6 +96,9 @@ class BlockGroup(Protocol):
     def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...
     def dynamo_runs(
         self, locals: Sequence[int], block_size: int, slots: Sequence[int]
+    ) -> list[tuple[int, int, int, int]]: ...
+    def dynamo_runs_packed(
+        self, packed: bytes, block_size: int, seed: int, slots: Sequence[int]
     ) -> list[tuple[int, int, int, int]]: ...
     def set_clock(self, now: int) -> None: ...
     def expire(self, cutoff: int) -> int: ...
@@ -331,6 +334,13 @@ class PureGroup:
             if on_disk:
                 out.append((slot, on_gpu, on_cpu, on_disk))
         return out
+
+    def dynamo_runs_packed(
+        self, packed: bytes, block_size: int, seed: int, slots: Sequence[int]
+    ) -> list[tuple[int, int, int, int]]:
+        """:meth:`dynamo_runs` of the Dynamo local hashes of token ids packed as u32 LE
+        bytes, under ``seed``."""
+        return self.dynamo_runs(packed_block_hashes(packed, block_size, seed), block_size, slots)
 
     def set_clock(self, now: int) -> None:
         """The time (whole seconds, in [0, 2**32)) that stores and holders from now on

@@ -263,6 +263,25 @@ impl Group {
         }
     }
 
+    /// dynamo_runs_packed(packed, block_size, seed, slots) -> [(slot, gpu, cpu, disk)]: as
+    /// `dynamo_runs` of the Dynamo local hashes of packed u32 LE token ids (what
+    /// `dynamo_token_query` reads from a /query body) under `seed`: no Python int per hash.
+    fn dynamo_runs_packed(
+        &self,
+        packed: &[u8],
+        block_size: i64,
+        seed: u64,
+        slots: Vec<i64>,
+    ) -> Vec<(u32, u32, u32, u32)> {
+        match (i32::try_from(block_size), usize::try_from(block_size)) {
+            (Ok(bs), Ok(size)) => {
+                let locals = crate::dynamo_query::packed_hashes(packed, size, seed);
+                self.core.dynamo_runs(&locals, bs, &slots)
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// set_clock(now): the time (whole seconds, in [0, 2**32)) that stores and holders
     /// from now on stamp on the blocks they touch.
     fn set_clock(&mut self, now: u32) {

@@ -24,6 +24,7 @@ from kvledger.consumer.router import store as store_module
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.dynamo import dynamo_seed
 from tests.helpers.streams import fleet_prompts, fleet_stream
 
 if os.environ.get("CI") == "true":  # CI installs the dev extra: no skipping there
@@ -185,6 +186,11 @@ def test_runs_go_on_down_the_tiers_per_slot_in_both_twins() -> None:
             for i in blocks:
                 g.hold(bytes([i + 1]) * 8, hid, 1)
         answers.append(g.dynamo_runs(locals_, 4, [0, 1, 2, 3, -1]))
+        # From the token ids packed as a /query body is read: the same runs, one call.
+        packed = b"".join(t.to_bytes(4, "little") for t in [*tokens, 7, 7])  # + a partial
+        assert g.dynamo_runs_packed(packed, 4, dynamo_seed(), [0, 1, 2, 3, -1]) == answers[-1]
+        assert g.dynamo_runs_packed(packed, 4, dynamo_seed("other"), [0, 1, 2, 3]) == []
+        assert g.dynamo_runs_packed(packed, 0, dynamo_seed(), [0, 1, 2, 3]) == []
         assert g.dynamo_runs(locals_, 8, [0, 1, 2, 3]) == []  # another block size
         assert g.dynamo_runs(locals_[1:], 4, [0, 1, 2, 3]) == []  # not from the root
     assert answers[0] == [(0, 2, 4, 5)]  # slot 1's GPU run starts past block 0: none

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvledger.consumer.lookup import dynamo_requests as api
 from kvledger.consumer.router import groups
-from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed
+from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed, packed_block_hashes
 
 if not groups.COMPILED:
     pytest.skip("the compiled core is not in use here", allow_module_level=True)
@@ -87,8 +87,9 @@ def test_packed_hashes_are_dynamos() -> None:
     tokens = [*range(40), 2**32 - 1, 2**31, 7, 9]
     packed = b"".join(t.to_bytes(4, "little") for t in tokens)
     for lora in (None, "adapter-a"):
-        assert dynamo_packed_hashes(packed, 4, dynamo_seed(lora)) == dynamo_block_hashes(
-            tokens, 4, lora
-        )
+        want = dynamo_block_hashes(tokens, 4, lora)
+        assert dynamo_packed_hashes(packed, 4, dynamo_seed(lora)) == want
+        assert packed_block_hashes(packed, 4, dynamo_seed(lora)) == want  # the pure twin
+        assert packed_block_hashes(packed + b"\x01\x00", 4, dynamo_seed(lora)) == want
     query = api.parse_query(json.dumps({"token_ids": tokens, "model_name": "m"}).encode(), False)
     assert query.packed == packed and query.token_ids is None

@@ -1,4 +1,4 @@
-"""The lookup service's hot path (consumer.lookup.http._HotPath): in memory mode POST
+"""The lookup service's hot path (consumer.lookup.hot.HotPath): in memory mode POST
 /v1/match is answered straight on ASGI; it must answer every request (good, unauthorized,
 malformed, oversized) with the same status, headers and bytes as the Starlette route it
 bypasses, and count it in the same metrics. A router index filled through the pipeline, no
@@ -13,7 +13,8 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from kvledger.consumer.lookup.http import _HotPath, create_app
+from kvledger.consumer.lookup.hot import HotPath
+from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.lookup.metrics import REQUESTS
 from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
 from kvledger.consumer.pipeline import run_batch
@@ -56,7 +57,7 @@ def requests() -> list[tuple[dict[str, str], bytes]]:
 
 def test_the_hot_path_answers_as_the_starlette_route(router: RouterIndex) -> None:
     app = create_app(router=router, token="s3cret")
-    assert isinstance(app, _HotPath)
+    assert isinstance(app, HotPath)
     with TestClient(app) as hot, TestClient(app.app) as plain:
         statuses = []
         for headers, body in requests():

@@ -181,6 +181,15 @@ fn main() {
             drop(group);
             return;
         }
+        Some("profile-apply") => {
+            // Applying alone, for a profiler: `perf record ... profile-apply`.
+            let mut blocks = 0;
+            for _ in 0..5 {
+                blocks += build_kvledger(&keys).1;
+            }
+            println!("{blocks}");
+            return;
+        }
         Some("profile-tokens") => {
             // Token lookups alone, for a profiler: `perf record ... profile-tokens`.
             let (group, _) = build_kvledger(&keys);

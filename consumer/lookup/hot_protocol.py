@@ -1,0 +1,110 @@
+"""uvicorn's httptools protocol, answering the service's hot routes itself (lookup/hot.py):
+the request is answered in the HTTP parser's own callbacks and its response written to the
+connection, with no ASGI task, scope or receive/send coroutines per request. Every other
+request, and any hot one it cannot answer that way (one pipelined behind a response still
+being written, ``Expect: 100-continue``, an upgrade, a connection whose writes are paused),
+goes to the app as uvicorn's own protocol sends it, where :class:`~.hot.HotPath` answers
+the hot ones alike.
+
+It overrides four of the parser callbacks of uvicorn's ``HttpToolsProtocol``
+(constraints.txt pins uvicorn; tests/unit/test_hot_protocol.py runs it in real servers).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from kvledger.consumer.lookup.hot import HotRoute, Reply, head
+
+
+class _HotProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering the hot routes' requests itself (see the
+    module docstring). A request is hot from its headers to its end; its body is kept only
+    when its route did not refuse it, and a route refuses a body without a Content-Length
+    or over its bound, so what is kept is bounded."""
+
+    routes: ClassVar[dict[bytes, HotRoute]] = {}  # POST path -> route (protocol() sets it)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._route: HotRoute | None = None
+        self._refused: Reply | None = None
+        self._body: list[bytes] = []
+        self._started = 0.0
+        self._keep_alive = True
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._route = None
+
+    def on_headers_complete(self) -> None:
+        route = self._hot_route()
+        if route is None:
+            super().on_headers_complete()
+            return
+        self._route, self._started, self._body = route, time.perf_counter(), []
+        self._keep_alive = (
+            self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        )
+        authorization, length = "", None
+        for name, value in self.headers:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                length = value.decode("latin-1")
+        self._refused = route.refusal(authorization, length)
+
+    def _hot_route(self) -> HotRoute | None:
+        """The route of the request whose headers were just read, when this protocol can
+        answer it itself (None: uvicorn's own way)."""
+        if self.parser.get_method() != b"POST":
+            return None
+        route = self.routes.get(httptools.parse_url(self.url).path)
+        idle = self.cycle is None or self.cycle.response_complete
+        if (
+            route is None
+            or not idle  # a request pipelined behind one being answered: queued in order
+            or self.pipeline
+            or self.expect_100_continue
+            or self.parser.should_upgrade()
+            or self.flow.write_paused  # a client not reading: the app's send waits
+            or self.limit_concurrency is not None
+        ):
+            return None
+        return route
+
+    def on_body(self, body: bytes) -> None:
+        if self._route is None:
+            super().on_body(body)
+        elif self._refused is None:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        route = self._route
+        if route is None:
+            super().on_message_complete()
+            return
+        self._route = None
+        reply = self._refused or route.reply(b"".join(self._body), self._started)
+        self._body = []
+        status, body, headers = reply
+        out = [STATUS_LINE[status]]
+        for name, value in (*self.server_state.default_headers, *head(status, body, headers)):
+            out += [name, b": ", value, b"\r\n"]
+        if not self._keep_alive:
+            out.append(b"connection: close\r\n")
+        out += [b"\r\n", body]
+        self.transport.write(b"".join(out))
+        if not self._keep_alive:
+            self.transport.close()
+        self.on_response_complete()  # counted; the keep-alive timer armed
+
+
+def protocol(routes: dict[str, HotRoute]) -> type[HttpToolsProtocol]:
+    """uvicorn's ``http`` protocol class answering ``routes`` (POST path -> route) itself."""
+    paths = {path.encode(): route for path, route in routes.items()}
+    return type("HotProtocol", (_HotProtocol,), {"routes": paths})

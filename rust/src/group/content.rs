@@ -103,10 +103,13 @@ impl Group {
     /// After a change to `row`'s content, metadata or parent: its content key, and those of
     /// the rows below it whose key follows from it, made current (each changed key moved in
     /// the content index). A subtree is walked only where a key changed.
-    fn rechain(&mut self, row: u32) {
+    ///
+    /// `known`: the row's key where the caller computed it already (add_row's prefetch).
+    fn rechain(&mut self, row: u32, known: Option<u64>) {
         if self.rows[row as usize].first_kid == NONE {
             // A row no other names (a new block, mostly): only its own key.
-            let new = self.chain_of(row);
+            let new = known.or_else(|| self.chain_of(row));
+            debug_assert_eq!(new, self.chain_of(row));
             self.set_chain(row, new);
             return;
         }
@@ -235,13 +238,15 @@ impl Group {
 
     /// A store's content for `key` (replacing what the row had).
     pub fn add_row(&mut self, key: &[u8], c: &Content<'_>) {
-        self.prefetch_content_slot(c);
-        let row = self.intern(key);
-        self.dynamo_drop(row);
+        let chain = self.prefetch_content_slot(c);
+        // The parent first: it is mostly the row found last (the block before, in the same
+        // event), so `find` takes it from the hint; the new row then follows it.
         let parent = match c.parent {
             Some(p) => self.intern(p),
             None => NONE,
         };
+        let row = self.intern(key);
+        self.dynamo_drop(row);
         let old_parent = self.rows[row as usize].parent;
         if old_parent != parent {
             self.unlink(row, old_parent);
@@ -280,7 +285,7 @@ impl Group {
             | STORED
             | if c.partial { PARTIAL } else { 0 }
             | if c.plain { PLAIN } else { 0 };
-        self.rechain(row);
+        self.rechain(row, chain);
         self.dynamo_add(row);
         self.seen[row as usize] = self.clock;
         if old_parent != parent && old_parent != NONE {
@@ -291,26 +296,30 @@ impl Group {
         }
     }
 
-    /// A hint for the content slot a block's key will take (where its parent's key is
-    /// known), so that its cache miss overlaps the work of making the row.
-    fn prefetch_content_slot(&self, c: &Content<'_>) {
+    /// The content key a block stored with `c` will have, where its parent's key is known
+    /// (None: not known yet), with a hint for its slot in the content index, so that the
+    /// slot's cache miss overlaps the work of making the row. It is `chain_of` the row once
+    /// `add_row` has stored `c`: the same parent key, size, partial flag, LoRA and tokens.
+    fn prefetch_content_slot(&self, c: &Content<'_>) -> Option<u64> {
         if !c.plain {
-            return;
+            return None;
         }
-        let (Some(lora), Some(salt)) = (self.known_id(c.lora), self.known_id(c.salt)) else {
-            return; // a name not met yet: interned in a moment, no key to guess now
-        };
+        // A name not met yet is interned in a moment: no key to guess now.
+        let (lora, salt) = (self.known_id(c.lora)?, self.known_id(c.salt)?);
         let parent = match c.parent {
             None => self.root_key(salt),
-            Some(p) => match self.find(p) {
-                Some(row) if self.rows[row as usize].flags & CHAINED != 0 => {
-                    self.rows[row as usize].chain
+            Some(p) => {
+                let row = self.find(p)?;
+                let r = &self.rows[row as usize];
+                if r.flags & CHAINED == 0 {
+                    return None;
                 }
-                _ => return,
-            },
+                r.chain
+            }
         };
         let key = self.content_key(parent, c.block_size, c.partial, lora, c.tokens);
         self.content.prefetch(key);
+        Some(key)
     }
 
     /// A known row's LoRA, extra-keys flag and salt (a later store's metadata, its content
@@ -330,7 +339,7 @@ impl Group {
         r.lora = lora;
         r.salt = salt;
         r.flags = (r.flags & !PLAIN) | if plain { PLAIN } else { 0 };
-        self.rechain(row);
+        self.rechain(row, None);
         self.dynamo_add(row);
     }
 

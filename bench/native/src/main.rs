@@ -197,7 +197,7 @@ fn main() {
             for round in 0..200u64 {
                 let c = (round * 7919) % CHAINS;
                 let tokens = vec![c as i32; LENGTH * BLOCK];
-                for _ in 0..100 {
+                for _ in 0..2000 {
                     found += group.match_tokens(&tokens, BLOCK, BLOCK, None, None).len();
                 }
             }

@@ -4,7 +4,8 @@ A simulated fleet (8 engines, GPU, CPU and STORAGE tiers) goes into a fresh data
 `kvledger serve --memory --dynamo-api` serves it, and Dynamo's standalone indexer
 (``python -m dynamo.indexer`` from ai-dynamo-runtime 1.6.1, the bench extra) starts with
 ``--peers`` at kvledger, so both hold the same index. One client (httpx, keep-alive) sends
-the same prompts' token ids to both, in alternating rounds; every answer pair is compared.
+the same prompts' token ids to both, each prompt to one and then the other (which goes first
+alternates), so both are timed under the same moment's load; every answer pair is compared.
 
 Figures: p50/p99 per request and requests/s for each, their ratios, and whether every
 answer agreed.
@@ -29,7 +30,7 @@ from kvledger.schemas.topics import ensure_topic
 from kvledger.simulate_cmd import run_simulation
 
 FLEET = FleetConfig(instances=8, requests=120, seed=23, gpu_capacity_blocks=256)
-ROUNDS, PER_ROUND = 6, 400
+PROMPTS = 2400
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -68,15 +69,21 @@ def _dynamo_indexer(peer: str) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.3)
 
 
-def _round(client: Any, url: str, bodies: list[dict[str, Any]]) -> tuple[list[float], list[Any]]:
-    times, answers = [], []
-    for body in bodies:
-        start = time.perf_counter()
-        r = client.post(url, json=body)
-        times.append(time.perf_counter() - start)
-        assert r.status_code == 200, r.text
-        answers.append(r.json())
-    return times, answers
+def _alternating(
+    client: Any, urls: tuple[str, str], bodies: list[dict[str, Any]]
+) -> list[tuple[list[float], list[Any]]]:
+    """Each body to both URLs, one after the other, the first of the pair alternating:
+    both servers are timed under the same moment's load. Per URL: seconds per request
+    and the answers."""
+    out: list[tuple[list[float], list[Any]]] = [([], []), ([], [])]
+    for i, body in enumerate(bodies):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            start = time.perf_counter()
+            r = client.post(urls[side], json=body)
+            out[side][0].append(time.perf_counter() - start)
+            assert r.status_code == 200, r.text
+            out[side][1].append(r.json())
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -101,42 +108,28 @@ def main() -> dict[str, float]:
     )  # fmt: skip
     args = [*reader_args(db), "--memory", "--dynamo-api", "--bootstrap", bootstrap, "--topic",
             topic, "--consumer-group", "bench-dynamo", "--silent-after", "86400"]  # fmt: skip
-    prompts = _prompts(ROUNDS * PER_ROUND)
+    prompts = _prompts(PROMPTS)
     bodies = [{"token_ids": p, "model_name": FLEET.model} for p in prompts]
-    ours: list[float] = []
-    theirs: list[float] = []
-    ours_s = theirs_s = 0.0
-    agree = True
     with lookup_service(args, start_timeout_s=60) as kvledger:
         proc, dynamo = _dynamo_indexer(kvledger)
         try:
             with httpx.Client() as client:
-                _round(client, f"{kvledger}/query", bodies[:200])  # warm both
-                _round(client, f"{dynamo}/query", bodies[:200])
-                for r in range(ROUNDS):
-                    part = bodies[r * PER_ROUND : (r + 1) * PER_ROUND]
-                    t0 = time.perf_counter()
-                    a, ours_answers = _round(client, f"{kvledger}/query", part)
-                    t1 = time.perf_counter()
-                    b, their_answers = _round(client, f"{dynamo}/query", part)
-                    t2 = time.perf_counter()
-                    ours += a
-                    theirs += b
-                    ours_s += t1 - t0
-                    theirs_s += t2 - t1
-                    agree = agree and ours_answers == their_answers
+                urls = (f"{kvledger}/query", f"{dynamo}/query")
+                _alternating(client, urls, bodies[:200])  # warm both
+                (ours, ours_answers), (theirs, their_answers) = _alternating(client, urls, bodies)
         finally:
             proc.terminate()
             proc.wait(30)
+    agree = ours_answers == their_answers
     admin.delete_topics([topic, f"{topic}.dlq"])
     figures = {
         "prompts": float(len(ours)),
         "kvledger POST /query p50 us": _pct(ours, 0.5),
         "kvledger POST /query p99 us": _pct(ours, 0.99),
-        "kvledger POST /query requests/s (one client)": len(ours) / ours_s,
+        "kvledger POST /query requests/s (one client)": len(ours) / sum(ours),
         "Dynamo indexer POST /query p50 us": _pct(theirs, 0.5),
         "Dynamo indexer POST /query p99 us": _pct(theirs, 0.99),
-        "Dynamo indexer POST /query requests/s (one client)": len(theirs) / theirs_s,
+        "Dynamo indexer POST /query requests/s (one client)": len(theirs) / sum(theirs),
         "  p50 ratio kvledger / Dynamo": _pct(ours, 0.5) / _pct(theirs, 0.5),
         "  p99 ratio kvledger / Dynamo": _pct(ours, 0.99) / _pct(theirs, 0.99),
         "same answers (every prompt)": float(agree),

@@ -89,7 +89,11 @@ class _HotProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         self._route = None
-        reply = self._refused or route.reply(b"".join(self._body), self._started)
+        try:
+            reply = self._refused or route.reply(b"".join(self._body), self._started)
+        except Exception:  # a bug (routes answer their own errors): a 500, as uvicorn's
+            self.logger.exception("hot route %s failed", self.url.decode("latin-1"))
+            reply, self._keep_alive = (500, b'{"error":"internal error"}', []), False
         self._body = []
         status, body, headers = reply
         out = [STATUS_LINE[status]]

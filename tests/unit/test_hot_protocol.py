@@ -177,3 +177,20 @@ def test_a_malformed_request_is_refused_and_the_server_goes_on(app: HotPath) -> 
         bad = exchange(port, b"POST /query HTTP/1.1\r\ncontent-length: x\r\n\r\n", 1)
         assert bad[0][0] == 400
         assert exchange(port, requests()[1], 1)[0][0] == 200
+
+
+def test_a_route_that_raises_is_a_500_and_the_server_goes_on(app: HotPath) -> None:
+    from kvledger.consumer.lookup.hot import HotRoute
+
+    def broken(raw: bytes, started: float) -> Any:
+        raise RuntimeError("a bug")
+
+    routes = dict(app.routes) | {"/broken": HotRoute(lambda a, n: None, broken)}
+    with server(HotPath(app.app, routes), hot=True) as port:
+        status, headers, body = exchange(port, post("/broken", b"{}"), 1)[0]
+        assert (status, headers["connection"], json.loads(body)) == (
+            500,
+            "close",
+            {"error": "internal error"},
+        )
+        assert exchange(port, requests()[1], 1)[0][0] == 200

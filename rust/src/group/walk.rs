@@ -82,7 +82,7 @@ impl Group {
                 }
                 key = self.rows[kid as usize].chain;
                 i += 1;
-                if !walk.push(self, &[kid]) {
+                if !walk.push_one(self, kid) {
                     break 'full;
                 }
             }
@@ -214,6 +214,29 @@ impl Walk {
                 *alive &= mask;
             }
             any |= *alive;
+        }
+        any != 0
+    }
+
+    /// `push` of a level of one row (a walk down consecutive rows: most levels).
+    fn push_one(&mut self, g: &Group, row: u32) -> bool {
+        if self.starts.is_empty() {
+            return self.push(g, &[row]);
+        }
+        let at = self.starts.len();
+        self.starts.push(self.rows.len());
+        self.rows.push(row);
+        let mut any = 0;
+        for (k, alive) in self.alive.iter_mut().enumerate() {
+            let still = *alive & g.word(row, k);
+            let mut gone = *alive & !still;
+            while gone != 0 {
+                self.ended
+                    .push((k * 64 + gone.trailing_zeros() as usize, at));
+                gone &= gone - 1;
+            }
+            *alive = still;
+            any |= still;
         }
         any != 0
     }

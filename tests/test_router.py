@@ -193,6 +193,49 @@ def test_a_router_from_an_empty_index_and_one_restarted_mid_stream(
         second.stop()
 
 
+def test_a_bootstrapped_block_counts_as_seen_when_the_index_last_saw_it(
+    kafka_bootstrap, fresh_database, make_topic, group_id
+) -> None:
+    """Blocks the index last saw stored two days ago: with a one-day block retention,
+    those no one holds are past it when a router loads them, as they are to the index's
+    own retention. The router forgets them at its first expiry, not a day after it
+    started; a block the index saw stored just now stays; holders and answers are the SQL
+    index's."""
+    topic = make_topic("router-expiry-bootstrap", partitions=3)
+    fleet = FleetConfig(instances=3, requests=60, seed=46, gpu_capacity_blocks=48)
+    run_simulation(kafka_bootstrap, topic, fleet, partitions=3, show_progress=False)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    with connect(fresh_database, autocommit=True) as conn:
+        conn.execute("UPDATE kvledger.blocks SET last_seen = now() - interval '2 days'")
+        recent = conn.execute(
+            "UPDATE kvledger.blocks SET last_seen = now() WHERE block_hash IN "
+            "(SELECT block_hash FROM kvledger.blocks b WHERE NOT EXISTS (SELECT 1 FROM "
+            "kvledger.residencies r WHERE r.block_hash = b.block_hash) LIMIT 20) "
+            "RETURNING model, group_idx, block_hash"
+        ).fetchall()
+    assert recent  # the fleet evicted blocks: some are held by no one
+    router = RouterIndex(kafka_bootstrap, topic, group_id, block_retention=timedelta(days=1))
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    loaded = sum(len(g) for g in router.store.groups.values())
+    dropped = router.expire(force=True)
+    assert 0 < dropped < loaded
+    for model, group, h in recent:
+        assert router.store.groups[GroupKey(model, group)].row(bytes(h)) is not None
+    assert router_state(router) == sql_state(fresh_database)
+    rng = random.Random(9)
+    with connect(fresh_database, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        for tokens in prompts(fleet, rng, 200):
+            hashes = prompt_hashes(tokens, fleet)
+            assert router.match(fleet.model, 0, hashes, "block", True, WIDE) == index.match(
+                fleet.model, 0, hashes, "block", True, WIDE
+            )
+            assert router.match_tokens(fleet.model, 0, tokens, None, True, WIDE) == (
+                index.match_tokens(fleet.model, 0, tokens, None, True, WIDE)
+            )
+
+
 def test_a_router_forgets_what_no_one_holds_and_still_answers_as_sql(
     kafka_bootstrap, fresh_database, make_topic, group_id
 ) -> None:

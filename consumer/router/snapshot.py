@@ -18,7 +18,10 @@ from kvledger.consumer.store.postgres import PostgresStore
 def load_snapshot(
     conn: psycopg.Connection, consumer_group: str, topic: str, dynamo: bool, clock: int
 ) -> RouterStore:
-    """The index as of one transaction; what it loads counts as seen at ``clock``."""
+    """The index as of one transaction. A block row counts as seen when the index last
+    saw it stored (its ``last_seen``, at most ``clock``), so the router's expiry forgets an
+    unheld block when the index's own retention would delete its row, not one whole
+    retention after the router started; what else it loads counts as seen at ``clock``."""
     store = RouterStore(dynamo)
     store.set_clock(clock)
     with conn.transaction(), conn.cursor() as cur:
@@ -36,29 +39,34 @@ def load_snapshot(
             for model, group, raw, instance, medium, own, refcount in copy.rows():
                 h = canon(raw)
                 store.hold(ResidencyKey(model, group, h, instance, medium, own), refcount)
-        _load_blocks(cur, store, canon)
+        _load_blocks(cur, store, canon, clock)
         del canon
+        store.set_clock(clock)
         store.sources.update(load_source_states(cur))
         store.lives.update(load_source_lives(cur))
     return store
 
 
-def _load_blocks(cur: psycopg.Cursor, store: RouterStore, canon: Callable[[bytes], bytes]) -> None:
+def _load_blocks(
+    cur: psycopg.Cursor, store: RouterStore, canon: Callable[[bytes], bytes], clock: int
+) -> None:
     with cur.copy(
         "COPY (SELECT model, group_idx, block_hash, parent_hash, token_start, block_size, "
-        "partial, lora_name, extra_keys, token_ids FROM kvledger.blocks) "
-        "TO STDOUT (FORMAT BINARY)"
+        "partial, lora_name, extra_keys, token_ids, "
+        "GREATEST(0, LEAST(floor(extract(epoch FROM last_seen)), 4294967295))::int8 "
+        "FROM kvledger.blocks) TO STDOUT (FORMAT BINARY)"
     ) as copy:
         copy.set_types(
-            ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]"]
-        )
-        for model, group, raw, up, start, size, partial, lora, extra, tokens in copy.rows():
+            ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]",
+             "int8"]
+        )  # fmt: skip
+        for model, group, raw, up, start, size, partial, lora, extra, tokens, seen in copy.rows():
             h = canon(raw)
             parent = canon(up) if up is not None else None
             plain, salt = walkable(extra, up is None)
-            store.group(GroupKey(model, group)).add_row(
-                h, parent, start, tokens, size, partial, lora, plain, salt
-            )
+            g = store.group(GroupKey(model, group))
+            g.set_clock(min(seen, clock))
+            g.add_row(h, parent, start, tokens, size, partial, lora, plain, salt)
 
 
 def _one_object_per_hash(store: RouterStore) -> Callable[[bytes], bytes]:

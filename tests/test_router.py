@@ -193,6 +193,25 @@ def test_a_router_from_an_empty_index_and_one_restarted_mid_stream(
         second.stop()
 
 
+def answers_as_sql(
+    router: RouterIndex, url: str, fleet: FleetConfig, rng: random.Random, count: int
+) -> None:
+    """The router answers ``count`` prompts by hashes and by tokens as the SQL index does."""
+    with connect(url, autocommit=True) as conn:
+        index = PrefixIndex(conn)
+        for tokens in prompts(fleet, rng, count):
+            hashes = prompt_hashes(tokens, fleet)
+            with router.lock:
+                mem = (
+                    router.match(fleet.model, 0, hashes, "block", True, WIDE),
+                    router.match_tokens(fleet.model, 0, tokens, None, True, WIDE),
+                )
+            assert mem == (
+                index.match(fleet.model, 0, hashes, "block", True, WIDE),
+                index.match_tokens(fleet.model, 0, tokens, None, True, WIDE),
+            )
+
+
 def test_a_bootstrapped_block_counts_as_seen_when_the_index_last_saw_it(
     kafka_bootstrap, fresh_database, make_topic, group_id
 ) -> None:
@@ -223,17 +242,7 @@ def test_a_bootstrapped_block_counts_as_seen_when_the_index_last_saw_it(
     for model, group, h in recent:
         assert router.store.groups[GroupKey(model, group)].row(bytes(h)) is not None
     assert router_state(router) == sql_state(fresh_database)
-    rng = random.Random(9)
-    with connect(fresh_database, autocommit=True) as conn:
-        index = PrefixIndex(conn)
-        for tokens in prompts(fleet, rng, 200):
-            hashes = prompt_hashes(tokens, fleet)
-            assert router.match(fleet.model, 0, hashes, "block", True, WIDE) == index.match(
-                fleet.model, 0, hashes, "block", True, WIDE
-            )
-            assert router.match_tokens(fleet.model, 0, tokens, None, True, WIDE) == (
-                index.match_tokens(fleet.model, 0, tokens, None, True, WIDE)
-            )
+    answers_as_sql(router, fresh_database, fleet, random.Random(9), 200)
 
 
 def test_a_router_forgets_what_no_one_holds_and_still_answers_as_sql(
@@ -268,19 +277,6 @@ def test_a_router_forgets_what_no_one_holds_and_still_answers_as_sql(
             offsets = stored_offsets(conn, group_id, topic)
         router.wait_for(offsets)
         assert router_state(router) == sql_state(fresh_database)
-        rng = random.Random(8)
-        with connect(fresh_database, autocommit=True) as conn:
-            index = PrefixIndex(conn)
-            for tokens in prompts(fleet, rng, 500):
-                hashes = prompt_hashes(tokens, fleet)
-                with router.lock:
-                    mem = (
-                        router.match(fleet.model, 0, hashes, "block", True, WIDE),
-                        router.match_tokens(fleet.model, 0, tokens, None, True, WIDE),
-                    )
-                assert mem == (
-                    index.match(fleet.model, 0, hashes, "block", True, WIDE),
-                    index.match_tokens(fleet.model, 0, tokens, None, True, WIDE),
-                )
+        answers_as_sql(router, fresh_database, fleet, random.Random(8), 500)
     finally:
         router.stop()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from kvledger.consumer.router.groups import BlockGroup
 from kvledger.schemas.dynamo import dynamo_seed
+
+if TYPE_CHECKING:
+    from kvledger.consumer.router.groups import BlockGroup
 
 try:
     from kvledger._core import dynamo_block_hashes as _native_hashes

@@ -33,12 +33,8 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
             result = refusal(request)
             raw = b""
             if result is None and request.method == "POST":
-                length = request.headers.get("content-length")
-                if length is None or not length.isdigit():
-                    result = 411, {"error": "a JSON body with Content-Length is required"}
-                elif int(length) > MAX_BODY_BYTES:
-                    result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
-                else:
+                result = length_refusal(request.headers.get("content-length"))
+                if result is None:
                     raw = await request.body()
             if result is None:
                 result = await run_in_threadpool(_answer, name, fn, request, raw) if slow else (
@@ -70,6 +66,16 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
     ]  # fmt: skip
 
 
+def length_refusal(length: str | None) -> Answer | None:
+    """Dynamo's answer to a POST body of Content-Length ``length`` it does not read (None:
+    it reads it)."""
+    if length is None or not length.isdigit():
+        return 411, {"error": "a JSON body with Content-Length is required"}
+    if int(length) > MAX_BODY_BYTES:
+        return 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
+    return None
+
+
 def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, HotRoute]:
     """POST /query and /query_by_hash as hot routes (lookup/hot.py: Starlette's and the
     ASGI server's per-request layers cost more than the lookup). Same checks, answers and
@@ -89,16 +95,12 @@ def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, HotR
             return result[0], body, [(b"www-authenticate", b"Bearer")] if result[0] == 401 else []
 
         def refusal(authorization: str, length: str | None) -> Reply | None:
-            result: Answer
-            if not allowed(authorization):
-                result = 401, {"error": "a bearer token is required"}
-            elif length is None or not length.isdigit():
-                result = 411, {"error": "a JSON body with Content-Length is required"}
-            elif int(length) > MAX_BODY_BYTES:
-                result = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
-            else:
-                return None
-            return done(time.perf_counter(), result)
+            result: Answer | None = (
+                (401, {"error": "a bearer token is required"})
+                if not allowed(authorization)
+                else length_refusal(length)
+            )
+            return None if result is None else done(time.perf_counter(), result)
 
         def reply(raw: bytes, started: float) -> Reply:
             return done(started, _answer(name, lambda _, b: api.query(b, by_hash), None, raw))

@@ -18,7 +18,7 @@ metrics:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -39,8 +39,19 @@ class HotRoute:
     ) -> None:
         self.refusal, self.reply = refusal, reply
 
+    def refused(self, headers: Iterable[tuple[bytes, bytes]]) -> Reply | None:
+        """``refusal`` of a request with these headers (names in lower case)."""
+        authorization, length = "", None
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                length = value.decode("latin-1")
+        return self.refusal(authorization, length)
 
-def head(status: int, body: bytes, headers: Headers) -> Headers:
+
+def head(body: bytes, headers: Headers) -> Headers:
+    """A reply's headers: its length and type, then its own."""
     return [(b"content-length", str(len(body)).encode()),
             (b"content-type", b"application/json"), *headers]  # fmt: skip
 
@@ -61,13 +72,7 @@ class HotPath:
 
     async def _answer(self, route: HotRoute, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        authorization, length = "", None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"content-length":
-                length = value.decode("latin-1")
-        reply = route.refusal(authorization, length)
+        reply = route.refused(scope["headers"])
         if reply is None:
             raw = await read_body(receive)
             if raw is None:  # the client went away
@@ -75,7 +80,7 @@ class HotPath:
             reply = route.reply(raw, started)
         status, body, headers = reply
         await send({"type": "http.response.start", "status": status,
-                    "headers": head(status, body, headers)})  # fmt: skip
+                    "headers": head(body, headers)})  # fmt: skip
         await send({"type": "http.response.body", "body": body})
 
 

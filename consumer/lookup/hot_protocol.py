@@ -50,13 +50,7 @@ class _HotProtocol(HttpToolsProtocol):
         self._keep_alive = (
             self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         )
-        authorization, length = "", None
-        for name, value in self.headers:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"content-length":
-                length = value.decode("latin-1")
-        self._refused = route.refusal(authorization, length)
+        self._refused = route.refused(self.headers)
 
     def _hot_route(self) -> HotRoute | None:
         """The route of the request whose headers were just read, when this protocol can
@@ -97,7 +91,7 @@ class _HotProtocol(HttpToolsProtocol):
         self._body = []
         status, body, headers = reply
         out = [STATUS_LINE[status]]
-        for name, value in (*self.server_state.default_headers, *head(status, body, headers)):
+        for name, value in (*self.server_state.default_headers, *head(body, headers)):
             out += [name, b": ", value, b"\r\n"]
         if not self._keep_alive:
             out.append(b"connection: close\r\n")

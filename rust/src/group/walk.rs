@@ -192,51 +192,41 @@ impl Walk {
     /// One more level (its rows, found under the last); whether some holder holds every
     /// level (if none does, the runs are known: the walk goes no further).
     fn push(&mut self, g: &Group, level: &[u32]) -> bool {
-        let first = self.starts.is_empty();
-        let at = self.starts.len();
+        let [row] = level else {
+            self.starts.push(self.rows.len());
+            self.rows.extend_from_slice(level);
+            return self.narrow(|k| level.iter().fold(0, |m, &row| m | g.word(row, k)));
+        };
+        self.push_one(g, *row)
+    }
+
+    /// `push` of a level of one row (a walk down consecutive rows: most levels), without
+    /// the general level's copy.
+    fn push_one(&mut self, g: &Group, row: u32) -> bool {
         self.starts.push(self.rows.len());
-        self.rows.extend_from_slice(level);
+        self.rows.push(row);
+        self.narrow(|k| g.word(row, k))
+    }
+
+    /// The holders still running after the level just pushed (`mask(k)`: its holder word
+    /// k); those that stop are recorded. Whether any runs on.
+    fn narrow(&mut self, mask: impl Fn(usize) -> u64) -> bool {
+        let at = self.starts.len() - 1;
         let mut any = 0;
         for (k, alive) in self.alive.iter_mut().enumerate() {
-            let mask = match level {
-                [row] => g.word(*row, k),
-                _ => level.iter().fold(0, |m, &row| m | g.word(row, k)),
-            };
-            if first {
-                *alive = mask;
+            let held = mask(k);
+            if at == 0 {
+                *alive = held;
             } else {
-                let mut gone = *alive & !mask;
+                let mut gone = *alive & !held;
                 while gone != 0 {
                     self.ended
                         .push((k * 64 + gone.trailing_zeros() as usize, at));
                     gone &= gone - 1;
                 }
-                *alive &= mask;
+                *alive &= held;
             }
             any |= *alive;
-        }
-        any != 0
-    }
-
-    /// `push` of a level of one row (a walk down consecutive rows: most levels).
-    fn push_one(&mut self, g: &Group, row: u32) -> bool {
-        if self.starts.is_empty() {
-            return self.push(g, &[row]);
-        }
-        let at = self.starts.len();
-        self.starts.push(self.rows.len());
-        self.rows.push(row);
-        let mut any = 0;
-        for (k, alive) in self.alive.iter_mut().enumerate() {
-            let still = *alive & g.word(row, k);
-            let mut gone = *alive & !still;
-            while gone != 0 {
-                self.ended
-                    .push((k * 64 + gone.trailing_zeros() as usize, at));
-                gone &= gone - 1;
-            }
-            *alive = still;
-            any |= still;
         }
         any != 0
     }

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from kvledger.consumer.core.model import GroupKey
+from kvledger.consumer.core.model import GroupKey, SourceLife
 from kvledger.consumer.lookup.dynamo_requests import (
     DEFAULT_ROUTING_GROUP,
     DynamoRequestError,
@@ -48,6 +49,7 @@ from kvledger.consumer.lookup.dynamo_requests import (
     json_object,
     parse_query,
 )
+from kvledger.consumer.router.groups import SlotTable
 from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, is_live, state_of
 
 if TYPE_CHECKING:
@@ -59,7 +61,10 @@ TIER_NAMES = ("device", "host_pinned", "disk")
 _SUFFIX = re.compile(r"(\d+)$")
 _RANK = re.compile(r"^(.+)-dp(\d{1,6})$")
 
-Answer = tuple[int, Any]
+Answer = tuple[int, Any]  # (status, a body to send as JSON, or its JSON bytes)
+EMPTY_ANSWER = b'{"scores":{},"frequencies":[],"instances":{}}'
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
 
 
 # ---------------------------------------------------------------------- naming
@@ -82,6 +87,14 @@ def hashed_worker_id(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 1
 
 
+def seen_us(life: SourceLife | None) -> int | None:
+    """A source's last sight in µs since the epoch, as the slot table keeps it (None:
+    closed or unknown, never live)."""
+    if life is None or life.closed_at is not None:
+        return None
+    return (life.last_seen - _EPOCH) // _US
+
+
 def block_id(key: bytes) -> int:
     """A block hash as Dynamo's u64 block id: vLLM's 8-byte hashes are that integer; longer
     digests give their last 8 bytes, as vLLM publishes them."""
@@ -91,15 +104,16 @@ def block_id(key: bytes) -> int:
 class Workers:
     """Worker ids for kvledger's sources (see the module docstring), and registrations.
 
-    Ids are given on first sight, in sorted order of the sources present at once, so a
-    source keeps its id for the life of the process; ``/register`` pins one for good."""
+    Ids are given on first sight, in sorted order of the sources present at once (a query
+    sees every source that holds blocks), so a source keeps its id for the life of the
+    process; ``/register`` pins one for good. ``version`` counts the ids given or moved."""
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
         self.names: dict[int, str] = {}
         # (instance_id, model, routing_group) -> the registration's fields
         self.registered: dict[tuple[int, str, str], dict[str, Any]] = {}
-        self._sources: dict[str, tuple[str, str]] = {}  # worker_of's answers, until a claim
+        self.version = 0
 
     def id_of(self, name: str) -> int:
         wid = self.ids.get(name)
@@ -116,7 +130,7 @@ class Workers:
             self.id_of(name)
 
     def _claim(self, name: str, wid: int) -> None:
-        self._sources.clear()
+        self.version += 1
         old = self.ids.pop(name, None)
         if old is not None:
             self.names.pop(old, None)
@@ -140,17 +154,6 @@ class Workers:
     def see_sources(self, sources: Sequence[str]) -> None:
         self.see([_RANK.sub(r"\1", s) for s in sources])
 
-    def ranks(self, sources: Sequence[str]) -> dict[str, tuple[str, str]]:
-        """:meth:`worker_of` each source as Dynamo's JSON keys, after :meth:`see_sources`
-        of them all (a query's path: the answers are kept until an id is claimed)."""
-        known = self._sources
-        if any(s not in known for s in sources):
-            self.see_sources(sources)
-            for s in sources:
-                wid, rank = self.worker_of(s)
-                known[s] = (str(wid), str(rank))
-        return {s: known[s] for s in sources}
-
 
 # ---------------------------------------------------------------------- the API
 class DynamoApi:
@@ -162,32 +165,51 @@ class DynamoApi:
         self.router = router
         self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
         self.workers = Workers()
-        self._slot_store: RouterStore | None = None  # the store _slots was built over
-        self._slot_of: dict[str, int] = {}
-        self._holder_slots: list[int] = []
-        self._slot_names: list[str] = []
+        self._window_us = self.window // _US
+        # The slot table answers are written from (see _slots), and the store it follows.
+        self._table_store: RouterStore | None = None
+        self._table: SlotTable = router.store.dynamo_slots()
+        self._slot_of: dict[str, int] = {}  # instance -> its slot
+        self._slot_names: list[str] = []  # slot -> its instance
+        self._table_workers = -1  # the Workers.version its worker ids are from
 
     def _live(self, store: RouterStore, now: datetime) -> dict[str, bool]:
         cut = now - self.window
         return {name: is_live(life, cut) for name, life in store.lives.items()}
 
-    def _slots(self, store: RouterStore) -> tuple[list[int], list[str]]:
-        """Each holder's ``slot * 3 + tier`` for ``dynamo_runs`` (-1: a tier Dynamo has
-        not), a slot per instance, and the instance of each slot; extended as the store's
-        holders grow (they are only ever appended)."""
-        if self._slot_store is not store:
-            self._slot_store, self._slot_of, self._holder_slots, self._slot_names = (
-                store, {}, [], []
-            )  # fmt: skip
-        slots, names = self._holder_slots, self._slot_names
-        for instance, medium, _ in store.holders[len(slots) :]:
+    def _slots(self, store: RouterStore) -> SlotTable:
+        """The slot table of ``store`` brought up to date (call under the router's lock): a
+        slot per instance; each holder's ``slot * 3 + tier`` (-1: a tier Dynamo has not),
+        appended as the store's holders are; each slot's worker id and rank, given to every
+        instance at once when one is new or an id moved; each slot's last sight, set again
+        for the sources whose lives changed since the last query."""
+        if self._table_store is not store:
+            self._table_store, self._table = store, store.dynamo_slots()
+            self._slot_of, self._slot_names = {}, []
+        table, names, lives = self._table, self._slot_names, store.lives
+        added = False
+        for instance, medium, _ in store.holders[table.sizes()[0] :]:
             slot = self._slot_of.get(instance)
             if slot is None:
                 slot = self._slot_of[instance] = len(names)
                 names.append(instance)
+                table.set_slot(slot, 0, 0, None)  # its worker: below
+                added = True
             tier = TIERS.get(medium)
-            slots.append(-1 if tier is None else slot * 3 + tier)
-        return slots, names
+            table.add_holder(-1 if tier is None else slot * 3 + tier)
+        if added or self._table_workers != self.workers.version:
+            lives.drain()
+            self.workers.see_sources(names)
+            for slot, name in enumerate(names):
+                wid, rank = self.workers.worker_of(name)
+                table.set_slot(slot, wid, rank, seen_us(lives.get(name)))
+            self._table_workers = self.workers.version
+        else:
+            for name in lives.drain():
+                slot = self._slot_of.get(name)
+                if slot is not None:
+                    table.set_seen(slot, seen_us(lives.get(name)))
+        return table
 
     def _partition(self, store: RouterStore, model: str, routing_group: str) -> GroupKey:
         group = group_of(routing_group)
@@ -199,35 +221,17 @@ class DynamoApi:
         return key
 
     def query(self, raw: bytes, by_hash: bool) -> Answer:
+        """A /query or /query_by_hash answer, its body JSON already (written by the core
+        in the walk's call: rust/src/dynamo_answer.rs)."""
         q = parse_query(raw, by_hash)
-        cut = datetime.now(UTC) - self.window
+        cut = time.time_ns() // 1000 - self._window_us
         with self.router.lock:
             store = self.router.store
             key = self._partition(store, q.model, q.routing_group)
-            block_size = store.specs[key].spec.block_size
             g = store.groups.get(key)
-            slots, names = self._slots(store)
-            runs = q.runs(g, block_size, slots) if g is not None else []
-            lives = store.lives
-            found = [(names[slot], r) for slot, *r in runs if is_live(lives.get(names[slot]), cut)]
-            ranks = self.workers.ranks([name for name, _ in found])
-        scores: dict[str, dict[str, int]] = {}
-        instances: dict[str, dict[str, Any]] = {}
-        for name, (on_gpu, on_cpu, on_disk) in found:
-            wid, rank = ranks[name]
-            gt, ct, dt = on_gpu * block_size, on_cpu * block_size, on_disk * block_size
-            if gt:
-                scores.setdefault(wid, {})[rank] = gt
-            # per worker, the best of its ranks (as Dynamo sums up a worker's ranks)
-            s = instances.get(wid)
-            if s is None:
-                instances[wid] = {"longest_matched": dt, "gpu": gt, "dp": {rank: gt}, "cpu": ct,
-                                  "disk": dt}  # fmt: skip
-            else:
-                s["dp"][rank] = gt
-                s["gpu"], s["cpu"] = max(s["gpu"], gt), max(s["cpu"], ct)
-                s["disk"] = s["longest_matched"] = max(s["disk"], dt)
-        return 200, {"scores": scores, "frequencies": [], "instances": instances}
+            if g is None:
+                return 200, EMPTY_ANSWER
+            return 200, q.answer(g, store.specs[key].spec.block_size, self._slots(store), cut)
 
     # ------------------------------------------------------------------ /dump
     def dump(self) -> Answer:

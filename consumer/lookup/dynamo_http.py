@@ -42,6 +42,8 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
                 )  # fmt: skip
             LATENCY.labels(name).observe(time.perf_counter() - start)
             REQUESTS.labels(name, str(result[0])).inc()
+            if isinstance(result[1], bytes):  # JSON already
+                return Response(result[1], result[0], media_type="application/json")
             return JSONResponse(result[1], result[0])
 
         return handle
@@ -91,7 +93,9 @@ def hot_routes(api: DynamoApi, allowed: Callable[[str], bool]) -> dict[str, HotR
             if counter is None:
                 counter = requests[result[0]] = REQUESTS.labels(name, str(result[0]))
             counter.inc()
-            body = msgspec.json.encode(result[1])  # compact JSON, as json.dumps(...) writes
+            body = result[1]  # JSON already, or compact JSON as json.dumps(...) writes it
+            if not isinstance(body, bytes):
+                body = msgspec.json.encode(body)
             return result[0], body, [(b"www-authenticate", b"Bearer")] if result[0] == 401 else []
 
         def refusal(authorization: str, length: str | None) -> Reply | None:

@@ -13,7 +13,7 @@ import msgspec
 from kvledger.schemas.dynamo import dynamo_seed
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.groups import BlockGroup
+    from kvledger.consumer.router.groups import BlockGroup, SlotTable
 
 try:
     from kvledger._core import dynamo_block_hashes as _native_hashes
@@ -54,15 +54,14 @@ class Query:
     lora_name: str | None
     packed: bytes | None = None  # or the token ids as u32 LE bytes (the core's reading)
 
-    def runs(
-        self, g: BlockGroup, block_size: int, slots: list[int]
-    ) -> list[tuple[int, int, int, int]]:
-        """``g.dynamo_runs`` of the query's blocks: from its packed token ids in one call
-        where the core read the body (no Python int per hash)."""
+    def answer(self, g: BlockGroup, block_size: int, slots: SlotTable, cut: int) -> bytes:
+        """The query's answer (JSON) from ``g``: ``g.dynamo_answer`` of its blocks, from its
+        packed token ids in one call where the core read the body (no Python int per
+        hash)."""
         if self.packed is not None:
-            return g.dynamo_runs_packed(self.packed, block_size, dynamo_seed(self.lora_name), slots)
-        locals_ = self.hashes(block_size)
-        return g.dynamo_runs(locals_, block_size, slots) if locals_ else []
+            seed = dynamo_seed(self.lora_name)
+            return g.dynamo_answer_packed(self.packed, block_size, seed, slots, cut)
+        return g.dynamo_answer(self.hashes(block_size), block_size, slots, cut)
 
     def hashes(self, block_size: int) -> list[int]:
         """The Dynamo local block hashes of a query not read packed, for blocks of

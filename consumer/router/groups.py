@@ -12,10 +12,10 @@ import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvledger.consumer.router.dynamo_pure import DynamoWalk, PureDynamoSlots, Run
 from kvledger.consumer.router.masks import MaskDict, bits
-from kvledger.schemas.dynamo import dynamo_block_hashes, packed_block_hashes
 
 _PACKERS: dict[int, struct.Struct] = {}
 
@@ -96,17 +96,31 @@ class BlockGroup(Protocol):
     def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...
     def dynamo_runs(
         self, locals: Sequence[int], block_size: int, slots: Sequence[int]
-    ) -> list[tuple[int, int, int, int]]: ...
-    def dynamo_runs_packed(
-        self, packed: bytes, block_size: int, seed: int, slots: Sequence[int]
-    ) -> list[tuple[int, int, int, int]]: ...
+    ) -> list[Run]: ...
+    # ``slots``: a SlotTable of the group's kind (``dynamo_slots`` below)
+    def dynamo_answer(
+        self, locals: Sequence[int], block_size: int, slots: Any, cut: int
+    ) -> bytes: ...
+    def dynamo_answer_packed(
+        self, packed: bytes, block_size: int, seed: int, slots: Any, cut: int
+    ) -> bytes: ...
     def set_clock(self, now: int) -> None: ...
     def expire(self, cutoff: int) -> int: ...
     def expire_some(self, cutoff: int, rows: int) -> tuple[int, bool]: ...
     def __len__(self) -> int: ...
 
 
-class PureGroup:
+class SlotTable(Protocol):
+    """What a Dynamo /query answer needs beside the walk (rust/src/dynamo_answer.rs,
+    :class:`~.dynamo_pure.PureDynamoSlots`)."""
+
+    def add_holder(self, slot_tier: int) -> None: ...
+    def set_slot(self, slot: int, worker: int, rank: int, seen: int | None) -> None: ...
+    def set_seen(self, slot: int, seen: int | None) -> None: ...
+    def sizes(self) -> tuple[int, int]: ...
+
+
+class PureGroup(DynamoWalk):
     """One (model, group)'s blocks and holders in pure Python (see :class:`BlockGroup`)."""
 
     def __init__(self) -> None:
@@ -275,73 +289,6 @@ class PureGroup:
             and row.salt == (salt if root else None)
         )
 
-    def enable_dynamo(self) -> None:
-        """Answer :meth:`dynamo_levels` from now on (the compiled core keeps a table for
-        it from here; this twin computes each child's hash as it walks)."""
-        self.dynamo = True
-
-    def dynamo_local(self, key: bytes) -> int | None:
-        """The block's Dynamo local hash (None: not a full plain block with content)."""
-        row = self.rows.get(key)
-        if row is None or not row.plain or row.salt is not None or row.partial:
-            return None
-        if row.block_size <= 0:
-            return None
-        if len(row.tokens) != 4 * row.block_size:  # int32 tokens: a full block
-            return None
-        tokens = array("i", row.tokens).tolist()
-        return dynamo_block_hashes(tokens, row.block_size, row.lora_name)[0]
-
-    def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]:
-        """The walk of a prompt's Dynamo local hashes from the root: level i holds the
-        blocks of hash ``locals[i]`` and size ``block_size`` under a block of level i - 1.
-        For every holder of any level, the levels it holds as an int's bits."""
-        if not self.dynamo:
-            return []
-        held: dict[int, int] = {}
-        parents: list[bytes | None] = [None]
-        for i, local in enumerate(locals):
-            level = [
-                h for p in parents for h in self._child_hashes(p)
-                if self.rows[h].block_size == block_size and self.dynamo_local(h) == local
-            ]  # fmt: skip
-            if not level:
-                break
-            for h in level:
-                for hid in bits(self.masks.mask(h)):
-                    held[hid] = held.get(hid, 0) | 1 << i
-            parents = list(level)
-        return sorted(held.items())
-
-    def dynamo_runs(
-        self, locals: Sequence[int], block_size: int, slots: Sequence[int]
-    ) -> list[tuple[int, int, int, int]]:
-        """:meth:`dynamo_levels` summed up per slot: ``slots[hid]`` is a holder's
-        ``slot * 3 + tier`` (0 GPU, 1 CPU, 2 storage; negative or absent: left out). Per
-        slot with a match, in slot order: (slot, blocks on GPU from the root, then on
-        through CPU, then through storage)."""
-        tiers: dict[int, list[int]] = {}
-        for hid, held in self.dynamo_levels(locals, block_size):
-            s = slots[hid] if hid < len(slots) else -1
-            if s >= 0:
-                tiers.setdefault(s // 3, [0, 0, 0])[s % 3] |= held
-        out = []
-        for slot in sorted(tiers):
-            gpu, cpu, disk = tiers[slot]
-            on_gpu = _run_from(gpu, 0)
-            on_cpu = on_gpu + _run_from(cpu, on_gpu)
-            on_disk = on_cpu + _run_from(disk, on_cpu)
-            if on_disk:
-                out.append((slot, on_gpu, on_cpu, on_disk))
-        return out
-
-    def dynamo_runs_packed(
-        self, packed: bytes, block_size: int, seed: int, slots: Sequence[int]
-    ) -> list[tuple[int, int, int, int]]:
-        """:meth:`dynamo_runs` of the Dynamo local hashes of token ids packed as u32 LE
-        bytes, under ``seed``."""
-        return self.dynamo_runs(packed_block_hashes(packed, block_size, seed), block_size, slots)
-
     def set_clock(self, now: int) -> None:
         """The time (whole seconds, in [0, 2**32)) that stores and holders from now on
         stamp on the blocks they touch."""
@@ -393,9 +340,10 @@ class PureGroup:
 
 Group: type[BlockGroup]
 try:
+    from kvledger._core import DynamoSlots as _CompiledSlots
     from kvledger._core import Group as _CompiledGroup
 except ImportError:  # built without a Rust toolchain
-    _CompiledGroup = None  # type: ignore[assignment,misc]
+    _CompiledGroup = _CompiledSlots = None  # type: ignore[assignment,misc]
 
 if _CompiledGroup is not None and os.environ.get("KVLEDGER_PURE_ROUTER", "") in ("", "0"):
     Group, COMPILED = _CompiledGroup, True
@@ -403,7 +351,8 @@ else:
     Group, COMPILED = PureGroup, False
 
 
-def _run_from(mask: int, start: int) -> int:
-    """How many bits of ``mask`` are set in a row from bit ``start``."""
-    rest = mask >> start
-    return ((rest + 1) & ~rest).bit_length() - 1
+def dynamo_slots(kind: type[BlockGroup]) -> SlotTable:
+    """A new slot table for the Dynamo answers of groups of ``kind``."""
+    if kind is PureGroup or _CompiledSlots is None:
+        return PureDynamoSlots()
+    return _CompiledSlots()

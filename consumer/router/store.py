@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterator, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 from kvledger.consumer.core.model import (
     BlockKey,
@@ -35,11 +36,59 @@ from kvledger.consumer.core.model import (
     new_tuple,
 )
 from kvledger.consumer.core.validate import upgrades
-from kvledger.consumer.router.groups import BlockGroup, Group, PureGroup
+from kvledger.consumer.router.groups import BlockGroup, Group, PureGroup, SlotTable, dynamo_slots
 from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
 _NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class Lives(dict[str, SourceLife]):
+    """The sources' lives, noting which sources' lives changed since the last
+    :meth:`drain` (what the Dynamo API's slot table follows: lookup/dynamo.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed: set[str] = set()
+
+    def drain(self) -> set[str]:
+        """The sources whose lives were set or removed since the last drain."""
+        changed, self.changed = self.changed, set()
+        return changed
+
+    def __setitem__(self, name: str, life: SourceLife) -> None:
+        self.changed.add(name)
+        super().__setitem__(name, life)
+
+    def __delitem__(self, name: str) -> None:
+        self.changed.add(name)
+        super().__delitem__(name)
+
+    def update(self, *args: Any, **kwargs: SourceLife) -> None:
+        new = dict(*args, **kwargs)
+        self.changed.update(new)
+        super().update(new)
+
+    def setdefault(self, name: str, life: SourceLife) -> SourceLife:
+        self.changed.add(name)
+        return super().setdefault(name, life)
+
+    def pop(self, name: str, *default: Any) -> Any:
+        self.changed.add(name)
+        return super().pop(name, *default)
+
+    def popitem(self) -> tuple[str, SourceLife]:
+        name, life = super().popitem()
+        self.changed.add(name)
+        return name, life
+
+    def clear(self) -> None:
+        self.changed.update(self)
+        super().clear()
+
+    def __ior__(self, other: Any) -> Lives:  # type: ignore[override,misc]
+        self.update(other)
+        return self
 
 
 class RouterStore(StagedStore):
@@ -54,7 +103,7 @@ class RouterStore(StagedStore):
         self.holder_ids: dict[Holder, int] = {}
         self.holders: list[Holder] = []
         self.sources: dict[SourceKey, SourceState] = {}
-        self.lives: dict[str, SourceLife] = {}
+        self.lives = Lives()
         self.clock = 0  # what stores and holders stamp on blocks (whole seconds)
 
     # ------------------------------------------------------------------ building
@@ -66,6 +115,10 @@ class RouterStore(StagedStore):
             if self.dynamo:
                 g.enable_dynamo()
         return g
+
+    def dynamo_slots(self) -> SlotTable:
+        """A new slot table for Dynamo answers from its groups (serve --dynamo-api)."""
+        return dynamo_slots(Group)
 
     def copies_hashes(self) -> bool:
         """Whether its groups copy the hash objects they are given (the compiled core's

@@ -6,7 +6,9 @@
 //! - `decode` / `encode` / `MalformedAvroError` (avro.rs, wire.rs): Avro binary coding of
 //!   the envelope schema's programs (kvledger.schemas.avro_program);
 //! - `dynamo_token_query` / `dynamo_packed_hashes` (dynamo_query.rs): Dynamo's /query
-//!   body to token ids and block hashes, a fast path beside the service's msgspec reading.
+//!   body to token ids and block hashes, a fast path beside the service's msgspec reading;
+//! - `DynamoSlots` (dynamo_answer.rs): what a /query answer needs beside the walk, which
+//!   `Group.dynamo_answer` writes as Dynamo's JSON in the same call.
 //!
 //! Each has a pure-Python twin that answers identically (see README.md beside this file).
 
@@ -16,6 +18,7 @@ pub mod slots;
 pub mod wire;
 
 mod avro;
+mod dynamo_answer;
 mod dynamo_query;
 mod py_args;
 mod py_group;
@@ -26,6 +29,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<py_group::Group>()?;
+    m.add_class::<dynamo_answer::DynamoSlots>()?;
     m.add_function(wrap_pyfunction!(py_group::dynamo_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(dynamo_query::dynamo_token_query, m)?)?;
     m.add_function(wrap_pyfunction!(dynamo_query::dynamo_packed_hashes, m)?)?;

@@ -5,6 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
+use crate::dynamo_answer::{self, DynamoSlots};
 use crate::group::{Content, Group as Core};
 use crate::masks::MAX_HOLDERS;
 use crate::py_args::{hash_list, key_bytes, token_list, u32_token_list};
@@ -263,23 +264,46 @@ impl Group {
         }
     }
 
-    /// dynamo_runs_packed(packed, block_size, seed, slots) -> [(slot, gpu, cpu, disk)]: as
-    /// `dynamo_runs` of the Dynamo local hashes of packed u32 LE token ids (what
-    /// `dynamo_token_query` reads from a /query body) under `seed`: no Python int per hash.
-    fn dynamo_runs_packed(
+    /// dynamo_answer(locals, block_size, slots, cut) -> bytes: Dynamo's /query answer
+    /// (JSON) of the walk of `locals`, per `slots` (a `DynamoSlots`), scoring the slots
+    /// seen at or after `cut` (µs since the epoch): see rust/src/dynamo_answer.rs.
+    fn dynamo_answer<'py>(
         &self,
+        py: Python<'py>,
+        locals: Vec<u64>,
+        block_size: i64,
+        slots: PyRef<'_, DynamoSlots>,
+        cut: i64,
+    ) -> Bound<'py, PyBytes> {
+        let runs = match i32::try_from(block_size) {
+            Ok(bs) => self.core.dynamo_runs(&locals, bs, &slots.holders),
+            Err(_) => Vec::new(),
+        };
+        let body = dynamo_answer::answer(&runs, &slots, block_size.unsigned_abs(), cut);
+        PyBytes::new(py, &body)
+    }
+
+    /// dynamo_answer_packed(packed, block_size, seed, slots, cut) -> bytes: as
+    /// `dynamo_answer` of the Dynamo local hashes of packed u32 LE token ids (what
+    /// `dynamo_token_query` reads from a /query body) under `seed`: no Python int per hash.
+    fn dynamo_answer_packed<'py>(
+        &self,
+        py: Python<'py>,
         packed: &[u8],
         block_size: i64,
         seed: u64,
-        slots: Vec<i64>,
-    ) -> Vec<(u32, u32, u32, u32)> {
-        match (i32::try_from(block_size), usize::try_from(block_size)) {
+        slots: PyRef<'_, DynamoSlots>,
+        cut: i64,
+    ) -> Bound<'py, PyBytes> {
+        let runs = match (i32::try_from(block_size), usize::try_from(block_size)) {
             (Ok(bs), Ok(size)) => {
                 let locals = crate::dynamo_query::packed_hashes(packed, size, seed);
-                self.core.dynamo_runs(&locals, bs, &slots)
+                self.core.dynamo_runs(&locals, bs, &slots.holders)
             }
             _ => Vec::new(),
-        }
+        };
+        let body = dynamo_answer::answer(&runs, &slots, block_size.unsigned_abs(), cut);
+        PyBytes::new(py, &body)
     }
 
     /// set_clock(now): the time (whole seconds, in [0, 2**32)) that stores and holders

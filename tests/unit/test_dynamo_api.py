@@ -186,15 +186,75 @@ def test_runs_go_on_down_the_tiers_per_slot_in_both_twins() -> None:
             for i in blocks:
                 g.hold(bytes([i + 1]) * 8, hid, 1)
         answers.append(g.dynamo_runs(locals_, 4, [0, 1, 2, 3, -1]))
-        # From the token ids packed as a /query body is read: the same runs, one call.
-        packed = b"".join(t.to_bytes(4, "little") for t in [*tokens, 7, 7])  # + a partial
-        assert g.dynamo_runs_packed(packed, 4, dynamo_seed(), [0, 1, 2, 3, -1]) == answers[-1]
-        assert g.dynamo_runs_packed(packed, 4, dynamo_seed("other"), [0, 1, 2, 3]) == []
-        assert g.dynamo_runs_packed(packed, 0, dynamo_seed(), [0, 1, 2, 3]) == []
         assert g.dynamo_runs(locals_, 8, [0, 1, 2, 3]) == []  # another block size
         assert g.dynamo_runs(locals_[1:], 4, [0, 1, 2, 3]) == []  # not from the root
+        # The answer written from those runs, from hashes or from token ids packed as a
+        # /query body is read (+ a partial block), in one call.
+        slots = groups.dynamo_slots(kind)
+        for slot_tier in [0, 1, 2, 3, -1]:
+            slots.add_holder(slot_tier)
+        slots.set_slot(0, 7, 0, 1_000)
+        slots.set_slot(1, 8, 2, 1_000)
+        packed = b"".join(t.to_bytes(4, "little") for t in [*tokens, 7, 7])
+        written = g.dynamo_answer(locals_, 4, slots, 1_000)
+        assert g.dynamo_answer_packed(packed, 4, dynamo_seed(), slots, 1_000) == written
+        assert json.loads(written) == {
+            "scores": {"7": {"0": 8}}, "frequencies": [],
+            "instances": {"7": {"longest_matched": 20, "gpu": 8, "dp": {"0": 8}, "cpu": 16,
+                                "disk": 20}},
+        }  # fmt: skip
+        none = b'{"scores":{},"frequencies":[],"instances":{}}'
+        assert g.dynamo_answer(locals_, 4, slots, 1_001) == none  # seen before the cut
+        assert g.dynamo_answer_packed(packed, 4, dynamo_seed("other"), slots, 0) == none
+        assert g.dynamo_answer_packed(packed, 0, dynamo_seed(), slots, 0) == none
+        assert g.dynamo_answer(locals_, -4, slots, 0) == none
+        slots.set_seen(0, None)  # closed
+        assert g.dynamo_answer(locals_, 4, slots, 0) == none
+        with pytest.raises(IndexError):
+            slots.set_slot(3, 9, 0, 0)
     assert answers[0] == [(0, 2, 4, 5)]  # slot 1's GPU run starts past block 0: none
     assert all(a == answers[0] for a in answers)
+
+
+def test_answers_sum_a_workers_ranks_alike_in_both_twins() -> None:
+    """Random runs over slots of a few workers and ranks (some repeated, some not live):
+    the compiled and pure answers are the same bytes, and what Python's dicts make of the
+    runs."""
+    import random
+
+    rng = random.Random(5)
+    kinds = [groups.PureGroup, *([groups.Group] if groups.COMPILED else [])]
+    for _ in range(200):
+        workers = [(rng.randrange(4), rng.randrange(3), rng.choice([None, 5, 10]))
+                   for _ in range(rng.randrange(1, 9))]  # fmt: skip
+        cut = rng.choice([0, 6, 11])
+        # holder 3 * slot + tier holds a prefix of this many blocks
+        held = [rng.randrange(len(workers) + 1) for _ in range(3 * len(workers))]
+        bodies = set()
+        for kind in kinds:
+            g, slots = kind(), groups.dynamo_slots(kind)
+            g.enable_dynamo()
+            tokens = list(range(4 * len(workers)))
+            parent = None
+            for i in range(len(workers)):
+                key = (i + 1).to_bytes(8, "big")
+                g.add_row(key, parent, 4 * i, tokens[4 * i : 4 * i + 4], 4, False, None, True)
+                parent = key
+            for slot, (wid, rank, seen) in enumerate(workers):
+                slots.set_slot(slot, wid, rank, seen)
+                for tier in range(3):
+                    slots.add_holder(slot * 3 + tier)
+                    for i in range(held[slot * 3 + tier]):
+                        g.hold((i + 1).to_bytes(8, "big"), slot * 3 + tier, 1)
+            locals_ = dynamo.compute_block_hash_for_seq(tokens, 4)
+            bodies.add(g.dynamo_answer(locals_, 4, slots, cut))
+        assert len(bodies) == 1, bodies
+        got = json.loads(bodies.pop())
+        assert set(got["scores"]) <= set(got["instances"]) <= {str(w) for w, _, _ in workers}
+        for wid, s in got["instances"].items():
+            assert s["longest_matched"] == s["disk"] >= s["cpu"] >= s["gpu"]
+            assert s["gpu"] == max(s["dp"].values())
+            assert got["scores"].get(wid, {}) == {r: t for r, t in s["dp"].items() if t}
 
 
 def test_a_source_that_is_not_live_is_not_scored_nor_dumped(router: RouterIndex) -> None:
@@ -250,6 +310,8 @@ def test_workers_registration_and_unregistration(client: TestClient) -> None:
     assert w["kvledger_source"] == "engine-2" and w["status"] == "active"
     assert (w["model_name"], w["routing_group"], w["block_size"]) == (MODEL, "default", 32)
     assert client.get("/workers", params={"model_name": "other"}).json() == []
+    # answered before the pin below: the answers' worker ids follow it
+    assert any("3" in query(client, p)["instances"] for p in prompts(80))
 
     reg = {"instance_id": 42, "endpoint": "tcp://10.0.0.9:5557", "model_name": MODEL,
            "block_size": 32, "source": "engine-3"}  # fmt: skip
@@ -271,6 +333,22 @@ def test_workers_registration_and_unregistration(client: TestClient) -> None:
     assert client.post("/unregister", json=out).json() == {"status": "ok"}
     assert client.post("/unregister", json=out).status_code == 404
     assert 77 not in {w["instance_id"] for w in client.get("/workers").json()}
+
+
+def test_the_stores_lives_note_every_change_for_the_slot_table() -> None:
+    lives = store_module.Lives()
+    life = SourceLife(MODEL, 1, datetime.now(UTC))
+    lives["a"] = life
+    lives.update({"b": life}, c=life)
+    lives.setdefault("d", life)
+    lives |= {"e": life}
+    assert lives.drain() == {"a", "b", "c", "d", "e"} and lives.drain() == set()
+    del lives["a"]
+    lives.pop("b")
+    lives.popitem()  # the last set: "e"
+    assert lives.drain() == {"a", "b", "e"}
+    lives.clear()
+    assert lives.drain() == {"c", "d"} and not lives
 
 
 def test_worker_ids_are_stable_and_distinct() -> None:

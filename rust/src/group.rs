@@ -254,10 +254,7 @@ impl Group {
             return row;
         }
         if self.index.full() {
-            let (rows, seed, longs) = (&self.rows, &self.seed, &self.longs);
-            let live = rows.iter().enumerate().filter(|(_, r)| r.flags & LIVE != 0);
-            self.index
-                .rebuild(live.map(|(i, r)| (seed.hash_one(key_in(r, longs)), i as u32)));
+            self.index.grow();
         }
         let (inline, key_len) = self.keep_key(key);
         let fresh = Row {
@@ -311,10 +308,7 @@ impl Group {
             return;
         }
         let hash = self.hash_of(key_in(r, &self.longs));
-        let (rows, seed, longs) = (&self.rows, &self.seed, &self.longs);
-        self.index.remove(hash, row, |r| {
-            seed.hash_one(key_in(&rows[r as usize], longs))
-        });
+        self.index.remove(hash, row);
         if r.key_len == LONG {
             let at = long_at(r);
             self.longs[at] = Box::default();

@@ -1,10 +1,12 @@
 //! An open-addressing table of (hash, row number) pairs: linear probing, load at most three
 //! quarters (a probe that finds nothing reads about 8 slots there, 64 bytes: a cache line
 //! or two), backward-shift deletion. A hash may be in it more than once (each pair is
-//! distinct). The hashes come already mixed under a secret seed: their low bits pick the
-//! slot, their high 32 bits are kept in it (8 bytes a slot), so a lookup yields the rows
-//! whose tag matches and callers compare what the rows hold. Growing and deleting need
-//! each entry's home slot again: the caller says how to get a row's hash (``rehash``).
+//! distinct). The hashes come already mixed under a secret seed: their high 32 bits are
+//! kept in the slot as its tag (8 bytes a slot), so a lookup yields the rows whose tag
+//! matches and callers compare what the rows hold; the tag's top bits pick the home slot.
+//! So an entry's home is in its slot: deleting needs no row read, and growing walks the old
+//! table in order, writing the new one in order (slot i's entries go to 2i or 2i + 1): no
+//! random write, no row read, no hash made again.
 
 use crate::masks::prefetch;
 
@@ -23,8 +25,9 @@ fn tag(hash: u64) -> u32 {
 }
 
 pub struct Slots {
-    slots: Vec<Slot>, // a power of two
+    slots: Vec<Slot>, // a power of two, at most 2**32
     used: usize,
+    shift: u32, // 32 - log2(slots.len()): a tag's home is its top log2(len) bits
 }
 
 impl Default for Slots {
@@ -32,6 +35,7 @@ impl Default for Slots {
         Slots {
             slots: vec![FREE; 8],
             used: 0,
+            shift: 29,
         }
     }
 }
@@ -41,61 +45,70 @@ impl Slots {
         self.slots.len() - 1
     }
 
+    #[inline]
+    fn home(&self, tag: u32) -> usize {
+        (u64::from(tag) >> self.shift) as usize
+    }
+
     /// A hint that `hash` is looked up soon.
     pub fn prefetch(&self, hash: u64) {
-        prefetch(&self.slots[hash as usize & self.mask()]);
+        prefetch(&self.slots[self.home(tag(hash))]);
     }
 
     /// The rows stored under `hash`'s tag, in probe order (those of `hash` among them).
     pub fn rows(&self, hash: u64) -> Rows<'_> {
+        let tag = tag(hash);
         Rows {
             slots: self,
-            at: hash as usize & self.mask(),
-            tag: tag(hash),
+            at: self.home(tag),
+            tag,
         }
     }
 
-    /// Whether one more pair needs a larger table (`rebuild` first).
+    /// Whether one more pair needs a larger table (`grow` first).
     pub fn full(&self) -> bool {
         (self.used + 1) * 4 > self.slots.len() * 3
     }
 
-    /// The table again, twice as large, with these pairs (every pair it is to hold: the
-    /// caller reads them from its rows in order, which costs less than one random read of
-    /// a row per stored pair).
-    pub fn rebuild(&mut self, pairs: impl Iterator<Item = (u64, u32)>) {
-        let mut cap = self.slots.len() * 2;
-        while self.used * 4 > cap * 3 {
-            cap *= 2;
+    /// The table again, twice as large, with the same pairs: the old slots read in order,
+    /// each entry written at its new home (twice its old one, or one past) or just after.
+    pub fn grow(&mut self) {
+        assert!(self.shift > 0, "at most 2**32 slots in one table");
+        let bigger = vec![FREE; self.slots.len() * 2];
+        let old = std::mem::replace(&mut self.slots, bigger);
+        self.shift -= 1;
+        for s in old {
+            if s.row != NONE {
+                self.place(s);
+            }
         }
-        self.slots = vec![FREE; cap];
-        self.used = 0;
-        for (hash, row) in pairs {
-            self.insert(hash, row);
+    }
+
+    fn place(&mut self, s: Slot) {
+        let m = self.mask();
+        let mut i = self.home(s.tag);
+        while self.slots[i].row != NONE {
+            i = (i + 1) & m;
         }
+        self.slots[i] = s;
     }
 
     /// Add the pair (hash, row) (the table has room: see `full`).
     pub fn insert(&mut self, hash: u64, row: u32) {
         assert!(
             self.used < self.slots.len() - 1,
-            "a full table: rebuild it first"
+            "a full table: grow it first"
         );
-        let m = self.mask();
-        let mut i = hash as usize & m;
-        while self.slots[i].row != NONE {
-            i = (i + 1) & m;
-        }
-        self.slots[i] = Slot {
+        self.place(Slot {
             tag: tag(hash),
             row,
-        };
+        });
         self.used += 1;
     }
 
     fn position(&self, hash: u64, row: u32) -> Option<usize> {
         let m = self.mask();
-        let mut i = hash as usize & m;
+        let mut i = self.home(tag(hash));
         loop {
             let s = self.slots[i];
             if s.row == NONE {
@@ -108,8 +121,8 @@ impl Slots {
         }
     }
 
-    /// Remove the pair (hash, row), if it is there; `rehash` gives any stored row's hash.
-    pub fn remove(&mut self, hash: u64, row: u32, rehash: impl Fn(u32) -> u64) {
+    /// Remove the pair (hash, row), if it is there.
+    pub fn remove(&mut self, hash: u64, row: u32) {
         let Some(mut i) = self.position(hash, row) else {
             return;
         };
@@ -122,7 +135,7 @@ impl Slots {
             if s.row == NONE {
                 break;
             }
-            let home = rehash(s.row) as usize & m;
+            let home = self.home(s.tag);
             let stays = if i <= j {
                 i < home && home <= j
             } else {
@@ -173,12 +186,12 @@ mod tests {
         let mut t = Slots::default();
         for i in 0..10_000u32 {
             if t.full() {
-                t.rebuild((0..i).map(|r| (hash(r), r)));
+                t.grow();
             }
             t.insert(hash(i), i);
         }
         for i in (0..10_000u32).step_by(3) {
-            t.remove(hash(i), i, hash);
+            t.remove(hash(i), i);
         }
         for h in 0..97u32 {
             let mut got: Vec<u32> = t.rows(hash(h)).collect();

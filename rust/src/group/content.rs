@@ -146,8 +146,7 @@ impl Group {
             return;
         }
         if let Some(key) = old {
-            let rows = &self.rows;
-            self.content.remove(key, r, |x| rows[x as usize].chain);
+            self.content.remove(key, r);
         }
         let x = &mut self.rows[r as usize];
         x.chain = 0;
@@ -156,13 +155,7 @@ impl Group {
             return;
         };
         if self.content.full() {
-            let chained = self
-                .rows
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| x.flags & CHAINED != 0);
-            self.content
-                .rebuild(chained.map(|(i, x)| (x.chain, i as u32)));
+            self.content.grow();
         }
         // The rows that have this key already: they and this one are SHARED from now on.
         let others: SmallVec<[u32; 2]> = self

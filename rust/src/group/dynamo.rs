@@ -100,10 +100,10 @@ impl Group {
         let Some(d) = self.dynamo.as_deref_mut() else {
             return;
         };
-        let (rows, seed) = (&self.rows, &self.seed);
-        let key_of = |r: u32| seed.hash_one((rows[r as usize].parent, d.locals[r as usize]));
-        let key = key_of(row);
-        d.index.remove(key, row, key_of);
+        let key = self
+            .seed
+            .hash_one((self.rows[row as usize].parent, d.locals[row as usize]));
+        d.index.remove(key, row);
         self.rows[row as usize].flags &= !DYNAMO;
     }
 
@@ -116,24 +116,14 @@ impl Group {
             return;
         };
         let key = self.dynamo_key(self.rows[row as usize].parent, local);
-        let (rows, seed) = (&self.rows, &self.seed);
+        let rows = self.rows.len();
         let d = self.dynamo.as_deref_mut().expect("checked above");
-        if d.locals.len() < rows.len() {
-            d.locals.resize(rows.len(), 0);
+        if d.locals.len() < rows {
+            d.locals.resize(rows, 0);
         }
         d.locals[row as usize] = local;
         if d.index.full() {
-            let locals = &d.locals;
-            let pairs = (0..rows.len() as u32)
-                .filter(|&r| rows[r as usize].flags & DYNAMO != 0)
-                .map(|r| {
-                    (
-                        seed.hash_one((rows[r as usize].parent, locals[r as usize])),
-                        r,
-                    )
-                });
-            let pairs: Vec<(u64, u32)> = pairs.collect();
-            d.index.rebuild(pairs.into_iter());
+            d.index.grow();
         }
         d.index.insert(key, row);
         self.rows[row as usize].flags |= DYNAMO;

@@ -166,8 +166,9 @@ class DynamoApi:
         self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
         self.workers = Workers()
         self._window_us = self.window // _US
-        # The slot table answers are written from (see _slots), and the store it follows.
-        self._table_store: RouterStore | None = None
+        # The slot table answers are written from (see _slots), and the store it follows
+        # (a bootstrap replaces the router's store: the table is then made again).
+        self._table_store: RouterStore = router.store
         self._table: SlotTable = router.store.dynamo_slots()
         self._slot_of: dict[str, int] = {}  # instance -> its slot
         self._slot_names: list[str] = []  # slot -> its instance

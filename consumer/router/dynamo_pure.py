@@ -163,7 +163,7 @@ class DynamoWalk:
     ) -> bytes:
         """:meth:`dynamo_answer` of the Dynamo local hashes of token ids packed as u32 LE
         bytes, under ``seed``."""
-        locals_ = packed_block_hashes(packed, block_size, seed) if block_size > 0 else []
+        locals_ = packed_block_hashes(packed, block_size, seed)  # none for a size <= 0
         return self.dynamo_answer(locals_, block_size, slots, cut)
 
 

@@ -78,6 +78,22 @@ def run_batch(
         else Decoded(m, None, DecodeError("apply_error", poisoned[m.topic, m.partition, m.offset]))
         for m in messages
     ]
+    starts, next_offsets = fence_points(batch, read_from)
+    with store.transaction():
+        store.fence(consumer_group, starts)
+        plan = make_plan(batch, store.load(needs(batch, keys=not store.in_process)))
+        store.write(plan, consumer_group, next_offsets)
+        if dead_letters is not None:
+            dead_letters.send(plan.rejected)
+    warn_model_changes(plan)
+    return BatchResult(plan, next_offsets)
+
+
+def fence_points(
+    batch: Sequence[Decoded], read_from: Mapping[TopicPartition, int] | None
+) -> tuple[dict[TopicPartition, int], dict[TopicPartition, int]]:
+    """Per partition, the offset the store must stand at for this batch (its first, or
+    where the caller's reading began: see :func:`run_batch`) and the next one after it."""
     starts, next_offsets = batch_offsets(
         (d.message.topic, d.message.partition, d.message.offset) for d in batch
     )
@@ -86,18 +102,15 @@ def run_batch(
             began = read_from.get(tp)
             if began is not None and 0 <= began <= first:
                 starts[tp] = began
-    with store.transaction():
-        store.fence(consumer_group, starts)
-        plan = make_plan(batch, store.load(needs(batch, keys=not store.in_process)))
-        store.write(plan, consumer_group, next_offsets)
-        if dead_letters is not None:
-            dead_letters.send(plan.rejected)
+    return starts, next_offsets
+
+
+def warn_model_changes(plan: Plan) -> None:
     for change in plan.model_changes:
         logger.warning(
             "source %s changed model from %s to %s: one source id per engine and model "
             "(`kvledger sources` shows the change)", change.source, change.previous, change.model,
         )  # fmt: skip
-    return BatchResult(plan, next_offsets)
 
 
 def replay_batch(batch: Sequence[Decoded], store: IndexStore) -> Plan:

@@ -62,11 +62,20 @@ def advance(
     elif seq <= state.last_seq:
         nxt.duplicates += 1
         return Verdict.DUPLICATE, nxt
-    elif seq > state.last_seq + 1:
-        nxt.gap_count += 1
-        nxt.missing_events += seq - state.last_seq - 1
+    elif forward(nxt, seq):
         verdict = Verdict.GAP
     nxt.last_seq = seq
     last = nxt.last_event_time
     nxt.last_event_time = when if last is None else max(last, when)
     return verdict, nxt
+
+
+def forward(state: SourceState, seq: int) -> bool:
+    """Move a stream to ``seq``, past its last in the same epoch (``advance``'s usual case,
+    its time left to the caller): whether that skipped numbers (a gap, counted)."""
+    gap = seq > state.last_seq + 1
+    if gap:
+        state.gap_count += 1
+        state.missing_events += seq - state.last_seq - 1
+    state.last_seq = seq
+    return gap

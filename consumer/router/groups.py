@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvledger.consumer.router import event_runs
 from kvledger.consumer.router.dynamo_pure import DynamoWalk, PureDynamoSlots, Run
 from kvledger.consumer.router.masks import MaskDict, bits
 
@@ -80,6 +81,12 @@ class BlockGroup(Protocol):
         self, key: bytes, lora_name: str | None, plain: bool, salt: str | None = None
     ) -> None: ...
     def hold(self, key: bytes, hid: int, refcount: int) -> None: ...
+    def store_run(
+        self, hashes: Sequence[bytes], parent: bytes | None, token_start: int | None,
+        tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
+        hid: int, reports: bool,
+    ) -> int | None: ...  # fmt: skip
+    def release_run(self, hashes: Sequence[bytes], hid: int) -> int: ...
     def refcount(self, key: bytes, hid: int) -> int: ...
     def held_by(self, hid: int) -> list[bytes]: ...
     def residencies(self) -> list[tuple[bytes, int, int]]: ...
@@ -201,6 +208,19 @@ class PureGroup(DynamoWalk):
         else:
             self.masks.clear_bit(h, hid)
             self.counts.pop((h, hid), None)
+
+    def store_run(
+        self, hashes: Sequence[bytes], parent: bytes | None, token_start: int | None,
+        tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
+        hid: int, reports: bool,
+    ) -> int | None:  # fmt: skip
+        return event_runs.store_run(
+            self, hashes, parent, token_start, tokens, block_size, partial, lora_name, hid,
+            reports,
+        )  # fmt: skip
+
+    def release_run(self, hashes: Sequence[bytes], hid: int) -> int:
+        return event_runs.release_run(self, hashes, hid)
 
     def refcount(self, key: bytes, hid: int) -> int:
         if not self.masks.has_bit(key, hid):

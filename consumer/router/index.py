@@ -5,8 +5,8 @@
    consumer group's stored offsets — in one REPEATABLE READ transaction (:mod:`.snapshot`).
 2. :meth:`RouterIndex.start` tails the topic from exactly those offsets (its own
    assignment of every partition, no consumer-group commits) through the same pipeline and
-   pure core as the consumer, into the :class:`RouterStore`: no gap, no double count, the
-   same rejections.
+   pure core as the consumer (its commonest events in one native call each: :mod:`.lane`),
+   into the :class:`RouterStore`: no gap, no double count, the same rejections.
 3. :meth:`match`, :meth:`match_tokens` (and :func:`~kvledger.consumer.lookup.rank`) answer
    as the SQL functions do at the same log position; :meth:`position` says which.
 
@@ -35,9 +35,9 @@ from kvledger.consumer.core.model import (
 )
 from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.lookup.api import Granularity
-from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
+from kvledger.consumer.router.lane import run_router_batch
 from kvledger.consumer.router.snapshot import load_snapshot
 from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import FencedError
@@ -232,12 +232,12 @@ class RouterIndex:
                     for p, o in self.store.stored_offsets(self.consumer_group, self.topic).items()
                 }
                 self.store.set_clock(_clock())
-                result = run_batch(
+                tally = run_router_batch(
                     batch[i : i + APPLY_CHUNK], self.codec, self.store, self.consumer_group,
                     read_from=read_from,
                 )  # fmt: skip
-            self.applied_messages += result.plan.messages
-            self.block_events += result.plan.block_events
+            self.applied_messages += tally.messages
+            self.block_events += tally.block_events
         self.expire()
 
     def expire(self, force: bool = False) -> int:

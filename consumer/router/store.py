@@ -171,6 +171,14 @@ class RouterStore(StagedStore):
             history=False,
         )  # fmt: skip
 
+    def apply_now(self, plan: Plan) -> None:
+        """Apply a plan at once, inside an open transaction (the router's lane plans the
+        messages its groups decline a few at a time: :mod:`.lane`); the transaction's
+        commit then writes the offsets."""
+        if not self._open:
+            raise RuntimeError("RouterStore.apply_now: call inside transaction()")
+        self._apply(plan)
+
     def _apply(self, plan: Plan) -> None:
         for spec, _ in plan.new_specs:
             self.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(spec, "announced"))
@@ -194,12 +202,14 @@ class RouterStore(StagedStore):
         old_lora, old_plain, old_salt = g.meta(h) or (None, True, None)
         lora = old_lora if old_lora is not None else write.lora_name
         # Metadata is kept from the first writer that has it, as the PostgreSQL store keeps
-        # a block's first extra keys.
-        salt = old_salt if old_salt is not None or not old_plain else salt
+        # a block's first extra keys: a row with extra keys (not plain, or salted) keeps
+        # what they made of it, however later batches are cut.
+        if not old_plain or old_salt is not None:
+            plain, salt = old_plain, old_salt
         if known.placeholder or upgrades(known, new):
-            g.add_row(h, *new, lora, old_plain and plain, salt)
-        elif (lora, old_plain and plain, salt) != (old_lora, old_plain, old_salt):
-            g.set_meta(h, lora, old_plain and plain, salt)
+            g.add_row(h, *new, lora, plain, salt)
+        elif (lora, plain, salt) != (old_lora, old_plain, old_salt):
+            g.set_meta(h, lora, plain, salt)
 
 
 def walkable(extra_keys: str | None, first: bool) -> tuple[bool, str | None]:

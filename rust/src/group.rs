@@ -658,9 +658,11 @@ impl Group {
 
 mod content;
 mod dynamo;
+mod events;
 mod expiry;
 mod tokens;
 mod walk;
 pub use dynamo::{local_hash, seed_for};
+pub use events::StoreRun;
 #[cfg(test)]
 mod tests;

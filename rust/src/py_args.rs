@@ -3,7 +3,7 @@
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 pub(crate) fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     match key.cast::<PyBytes>() {
@@ -26,7 +26,7 @@ pub(crate) fn hash_list<'py>(hashes: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'
     Ok(out)
 }
 
-/// Token ids as int32s: a list of ints is read item by item through the stable API (a
+/// Token ids as int32s: a list or tuple of ints is read item by item through the stable API (a
 /// prompt's thousands of ids cost ~12 ns each through pyo3's generic sequence extraction);
 /// anything else (another sequence, an item that is not exactly an int) through pyo3.
 pub(crate) fn token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
@@ -52,18 +52,27 @@ fn int_list(tokens: &Bound<'_, PyAny>, low: i64, high: i64, what: &str) -> PyRes
             .map(|x| bits_of(x, low, high, what))
             .collect()
     };
-    let Ok(list) = tokens.cast::<PyList>() else {
+    // A list or a tuple (what the decoder gives an event's token ids) is read in place.
+    let (seq, n, is_list) = if let Ok(list) = tokens.cast::<PyList>() {
+        (list.as_ptr(), list.len(), true)
+    } else if let Ok(tuple) = tokens.cast::<PyTuple>() {
+        (tuple.as_ptr(), tuple.len(), false)
+    } else {
         return generic();
     };
     let py = tokens.py();
-    let n = list.len();
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        // SAFETY: a list, the GIL held and no Python code run between the length read and
-        // each item (only exact ints are read here: no __index__ runs); the item is
-        // borrowed for the one call that reads it.
+        // SAFETY: a list or tuple, the GIL held and no Python code run between the length
+        // read and each item (only exact ints are read here: no __index__ runs); the item
+        // is borrowed for the one call that reads it.
         let x = unsafe {
-            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            let at = i as ffi::Py_ssize_t;
+            let item = if is_list {
+                ffi::PyList_GetItem(seq, at)
+            } else {
+                ffi::PyTuple_GetItem(seq, at)
+            };
             if item.is_null() {
                 return Err(PyErr::fetch(py));
             }

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 
 use crate::dynamo_answer::{self, DynamoSlots};
-use crate::group::{Content, Group as Core};
+use crate::group::{Content, Group as Core, StoreRun};
 use crate::masks::MAX_HOLDERS;
 use crate::py_args::{hash_list, key_bytes, token_list, u32_token_list};
 
@@ -162,6 +162,51 @@ impl Group {
 
     fn end_of(&self, key: &Bound<'_, PyAny>) -> PyResult<i64> {
         Ok(self.core.end_of(key_bytes(key)?))
+    }
+
+    /// store_run(hashes, parent, token_start, tokens, block_size, partial, lora_name, hid,
+    /// reports) -> reused blocks, or None: a store event applied whole for holder `hid` when
+    /// its blocks are new or stored with this content already (else declined, nothing
+    /// changed: the rules decide it). See rust/src/group/events.rs.
+    #[allow(clippy::too_many_arguments)]
+    fn store_run(
+        &mut self,
+        hashes: &Bound<'_, PyAny>,
+        parent: Option<Bound<'_, PyAny>>,
+        token_start: Option<i64>,
+        tokens: &Bound<'_, PyAny>,
+        block_size: i32,
+        partial: bool,
+        lora_name: Option<String>,
+        hid: i64,
+        reports: bool,
+    ) -> PyResult<Option<usize>> {
+        let hid = holder_id(hid)?;
+        let hashes = hash_list(hashes)?;
+        let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        let parent = match &parent {
+            Some(p) => Some(key_bytes(p)?),
+            None => None,
+        };
+        let tokens = token_list(tokens)?;
+        let run = StoreRun {
+            hashes: &keys,
+            parent,
+            start: token_start,
+            tokens: &tokens,
+            block_size,
+            partial,
+            lora: lora_name.as_deref(),
+        };
+        Ok(self.core.store_run(&run, hid, reports))
+    }
+
+    /// release_run(hashes, hid) -> no-op removals: a removal event applied for holder `hid`.
+    fn release_run(&mut self, hashes: &Bound<'_, PyAny>, hid: i64) -> PyResult<usize> {
+        let hid = holder_id(hid)?;
+        let hashes = hash_list(hashes)?;
+        let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        Ok(self.core.release_run(&keys, hid))
     }
 
     /// runs(hashes) -> [(holder id, matched blocks, token end)] for every holder of hashes[0].

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
-from kvledger.consumer.pipeline import BatchResult, run_batch
+from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import groups
 from kvledger.consumer.router import match as m
 from kvledger.consumer.router import store as store_module
 from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
+from kvledger.consumer.router.lane import Tally, run_router_batch
 from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
@@ -136,17 +137,17 @@ def test_apply_pauses_the_collector_per_chunk_and_restores_it(
     messages = fleet_stream(FleetConfig(instances=2, requests=40, seed=3), partitions=1).messages
     seen: list[bool] = []
 
-    def watching(*args: Any, **kwargs: Any) -> BatchResult:
+    def watching(*args: Any, **kwargs: Any) -> Tally:
         seen.append(gc.isenabled())
-        return run_batch(*args, **kwargs)
+        return run_router_batch(*args, **kwargs)
 
-    def failing(*args: Any, **kwargs: Any) -> BatchResult:
+    def failing(*args: Any, **kwargs: Any) -> Tally:
         raise RuntimeError("a bug")
 
     direct = RouterStore()
     run_batch(messages, Codec(), direct, "g")
     router = RouterIndex("localhost:1", "fleet", "g")  # never connects
-    monkeypatch.setattr("kvledger.consumer.router.index.run_batch", watching)
+    monkeypatch.setattr("kvledger.consumer.router.index.run_router_batch", watching)
     assert gc.isenabled()
     router.apply(messages)
     assert gc.isenabled() and seen and not any(seen)
@@ -154,12 +155,12 @@ def test_apply_pauses_the_collector_per_chunk_and_restores_it(
     assert router_residencies(router.store) == router_residencies(direct)
     assert router.applied_messages == len(messages)
 
-    monkeypatch.setattr("kvledger.consumer.router.index.run_batch", failing)
+    monkeypatch.setattr("kvledger.consumer.router.index.run_router_batch", failing)
     with pytest.raises(RuntimeError):
         RouterIndex("localhost:1", "fleet", "g").apply(messages)
     assert gc.isenabled()
 
-    monkeypatch.setattr("kvledger.consumer.router.index.run_batch", watching)
+    monkeypatch.setattr("kvledger.consumer.router.index.run_router_batch", watching)
     seen.clear()
     gc.disable()
     try:

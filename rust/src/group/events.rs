@@ -1,0 +1,180 @@
+//! A whole store or removal event applied in one call: the router's common case.
+//!
+//! The index rules (consumer/core/plan.py) decide every event; most of them, though, store
+//! blocks that are new to the group or that another holder stored already with the same
+//! content, and remove blocks a holder holds. For those the rules come down to: add the
+//! rows that are new, keep the first LoRA name, add one reference per block (none for a
+//! block a source that reports reuse holds already) or take one away. `store_run` does
+//! exactly that (a placeholder's blocks keep whatever their rows hold) and declines,
+//! changing nothing, any event where a rule could say more (a block stored with other
+//! content or position, a hash twice): the caller then plans it with the rules. The pure twin is `consumer/router/groups.py`'s `store_run`.
+
+use std::collections::HashSet;
+
+use super::{Content, Group, NONE, PARTIAL, PLAIN, STORED};
+
+/// A store event's blocks (one holder's): as the event carries them.
+pub struct StoreRun<'a> {
+    pub hashes: &'a [&'a [u8]],
+    pub parent: Option<&'a [u8]>,
+    /// The first block's position; None: after the parent's row, where that is known.
+    pub start: Option<i64>,
+    pub tokens: &'a [i32],
+    pub block_size: i32,
+    pub partial: bool,
+    pub lora: Option<&'a str>,
+}
+
+impl Group {
+    /// Where a block after `parent` starts, as the rules place an event without a
+    /// position: 0 at the root, else its parent's token end (None: not known).
+    fn start_after(&self, parent: Option<&[u8]>) -> Option<i64> {
+        let Some(p) = parent else {
+            return Some(0);
+        };
+        let row = self.find(p)?;
+        let r = &self.rows[row as usize];
+        (r.flags & STORED != 0 && r.start != i64::MIN).then(|| r.start + i64::from(r.tok_len))
+    }
+
+    /// Whether the stored `row` is exactly a block of this content.
+    fn is_block(&self, row: u32, c: &Content<'_>) -> bool {
+        let r = &self.rows[row as usize];
+        let parent_same = match c.parent {
+            None => r.parent == NONE,
+            Some(p) => r.parent != NONE && self.key(r.parent) == p,
+        };
+        parent_same
+            && r.start == c.start.unwrap_or(i64::MIN)
+            && r.block_size == c.block_size
+            && (r.flags & PARTIAL != 0) == c.partial
+            && r.tok_len as usize == c.tokens.len()
+            && self.row_has(row, c.tokens)
+    }
+
+    /// Apply a store event for holder `hid` (see the module doc): None when declined
+    /// (nothing changed), else how many blocks were a reported reuse (`reports`: the
+    /// source announces reused blocks as stores, so a block it holds gains no reference).
+    pub fn store_run(&mut self, run: &StoreRun<'_>, hid: usize, reports: bool) -> Option<usize> {
+        // A placeholder (no size, no tokens: a group that is not full attention) says only
+        // that the blocks exist; whatever a row of its hashes holds stays.
+        let placeholder = run.block_size == 0 && run.tokens.is_empty();
+        let size = usize::try_from(run.block_size).ok()?;
+        let n = run.hashes.len();
+        if (size == 0 && !placeholder)
+            || n == 0
+            || run.hashes.iter().any(|h| h.is_empty())
+            || run.parent == Some(&[][..])
+        {
+            return None;
+        }
+        if n > 1 || run.parent.is_some() {
+            let mut seen: HashSet<&[u8], _> =
+                HashSet::with_capacity_and_hasher(n + 1, self.seed.clone());
+            if run.parent.is_some_and(|p| !seen.insert(p))
+                || run.hashes.iter().any(|h| !seen.insert(h))
+            {
+                return None; // a hash twice (or its own parent): the rules' case
+            }
+        }
+        let start = match run.start {
+            Some(s) => Some(s),
+            None if placeholder => None,
+            None => self.start_after(run.parent),
+        };
+        let block = |i: usize| -> Content<'_> {
+            let lo = (i * size).min(run.tokens.len());
+            let hi = ((i + 1) * size).min(run.tokens.len());
+            Content {
+                parent: if i == 0 {
+                    run.parent
+                } else {
+                    Some(run.hashes[i - 1])
+                },
+                start: start.map(|s| s + (i * size) as i64),
+                tokens: &run.tokens[lo..hi],
+                block_size: run.block_size,
+                partial: run.partial,
+                lora: run.lora,
+                plain: true,
+                salt: None,
+            }
+        };
+        // First every block checked (so a decline changes nothing), then applied.
+        let mut fresh = Vec::with_capacity(n);
+        for (i, h) in run.hashes.iter().enumerate() {
+            match self.find(h) {
+                Some(row) if self.rows[row as usize].flags & STORED != 0 => {
+                    if !placeholder && !self.is_block(row, &block(i)) {
+                        return None;
+                    }
+                    fresh.push(false);
+                }
+                _ => fresh.push(true),
+            }
+        }
+        let mut reused = 0;
+        for (i, h) in run.hashes.iter().enumerate() {
+            if fresh[i] {
+                self.add_row(h, &block(i));
+            } else {
+                self.keep_row(h, run.lora, placeholder);
+            }
+            let held = self.refcount(h, hid);
+            if reports && held > 0 {
+                reused += 1;
+            } else {
+                self.hold(h, hid, held.saturating_add(1));
+            }
+        }
+        Some(reused)
+    }
+
+    /// A stored row a store names again keeps its content and its first LoRA name; a
+    /// placeholder row a placeholder names is stored again as it is (as the rules merge
+    /// it: its metadata kept, its time touched).
+    fn keep_row(&mut self, key: &[u8], lora: Option<&str>, placeholder: bool) {
+        let row = self.find(key).expect("a row checked by store_run");
+        let r = &self.rows[row as usize];
+        let (plain, salt) = (r.flags & PLAIN != 0, self.salt_of(row));
+        let lora = match r.lora {
+            0 => lora.map(str::to_owned),
+            id => Some(self.loras[id as usize - 1].clone()),
+        };
+        if placeholder && r.block_size == 0 {
+            let parent = (r.parent != NONE).then(|| self.key(r.parent).to_vec());
+            let content = Content {
+                parent: parent.as_deref(),
+                start: (r.start != i64::MIN).then_some(r.start),
+                tokens: &[],
+                block_size: 0,
+                partial: r.flags & PARTIAL != 0,
+                lora: lora.as_deref(),
+                plain,
+                salt: salt.as_deref(),
+            };
+            self.add_row(key, &content);
+        } else if r.lora == 0 && lora.is_some() {
+            self.set_meta(key, lora.as_deref(), plain, salt.as_deref());
+        }
+    }
+
+    /// A row's first block's salt, as set_meta takes it.
+    fn salt_of(&self, row: u32) -> Option<String> {
+        let s = self.rows[row as usize].salt;
+        (s != 0).then(|| self.loras[s as usize - 1].clone())
+    }
+
+    /// Apply a removal event for holder `hid`: one reference less per hash; how many found
+    /// no reference left (a recorded no-op, never a negative count).
+    pub fn release_run(&mut self, hashes: &[&[u8]], hid: usize) -> usize {
+        let mut noop = 0;
+        for h in hashes {
+            match self.refcount(h, hid) {
+                0 => noop += 1,
+                held => self.hold(h, hid, held - 1),
+            }
+        }
+        noop
+    }
+}

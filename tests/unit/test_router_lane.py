@@ -1,0 +1,213 @@
+"""The router's fast lane (consumer.router.lane) leaves the store the planner leaves, and a
+group's whole-event calls (store_run / release_run) answer alike compiled and pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router import event_runs, groups
+from kvledger.consumer.router import store as store_module
+from kvledger.consumer.router.lane import run_router_batch
+from kvledger.consumer.router.store import RouterStore
+from kvledger.fleet import FleetConfig
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import BlockStored, GroupSpec, Heartbeat
+from tests.helpers.streams import Stream, cleared, edge_stream, fleet_stream, removed, spec, stored
+
+
+@pytest.fixture(params=["compiled", "pure"])
+def group_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "pure":
+        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
+    elif not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")
+    return str(request.param)
+
+
+def state(store: RouterStore) -> dict[str, Any]:
+    """Everything the store holds, holder ids named."""
+    blocks = {
+        (key, h): (g.row(h), g.meta(h)) for key, g in store.groups.items() for h in g.hashes()
+    }
+    held = {
+        (key, h, store.holders[hid]): count
+        for key, g in store.groups.items()
+        for h, hid, count in g.residencies()
+    }
+    return {
+        "blocks": blocks,
+        "held": held,
+        "holders": sorted(store.holders),
+        "sources": dict(store.sources),
+        "lives": dict(store.lives),
+        "specs": dict(store.specs),
+        "offsets": dict(store.offsets),
+    }
+
+
+def both_ways(messages: list[Inbound], chunk: int) -> tuple[dict[str, Any], dict[str, Any], int]:
+    codec, planned, laned, fast = Codec(), RouterStore(), RouterStore(), 0
+    for i in range(0, len(messages), chunk):
+        run_batch(messages[i : i + chunk], codec, planned, "g")
+        fast += run_router_batch(messages[i : i + chunk], codec, laned, "g").fast
+    return state(planned), state(laned), fast
+
+
+def messy_stream(seed: int) -> Stream:
+    """Random stores, removals and lifecycle over few hashes, so that stores meet rows of
+    the same and of other content, placeholders, partial tails, LoRA names, reuse reports,
+    gaps, duplicates, restarts, clears and heartbeats."""
+    rng, s = random.Random(seed), Stream(partitions=2)
+    sources = ["e0", "e1", "e2"]
+    epochs = dict.fromkeys(sources, 1)
+    for source in sources:
+        reports = rng.random() < 0.3
+        s.send(source, dataclasses.replace(spec(0, block=4, hash_size=2), reports_reuse=reports))
+        s.send(source, spec(1, kind="sliding_window"))
+    for _ in range(400):
+        source = rng.choice(sources)
+        epoch = epochs[source]
+        medium = rng.choice(["GPU", "CPU"])
+        roll = rng.random()
+        if roll < 0.45:
+            n = rng.randint(1, 4)
+            first = rng.randrange(12)
+            hashes = [first + k for k in range(n)]
+            if rng.random() < 0.05:
+                hashes.append(hashes[0])  # a hash twice
+            parent = first - 1 if first and rng.random() < 0.7 else None
+            start = rng.choice([None, 4 * first, 4 * first + 4])
+            partial = rng.random() < 0.1
+            event = stored(
+                hashes, start=start, size=2 if partial else 4, parent=parent, medium=medium,
+                partial=partial, salt=rng.choice([0, 0, 0, 1]),
+                lora=rng.choice([None, None, "a", "b"]),
+            )  # fmt: skip
+            if rng.random() < 0.05:
+                event = dataclasses.replace(event, extra_keys=('["s"]',) + (None,) * (n - 1))
+            s.send(source, event, epoch=epoch)
+        elif roll < 0.55:
+            first = rng.randrange(30, 36)
+            placeholder = BlockStored(
+                (first.to_bytes(8, "big"), (first + 1).to_bytes(8, "big")), None, (), 0, None,
+                medium, None, group_idx=1,
+            )  # fmt: skip
+            s.send(source, placeholder, epoch=epoch)
+        elif roll < 0.85:
+            hashes = [rng.randrange(14) for _ in range(rng.randint(1, 3))]
+            s.send(source, removed(hashes, medium=medium), epoch=epoch)
+        elif roll < 0.88:
+            s.send(source, cleared(medium=medium, group=0), epoch=epoch)
+        elif roll < 0.91:
+            epochs[source] += 1
+            s.send(source, spec(0, block=4, hash_size=2), epoch=epochs[source], seq=0)
+        elif roll < 0.94:
+            s.send(source, Heartbeat(group_idx=0, interval_ms=1000), epoch=epoch)
+        elif roll < 0.97:
+            last = s._seq.get((source, 0, epoch), 0)
+            s.send(source, stored([rng.randrange(12)], medium=medium), epoch=epoch,
+                   seq=max(0, last - rng.randint(0, 2)))  # fmt: skip  # a duplicate
+        else:
+            last = s._seq.get((source, 0, epoch), 0)
+            s.send(source, removed([rng.randrange(12)], medium=medium), epoch=epoch,
+                   seq=last + rng.randint(2, 5))  # fmt: skip  # a gap
+    return s
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 500])
+def test_the_lane_leaves_the_store_the_planner_leaves(group_kind: str, chunk: int) -> None:
+    streams = [edge_stream(), fleet_stream(FleetConfig(instances=3, requests=40, seed=9))]
+    streams += [messy_stream(seed) for seed in range(6)]
+    took = 0
+    for stream in streams:
+        planned, laned, fast = both_ways(stream.messages, chunk)
+        assert laned == planned
+        took += fast
+    assert took > 1000  # the lane was taken (else this compares the planner with itself)
+
+
+def test_a_spec_announced_after_its_stores_is_met_in_order(group_kind: str) -> None:
+    """Messages the planner takes and messages the lane takes, interleaved in one batch,
+    each meet what every message before them left."""
+    s = Stream()
+    s.send("e", spec(0, block=4, hash_size=4))
+    s.send("e", stored([1, 2]))
+    s.send("e", stored([5], group=3))  # unknown_group: the planner's, rejected
+    s.send("e", GroupSpec("m", 3, "full_attention", 4, 4))
+    s.send("e", stored([5], group=3))
+    s.send("e", stored([3], parent=2, start=None))
+    s.send("e", cleared(medium="CPU", group=0))
+    s.send("e", stored([1, 2]))
+    planned, laned, fast = both_ways(s.messages, 100)
+    assert laned == planned
+    # The lane takes a stream's store once the store knows its holder and group: block 3
+    # and the last store; the first store of each holder and group is the planner's.
+    assert fast == 2
+
+
+# ---------------------------------------------------------------------- the group calls
+def _random_event(rng: random.Random) -> tuple[Any, ...]:
+    n = rng.randint(1, 4)
+    first = rng.randrange(10)
+    keys = [(first + k).to_bytes(rng.choice([8, 8, 3]), "big") for k in range(n)]
+    if rng.random() < 0.05:
+        keys.append(keys[0])
+    parent = rng.choice([None, None, (first + 40).to_bytes(8, "big"), b""])
+    size = rng.choice([0, 2, 4, 4, 4, -1])
+    tokens = [] if size <= 0 else [rng.randrange(4) for _ in range(size * n)]
+    if size > 0 and rng.random() < 0.1:
+        tokens = tokens[: -rng.randint(1, size)]  # fewer tokens than the blocks take
+    start = rng.choice([None, 0, 4 * first])
+    lora = rng.choice([None, "x", "y"])
+    return (keys, parent, start, tokens, max(size, -1), rng.random() < 0.2, lora)
+
+
+def _group_state(g: Any) -> tuple[Any, ...]:
+    return (
+        sorted((h, g.row(h), g.meta(h)) for h in g.hashes()),
+        sorted(g.residencies()),
+    )
+
+
+def test_store_run_and_release_run_agree_compiled_and_pure() -> None:
+    if not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")
+    for seed in range(40):
+        rng = random.Random(seed)
+        compiled, pure = groups.Group(), groups.PureGroup()
+        for _ in range(120):
+            hid, reports = rng.randrange(3), rng.random() < 0.3
+            if rng.random() < 0.65:
+                args = _random_event(rng)
+                got = [g.store_run(*args, hid, reports) for g in (compiled, pure)]
+            else:
+                hashes = [rng.randrange(14).to_bytes(8, "big") for _ in range(rng.randint(1, 3))]
+                got = [g.release_run(hashes, hid) for g in (compiled, pure)]
+            assert got[0] == got[1], (seed, got)
+            assert _group_state(compiled) == _group_state(pure), seed
+
+
+def test_store_run_declines_what_the_rules_decide() -> None:
+    g = groups.PureGroup()
+    one = (1).to_bytes(8, "big")
+    assert event_runs.store_run(g, [one], None, 0, [1, 2], 2, False, None, 0, False) == 0
+    # the same content again, by another holder: applied
+    assert event_runs.store_run(g, [one], None, 0, [1, 2], 2, False, "x", 1, False) == 0
+    assert g.meta(one) == ("x", True, None)
+    # other tokens, another position, no position: declined, nothing changed
+    before = _group_state(g)
+    for tokens, start in (([1, 3], 0), ([1, 2], 4)):
+        assert event_runs.store_run(g, [one], None, start, tokens, 2, False, None, 2, False) is None
+    twice = event_runs.store_run(g, [one, one], None, 0, [1, 2, 1, 2], 2, False, None, 2, False)
+    assert twice is None
+    assert _group_state(g) == before
+    # a reuse report of a held block adds no reference
+    assert event_runs.store_run(g, [one], None, 0, [1, 2], 2, False, None, 0, True) == 1
+    assert g.refcount(one, 0) == 1
+    assert event_runs.release_run(g, [one, one], 0) == 1  # the second finds none left

@@ -78,7 +78,7 @@ def group(data: bytes) -> None:
 
     dropped: list[list[int]] = [[] for _ in groups]  # what each expiry dropped, per group
     for _ in range(fdp.ConsumeIntInRange(0, 60)):
-        op = fdp.ConsumeIntInRange(0, 4)
+        op = fdp.ConsumeIntInRange(0, 6)
         k = key()
         if op == 0:
             parent = key() if fdp.ConsumeBool() else None
@@ -100,10 +100,25 @@ def group(data: bytes) -> None:
             now = fdp.ConsumeIntInRange(0, 8)
             for g in groups:
                 g.set_clock(now)
-        else:
+        elif op == 4:
             cutoff = fdp.ConsumeIntInRange(0, 9)
             for g, out in zip(groups, dropped, strict=True):
                 out.append(g.expire(cutoff))
+        elif op == 5:  # a whole store event (the router's lane)
+            hashes = [k] + [key() for _ in range(fdp.ConsumeIntInRange(0, 3))]
+            parent = key() if fdp.ConsumeBool() else None
+            size = fdp.ConsumeIntInRange(-1, 4)
+            tokens = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 12))]
+            args = (hashes, parent, fdp.ConsumeIntInRange(0, 8) if fdp.ConsumeBool() else None,
+                    tokens, size, fdp.ConsumeBool(), "a" if fdp.ConsumeBool() else None,
+                    fdp.ConsumeIntInRange(0, 200), fdp.ConsumeBool())  # fmt: skip
+            got = [g.store_run(*args) for g in groups]
+            assert all(x == got[0] for x in got), "the groups applied a store differently"
+        else:  # a whole removal event
+            hashes = [k] + [key() for _ in range(fdp.ConsumeIntInRange(0, 3))]
+            hid = fdp.ConsumeIntInRange(0, 200)
+            got = [g.release_run(hashes, hid) for g in groups]
+            assert all(x == got[0] for x in got), "the groups applied a removal differently"
     assert all(out == dropped[0] for out in dropped), "the groups expired differently"
     prompt = [key() for _ in range(fdp.ConsumeIntInRange(0, 20))]
     tokens = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 24))]

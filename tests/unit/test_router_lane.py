@@ -211,3 +211,18 @@ def test_store_run_declines_what_the_rules_decide() -> None:
     assert event_runs.store_run(g, [one], None, 0, [1, 2], 2, False, None, 0, True) == 1
     assert g.refcount(one, 0) == 1
     assert event_runs.release_run(g, [one, one], 0) == 1  # the second finds none left
+
+
+def test_a_placeholder_keeps_a_size_zero_rows_tokens_compiled_and_pure() -> None:
+    """Found by fuzzing: a placeholder store over a row of block size 0 that has tokens
+    stores the row again as it is, tokens included, in both twins."""
+    if not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")
+    one = (1).to_bytes(8, "big")
+    states = []
+    for g in (groups.Group(), groups.PureGroup()):
+        g.add_row(one, None, 2, [3, 1, 2], 0, True, None, True)
+        assert g.store_run([one], None, None, [], 0, False, None, 5, False) == 0
+        states.append(_group_state(g))
+        assert g.row(one) == (None, 2, (3, 1, 2), 0, True)
+    assert states[0] == states[1]

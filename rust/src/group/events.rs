@@ -143,10 +143,11 @@ impl Group {
         };
         if placeholder && r.block_size == 0 {
             let parent = (r.parent != NONE).then(|| self.key(r.parent).to_vec());
+            let tokens = self.row_tokens(row);
             let content = Content {
                 parent: parent.as_deref(),
                 start: (r.start != i64::MIN).then_some(r.start),
-                tokens: &[],
+                tokens: &tokens,
                 block_size: 0,
                 partial: r.flags & PARTIAL != 0,
                 lora: lora.as_deref(),

@@ -378,8 +378,13 @@ impl Group {
             self.release(row);
             return;
         }
-        self.widen(hid);
         let row = self.intern(key);
+        self.hold_row(row, hid, refcount);
+    }
+
+    /// Set a residency of a row to a count above zero.
+    pub(super) fn hold_row(&mut self, row: u32, hid: usize, refcount: u32) {
+        self.widen(hid);
         self.seen[row as usize] = self.clock;
         *self.word_mut(row, hid / 64) |= 1u64 << (hid % 64);
         if refcount > 1 {
@@ -402,6 +407,15 @@ impl Group {
             return 1;
         }
         self.counts.get(&(row, hid as u32)).copied().unwrap_or(1)
+    }
+
+    /// A row's residency count for a holder (0: none).
+    pub(super) fn refcount_row(&self, row: u32, hid: usize) -> u32 {
+        if self.holds(row, hid) {
+            self.count(row, hid)
+        } else {
+            0
+        }
     }
 
     fn holds(&self, row: u32, hid: usize) -> bool {
@@ -462,7 +476,7 @@ impl Group {
     // ------------------------------------------------------------------ lookups
     /// The rows of a prompt's hashes (NONE where the group has none), the cache misses of
     /// every position overlapped.
-    fn rows_of(&self, hashes: &[&[u8]]) -> Vec<u32> {
+    pub(super) fn rows_of(&self, hashes: &[&[u8]]) -> Vec<u32> {
         // Blocks stored together sit in consecutive rows (an engine stores a prompt's
         // blocks in one event): while the row after the one found at the position before
         // is this position's, it needs no probe. Past the first that is not, all are probed.

@@ -231,6 +231,11 @@ impl Group {
 
     /// A store's content for `key` (replacing what the row had).
     pub fn add_row(&mut self, key: &[u8], c: &Content<'_>) {
+        self.add_row_at(key, c);
+    }
+
+    /// `add_row`, giving the row it stored.
+    pub(super) fn add_row_at(&mut self, key: &[u8], c: &Content<'_>) -> u32 {
         let chain = self.prefetch_content_slot(c);
         // The parent first: it is mostly the row found last (the block before, in the same
         // event), so `find` takes it from the hint; the new row then follows it.
@@ -287,6 +292,7 @@ impl Group {
         if !same_tokens {
             self.compact_tokens_if_sparse();
         }
+        row
     }
 
     /// The content key a block stored with `c` will have, where its parent's key is known

@@ -100,31 +100,34 @@ impl Group {
                 salt: None,
             }
         };
-        // First every block checked (so a decline changes nothing), then applied.
-        let mut fresh = Vec::with_capacity(n);
-        for (i, h) in run.hashes.iter().enumerate() {
-            match self.find(h) {
-                Some(row) if self.rows[row as usize].flags & STORED != 0 => {
-                    if !placeholder && !self.is_block(row, &block(i)) {
-                        return None;
-                    }
-                    fresh.push(false);
-                }
-                _ => fresh.push(true),
+        // First every block checked (so a decline changes nothing), then applied. The rows
+        // are found together (their cache misses overlapped); a stored row is never freed
+        // by the changes below, so those found stay theirs.
+        let mut rows = self.rows_of(run.hashes);
+        for (i, &row) in rows.iter().enumerate() {
+            if row != NONE
+                && self.rows[row as usize].flags & STORED != 0
+                && !placeholder
+                && !self.is_block(row, &block(i))
+            {
+                return None;
             }
         }
         let mut reused = 0;
         for (i, h) in run.hashes.iter().enumerate() {
-            if fresh[i] {
-                self.add_row(h, &block(i));
-            } else {
-                self.keep_row(h, run.lora, placeholder);
-            }
-            let held = self.refcount(h, hid);
+            let row = match rows[i] {
+                row if row != NONE && self.rows[row as usize].flags & STORED != 0 => {
+                    self.keep_row(row, h, run.lora, placeholder);
+                    row
+                }
+                _ => self.add_row_at(h, &block(i)),
+            };
+            rows[i] = row;
+            let held = self.refcount_row(row, hid);
             if reports && held > 0 {
                 reused += 1;
             } else {
-                self.hold(h, hid, held.saturating_add(1));
+                self.hold_row(row, hid, held.saturating_add(1));
             }
         }
         Some(reused)
@@ -133,8 +136,7 @@ impl Group {
     /// A stored row a store names again keeps its content and its first LoRA name; a
     /// placeholder row a placeholder names is stored again as it is (as the rules merge
     /// it: its metadata kept, its time touched).
-    fn keep_row(&mut self, key: &[u8], lora: Option<&str>, placeholder: bool) {
-        let row = self.find(key).expect("a row checked by store_run");
+    fn keep_row(&mut self, row: u32, key: &[u8], lora: Option<&str>, placeholder: bool) {
         let r = &self.rows[row as usize];
         let (plain, salt) = (r.flags & PLAIN != 0, self.salt_of(row));
         let lora = match r.lora {

@@ -47,10 +47,7 @@ impl Group {
         plain: bool,
         salt: Option<String>,
     ) -> PyResult<()> {
-        let parent = match &parent {
-            Some(p) => Some(key_bytes(p)?),
-            None => None,
-        };
+        let parent = parent.as_ref().map(key_bytes).transpose()?;
         let content = Content {
             parent,
             start: token_start,
@@ -184,10 +181,7 @@ impl Group {
         let hid = holder_id(hid)?;
         let hashes = hash_list(hashes)?;
         let keys: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
-        let parent = match &parent {
-            Some(p) => Some(key_bytes(p)?),
-            None => None,
-        };
+        let parent = parent.as_ref().map(key_bytes).transpose()?;
         let tokens = token_list(tokens)?;
         let run = StoreRun {
             hashes: &keys,

@@ -25,6 +25,7 @@ from kvledger.consumer.router.index import RouterIndex
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.dynamo import dynamo_seed
+from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.streams import fleet_prompts, fleet_stream
 
 if os.environ.get("CI") == "true":  # CI installs the dev extra: no skipping there
@@ -37,13 +38,10 @@ MODEL = FLEET.model
 WIDE = timedelta(days=3650)  # a replayed stream's sources are all "live" within it
 
 
-@pytest.fixture(params=["compiled", "pure"])
+@pytest.fixture(params=KINDS)
 def router(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> RouterIndex:
     """A router index holding the fleet's stream (never tailing a broker)."""
-    if request.param == "pure":
-        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
-    elif not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
+    use_group_kind(request.param, monkeypatch)
     index = RouterIndex("127.0.0.1:9", dynamo=True)
     codec = Codec()
     messages = fleet_stream(FLEET).messages

@@ -14,15 +14,14 @@ import pytest
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import groups
 from kvledger.consumer.router import match as m
-from kvledger.consumer.router import store as store_module
 from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
 from kvledger.consumer.router.lane import Tally, run_router_batch
 from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
+from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.streams import edge_stream, fleet_stream
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
@@ -36,13 +35,10 @@ def both(messages: list, batch: int = 50) -> tuple[RouterStore, MemoryStore]:  #
     return router, memory
 
 
-@pytest.fixture(autouse=True, params=["compiled", "pure"])
+@pytest.fixture(autouse=True, params=KINDS)
 def group_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs on the compiled core's groups and on the pure ones."""
-    if request.param == "pure":
-        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
-    elif not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
+    use_group_kind(request.param, monkeypatch)
     return str(request.param)
 
 

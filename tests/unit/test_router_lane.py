@@ -12,21 +12,18 @@ import pytest
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import event_runs, groups
-from kvledger.consumer.router import store as store_module
 from kvledger.consumer.router.lane import run_router_batch
 from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import BlockStored, GroupSpec, Heartbeat
+from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.streams import Stream, cleared, edge_stream, fleet_stream, removed, spec, stored
 
 
-@pytest.fixture(params=["compiled", "pure"])
+@pytest.fixture(params=KINDS)
 def group_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "pure":
-        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
-    elif not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
+    use_group_kind(request.param, monkeypatch)
     return str(request.param)
 
 

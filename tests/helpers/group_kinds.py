@@ -1,0 +1,19 @@
+"""The router's two group kinds, for tests that run on both."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.consumer.router import groups
+from kvledger.consumer.router import store as store_module
+
+KINDS = ["compiled", "pure"]
+
+
+def use_group_kind(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the router's stores build groups of ``kind`` ("compiled": the core's, skipped
+    where it is not in use; "pure": PureGroup) for the rest of the test."""
+    if kind == "pure":
+        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
+    elif not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")

@@ -36,7 +36,7 @@ from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import groups
 from kvledger.consumer.router.groups import PureGroup
-from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
+from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex, collector_paused
 from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
@@ -118,11 +118,8 @@ def tail_rate(rounds: int = 3) -> dict[str, float]:
         store, events = RouterStore(), 0
         start = time.perf_counter()
         for i in range(0, len(messages), APPLY_CHUNK):
-            gc.disable()
-            try:
+            with collector_paused():
                 plan = run_batch(messages[i : i + APPLY_CHUNK], codec, store, "bench").plan
-            finally:
-                gc.enable()
             events += plan.block_events
         return events, time.perf_counter() - start
 

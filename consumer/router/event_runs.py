@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvledger.consumer.core.model import BlockRow
+
 if TYPE_CHECKING:
     from kvledger.consumer.router.groups import BlockFields, BlockGroup
 
@@ -30,9 +32,7 @@ def start_after(g: BlockGroup, parent: bytes | None) -> int | None:
     if parent is None:
         return 0
     row = g.row(parent)
-    if row is None or row[1] is None:
-        return None
-    return row[1] + len(row[2])
+    return BlockRow(*row).token_end if row is not None else None
 
 
 def store_run(

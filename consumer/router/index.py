@@ -65,7 +65,7 @@ EXPIRY_SLICE = 200_000
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cycle collector paused while one chunk applies.
 
     The pipeline makes no reference cycles (its temporaries go by reference count: a
@@ -224,7 +224,7 @@ class RouterIndex:
         In chunks of :data:`APPLY_CHUNK` under the lookups' lock, so a lookup waits for one
         chunk at most (~10 ms), never for a whole poll's worth of messages."""
         for i in range(0, len(batch), APPLY_CHUNK):
-            with self.lock, _collector_paused():
+            with self.lock, collector_paused():
                 # The router is its store's only writer: its reading began where the
                 # store's offsets stand (past any transaction marker between batches).
                 read_from = {
@@ -255,7 +255,7 @@ class RouterIndex:
         started, dropped = time.perf_counter(), 0
         slices = self.store.expire_slices(_clock() - int(retention), EXPIRY_SLICE)
         while True:  # the lock held a slice at a time: lookups go on in between
-            with self.lock, _collector_paused():
+            with self.lock, collector_paused():
                 step = next(slices, None)
             if step is None:
                 break

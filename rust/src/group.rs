@@ -459,14 +459,15 @@ impl Group {
         out
     }
 
+    /// A row's token end (None: no content or no position known).
+    pub(super) fn token_end(&self, row: u32) -> Option<i64> {
+        let r = &self.rows[row as usize];
+        (r.flags & STORED != 0 && r.start != i64::MIN).then(|| r.start + i64::from(r.tok_len))
+    }
+
     /// A row's token end, as a block-granularity match reports it (0: not known).
     fn end(&self, row: u32) -> i64 {
-        let r = &self.rows[row as usize];
-        if r.flags & STORED == 0 || r.start == i64::MIN {
-            0
-        } else {
-            r.start + i64::from(r.tok_len)
-        }
+        self.token_end(row).unwrap_or(0)
     }
 
     pub fn end_of(&self, key: &[u8]) -> i64 {

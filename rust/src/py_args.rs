@@ -26,9 +26,10 @@ pub(crate) fn hash_list<'py>(hashes: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'
     Ok(out)
 }
 
-/// Token ids as int32s: a list or tuple of ints is read item by item through the stable API (a
-/// prompt's thousands of ids cost ~12 ns each through pyo3's generic sequence extraction);
-/// anything else (another sequence, an item that is not exactly an int) through pyo3.
+/// Token ids as int32s: a list or tuple of ints is read item by item through the stable
+/// API (a prompt's thousands of ids cost ~12 ns each through pyo3's generic sequence
+/// extraction); anything else (another sequence, an item that is not exactly an int)
+/// through pyo3.
 pub(crate) fn token_list(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     int_list(tokens, i64::from(i32::MIN), i64::from(i32::MAX), "an int32")
 }

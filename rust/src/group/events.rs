@@ -7,7 +7,8 @@
 //! block a source that reports reuse holds already) or take one away. `store_run` does
 //! exactly that (a placeholder's blocks keep whatever their rows hold) and declines,
 //! changing nothing, any event where a rule could say more (a block stored with other
-//! content or position, a hash twice): the caller then plans it with the rules. The pure twin is `consumer/router/groups.py`'s `store_run`.
+//! content or position, a hash twice): the caller then plans it with the rules. The pure
+//! twin is `consumer/router/event_runs.py`.
 
 use std::collections::HashSet;
 
@@ -32,9 +33,7 @@ impl Group {
         let Some(p) = parent else {
             return Some(0);
         };
-        let row = self.find(p)?;
-        let r = &self.rows[row as usize];
-        (r.flags & STORED != 0 && r.start != i64::MIN).then(|| r.start + i64::from(r.tok_len))
+        self.token_end(self.find(p)?)
     }
 
     /// Whether the stored `row` is exactly a block of this content.
@@ -103,7 +102,7 @@ impl Group {
         // First every block checked (so a decline changes nothing), then applied. The rows
         // are found together (their cache misses overlapped); a stored row is never freed
         // by the changes below, so those found stay theirs.
-        let mut rows = self.rows_of(run.hashes);
+        let rows = self.rows_of(run.hashes);
         for (i, &row) in rows.iter().enumerate() {
             if row != NONE
                 && self.rows[row as usize].flags & STORED != 0
@@ -122,7 +121,6 @@ impl Group {
                 }
                 _ => self.add_row_at(h, &block(i)),
             };
-            rows[i] = row;
             let held = self.refcount_row(row, hid);
             if reports && held > 0 {
                 reused += 1;
@@ -138,12 +136,16 @@ impl Group {
     /// it: its metadata kept, its time touched).
     fn keep_row(&mut self, row: u32, key: &[u8], lora: Option<&str>, placeholder: bool) {
         let r = &self.rows[row as usize];
+        let again = placeholder && r.block_size == 0;
+        if !again && (r.lora != 0 || lora.is_none()) {
+            return; // nothing to change (most rows: the same store by another holder)
+        }
         let (plain, salt) = (r.flags & PLAIN != 0, self.salt_of(row));
         let lora = match r.lora {
             0 => lora.map(str::to_owned),
             id => Some(self.loras[id as usize - 1].clone()),
         };
-        if placeholder && r.block_size == 0 {
+        if again {
             let parent = (r.parent != NONE).then(|| self.key(r.parent).to_vec());
             let tokens = self.row_tokens(row);
             let content = Content {
@@ -157,7 +159,7 @@ impl Group {
                 salt: salt.as_deref(),
             };
             self.add_row(key, &content);
-        } else if r.lora == 0 && lora.is_some() {
+        } else {
             self.set_meta(key, lora.as_deref(), plain, salt.as_deref());
         }
     }

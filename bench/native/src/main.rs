@@ -218,6 +218,35 @@ fn main() {
             println!("{found}");
             return;
         }
+        Some("ratio-tokens") => {
+            // Token against hash lookups, cold, alternating: each round's p50 ratio.
+            let (group, _) = build_kvledger(&keys);
+            let mut state = 7u64;
+            for _ in 0..10 {
+                let picked: Vec<u64> = (0..LOOKUPS)
+                    .map(|_| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        state % CHAINS
+                    })
+                    .collect();
+                let hashes: Vec<Vec<&[u8]>> = picked
+                    .iter()
+                    .map(|&c| keys[c as usize].iter().map(|k| &k[..]).collect())
+                    .collect();
+                let tokens: Vec<Vec<i32>> = picked
+                    .iter()
+                    .map(|&c| vec![c as i32; LENGTH * BLOCK])
+                    .collect();
+                let h = timed(&hashes, |h| group.runs(h).len());
+                let t = timed(&tokens, |t| {
+                    group.match_tokens(t, BLOCK, BLOCK, None, None).len()
+                });
+                println!("{:.2} {:.2} {:.2}", h.0, t.0, t.0 / h.0);
+            }
+            return;
+        }
         Some("memory-10m") => {
             // Ten million distinct blocks (chains of LENGTH, one holder each, token ids
             // drawn from a 128,256-id vocabulary, as Llama 3 has): the resident bytes.

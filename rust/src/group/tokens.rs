@@ -76,7 +76,15 @@ impl Arena {
         }
     }
 
+    /// A hint that the ids `words` 4-byte words after word `off` are read soon.
+    pub(super) fn prefetch_after(&self, off: u32, words: usize) {
+        if let Some(b) = self.bytes.get((off as usize + words) * 4) {
+            crate::masks::prefetch(b);
+        }
+    }
+
     /// Whether a block's ids are `want` (no call per id: a block is a few dozen).
+    #[inline]
     pub(super) fn same(&self, off: u32, len: u32, width: u8, want: &[i32]) -> bool {
         if want.len() != len as usize {
             return false;

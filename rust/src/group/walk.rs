@@ -4,6 +4,7 @@
 use smallvec::SmallVec;
 
 use super::content::Level;
+use super::tokens::words;
 use super::{Group, Run, LEVELS_AT_ONCE, NONE, PARTIAL, PLAIN};
 use crate::masks::prefetch;
 
@@ -61,14 +62,31 @@ impl Group {
         let (Some(lora), Some(salt)) = (self.known_id(lora), self.known_id(salt)) else {
             return Vec::new(); // no block of that LoRA, or with that salt
         };
+        let args = (tokens, block_size, hash_block_size, lora, salt);
+        // The holder words in an array where there are few (the loops over them unrolled).
+        match self.width {
+            1 => self.walk_tokens(Walk::new([0; 1]), args),
+            2 => self.walk_tokens(Walk::new([0; 2]), args),
+            3 => self.walk_tokens(Walk::new([0; 3]), args),
+            4 => self.walk_tokens(Walk::new([0; 4]), args),
+            w => self.walk_tokens(Walk::new(vec![0; w]), args),
+        }
+    }
+
+    /// `match_tokens` with the walk's holder words in `walk` (their count: the width).
+    fn walk_tokens<A: AsRef<[u64]> + AsMut<[u64]>>(
+        &self,
+        mut walk: Walk<A>,
+        (tokens, block_size, hash_block_size, lora, salt): (&[i32], usize, usize, u32, u32),
+    ) -> Vec<Run> {
         let (bs, hbs) = (block_size, hash_block_size);
         let block =
             |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short
-        let mut walk = Walk::new(self.width, levels);
         let root: [u32; 1] = [NONE];
         let mut key = self.root_key(salt);
         let mut i = 0;
+        let mut apart = 0; // the level after the last probed ones
         'full: while i < levels {
             // Down consecutive rows while each is its level's only one.
             while i < levels {
@@ -77,10 +95,17 @@ impl Group {
                 let Some(kid) = self.kid_after(*row, block(i), bs as i32, lora) else {
                     break;
                 };
+                let r = &self.rows[kid as usize];
                 if let Some(ahead) = self.rows.get(kid as usize + 4) {
                     prefetch(ahead);
                 }
-                key = self.rows[kid as usize].chain;
+                // The blocks stored with this one follow its tokens in the arena.
+                self.tokens
+                    .prefetch_after(r.tok_off, 4 * words(r.tok_len, r.tok_width));
+                if let Some(t) = tokens.get((i + 8) * bs) {
+                    prefetch(t); // the prompt's block eight levels on
+                }
+                key = r.chain;
                 i += 1;
                 if !walk.push_one(self, kid) {
                     break 'full;
@@ -89,9 +114,12 @@ impl Group {
             if i >= levels {
                 break;
             }
-            // The first level alone (the walk may go on down consecutive rows from it),
-            // then as many as LEVELS_AT_ONCE where rows are apart.
-            let upto = (i + if i == 0 { 1 } else { LEVELS_AT_ONCE }).min(levels);
+            // One level alone where the consecutive rows end (past a prompt's match there
+            // is nothing to find, and after it the rows may run on consecutively again),
+            // then as many as LEVELS_AT_ONCE where rows keep being apart.
+            let one = i == 0 || i > apart;
+            let upto = (i + if one { 1 } else { LEVELS_AT_ONCE }).min(levels);
+            apart = upto;
             let mut keys: SmallVec<[u64; LEVELS_AT_ONCE]> = SmallVec::new();
             for j in i..upto {
                 key = self.content_key(key, bs as i32, false, lora, block(j));
@@ -151,115 +179,123 @@ impl Group {
     }
 }
 
-/// The levels of a token walk so far: their rows, the holders of every level (each
-/// level's mask is the OR of its rows' words; a holder runs on while it is in all), and the
-/// runs of those that stopped, as they stop.
-struct Walk {
-    rows: Vec<u32>,
-    starts: Vec<usize>, // level i: rows[starts[i]..starts[i + 1]] (the last to rows.len())
-    alive: SmallVec<[u64; 4]>,
-    ended: Vec<(usize, usize)>, // (holder id, levels held), in the order they stopped
+/// A token walk so far: how many levels it has, the last level's rows, the holders of
+/// every level (each level's mask is the OR of its rows' words; a holder runs on while it
+/// is in all), and the runs of those that stopped, each with its token end found as it
+/// stops (from the level before, which it held): no level but the last is kept. `A` holds
+/// the holder words: an array where the group has few, so their loops unroll.
+struct Walk<A> {
+    levels: usize,
+    last: Level,
+    alive: A,
+    ended: Vec<Run>, // in the order they stopped
 }
 
-impl Walk {
-    fn new(width: usize, levels: usize) -> Self {
+impl<A: AsRef<[u64]> + AsMut<[u64]>> Walk<A> {
+    fn new(alive: A) -> Self {
         Walk {
-            rows: Vec::with_capacity(levels),
-            starts: Vec::with_capacity(levels),
-            alive: smallvec::smallvec![0; width],
+            levels: 0,
+            last: Level::new(),
+            alive,
             ended: Vec::new(),
         }
     }
 
     fn len(&self) -> usize {
-        self.starts.len()
-    }
-
-    fn level(&self, i: usize) -> &[u32] {
-        let end = self.starts.get(i + 1).copied().unwrap_or(self.rows.len());
-        &self.rows[self.starts[i]..end]
+        self.levels
     }
 
     fn last(&self) -> Option<&[u32]> {
-        self.len().checked_sub(1).map(|i| self.level(i))
+        (self.levels > 0).then_some(&self.last[..])
     }
 
     /// Whether some holder holds every level so far (before the first: yes).
     fn running(&self) -> bool {
-        self.starts.is_empty() || self.alive.iter().any(|&w| w != 0)
+        self.levels == 0 || self.alive.as_ref().iter().any(|&w| w != 0)
     }
 
     /// One more level (its rows, found under the last); whether some holder holds every
     /// level (if none does, the runs are known: the walk goes no further).
     fn push(&mut self, g: &Group, level: &[u32]) -> bool {
         let [row] = level else {
-            self.starts.push(self.rows.len());
-            self.rows.extend_from_slice(level);
-            return self.narrow(|k| level.iter().fold(0, |m, &row| m | g.word(row, k)));
+            let on = self.narrow(g, |k| level.iter().fold(0, |m, &row| m | g.word(row, k)));
+            self.last.clear();
+            self.last.extend_from_slice(level);
+            return on;
         };
         self.push_one(g, *row)
     }
 
-    /// `push` of a level of one row (a walk down consecutive rows: most levels), without
-    /// the general level's copy.
+    /// `push` of a level of one row (a walk down consecutive rows: most levels).
+    #[inline]
     fn push_one(&mut self, g: &Group, row: u32) -> bool {
-        self.starts.push(self.rows.len());
-        self.rows.push(row);
-        self.narrow(|k| g.word(row, k))
+        let on = self.narrow(g, |k| g.word(row, k));
+        self.last.clear();
+        self.last.push(row);
+        on
     }
 
-    /// The holders still running after the level just pushed (`mask(k)`: its holder word
-    /// k); those that stop are recorded. Whether any runs on.
-    fn narrow(&mut self, mask: impl Fn(usize) -> u64) -> bool {
-        let at = self.starts.len() - 1;
+    /// The holders still running after the level whose holder word k is `mask(k)`; those
+    /// that stop are recorded with the token end of the level before. Whether any runs on.
+    #[inline]
+    fn narrow(&mut self, g: &Group, mask: impl Fn(usize) -> u64) -> bool {
+        let first = self.levels == 0;
+        self.levels += 1;
         let mut any = 0;
-        for (k, alive) in self.alive.iter_mut().enumerate() {
+        for k in 0..self.alive.as_ref().len() {
             let held = mask(k);
-            if at == 0 {
-                *alive = held;
-            } else {
-                let mut gone = *alive & !held;
-                while gone != 0 {
-                    self.ended
-                        .push((k * 64 + gone.trailing_zeros() as usize, at));
-                    gone &= gone - 1;
-                }
-                *alive &= held;
+            let was = self.alive.as_ref()[k];
+            let now = if first { held } else { was & held };
+            let gone = was & !now;
+            if gone != 0 && !first {
+                self.stopped(g, k, gone);
             }
-            any |= *alive;
+            self.alive.as_mut()[k] = now;
+            any |= now;
         }
         any != 0
     }
 
-    /// Each holder's run over the levels, and the token end of its last level (the
-    /// furthest of the rows it holds there).
-    fn runs(&self, g: &Group) -> Vec<Run> {
-        let n = self.len();
-        let still = self.alive.iter().enumerate().flat_map(|(k, &word)| {
-            let mut left = word;
-            std::iter::from_fn(move || {
-                (left != 0).then(|| {
-                    let hid = k * 64 + left.trailing_zeros() as usize;
-                    left &= left - 1;
-                    (hid, n)
-                })
-            })
-        });
+    /// The holders of `gone` (in word k) stopped at the level being pushed: their runs end
+    /// at the level before.
+    #[cold]
+    fn stopped(&mut self, g: &Group, k: usize, mut gone: u64) {
+        let at = self.levels - 1;
+        while gone != 0 {
+            let bit = gone & gone.wrapping_neg();
+            let hid = k * 64 + bit.trailing_zeros() as usize;
+            self.ended.push((hid, at, self.end(g, k, bit)));
+            gone &= gone - 1;
+        }
+    }
+
+    /// The token end of the last level for the holder of `bit` in word k: the furthest of
+    /// the level's rows it holds.
+    fn end(&self, g: &Group, k: usize, bit: u64) -> i64 {
+        match self.last[..] {
+            [row] => g.end(row),
+            ref rows => rows
+                .iter()
+                .filter(|&&row| g.word(row, k) & bit != 0)
+                .map(|&row| g.end(row))
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// Each holder's run over the levels, and the token end of its last level.
+    fn runs(mut self, g: &Group) -> Vec<Run> {
+        let n = self.levels;
+        for k in 0..self.alive.as_ref().len() {
+            let mut left = self.alive.as_ref()[k];
+            while left != 0 {
+                let bit = left & left.wrapping_neg();
+                let hid = k * 64 + bit.trailing_zeros() as usize;
+                let end = self.end(g, k, bit);
+                self.ended.push((hid, n, end));
+                left &= left - 1;
+            }
+        }
         self.ended
-            .iter()
-            .copied()
-            .chain(still)
-            .map(|(hid, n)| {
-                let (k, bit) = (hid / 64, 1u64 << (hid % 64));
-                let end = self
-                    .level(n - 1)
-                    .iter()
-                    .filter(|&&row| g.word(row, k) & bit != 0)
-                    .map(|&row| g.end(row))
-                    .max()
-                    .unwrap_or(0);
-                (hid, n, end)
-            })
-            .collect()
     }
 }

@@ -141,6 +141,10 @@ class Codec:
             parsed = fastavro.parse_schema(json.loads(writer))
             self._writers[schema_fingerprint(writer)] = parsed
             self._strict[id(parsed)] = compile_check(writer)
+        # The single-object header of this codec's own schema where the compiled decoder
+        # reads it: such a message (nearly every one) goes to it at once.
+        own = self._compiled is not None and self._writers.get(self.fingerprint) is self._schema
+        self._own_header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint) if own else None
         self._registry = registry
         self._registry_writers: dict[int, Any] = {}
         if registry is not None and subject is not None:  # a writer: register, then frame
@@ -216,6 +220,10 @@ class Codec:
     # ------------------------------------------------------------------ decode
     def decode(self, data: bytes) -> Envelope:
         """Decode one message; raises :class:`DecodeError` and nothing else."""
+        own = self._own_header
+        if own is not None and type(data) is bytes and data.startswith(own):
+            envelope_: Envelope = self._run(self._objects, data, len(own))
+            return envelope_
         data, writer, header_len = self._framed(data)
         if writer is self._schema and self._compiled is not None:
             envelope: Envelope = self._run(self._objects, data, header_len)

@@ -120,6 +120,14 @@ def _texts(ev: object) -> tuple[list[str | None], tuple[str | None, ...]]:
 
 
 def _bad_text(names: list[str | None], texts: tuple[str | None, ...]) -> str | None:
+    # Nothing to say, mostly: found by C loops first (None and "" have nothing to say).
+    given = list(filter(None, names))
+    if (
+        max(map(len, given), default=0) <= MAX_NAME_CHARS
+        and "\x00" not in "".join(given)
+        and not any("\x00" in text for text in texts if text)
+    ):
+        return None
     for text in (*names, *texts):
         if text is not None and "\x00" in text:
             return f"text with a NUL character: {text[:40]!r}"

@@ -33,9 +33,7 @@ from dataclasses import dataclass, replace
 from kvledger.consumer.core.lifecycle import utc
 from kvledger.consumer.core.model import (
     PRIMARY_OWNERSHIP,
-    GroupKey,
     Plan,
-    SourceKey,
     SourceState,
 )
 from kvledger.consumer.core.needs import needs
@@ -47,7 +45,13 @@ from kvledger.consumer.pipeline import fence_points, warn_model_changes
 from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import TopicPartition
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope, group_of, medium_of
+from kvledger.schemas.events import (
+    DEFAULT_GROUP_IDX,
+    DEFAULT_MEDIUM,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+)
 
 
 @dataclass(slots=True)
@@ -90,12 +94,12 @@ class _Lane:
         self.waiting: list[Decoded] = []  # for the planner, in log order
         self.seen_ms: dict[str, int] = {}  # per source, the newest log time applied here
         # per stream, its state and the newest event time applied here
-        self.event_ms: dict[SourceKey, tuple[SourceState, int]] = {}
+        self.event_ms: dict[tuple[str, str, int], tuple[SourceState, int]] = {}
         self.tally = Tally()
 
     def message(self, d: Decoded) -> None:
         env = d.envelope
-        if env is not None and type(env.event) in (BlockStored, BlockRemoved):
+        if env is not None and type(env.event) in _FAST_KINDS:
             if self.waiting:
                 self.plan_waiting()
             if self._apply(d, env):
@@ -127,30 +131,33 @@ class _Lane:
 
     def _apply(self, d: Decoded, env: Envelope) -> bool:
         """Apply a store or removal in the fast lane; False (nothing changed) when it is
-        not one the lane takes (see the module doc)."""
+        not one the lane takes (see the module doc). The store's keys are NamedTuples,
+        found here by the plain tuples they equal and hash as (no NamedTuple made)."""
         msg, ev, store = d.message, env.event, self.store
         assert isinstance(ev, BlockStored | BlockRemoved)
         if check_envelope(env, msg.key, msg.timestamp_ms) is not None:
             return False
-        group = group_of(ev)
-        stream = SourceKey(env.source, env.model, group)
-        state = store.sources.get(stream)
+        source, model, seq = env.source, env.model, env.seq
+        group = ev.group_idx if ev.group_idx is not None else DEFAULT_GROUP_IDX
+        stream = (source, model, group)
+        state = store.sources.get(stream)  # type: ignore[call-overload]
         if (
             state is None
             or env.epoch != state.epoch
-            or not state.last_seq < env.seq <= state.last_seq + MAX_JUMP
+            or not state.last_seq < seq <= state.last_seq + MAX_JUMP
         ):
             return False
-        life = store.lives.get(env.source)
+        life = store.lives.get(source)
         if life is None or life.epoch < env.epoch or life.closed_at is not None:
             return False
-        if life.model != env.model:
+        if life.model != model:
             return False
-        g = store.groups.get(GroupKey(env.model, group))
-        hid = store.holder_ids.get((env.source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP))
+        g = store.groups.get((model, group))  # type: ignore[call-overload]
+        medium = ev.medium if ev.medium is not None else DEFAULT_MEDIUM
+        hid = store.holder_ids.get((source, medium, ev.ownership or PRIMARY_OWNERSHIP))
         if g is None or hid is None:
             return False
-        spec = store.specs.get(GroupKey(env.model, group))
+        spec = store.specs.get((model, group))  # type: ignore[call-overload]
         if isinstance(ev, BlockStored):
             if ev.extra_keys or check_stored(ev, spec) is not None:
                 return False
@@ -164,15 +171,18 @@ class _Lane:
             if check_removed(ev, spec) is not None:
                 return False
             g.release_run(ev.block_hashes, hid)
-        forward(state, env.seq)
+        forward(state, seq)
         newest = self.event_ms.get(stream)
         if newest is None or newest[1] < env.event_time_ms:
             self.event_ms[stream] = (state, env.event_time_ms)
         ms = msg.timestamp_ms if msg.timestamp_ms is not None else env.event_time_ms
-        if self.seen_ms.get(env.source, -1) < ms:
-            self.seen_ms[env.source] = ms
+        if self.seen_ms.get(source, -1) < ms:
+            self.seen_ms[source] = ms
         tally = self.tally
         tally.messages += 1
         tally.block_events += len(ev.block_hashes)
         tally.fast += 1
         return True
+
+
+_FAST_KINDS = (BlockStored, BlockRemoved)

@@ -49,6 +49,17 @@ const LEVELS_AT_ONCE: usize = 16;
 /// `Row::key_len` of a key longer than 8 bytes: `Row::key` holds its index in `Group::longs`.
 const LONG: u8 = u8::MAX;
 
+/// `Row::start` of a row whose position is not known.
+const NO_START: u32 = u32::MAX;
+/// `Row::start` of a position that takes more than 32 bits: in `Group::far_starts`.
+const FAR_START: u32 = u32::MAX - 1;
+
+/// A row's content key (its high half is all a row keeps: see `Group::content_key`).
+#[inline]
+fn chain_key(r: &Row) -> u64 {
+    u64::from(r.chain) << 32
+}
+
 /// Where a LONG row's key is in `Group::longs`.
 #[inline]
 fn long_at(r: &Row) -> usize {
@@ -74,25 +85,35 @@ fn is_key(r: &Row, key: &[u8], longs: &[Box<[u8]>]) -> bool {
     }
 }
 
+/// One block hash's row: 56 bytes (what a row has rarely, a position past 32 bits or a
+/// key past 8 bytes, is kept beside the rows; what few rows differ in, the block size,
+/// LoRA and salt, is one interned shape).
 struct Row {
     key: [u8; 8], // the key's bytes (key_len of them), or its index in Group::longs (LONG)
     word: u64,    // holders 0..64; further words in Group::wide
-    start: i64,   // i64::MIN: no position known
     parent: u32,
     tok_off: u32, // tokens: tok_len ids of tok_width bytes from word tok_off of Group::tokens
     tok_len: u32,
-    block_size: i32,
-    lora: u32, // 0: none; else Group::loras[lora - 1]
-    salt: u32, // a first block's cache salt: 0 none; else Group::loras[salt - 1]
+    shape: u32, // its block size, LoRA and salt: Group::shapes[shape]
+    start: u32, // its first token's position; NO_START: not known; FAR_START: far_starts
+    chain: u32, // the content key's high half, where CHAINED (see Group::chain_of)
     // The rows naming this one as their parent: a list through first_kid and the kids'
     // sibling links (doubly linked: a row changes parent in O(1)).
     first_kid: u32,
     next_sib: u32,
     prev_sib: u32,
-    chain: u64,  // the content key, where CHAINED (see Group::chain_of)
     key_len: u8, // 0..=8, or LONG; 0 for a freed row
     tok_width: u8,
     flags: u8,
+}
+
+/// What a row's content is beside its tokens and parent, interned per group (a group's
+/// rows share a few: one or two block sizes, a handful of LoRA names and salts).
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub(super) struct Shape {
+    block_size: i32,
+    lora: u32, // 0: none; else Group::loras[lora - 1]
+    salt: u32, // a first block's cache salt: 0 none; else Group::loras[salt - 1]
 }
 
 /// A block's content as a store gives it.
@@ -146,8 +167,11 @@ pub struct Group {
     garbage: usize, // token words no row uses any more (see `compact_tokens_if_sparse`)
     loras: Vec<String>,
     lora_ids: HashMap<String, u32>,
+    shapes: Vec<Shape>, // shapes[0]: a fresh row's (no size, LoRA or salt)
+    shape_ids: HashMap<Shape, u32, RandomState>,
+    far_starts: HashMap<u32, i64, RandomState>, // per row, a position past 32 bits
     counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
-    content: Slots,                                // content key -> rows
+    content: Slots,                             // content key -> rows
     seed: RandomState,
     dynamo: Option<Box<dynamo::Dynamo>>, // Dynamo's hashes, once asked for
 }
@@ -178,6 +202,9 @@ impl Group {
             garbage: 0,
             loras: Vec::new(),
             lora_ids: HashMap::new(),
+            shapes: vec![Shape::default()],
+            shape_ids: HashMap::default(),
+            far_starts: HashMap::default(),
             counts: HashMap::default(),
             content: Slots::default(),
             seed: RandomState::default(),
@@ -261,14 +288,12 @@ impl Group {
             key: inline,
             key_len,
             word: 0,
-            start: i64::MIN,
+            start: NO_START,
             parent: NONE,
             tok_off: 0,
             tok_len: 0,
             tok_width: 2,
-            block_size: 0,
-            lora: 0,
-            salt: 0,
+            shape: 0,
             first_kid: NONE,
             next_sib: NONE,
             prev_sib: NONE,
@@ -314,9 +339,13 @@ impl Group {
             self.longs[at] = Box::default();
             self.free_longs.push(at as u32);
         }
+        if r.start == FAR_START {
+            self.far_starts.remove(&row);
+        }
         let r = &mut self.rows[row as usize];
         r.flags = 0;
         r.key_len = 0;
+        r.start = NO_START;
         self.free.push(row);
         self.live -= 1;
     }
@@ -462,7 +491,66 @@ impl Group {
     /// A row's token end (None: no content or no position known).
     pub(super) fn token_end(&self, row: u32) -> Option<i64> {
         let r = &self.rows[row as usize];
-        (r.flags & STORED != 0 && r.start != i64::MIN).then(|| r.start + i64::from(r.tok_len))
+        if r.flags & STORED == 0 {
+            return None;
+        }
+        Some(self.start_of(row)?.wrapping_add(i64::from(r.tok_len)))
+    }
+
+    /// A row's position (None: not known).
+    #[inline]
+    pub(super) fn start_of(&self, row: u32) -> Option<i64> {
+        match self.rows[row as usize].start {
+            NO_START => None,
+            FAR_START => self.far_starts.get(&row).copied(),
+            near => Some(i64::from(near)),
+        }
+    }
+
+    /// Set a row's position (one past 32 bits kept beside the rows).
+    pub(super) fn set_start(&mut self, row: u32, start: Option<i64>) {
+        if self.rows[row as usize].start == FAR_START {
+            self.far_starts.remove(&row);
+        }
+        self.rows[row as usize].start = match start {
+            None => NO_START,
+            Some(s) => match u32::try_from(s) {
+                Ok(near) if near < FAR_START => near,
+                _ => {
+                    self.far_starts.insert(row, s);
+                    FAR_START
+                }
+            },
+        };
+    }
+
+    /// A row's block size, LoRA and salt.
+    #[inline]
+    pub(super) fn shape(&self, row: u32) -> Shape {
+        self.shapes[self.rows[row as usize].shape as usize]
+    }
+
+    /// The id of a shape, interned.
+    pub(super) fn shape_id(&mut self, shape: Shape) -> u32 {
+        if shape == Shape::default() {
+            return 0;
+        }
+        if let Some(&id) = self.shape_ids.get(&shape) {
+            return id;
+        }
+        let id = u32::try_from(self.shapes.len()).expect("fewer than 2**32 shapes a group");
+        self.shapes.push(shape);
+        self.shape_ids.insert(shape, id);
+        id
+    }
+
+    /// The id of a shape some row has had (NONE: none has).
+    #[inline]
+    pub(super) fn known_shape(&self, shape: Shape) -> u32 {
+        if shape == Shape::default() {
+            return 0;
+        }
+        self.shape_ids.get(&shape).copied().unwrap_or(NONE)
     }
 
     /// A row's token end, as a block-granularity match reports it (0: not known).

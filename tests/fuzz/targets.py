@@ -76,6 +76,12 @@ def group(data: bytes) -> None:
             return KEYS[fdp.ConsumeIntInRange(0, len(KEYS) - 1)]
         return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40))
 
+    def start() -> int:
+        """A position: mostly small, else one the compiled row keeps beside it."""
+        if fdp.ConsumeBool():
+            return fdp.ConsumeIntInRange(-2, 8)
+        return fdp.ConsumeIntInRange(-(2**63), 2**62)
+
     dropped: list[list[int]] = [[] for _ in groups]  # what each expiry dropped, per group
     for _ in range(fdp.ConsumeIntInRange(0, 60)):
         op = fdp.ConsumeIntInRange(0, 6)
@@ -83,7 +89,7 @@ def group(data: bytes) -> None:
         if op == 0:
             parent = key() if fdp.ConsumeBool() else None
             tokens = [fdp.ConsumeIntInRange(0, 3) for _ in range(fdp.ConsumeIntInRange(0, 6))]
-            args = (k, parent, fdp.ConsumeIntInRange(-2, 8) if fdp.ConsumeBool() else None,
+            args = (k, parent, start() if fdp.ConsumeBool() else None,
                     tokens, fdp.ConsumeIntInRange(0, 6), fdp.ConsumeBool(),
                     "a" if fdp.ConsumeBool() else None, fdp.ConsumeBool())  # fmt: skip
             for g in groups:

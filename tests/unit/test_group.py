@@ -30,6 +30,8 @@ compiled = pytest.mark.skipif(
 KEYS = [bytes([i]) * n for i in range(8) for n in (8, 32, 3)] + [b""]
 # Ids that the core packs at 2, 3 and 4 bytes each (over 65,535; over 2**24; negative).
 BLOCKS = [(1, 2), (3, 4), (5, 6), (1, 2, 3, 4), (7,), (70_000, 2), (1 << 24, -5), (-1, 1)]
+# Positions: none, small, and those a row keeps beside it (past 32 bits, negative).
+STARTS = [None, 0, 2, 4, 2**32 - 2, 2**32 + 6, 2**40, -3, -(2**63)]
 LORAS = [None, None, "adapter"]
 SALTS = [None, None, "salt-1"]  # a first block's cache salt (kept under the root only)
 ops = st.lists(
@@ -38,7 +40,7 @@ ops = st.lists(
             st.just("store"),
             st.sampled_from(KEYS),
             st.sampled_from([None, *KEYS]),
-            st.sampled_from([None, 0, 2, 4]),
+            st.sampled_from(STARTS),
             st.sampled_from(BLOCKS),
             st.sampled_from([0, 1, 2, 4]),
             st.booleans(),

@@ -9,7 +9,8 @@ use smallvec::SmallVec;
 
 use super::tokens::{words, Ids};
 use super::{
-    Content, Group, Stored, CHAINED, COUNTED, LIVE, NONE, PARTIAL, PLAIN, ROOT, SHARED, STORED,
+    chain_key, Content, Group, Shape, Stored, CHAINED, COUNTED, LIVE, NONE, PARTIAL, PLAIN, ROOT,
+    SHARED, STORED,
 };
 
 /// The rows found at one level of a token walk (almost always one).
@@ -24,6 +25,11 @@ impl Group {
             None => Some(0),
             Some(name) => self.lora_ids.get(name).copied(),
         }
+    }
+
+    /// An interned name (0: none).
+    pub(super) fn name(&self, id: u32) -> Option<&str> {
+        (id != 0).then(|| self.loras[id as usize - 1].as_str())
     }
 
     fn lora_id(&mut self, lora: Option<&str>) -> u32 {
@@ -42,7 +48,9 @@ impl Group {
     /// A block's content key: a hash, under the group's secret seed, of its parent's key
     /// (the root's for a first block), its size, partial flag, LoRA and tokens. It depends
     /// on the content of the path from the root alone, so a token walk computes every
-    /// level's key from the prompt before it probes any (Dynamo keys its tree alike).
+    /// level's key from the prompt before it probes any (Dynamo keys its tree alike). Its
+    /// high half only (the content index's tag, all a row keeps): every candidate is
+    /// checked in full anyway.
     pub(super) fn content_key(
         &self,
         parent: u64,
@@ -54,7 +62,7 @@ impl Group {
         let mut h = self.seed.build_hasher();
         (parent, size, partial, lora).hash(&mut h);
         tokens.hash(&mut h);
-        h.finish()
+        h.finish() & 0xFFFF_FFFF_0000_0000
     }
 
     /// Where a token walk of `salt` (an interned id; 0: none) starts: the root's key, or one
@@ -91,13 +99,15 @@ impl Group {
         if r.flags & STORED == 0 || r.flags & PLAIN == 0 {
             return None;
         }
+        let shape = self.shape(row);
         let parent = match r.parent {
-            NONE => self.root_key(r.salt),
-            p if self.rows[p as usize].flags & CHAINED != 0 => self.rows[p as usize].chain,
+            NONE => self.root_key(shape.salt),
+            p if self.rows[p as usize].flags & CHAINED != 0 => chain_key(&self.rows[p as usize]),
             _ => return None,
         };
         let partial = r.flags & PARTIAL != 0;
-        Some(self.content_key(parent, r.block_size, partial, r.lora, &self.row_tokens(row)))
+        let tokens = self.row_tokens(row);
+        Some(self.content_key(parent, shape.block_size, partial, shape.lora, &tokens))
     }
 
     /// After a change to `row`'s content, metadata or parent: its content key, and those of
@@ -122,7 +132,7 @@ impl Group {
             let new = if cyclic { None } else { self.chain_of(r) };
             let old = {
                 let x = &self.rows[r as usize];
-                (x.flags & CHAINED != 0).then_some(x.chain)
+                (x.flags & CHAINED != 0).then_some(chain_key(x))
             };
             if new == old && (r != row || cyclic) {
                 continue;
@@ -141,7 +151,7 @@ impl Group {
     /// A row's content key (None: none), moved in the content index.
     pub(super) fn set_chain(&mut self, r: u32, new: Option<u64>) {
         let x = &self.rows[r as usize];
-        let old = (x.flags & CHAINED != 0).then_some(x.chain);
+        let old = (x.flags & CHAINED != 0).then_some(chain_key(x));
         if old == new {
             return;
         }
@@ -163,14 +173,14 @@ impl Group {
             .rows(key)
             .filter(|&o| {
                 let x = &self.rows[o as usize];
-                x.flags & CHAINED != 0 && x.chain == key
+                x.flags & CHAINED != 0 && chain_key(x) == key
             })
             .collect();
         for &o in &others {
             self.rows[o as usize].flags |= SHARED;
         }
         let x = &mut self.rows[r as usize];
-        x.chain = key;
+        x.chain = (key >> 32) as u32;
         x.flags |= CHAINED | if others.is_empty() { 0 } else { SHARED };
         self.content.insert(key, r);
     }
@@ -179,7 +189,8 @@ impl Group {
     /// full blocks (`want`, `size`, `lora`): under `row`, its content exactly, and no other
     /// row with its content key (see SHARED). Blocks stored together sit in consecutive
     /// rows, so a walk down a stored prompt needs no probe per level.
-    pub(super) fn kid_after(&self, row: u32, want: &[i32], size: i32, lora: u32) -> Option<u32> {
+    /// `shape`: the id of the walk's (size, LoRA, no salt).
+    pub(super) fn kid_after(&self, row: u32, want: &[i32], shape: u32) -> Option<u32> {
         if row == NONE {
             return None;
         }
@@ -187,9 +198,7 @@ impl Group {
         let r = self.rows.get(kid as usize)?;
         let ok = r.flags & (CHAINED | SHARED | PARTIAL) == CHAINED
             && r.parent == row
-            && r.block_size == size
-            && r.lora == lora
-            && r.salt == 0
+            && r.shape == shape
             && self.row_has(kid, want);
         ok.then_some(kid)
     }
@@ -269,15 +278,18 @@ impl Group {
         } else {
             0
         };
+        let shape = self.shape_id(Shape {
+            block_size: c.block_size,
+            lora,
+            salt,
+        });
+        self.set_start(row, c.start);
         let r = &mut self.rows[row as usize];
         if r.flags & STORED == 0 {
             self.stored += 1;
         }
         r.parent = parent;
-        r.salt = salt;
-        r.start = c.start.unwrap_or(i64::MIN);
-        r.block_size = c.block_size;
-        r.lora = lora;
+        r.shape = shape;
         r.flags = (r.flags & (CHAINED | COUNTED))
             | LIVE
             | STORED
@@ -313,7 +325,7 @@ impl Group {
                 if r.flags & CHAINED == 0 {
                     return None;
                 }
-                r.chain
+                chain_key(r)
             }
         };
         let key = self.content_key(parent, c.block_size, c.partial, lora, c.tokens);
@@ -334,9 +346,14 @@ impl Group {
         let lora = self.lora_id(lora);
         let root = self.rows[row as usize].parent == NONE;
         let salt = if root { self.lora_id(salt) } else { 0 };
+        let block_size = self.shape(row).block_size;
+        let shape = self.shape_id(Shape {
+            block_size,
+            lora,
+            salt,
+        });
         let r = &mut self.rows[row as usize];
-        r.lora = lora;
-        r.salt = salt;
+        r.shape = shape;
         r.flags = (r.flags & !PLAIN) | if plain { PLAIN } else { 0 };
         self.rechain(row, None);
         self.dynamo_add(row);
@@ -355,15 +372,16 @@ impl Group {
         if r.flags & STORED == 0 {
             return None;
         }
+        let shape = self.shape(row);
         Some(Stored {
             parent: (r.parent != NONE).then(|| self.key(r.parent)),
-            start: (r.start != i64::MIN).then_some(r.start),
+            start: self.start_of(row),
             tokens: self.row_tokens(row),
-            block_size: r.block_size,
+            block_size: shape.block_size,
             partial: r.flags & PARTIAL != 0,
-            lora: (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str()),
+            lora: self.name(shape.lora),
             plain: r.flags & PLAIN != 0,
-            salt: (r.salt != 0).then(|| self.loras[r.salt as usize - 1].as_str()),
+            salt: self.name(shape.salt),
         })
     }
 

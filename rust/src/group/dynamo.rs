@@ -60,13 +60,13 @@ impl Group {
 
     /// The row's Dynamo local hash: it has content, a full block, no extra keys.
     pub(super) fn local_of(&self, row: u32) -> Option<u64> {
-        let r = &self.rows[row as usize];
-        let full = r.block_size > 0 && r.tok_len == r.block_size as u32;
-        let plain = r.flags & PLAIN != 0 && r.salt == 0; // a salt is an extra key to Dynamo
+        let (r, shape) = (&self.rows[row as usize], self.shape(row));
+        let full = shape.block_size > 0 && r.tok_len == shape.block_size as u32;
+        let plain = r.flags & PLAIN != 0 && shape.salt == 0; // a salt is an extra key to Dynamo
         if r.flags & STORED == 0 || !plain || r.flags & PARTIAL != 0 || !full {
             return None;
         }
-        let lora = (r.lora != 0).then(|| self.loras[r.lora as usize - 1].as_str());
+        let lora = self.name(shape.lora);
         Some(local_hash(&self.row_tokens(row), seed_for(lora)))
     }
 
@@ -147,7 +147,7 @@ impl Group {
                     let r = &self.rows[row as usize];
                     if r.flags & DYNAMO != 0
                         && r.parent == p
-                        && r.block_size == block_size
+                        && self.shape(row).block_size == block_size
                         && d.locals[row as usize] == local
                     {
                         level.push(row);

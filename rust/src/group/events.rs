@@ -44,8 +44,8 @@ impl Group {
             Some(p) => r.parent != NONE && self.key(r.parent) == p,
         };
         parent_same
-            && r.start == c.start.unwrap_or(i64::MIN)
-            && r.block_size == c.block_size
+            && self.start_of(row) == c.start
+            && self.shape(row).block_size == c.block_size
             && (r.flags & PARTIAL != 0) == c.partial
             && r.tok_len as usize == c.tokens.len()
             && self.row_has(row, c.tokens)
@@ -135,13 +135,13 @@ impl Group {
     /// placeholder row a placeholder names is stored again as it is (as the rules merge
     /// it: its metadata kept, its time touched).
     fn keep_row(&mut self, row: u32, key: &[u8], lora: Option<&str>, placeholder: bool) {
-        let r = &self.rows[row as usize];
-        let again = placeholder && r.block_size == 0;
-        if !again && (r.lora != 0 || lora.is_none()) {
+        let (r, shape) = (&self.rows[row as usize], self.shape(row));
+        let again = placeholder && shape.block_size == 0;
+        if !again && (shape.lora != 0 || lora.is_none()) {
             return; // nothing to change (most rows: the same store by another holder)
         }
         let (plain, salt) = (r.flags & PLAIN != 0, self.salt_of(row));
-        let lora = match r.lora {
+        let lora = match shape.lora {
             0 => lora.map(str::to_owned),
             id => Some(self.loras[id as usize - 1].clone()),
         };
@@ -150,7 +150,7 @@ impl Group {
             let tokens = self.row_tokens(row);
             let content = Content {
                 parent: parent.as_deref(),
-                start: (r.start != i64::MIN).then_some(r.start),
+                start: self.start_of(row),
                 tokens: &tokens,
                 block_size: 0,
                 partial: r.flags & PARTIAL != 0,
@@ -166,8 +166,7 @@ impl Group {
 
     /// A row's first block's salt, as set_meta takes it.
     fn salt_of(&self, row: u32) -> Option<String> {
-        let s = self.rows[row as usize].salt;
-        (s != 0).then(|| self.loras[s as usize - 1].clone())
+        self.name(self.shape(row).salt).map(str::to_owned)
     }
 
     /// Apply a removal event for holder `hid`: one reference less per hash; how many found

@@ -5,7 +5,7 @@ use smallvec::SmallVec;
 
 use super::content::Level;
 use super::tokens::words;
-use super::{Group, Run, LEVELS_AT_ONCE, NONE, PARTIAL, PLAIN};
+use super::{chain_key, Group, Run, Shape, LEVELS_AT_ONCE, NONE, PARTIAL, PLAIN};
 use crate::masks::prefetch;
 
 impl Group {
@@ -16,9 +16,8 @@ impl Group {
         candidates: &[u32],
         parents: &[u32],
         want: &[i32],
-        size: i32,
         partial: bool,
-        (lora, salt): (u32, u32), // the walk's LoRA and cache salt (interned; 0: none)
+        (first, later): (u32, u32), // the level's shape under the root and under a block
     ) -> Level {
         let mut found: Level = candidates
             .iter()
@@ -26,11 +25,9 @@ impl Group {
             .filter(|&row| {
                 let r = &self.rows[row as usize];
                 parents.contains(&r.parent)
-                    && r.block_size == size
+                    && r.shape == if r.parent == NONE { first } else { later }
                     && (r.flags & PARTIAL != 0) == partial
                     && r.flags & PLAIN != 0
-                    && r.lora == lora
-                    && r.salt == if r.parent == NONE { salt } else { 0 }
                     && self.row_has(row, want)
             })
             .collect();
@@ -80,6 +77,19 @@ impl Group {
         (tokens, block_size, hash_block_size, lora, salt): (&[i32], usize, usize, u32, u32),
     ) -> Vec<Run> {
         let (bs, hbs) = (block_size, hash_block_size);
+        // The shapes the walk's rows have: (size, LoRA, the salt under the root, else none).
+        let shapes = |size: usize| {
+            let at = |salt| {
+                let block_size = size as i32;
+                self.known_shape(Shape {
+                    block_size,
+                    lora,
+                    salt,
+                })
+            };
+            (at(salt), at(0))
+        };
+        let (full_shapes, tail_shapes) = (shapes(bs), shapes(hbs));
         let block =
             |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short
@@ -92,7 +102,7 @@ impl Group {
             while i < levels {
                 let before = walk.last().unwrap_or(&root);
                 let [row] = before else { break };
-                let Some(kid) = self.kid_after(*row, block(i), bs as i32, lora) else {
+                let Some(kid) = self.kid_after(*row, block(i), full_shapes.1) else {
                     break;
                 };
                 let r = &self.rows[kid as usize];
@@ -105,7 +115,7 @@ impl Group {
                 if let Some(t) = tokens.get((i + 8) * bs) {
                     prefetch(t); // the prompt's block eight levels on
                 }
-                key = r.chain;
+                key = chain_key(r);
                 i += 1;
                 if !walk.push_one(self, kid) {
                     break 'full;
@@ -140,7 +150,7 @@ impl Group {
             }
             for (j, cands) in (i..upto).zip(found) {
                 let before = walk.last().unwrap_or(&root);
-                let next = self.level(&cands, before, block(j), bs as i32, false, (lora, salt));
+                let next = self.level(&cands, before, block(j), false, full_shapes);
                 if next.is_empty() || !walk.push(self, &next) {
                     break 'full;
                 }
@@ -153,19 +163,12 @@ impl Group {
         let mut parents: Level = walk.last().unwrap_or(&root).into();
         let mut key = match parents[0] {
             NONE => self.root_key(salt),
-            tip => self.rows[tip as usize].chain,
+            tip => chain_key(&self.rows[tip as usize]),
         };
         while walk.running() && hbs > 0 && pos + hbs <= tokens.len() {
             let want = &tokens[pos..pos + hbs];
             key = self.content_key(key, hbs as i32, true, lora, want);
-            let found = self.level(
-                &self.candidates(key),
-                &parents,
-                want,
-                hbs as i32,
-                true,
-                (lora, salt),
-            );
+            let found = self.level(&self.candidates(key), &parents, want, true, tail_shapes);
             if found.is_empty() || !walk.push(self, &found) {
                 break;
             }

@@ -230,7 +230,7 @@ impl<A: AsRef<[u64]> + AsMut<[u64]>> Walk<A> {
     }
 
     /// `push` of a level of one row (a walk down consecutive rows: most levels).
-    #[inline]
+    #[inline(always)]
     fn push_one(&mut self, g: &Group, row: u32) -> bool {
         let on = self.narrow(g, |k| g.word(row, k));
         self.last.clear();
@@ -240,7 +240,7 @@ impl<A: AsRef<[u64]> + AsMut<[u64]>> Walk<A> {
 
     /// The holders still running after the level whose holder word k is `mask(k)`; those
     /// that stop are recorded with the token end of the level before. Whether any runs on.
-    #[inline]
+    #[inline(always)]
     fn narrow(&mut self, g: &Group, mask: impl Fn(usize) -> u64) -> bool {
         let first = self.levels == 0;
         self.levels += 1;

@@ -45,9 +45,11 @@ impl Group {
     /// most the full levels' count in blocks. The walk stops at the first level no holder
     /// of every level before it holds.
     /// Where the row after the level before is the level's only one, it is taken without a
-    /// probe; elsewhere the content keys of the next levels are computed from the prompt and
-    /// probed together (their cache misses overlap), and each candidate is checked in full:
-    /// its parent is one found at the level before, its tokens are the prompt's.
+    /// probe; where consecutive rows end, the next level's content key alone is probed (a
+    /// prompt's match mostly ends there), and where rows keep being apart the keys of the
+    /// next levels are computed from the prompt and probed together (their cache misses
+    /// overlap). Each candidate is checked in full: its parent is one found at the level
+    /// before, its tokens are the prompt's.
     pub fn match_tokens(
         &self,
         tokens: &[i32],

@@ -63,6 +63,31 @@ fn timed<T>(inputs: &[T], mut f: impl FnMut(&T) -> usize) -> (f64, f64, usize) {
     (p50, p99, found)
 }
 
+/// LOOKUPS chains drawn from a xorshift stream at `state`.
+fn pick(state: &mut u64) -> Vec<u64> {
+    (0..LOOKUPS)
+        .map(|_| {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            *state % CHAINS
+        })
+        .collect()
+}
+
+/// The prompts of the chains `picked`: by block hashes, and by token ids.
+fn prompts<'a>(keys: &'a [Vec<[u8; 8]>], picked: &[u64]) -> (Vec<Vec<&'a [u8]>>, Vec<Vec<i32>>) {
+    let hashes = picked
+        .iter()
+        .map(|&c| keys[c as usize].iter().map(|k| &k[..]).collect())
+        .collect();
+    let tokens = picked
+        .iter()
+        .map(|&c| vec![c as i32; LENGTH * BLOCK])
+        .collect();
+    (hashes, tokens)
+}
+
 /// A full block of BLOCK tokens at position `i` of its chain.
 fn full_block<'a>(parent: Option<&'a [u8]>, i: usize, tokens: &'a [i32]) -> Content<'a> {
     Content {
@@ -219,26 +244,11 @@ fn main() {
             return;
         }
         Some("ratio-tokens") => {
-            // Token against hash lookups, cold, alternating: each round's p50 ratio.
+            // Token against hash lookups, cold, alternating: each round's p50s and ratio.
             let (group, _) = build_kvledger(&keys);
             let mut state = 7u64;
             for _ in 0..10 {
-                let picked: Vec<u64> = (0..LOOKUPS)
-                    .map(|_| {
-                        state ^= state << 13;
-                        state ^= state >> 7;
-                        state ^= state << 17;
-                        state % CHAINS
-                    })
-                    .collect();
-                let hashes: Vec<Vec<&[u8]>> = picked
-                    .iter()
-                    .map(|&c| keys[c as usize].iter().map(|k| &k[..]).collect())
-                    .collect();
-                let tokens: Vec<Vec<i32>> = picked
-                    .iter()
-                    .map(|&c| vec![c as i32; LENGTH * BLOCK])
-                    .collect();
+                let (hashes, tokens) = prompts(&keys, &pick(&mut state));
                 let h = timed(&hashes, |h| group.runs(h).len());
                 let t = timed(&tokens, |t| {
                     group.match_tokens(t, BLOCK, BLOCK, None, None).len()
@@ -297,26 +307,11 @@ fn main() {
     let (kv_bytes, dyn_bytes) = (memory("memory-kvledger"), memory("memory-dynamo"));
     let large_bytes = memory("memory-10m");
 
-    let mut state = 1u64;
-    let picked: Vec<u64> = (0..LOOKUPS)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % CHAINS
-        })
-        .collect();
-    let hashes: Vec<Vec<&[u8]>> = picked
-        .iter()
-        .map(|&c| keys[c as usize].iter().map(|k| &k[..]).collect())
-        .collect();
+    let picked = pick(&mut 1u64);
+    let (hashes, tokens) = prompts(&keys, &picked);
     let locals: Vec<Vec<LocalBlockHash>> = picked
         .iter()
         .map(|&c| vec![LocalBlockHash(local[c as usize]); LENGTH])
-        .collect();
-    let tokens: Vec<Vec<i32>> = picked
-        .iter()
-        .map(|&c| vec![c as i32; LENGTH * BLOCK])
         .collect();
     let utokens: Vec<Vec<u32>> = picked
         .iter()

@@ -222,8 +222,8 @@ class Codec:
         """Decode one message; raises :class:`DecodeError` and nothing else."""
         own = self._own_header
         if own is not None and type(data) is bytes and data.startswith(own):
-            envelope_: Envelope = self._run(self._objects, data, len(own))
-            return envelope_
+            fast: Envelope = self._run(self._objects, data, len(own))
+            return fast
         data, writer, header_len = self._framed(data)
         if writer is self._schema and self._compiled is not None:
             envelope: Envelope = self._run(self._objects, data, header_len)

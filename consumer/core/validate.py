@@ -120,7 +120,8 @@ def _texts(ev: object) -> tuple[list[str | None], tuple[str | None, ...]]:
 
 
 def _bad_text(names: list[str | None], texts: tuple[str | None, ...]) -> str | None:
-    # Nothing to say, mostly: found by C loops first (None and "" have nothing to say).
+    # The common case, no NUL and no name too long, found by C loops first (filter drops
+    # None and empty strings, which hold neither); then the first fault, named.
     given = list(filter(None, names))
     if (
         max(map(len, given), default=0) <= MAX_NAME_CHARS

@@ -53,6 +53,8 @@ from kvledger.schemas.events import (
     Envelope,
 )
 
+_FAST_KINDS = (BlockStored, BlockRemoved)  # the events the lane may take
+
 
 @dataclass(slots=True)
 class Tally:
@@ -183,6 +185,3 @@ class _Lane:
         tally.block_events += len(ev.block_hashes)
         tally.fast += 1
         return True
-
-
-_FAST_KINDS = (BlockStored, BlockRemoved)

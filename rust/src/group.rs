@@ -169,9 +169,10 @@ pub struct Group {
     lora_ids: HashMap<String, u32>,
     shapes: Vec<Shape>, // shapes[0]: a fresh row's (no size, LoRA or salt)
     shape_ids: HashMap<Shape, u32, RandomState>,
-    far_starts: HashMap<u32, i64, RandomState>, // per row, a position past 32 bits
+    last_shape: u32,                               // the id shape_id gave last
+    far_starts: HashMap<u32, i64, RandomState>,    // per row, a position past 32 bits
     counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
-    content: Slots,                             // content key -> rows
+    content: Slots,                                // content key -> rows
     seed: RandomState,
     dynamo: Option<Box<dynamo::Dynamo>>, // Dynamo's hashes, once asked for
 }
@@ -204,6 +205,7 @@ impl Group {
             lora_ids: HashMap::new(),
             shapes: vec![Shape::default()],
             shape_ids: HashMap::default(),
+            last_shape: 0,
             far_starts: HashMap::default(),
             counts: HashMap::default(),
             content: Slots::default(),
@@ -532,15 +534,21 @@ impl Group {
 
     /// The id of a shape, interned.
     pub(super) fn shape_id(&mut self, shape: Shape) -> u32 {
-        if shape == Shape::default() {
-            return 0;
+        // Mostly the shape asked for last (a group's stores share one or two).
+        if self.shapes[self.last_shape as usize] == shape {
+            return self.last_shape;
         }
-        if let Some(&id) = self.shape_ids.get(&shape) {
-            return id;
-        }
-        let id = u32::try_from(self.shapes.len()).expect("fewer than 2**32 shapes a group");
-        self.shapes.push(shape);
-        self.shape_ids.insert(shape, id);
+        let id = if shape == Shape::default() {
+            0
+        } else if let Some(&id) = self.shape_ids.get(&shape) {
+            id
+        } else {
+            let id = u32::try_from(self.shapes.len()).expect("fewer than 2**32 shapes a group");
+            self.shapes.push(shape);
+            self.shape_ids.insert(shape, id);
+            id
+        };
+        self.last_shape = id;
         id
     }
 

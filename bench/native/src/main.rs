@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use _core::group::{Content, Group};
+use _core::group::{Content, Group, StoreRun};
 use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
     KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
@@ -125,6 +125,32 @@ fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
     (group, blocks)
 }
 
+/// The router's path (its lane): each holder's chain as one store event, `store_run`.
+fn build_by_events(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
+    let mut group = Group::new();
+    let mut blocks = 0usize;
+    for c in 0..CHAINS {
+        let hashes: Vec<&[u8]> = keys[c as usize].iter().map(|k| &k[..]).collect();
+        let tokens = vec![c as i32; LENGTH * BLOCK];
+        for (worker, n) in holders(c) {
+            let run = StoreRun {
+                hashes: &hashes[..n],
+                parent: None,
+                start: Some(0),
+                tokens: &tokens[..n * BLOCK],
+                block_size: BLOCK as i32,
+                partial: false,
+                lora: None,
+            };
+            group
+                .store_run(&run, worker as usize, false)
+                .expect("a store the lane takes");
+            blocks += n;
+        }
+    }
+    (group, blocks)
+}
+
 /// `blocks` distinct blocks in chains of LENGTH, each chain held by one holder, with token
 /// ids from a 128,256-id vocabulary (a xorshift stream): a large index's memory.
 fn build_large(blocks: usize) -> Group {
@@ -206,6 +232,15 @@ fn main() {
             drop(group);
             return;
         }
+        Some("profile-events") => {
+            // Applying by events alone, for a profiler.
+            let mut blocks = 0;
+            for _ in 0..5 {
+                blocks += build_by_events(&keys).1;
+            }
+            println!("{blocks}");
+            return;
+        }
         Some("profile-apply") => {
             // Applying alone, for a profiler: `perf record ... profile-apply`.
             let mut blocks = 0;
@@ -285,6 +320,15 @@ fn main() {
     let start = Instant::now();
     let (group, blocks) = build_kvledger(&keys);
     let kv_apply = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let (by_events, _) = build_by_events(&keys);
+    let kv_events = start.elapsed().as_secs_f64();
+    assert_eq!(
+        by_events.blocks(),
+        group.blocks(),
+        "the same blocks either way"
+    );
+    drop(by_events);
     let events = dynamo_events(&local);
     let mut tree = RadixTree::new();
     let start = Instant::now();
@@ -322,6 +366,10 @@ fn main() {
         (
             "native: kvledger apply, block events/s".into(),
             blocks as f64 / kv_apply,
+        ),
+        (
+            "native: kvledger apply by events (store_run), block events/s".into(),
+            blocks as f64 / kv_events,
         ),
         (
             "native: Dynamo apply, block events/s".into(),

@@ -111,8 +111,8 @@ fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
         let tokens = vec![c as i32; BLOCK];
         for (worker, n) in holders(c) {
             let mut parent: Option<&[u8]> = None;
-            for i in 0..n {
-                let key = &keys[c as usize][i][..];
+            for (i, key) in keys[c as usize][..n].iter().enumerate() {
+                let key = &key[..];
                 if !group.has_content(key) {
                     group.add_row(key, &full_block(parent, i, &tokens));
                 }
@@ -125,14 +125,22 @@ fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
     (group, blocks)
 }
 
+/// Each chain's block hashes and token ids, as store events carry them.
+fn chain_events(keys: &[Vec<[u8; 8]>]) -> Vec<(Vec<&[u8]>, Vec<i32>)> {
+    (0..CHAINS)
+        .map(|c| {
+            let hashes = keys[c as usize].iter().map(|k| &k[..]).collect();
+            (hashes, vec![c as i32; LENGTH * BLOCK])
+        })
+        .collect()
+}
+
 /// The router's path (its lane): each holder's chain as one store event, `store_run`.
-fn build_by_events(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
+fn build_by_events(chains: &[(Vec<&[u8]>, Vec<i32>)]) -> (Group, usize) {
     let mut group = Group::new();
     let mut blocks = 0usize;
-    for c in 0..CHAINS {
-        let hashes: Vec<&[u8]> = keys[c as usize].iter().map(|k| &k[..]).collect();
-        let tokens = vec![c as i32; LENGTH * BLOCK];
-        for (worker, n) in holders(c) {
+    for (c, (hashes, tokens)) in chains.iter().enumerate() {
+        for (worker, n) in holders(c as u64) {
             let run = StoreRun {
                 hashes: &hashes[..n],
                 parent: None,
@@ -222,7 +230,7 @@ fn main() {
         is_eagle: None,
     };
     let local: Vec<u64> = (0..CHAINS)
-        .map(|c| compute_block_hash_for_seq(&vec![c as u32; BLOCK], BLOCK as u32, options)[0].0)
+        .map(|c| compute_block_hash_for_seq(&[c as u32; BLOCK], BLOCK as u32, options)[0].0)
         .collect();
     match std::env::args().nth(1).as_deref() {
         Some("memory-kvledger") => {
@@ -236,7 +244,7 @@ fn main() {
             // Applying by events alone, for a profiler.
             let mut blocks = 0;
             for _ in 0..5 {
-                blocks += build_by_events(&keys).1;
+                blocks += build_by_events(&chain_events(&keys)).1;
             }
             println!("{blocks}");
             return;
@@ -320,8 +328,9 @@ fn main() {
     let start = Instant::now();
     let (group, blocks) = build_kvledger(&keys);
     let kv_apply = start.elapsed().as_secs_f64();
+    let chains = chain_events(&keys); // made before the clock, as Dynamo's events are
     let start = Instant::now();
-    let (by_events, _) = build_by_events(&keys);
+    let (by_events, _) = build_by_events(&chains);
     let kv_events = start.elapsed().as_secs_f64();
     assert_eq!(
         by_events.blocks(),
@@ -423,8 +432,8 @@ fn main() {
     let mut let_go = 0usize;
     for c in (0..CHAINS).step_by(2) {
         for (worker, n) in holders(c) {
-            for i in 0..n {
-                group.hold(&keys[c as usize][i], worker as usize, 0);
+            for key in &keys[c as usize][..n] {
+                group.hold(key, worker as usize, 0);
             }
             let_go += n;
         }

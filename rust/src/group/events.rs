@@ -141,10 +141,7 @@ impl Group {
             return; // nothing to change (most rows: the same store by another holder)
         }
         let (plain, salt) = (r.flags & PLAIN != 0, self.salt_of(row));
-        let lora = match shape.lora {
-            0 => lora.map(str::to_owned),
-            id => Some(self.loras[id as usize - 1].clone()),
-        };
+        let lora = self.name(shape.lora).or(lora).map(str::to_owned);
         if again {
             let parent = (r.parent != NONE).then(|| self.key(r.parent).to_vec());
             let tokens = self.row_tokens(row);

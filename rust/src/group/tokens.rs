@@ -71,9 +71,7 @@ impl Arena {
 
     /// A hint that a block's ids are read soon.
     pub(super) fn prefetch(&self, off: u32) {
-        if let Some(b) = self.bytes.get(off as usize * 4) {
-            crate::masks::prefetch(b);
-        }
+        self.prefetch_after(off, 0);
     }
 
     /// A hint that the ids `words` 4-byte words after word `off` are read soon.

@@ -171,6 +171,10 @@ def native() -> dict[str, float]:
         figures["native: kvledger apply, block events/s"]
         / figures["native: Dynamo apply, block events/s"]
     )
+    figures["native: apply ratio by events (store_run) kvledger / Dynamo"] = (
+        figures["native: kvledger apply by events (store_run), block events/s"]
+        / figures["native: Dynamo apply, block events/s"]
+    )
     figures["native: by hashes p50 ratio kvledger / Dynamo"] = (
         figures["native: kvledger lookup by hashes: p50 us"]
         / figures["native: Dynamo lookup by hashes: p50 us"]

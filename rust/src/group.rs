@@ -16,7 +16,9 @@
 //!   under the group's secret seed, of its parent row, size, partial flag, LoRA and tokens —
 //!   so that each level is one probe per candidate parent, not a comparison of every
 //!   child's tokens; the tokens of each candidate are then compared in full (answers are
-//!   exact, whatever the hash does).
+//!   exact, whatever the hash does). A row right after its parent's (a block stored in the
+//!   same event as the block before it: most rows) is looked at there, not by a probe, so
+//!   the content index holds only the others.
 //!
 //! The answers are those of `consumer/router/groups.py`'s pure `PureGroup`, the SQL functions'
 //! in-memory twin (tests/unit/test_router.py holds them to it).
@@ -172,7 +174,7 @@ pub struct Group {
     last_shape: u32,                               // the id shape_id gave last
     far_starts: HashMap<u32, i64, RandomState>,    // per row, a position past 32 bits
     counts: HashMap<(u32, u32), u32, RandomState>, // (row, holder) -> refcount above 1
-    content: Slots,                                // content key -> rows
+    content: Slots, // content key -> rows, but those right after their parent's (`listed`)
     seed: RandomState,
     dynamo: Option<Box<dynamo::Dynamo>>, // Dynamo's hashes, once asked for
 }
@@ -227,6 +229,11 @@ impl Group {
     /// The row of `key`: the row found last or the one after it where it is `key`'s, else
     /// by a probe.
     pub fn find(&self, key: &[u8]) -> Option<u32> {
+        self.find_hashed(key, || self.hash_of(key))
+    }
+
+    /// `find`, with `key`'s hash made by `hash` where the index is probed.
+    fn find_hashed(&self, key: &[u8], hash: impl FnOnce() -> u64) -> Option<u32> {
         let hint = self.hint.load(Relaxed);
         if !key.is_empty() {
             // (a freed row's key is empty: a key that is not can only be a live row's)
@@ -241,7 +248,7 @@ impl Group {
         }
         let found = self
             .index
-            .rows(self.hash_of(key))
+            .rows(hash())
             .find(|&r| is_key(&self.rows[r as usize], key, &self.longs));
         if let Some(row) = found {
             self.hint.store(row, Relaxed);
@@ -279,9 +286,15 @@ impl Group {
 
     /// The row of `key`, made (without content) if it has none.
     fn intern(&mut self, key: &[u8]) -> u32 {
-        if let Some(row) = self.find(key) {
-            return row;
+        match self.find(key) {
+            Some(row) => row,
+            None => self.intern_new(key, self.hash_of(key)),
         }
+    }
+
+    /// A row made (without content) for `key`, which has none; `hash`: its hash.
+    pub(super) fn intern_new(&mut self, key: &[u8], hash: u64) -> u32 {
+        debug_assert!(self.find(key).is_none() && hash == self.hash_of(key));
         if self.index.full() {
             self.index.grow();
         }
@@ -316,7 +329,7 @@ impl Group {
                 row.expect("fewer than 2**32 - 1 blocks in one group")
             }
         };
-        self.index.insert(self.seed.hash_one(key), row);
+        self.index.insert(hash, row);
         self.live += 1;
         self.hint.store(row, Relaxed);
         row
@@ -574,6 +587,11 @@ impl Group {
     /// The rows of a prompt's hashes (NONE where the group has none), the cache misses of
     /// every position overlapped.
     pub(super) fn rows_of(&self, hashes: &[&[u8]]) -> Vec<u32> {
+        self.rows_hashed(hashes, |i| self.hash_of(hashes[i]))
+    }
+
+    /// `rows_of`, with the hash of position i made by `hash(i)` where it is probed.
+    pub(super) fn rows_hashed(&self, hashes: &[&[u8]], hash: impl Fn(usize) -> u64) -> Vec<u32> {
         // Blocks stored together sit in consecutive rows (an engine stores a prompt's
         // blocks in one event): while the row after the one found at the position before
         // is this position's, it needs no probe. Past the first that is not, all are probed.
@@ -581,7 +599,7 @@ impl Group {
         let Some(first) = hashes.first() else {
             return out;
         };
-        let mut row = self.find(first).unwrap_or(NONE);
+        let mut row = self.find_hashed(first, || hash(0)).unwrap_or(NONE);
         out.push(row);
         while out.len() < hashes.len() {
             let Some(next) = self.row_after(row, hashes[out.len()]) else {
@@ -591,17 +609,23 @@ impl Group {
             row = next;
         }
         let rest = out.len();
-        out.extend(self.probe_rows(&hashes[rest..]));
+        let hs: Vec<u64> = (rest..hashes.len()).map(hash).collect();
+        out.extend(self.probe_hashed(&hashes[rest..], &hs));
         out
     }
 
     /// Each hash's row (NONE: not held), every probe issued before any is read.
     fn probe_rows(&self, hashes: &[&[u8]]) -> Vec<u32> {
+        let hs: Vec<u64> = hashes.iter().map(|k| self.hash_of(k)).collect();
+        self.probe_hashed(hashes, &hs)
+    }
+
+    /// `probe_rows`, given the hashes' hashes (`hs`).
+    fn probe_hashed(&self, hashes: &[&[u8]], hs: &[u64]) -> Vec<u32> {
         if hashes.is_empty() {
             return Vec::new();
         }
-        let hs: Vec<u64> = hashes.iter().map(|k| self.hash_of(k)).collect();
-        for &h in &hs {
+        for &h in hs {
             self.index.prefetch(h);
         }
         let first: Vec<u32> = hs

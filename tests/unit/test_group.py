@@ -187,6 +187,33 @@ def test_a_walk_down_consecutive_rows_finds_every_row_of_a_shared_content(
 
 
 @compiled
+@pytest.mark.parametrize("moved_next_to_parent", [True, False])
+def test_a_block_stored_again_under_a_twin_parent_is_still_walked(
+    moved_next_to_parent: bool,
+) -> None:
+    """The content index leaves out the row right after its parent's (a walk looks there
+    first). A block stored again under another parent of the same content keeps its key,
+    and may become, or stop being, the row after its parent's: the walk still finds it."""
+    assert Compiled is not None
+    fast, pure = Compiled(), PureGroup()
+    a, twin, b = (bytes([i]) * 8 for i in (1, 2, 3))
+    for g in (fast, pure):
+        g.add_row(a, None, 0, [1, 2], 2, False, None, True)
+        if moved_next_to_parent:  # rows a, twin, b: b moves to right after its parent
+            g.add_row(twin, None, 0, [1, 2], 2, False, None, True)
+            g.add_row(b, a, 2, [3, 4], 2, False, None, True)
+        else:  # rows a, b, twin: b moves away from right after its parent
+            g.add_row(b, a, 2, [3, 4], 2, False, None, True)
+            g.add_row(twin, None, 0, [1, 2], 2, False, None, True)
+        g.add_row(b, twin, 2, [3, 4], 2, False, None, True)
+        for key, holder in ((a, 1), (twin, 2), (b, 2)):
+            g.hold(key, holder, 1)
+    want = [(1, 1, 2), (2, 2, 4)]
+    assert sorted(pure.match_tokens([1, 2, 3, 4], 2, 2, None)) == want
+    assert sorted(fast.match_tokens([1, 2, 3, 4], 2, 2, None)) == want
+
+
+@compiled
 def test_rows_without_content_come_and_go_as_they_are_held() -> None:
     """A hash held before its store (or named only as a parent) is a row without content:
     no block in the views, gone when nothing holds or names it; many such rows, removed in

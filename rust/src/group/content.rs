@@ -148,7 +148,38 @@ impl Group {
         }
     }
 
-    /// A row's content key (None: none), moved in the content index.
+    /// Whether a row with a content key is in the content index: every row but the one
+    /// right after its parent's. A walk at a level of one row looks at the row after it
+    /// first (`kid_after`), and a probe of the index adds the rows after the level's rows
+    /// (`with_key`): an engine stores a prompt's blocks in one event, in consecutive rows,
+    /// so the index mostly holds only the first block of each event.
+    fn listed(&self, r: u32) -> bool {
+        let parent = self.rows[r as usize].parent;
+        parent == NONE || r != parent.wrapping_add(1)
+    }
+
+    /// The rows with content key `key` under one of `parents` (NONE: the root): those in
+    /// the content index, then the rows right after a parent (never in it) that have it.
+    pub(super) fn with_key(&self, key: u64, parents: &[u32]) -> Level {
+        let mut found: Level = self
+            .content
+            .rows(key)
+            .filter(|&o| parents.contains(&self.rows[o as usize].parent))
+            .collect();
+        found.extend(parents.iter().filter_map(|&p| self.next_with_key(p, key)));
+        found
+    }
+
+    /// The row right after `parent` where it is a kid of it with content key `key`.
+    pub(super) fn next_with_key(&self, parent: u32, key: u64) -> Option<u32> {
+        let kid = parent.checked_add(1).filter(|&k| k != NONE)?;
+        let x = self.rows.get(kid as usize)?;
+        (x.flags & CHAINED != 0 && x.parent == parent && chain_key(x) == key).then_some(kid)
+    }
+
+    /// A row's content key (None: none), moved in the content index (where `listed`).
+    /// A row taking a key that a sibling has (the same content under the same parent: two
+    /// hashes of one block) marks both SHARED: `kid_after` takes neither alone.
     pub(super) fn set_chain(&mut self, r: u32, new: Option<u64>) {
         let x = &self.rows[r as usize];
         let old = (x.flags & CHAINED != 0).then_some(chain_key(x));
@@ -156,7 +187,7 @@ impl Group {
             return;
         }
         if let Some(key) = old {
-            self.content.remove(key, r);
+            self.content.remove(key, r); // (nothing to remove where it is not listed)
         }
         let x = &mut self.rows[r as usize];
         x.chain = 0;
@@ -164,30 +195,32 @@ impl Group {
         let Some(key) = new else {
             return;
         };
-        if self.content.full() {
-            self.content.grow();
-        }
-        // The rows that have this key already: they and this one are SHARED from now on.
-        let others: SmallVec<[u32; 2]> = self
-            .content
-            .rows(key)
-            .filter(|&o| {
-                let x = &self.rows[o as usize];
-                x.flags & CHAINED != 0 && chain_key(x) == key
-            })
-            .collect();
+        // Its siblings with this key. A row that is its parent's only kid has none: no
+        // probe (a new block of a stored prompt, mostly).
+        let (parent, next_sib) = (x.parent, x.next_sib);
+        let alone = parent != NONE && self.rows[parent as usize].first_kid == r && next_sib == NONE;
+        let others = if alone {
+            Level::new()
+        } else {
+            self.with_key(key, &[parent])
+        };
         for &o in &others {
             self.rows[o as usize].flags |= SHARED;
         }
         let x = &mut self.rows[r as usize];
         x.chain = (key >> 32) as u32;
         x.flags |= CHAINED | if others.is_empty() { 0 } else { SHARED };
-        self.content.insert(key, r);
+        if self.listed(r) {
+            if self.content.full() {
+                self.content.grow();
+            }
+            self.content.insert(key, r);
+        }
     }
 
     /// The row after `row`, when it is the one row of the next level of a token walk of
-    /// full blocks (`want`, `size`, `lora`): under `row`, its content exactly, and no other
-    /// row with its content key (see SHARED). Blocks stored together sit in consecutive
+    /// full blocks (`want`, `size`, `lora`): under `row`, its content exactly, and no
+    /// sibling with its content key (see SHARED). Blocks stored together sit in consecutive
     /// rows, so a walk down a stored prompt needs no probe per level.
     /// `shape`: the id of the walk's (size, LoRA, no salt).
     pub(super) fn kid_after(&self, row: u32, want: &[i32], shape: u32) -> Option<u32> {
@@ -240,11 +273,12 @@ impl Group {
 
     /// A store's content for `key` (replacing what the row had).
     pub fn add_row(&mut self, key: &[u8], c: &Content<'_>) {
-        self.add_row_at(key, c);
+        self.add_row_at(key, c, None);
     }
 
-    /// `add_row`, giving the row it stored.
-    pub(super) fn add_row_at(&mut self, key: &[u8], c: &Content<'_>) -> u32 {
+    /// `add_row`, giving the row it stored. `new`: the key's hash where the caller knows
+    /// the key has no row (it is not looked for again).
+    pub(super) fn add_row_at(&mut self, key: &[u8], c: &Content<'_>, new: Option<u64>) -> u32 {
         let chain = self.prefetch_content_slot(c);
         // The parent first: it is mostly the row found last (the block before, in the same
         // event), so `find` takes it from the hint; the new row then follows it.
@@ -252,10 +286,15 @@ impl Group {
             Some(p) => self.intern(p),
             None => NONE,
         };
-        let row = self.intern(key);
+        let row = match new {
+            Some(hash) => self.intern_new(key, hash),
+            None => self.intern(key),
+        };
         self.dynamo_drop(row);
         let old_parent = self.rows[row as usize].parent;
         if old_parent != parent {
+            // Out of the content index first: whether it is listed there follows its parent.
+            self.set_chain(row, None);
             self.unlink(row, old_parent);
             self.link(row, parent);
         }
@@ -308,28 +347,34 @@ impl Group {
     }
 
     /// The content key a block stored with `c` will have, where its parent's key is known
-    /// (None: not known yet), with a hint for its slot in the content index, so that the
-    /// slot's cache miss overlaps the work of making the row. It is `chain_of` the row once
-    /// `add_row` has stored `c`: the same parent key, size, partial flag, LoRA and tokens.
+    /// (None: not known yet), with a hint for its slot in the content index where the row
+    /// may be listed there, so that the slot's cache miss overlaps the work of making the
+    /// row. It is `chain_of` the row once `add_row` has stored `c`: the same parent key,
+    /// size, partial flag, LoRA and tokens.
     fn prefetch_content_slot(&self, c: &Content<'_>) -> Option<u64> {
         if !c.plain {
             return None;
         }
         // A name not met yet is interned in a moment: no key to guess now.
         let (lora, salt) = (self.known_id(c.lora)?, self.known_id(c.salt)?);
-        let parent = match c.parent {
-            None => self.root_key(salt),
+        let (parent, listed) = match c.parent {
+            None => (self.root_key(salt), true),
             Some(p) => {
                 let row = self.find(p)?;
                 let r = &self.rows[row as usize];
                 if r.flags & CHAINED == 0 {
                     return None;
                 }
-                chain_key(r)
+                // A new row made now is the one right after its parent's where no freed
+                // row is reused: not listed, and its parent's only kid (no probe at all).
+                let next = self.free.is_empty() && row as usize + 1 == self.rows.len();
+                (chain_key(r), !next)
             }
         };
         let key = self.content_key(parent, c.block_size, c.partial, lora, c.tokens);
-        self.content.prefetch(key);
+        if listed {
+            self.content.prefetch(key);
+        }
         Some(key)
     }
 

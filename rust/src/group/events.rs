@@ -10,8 +10,6 @@
 //! content or position, a hash twice): the caller then plans it with the rules. The pure
 //! twin is `consumer/router/event_runs.py`.
 
-use std::collections::HashSet;
-
 use super::{Content, Group, NONE, PARTIAL, PLAIN, STORED};
 
 /// A store event's blocks (one holder's): as the event carries them.
@@ -34,6 +32,25 @@ impl Group {
             return Some(0);
         };
         self.token_end(self.find(p)?)
+    }
+
+    /// Whether a store names a hash twice, or its parent among its hashes (`hs`: the
+    /// hashes' hashes): equal keys have equal hashes, so only those are compared.
+    fn repeats(&self, run: &StoreRun<'_>, hs: &[u64]) -> bool {
+        if hs.len() < 2 && run.parent.is_none() {
+            return false;
+        }
+        let key = |i: usize| run.hashes.get(i).copied().or(run.parent);
+        let mut order: Vec<(u64, usize)> = hs.iter().copied().zip(0..).collect();
+        if let Some(p) = run.parent {
+            order.push((self.hash_of(p), hs.len()));
+        }
+        order.sort_unstable();
+        order.chunk_by(|a, b| a.0 == b.0).any(|same| {
+            same.iter()
+                .enumerate()
+                .any(|(j, a)| same[j + 1..].iter().any(|b| key(a.1) == key(b.1)))
+        })
     }
 
     /// Whether the stored `row` is exactly a block of this content.
@@ -67,14 +84,9 @@ impl Group {
         {
             return None;
         }
-        if n > 1 || run.parent.is_some() {
-            let mut seen: HashSet<&[u8], _> =
-                HashSet::with_capacity_and_hasher(n + 1, self.seed.clone());
-            if run.parent.is_some_and(|p| !seen.insert(p))
-                || run.hashes.iter().any(|h| !seen.insert(h))
-            {
-                return None; // a hash twice (or its own parent): the rules' case
-            }
+        let hs: Vec<u64> = run.hashes.iter().map(|h| self.hash_of(h)).collect();
+        if self.repeats(run, &hs) {
+            return None; // a hash twice (or its own parent): the rules' case
         }
         let start = match run.start {
             Some(s) => Some(s),
@@ -102,7 +114,7 @@ impl Group {
         // First every block checked (so a decline changes nothing), then applied. The rows
         // are found together (their cache misses overlapped); a stored row is never freed
         // by the changes below, so those found stay theirs.
-        let rows = self.rows_of(run.hashes);
+        let rows = self.rows_hashed(run.hashes, |i| hs[i]);
         for (i, &row) in rows.iter().enumerate() {
             if row != NONE
                 && self.rows[row as usize].flags & STORED != 0
@@ -119,7 +131,8 @@ impl Group {
                     self.keep_row(row, h, run.lora, placeholder);
                     row
                 }
-                _ => self.add_row_at(h, &block(i)),
+                NONE => self.add_row_at(h, &block(i), Some(hs[i])),
+                _ => self.add_row_at(h, &block(i), None),
             };
             let held = self.refcount_row(row, hid);
             if reports && held > 0 {

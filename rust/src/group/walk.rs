@@ -9,23 +9,27 @@ use super::{chain_key, Group, Run, Shape, LEVELS_AT_ONCE, NONE, PARTIAL, PLAIN};
 use crate::masks::prefetch;
 
 impl Group {
-    /// The rows under `parents` (NONE: the root) holding exactly `want`, sorted by hash,
-    /// from the candidates with the level's content key.
+    /// The rows under `parents` (NONE: the root) holding exactly `want`, sorted by hash:
+    /// the candidates from the content index with the level's key, and the rows right
+    /// after the parents that have it (never in the index: see `listed`).
     fn level(
         &self,
+        key: u64,
         candidates: &[u32],
         parents: &[u32],
         want: &[i32],
         partial: bool,
         (first, later): (u32, u32), // the level's shape under the root and under a block
     ) -> Level {
+        let after = parents.iter().filter_map(|&p| self.next_with_key(p, key));
         let mut found: Level = candidates
             .iter()
             .copied()
+            .filter(|&row| parents.contains(&self.rows[row as usize].parent))
+            .chain(after)
             .filter(|&row| {
                 let r = &self.rows[row as usize];
-                parents.contains(&r.parent)
-                    && r.shape == if r.parent == NONE { first } else { later }
+                r.shape == if r.parent == NONE { first } else { later }
                     && (r.flags & PARTIAL != 0) == partial
                     && r.flags & PLAIN != 0
                     && self.row_has(row, want)
@@ -35,6 +39,7 @@ impl Group {
         found
     }
 
+    /// The rows the content index has under `key`'s tag (the rows of the key among them).
     fn candidates(&self, key: u64) -> Level {
         self.content.rows(key).collect()
     }
@@ -150,9 +155,9 @@ impl Group {
             for &row in found.iter().flatten() {
                 self.tokens.prefetch(self.rows[row as usize].tok_off);
             }
-            for (j, cands) in (i..upto).zip(found) {
+            for ((j, cands), &k) in (i..upto).zip(found).zip(&keys) {
                 let before = walk.last().unwrap_or(&root);
-                let next = self.level(&cands, before, block(j), false, full_shapes);
+                let next = self.level(k, &cands, before, block(j), false, full_shapes);
                 if next.is_empty() || !walk.push(self, &next) {
                     break 'full;
                 }
@@ -170,7 +175,8 @@ impl Group {
         while walk.running() && hbs > 0 && pos + hbs <= tokens.len() {
             let want = &tokens[pos..pos + hbs];
             key = self.content_key(key, hbs as i32, true, lora, want);
-            let found = self.level(&self.candidates(key), &parents, want, true, tail_shapes);
+            let cands = self.candidates(key);
+            let found = self.level(key, &cands, &parents, want, true, tail_shapes);
             if found.is_empty() || !walk.push(self, &found) {
                 break;
             }

@@ -762,6 +762,7 @@ impl Group {
 
     /// The row after `row`, if it is `key`'s (blocks stored together sit in consecutive
     /// rows): found without a probe.
+    #[inline]
     fn row_after(&self, row: u32, key: &[u8]) -> Option<u32> {
         // A freed row's key is empty: a key that is not can only be a live row's.
         if row == NONE || key.is_empty() {

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -349,3 +350,27 @@ def test_token_ids_of_every_width_are_kept_and_matched_exactly() -> None:
         assert fast.match_tokens(other, 2, 2, None) == (
             [(3, at // 2, at // 2 * 2)] if at > 1 else []
         )
+
+
+@compiled
+def test_token_ids_in_an_int32_buffer_are_taken_as_a_list_of_them_is() -> None:
+    """A prompt's ids may come packed (array('i'), a NumPy int32 array, a strided view):
+    the compiled group copies them whole, and answers and stores as from a list, as the
+    pure group does; a buffer of another type is read item by item, its refusals kept."""
+    assert Compiled is not None
+    fast, pure = Compiled(), PureGroup()
+    rng = random.Random(3)
+    prompt = [rng.randrange(-(1 << 31), 1 << 31) for _ in range(8)]
+    for g in (fast, pure):
+        g.add_row(b"a" * 8, None, 0, array("i", prompt[:4]), 4, False, None, True)
+        g.add_row(b"b" * 8, b"a" * 8, 4, prompt[4:], 4, False, None, True)
+        g.hold(b"a" * 8, 1, 1)
+        g.hold(b"b" * 8, 1, 1)
+    strided = memoryview(array("i", [x for t in prompt for x in (t, 0)]))[::2]
+    for g in (fast, pure):
+        assert g.row(b"a" * 8)[2] == tuple(prompt[:4])  # type: ignore[index]
+        for packed in (array("i", prompt), strided, array("q", prompt)):
+            assert g.match_tokens(packed, 4, 4, None) == [(1, 2, 8)]
+    assert fast.match_tokens(array("i", prompt[:4] + [0] * 4), 4, 4, None) == [(1, 1, 4)]
+    with pytest.raises(ValueError, match="int32"):
+        fast.match_tokens(array("q", [1 << 40]), 4, 4, None)

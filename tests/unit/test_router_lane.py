@@ -210,6 +210,21 @@ def test_store_run_declines_what_the_rules_decide() -> None:
     assert event_runs.release_run(g, [one, one], 0) == 1  # the second finds none left
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_store_run_declines_a_store_naming_its_parent_among_its_hashes(compiled: bool) -> None:
+    """A block would be its own ancestor: the rules decide it (declined, nothing changed),
+    wherever among the hashes the parent is, compiled and pure alike."""
+    if compiled and not groups.COMPILED:
+        pytest.skip("the compiled core is not in use here")
+    g = groups.Group() if compiled else groups.PureGroup()
+    keys = [k.to_bytes(8, "big") for k in range(1, 40)]
+    for at in (0, 5, 38):
+        assert g.store_run(keys, keys[at], None, list(range(78)), 2, False, None, 0, False) is None
+    assert list(g.hashes()) == []
+    assert g.store_run(keys[1:], keys[0], 2, list(range(76)), 2, False, None, 0, False) == 0
+    assert list(g.hashes()) == keys[1:]  # the stored blocks (not the parent)
+
+
 def test_a_placeholder_keeps_a_size_zero_rows_tokens_compiled_and_pure() -> None:
     """Found by fuzzing: a placeholder store over a row of block size 0 that has tokens
     stores the row again as it is, tokens included, in both twins."""

@@ -10,6 +10,8 @@
 //! content or position, a hash twice): the caller then plans it with the rules. The pure
 //! twin is `consumer/router/event_runs.py`.
 
+use smallvec::{smallvec, SmallVec};
+
 use super::{Content, Group, NONE, PARTIAL, PLAIN, STORED};
 
 /// A store event's blocks (one holder's): as the event carries them.
@@ -35,22 +37,36 @@ impl Group {
     }
 
     /// Whether a store names a hash twice, or its parent among its hashes (`hs`: the
-    /// hashes' hashes): equal keys have equal hashes, so only those are compared.
+    /// hashes' hashes): each position goes in a small open-addressing table of positions,
+    /// twice as many slots as positions, homed by its hash's top bits (the hashes are
+    /// seeded mixes already), and equal keys meet there (their hashes are equal).
     fn repeats(&self, run: &StoreRun<'_>, hs: &[u64]) -> bool {
-        if hs.len() < 2 && run.parent.is_none() {
+        let n = hs.len() + usize::from(run.parent.is_some());
+        if n < 2 {
             return false;
         }
-        let key = |i: usize| run.hashes.get(i).copied().or(run.parent);
-        let mut order: Vec<(u64, usize)> = hs.iter().copied().zip(0..).collect();
-        if let Some(p) = run.parent {
-            order.push((self.hash_of(p), hs.len()));
+        let parent_hash = run.parent.map_or(0, |p| self.hash_of(p));
+        let at = |i: usize| -> (u64, &[u8]) {
+            match run.hashes.get(i) {
+                Some(h) => (hs[i], h),
+                None => (parent_hash, run.parent.unwrap_or_default()),
+            }
+        };
+        let size = (2 * n).next_power_of_two();
+        let shift = 64 - size.trailing_zeros();
+        let mut slots: SmallVec<[u32; 512]> = smallvec![0; size]; // position + 1; 0: free
+        for i in 0..n {
+            let (hash, key) = at(i);
+            let mut s = (hash >> shift) as usize;
+            while let Some(j) = slots[s].checked_sub(1) {
+                if at(j as usize) == (hash, key) {
+                    return true;
+                }
+                s = (s + 1) & (size - 1);
+            }
+            slots[s] = u32::try_from(i + 1).expect("fewer than 2**32 blocks an event");
         }
-        order.sort_unstable();
-        order.chunk_by(|a, b| a.0 == b.0).any(|same| {
-            same.iter()
-                .enumerate()
-                .any(|(j, a)| same[j + 1..].iter().any(|b| key(a.1) == key(b.1)))
-        })
+        false
     }
 
     /// Whether the stored `row` is exactly a block of this content.

@@ -161,17 +161,28 @@ impl Group {
     /// The rows with content key `key` under one of `parents` (NONE: the root): those in
     /// the content index, then the rows right after a parent (never in it) that have it.
     pub(super) fn with_key(&self, key: u64, parents: &[u32]) -> Level {
-        let mut found: Level = self
-            .content
-            .rows(key)
+        self.under(key, self.content.rows(key), parents).collect()
+    }
+
+    /// Of `listed` (rows the content index gave for `key`), those under one of `parents`,
+    /// then the rows right after a parent that have `key` (never in the index).
+    pub(super) fn under<'a>(
+        &'a self,
+        key: u64,
+        listed: impl Iterator<Item = u32> + 'a,
+        parents: &'a [u32],
+    ) -> impl Iterator<Item = u32> + 'a {
+        listed
             .filter(|&o| parents.contains(&self.rows[o as usize].parent))
-            .collect();
-        found.extend(parents.iter().filter_map(|&p| self.next_with_key(p, key)));
-        found
+            .chain(
+                parents
+                    .iter()
+                    .filter_map(move |&p| self.next_with_key(p, key)),
+            )
     }
 
     /// The row right after `parent` where it is a kid of it with content key `key`.
-    pub(super) fn next_with_key(&self, parent: u32, key: u64) -> Option<u32> {
+    fn next_with_key(&self, parent: u32, key: u64) -> Option<u32> {
         let kid = parent.checked_add(1).filter(|&k| k != NONE)?;
         let x = self.rows.get(kid as usize)?;
         (x.flags & CHAINED != 0 && x.parent == parent && chain_key(x) == key).then_some(kid)

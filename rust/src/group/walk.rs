@@ -21,12 +21,8 @@ impl Group {
         partial: bool,
         (first, later): (u32, u32), // the level's shape under the root and under a block
     ) -> Level {
-        let after = parents.iter().filter_map(|&p| self.next_with_key(p, key));
-        let mut found: Level = candidates
-            .iter()
-            .copied()
-            .filter(|&row| parents.contains(&self.rows[row as usize].parent))
-            .chain(after)
+        let mut found: Level = self
+            .under(key, candidates.iter().copied(), parents)
             .filter(|&row| {
                 let r = &self.rows[row as usize];
                 r.shape == if r.parent == NONE { first } else { later }

@@ -128,12 +128,8 @@ fn build_kvledger(keys: &[Vec<[u8; 8]>]) -> (Group, usize) {
 
 /// Each chain's block hashes and token ids, as store events carry them.
 fn chain_events(keys: &[Vec<[u8; 8]>]) -> Vec<(Vec<&[u8]>, Vec<i32>)> {
-    (0..CHAINS)
-        .map(|c| {
-            let hashes = keys[c as usize].iter().map(|k| &k[..]).collect();
-            (hashes, vec![c as i32; LENGTH * BLOCK])
-        })
-        .collect()
+    let (hashes, tokens) = prompts(keys, &(0..CHAINS).collect::<Vec<u64>>());
+    hashes.into_iter().zip(tokens).collect()
 }
 
 /// The router's path (its lane): each holder's chain as one store event, `store_run`.

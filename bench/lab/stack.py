@@ -1,0 +1,321 @@
+"""The processes the lab runs beside its engines, each in its own process group with its own
+log, stopped on every exit: kvledger as a user runs it (a relay per engine, the consumer,
+``serve --memory --dynamo-api``), vllm-router, and Dynamo's standalone indexer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.lab import install
+from bench.lab.engines import BLOCK_SIZE, EngineError, EngineSpec, require_free
+
+MODEL = "lab"
+SILENT_AFTER_S = 3.0  # kvledger's liveness window in the lab (relay heartbeats every 1 s)
+
+
+class Process:
+    """A child process with a name, a log file and its own process group."""
+
+    def __init__(
+        self, name: str, args: list[str], logs: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name, self.args, self.logs = name, args, logs
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.logs / f"{self.name}.{self.starts}.log"
+
+    def start(self) -> Process:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, grace: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def wait_http(self, url: str, timeout: float = 60.0) -> None:
+        """Until ``url`` answers 200; the process ending or the timeout raise EngineError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise EngineError(f"{self.name} exited while starting:\n{self.log_tail()}")
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(url, timeout=2) as answer,
+            ):
+                if answer.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"{self.name} did not answer {url} in {timeout:.0f} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.3)
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def source_name(engine: int) -> str:
+    return f"engine-{engine}"  # kvledger's Dynamo worker id is the number it ends in
+
+
+class Kvledger:
+    """kvledger in front of the engines: its own topic and database (made here, removed on
+    exit), a relay per engine, the consumer, and ``serve --memory --dynamo-api``."""
+
+    def __init__(self, specs: list[EngineSpec], port: int, logs: Path) -> None:
+        self.specs, self.port, self.logs = specs, port, logs
+        tag = uuid.uuid4().hex[:10]
+        self.topic = f"kv-events-lab-{tag}"
+        self.group = f"kvledger-lab-{tag}"
+        self.database = f"kvledger_lab_{tag}"
+        self.bootstrap = _need("KVLEDGER_KAFKA_BOOTSTRAP")
+        self.admin_url = os.environ.get("KVLEDGER_ADMIN_DATABASE_URL") or _need(
+            "KVLEDGER_DATABASE_URL"
+        )
+        self.database_url = ""
+        self.relays: list[Process] = []
+        self.consumer: Process | None = None
+        self.server: Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _cli(self, name: str, *args: str) -> Process:
+        env = {
+            "KVLEDGER_DATABASE_URL": self.database_url,
+            "KVLEDGER_LOOKUP_DATABASE_URL": self.database_url,  # the lab's own database
+            "KVLEDGER_KAFKA_BOOTSTRAP": self.bootstrap,
+        }
+        return Process(name, [sys.executable, "-m", "kvledger", *args], self.logs, env)
+
+    def start(self) -> None:
+        from kvledger.consumer.db import create_database
+
+        require_free([self.port], "kvledger serve")
+        self.database_url = create_database(self.admin_url, self.database)
+        migrate = self._cli("migrate", "migrate").start()
+        assert migrate.proc is not None
+        if migrate.proc.wait(timeout=120) != 0:
+            raise EngineError(f"kvledger migrate failed:\n{migrate.log_tail()}")
+        for i, spec in enumerate(self.specs):
+            self.relays.append(
+                self._cli(
+                    f"relay-{i}",
+                    "relay",
+                    "--endpoint",
+                    spec.pub_endpoint,
+                    "--replay-endpoint",
+                    spec.replay_endpoint,
+                    "--source",
+                    source_name(i),
+                    "--model",
+                    MODEL,
+                    "--group",
+                    f"0:full_attention:{BLOCK_SIZE}",
+                    "--topic",
+                    self.topic,
+                    "--heartbeat-interval",
+                    "1",
+                ).start()
+            )
+        self.consumer = self._cli(
+            "consume",
+            "consume",
+            "--topic",
+            self.topic,
+            "--consumer-group",
+            self.group,
+            "--dlq-topic",
+            f"{self.topic}.dlq",
+        ).start()
+        self.server = self._cli(
+            "serve",
+            "serve",
+            "--memory",
+            "--dynamo-api",
+            "--allow-writer",
+            "--topic",
+            self.topic,
+            "--consumer-group",
+            self.group,
+            "--port",
+            str(self.port),
+            "--silent-after",
+            str(SILENT_AFTER_S),
+        )
+        self.restart_server()
+
+    def restart_server(self) -> None:
+        assert self.server is not None
+        self.server.stop()
+        self.server.start().wait_http(f"{self.url}/healthz", timeout=90)
+
+    def restart_relay(self, engine: int, down_for: float) -> None:
+        """Kill an engine's relay (no goodbye), leave it down ``down_for`` s, start it again."""
+        self.relays[engine].kill()
+        time.sleep(down_for)
+        self.relays[engine].start()
+
+    def processes(self) -> list[Process]:
+        return [*self.relays, *(p for p in (self.consumer, self.server) if p is not None)]
+
+    def check(self) -> None:
+        """Every kvledger process still running, or an error with the first dead one's log."""
+        for process in self.processes():
+            if not process.alive():
+                raise EngineError(f"kvledger's {process.name} stopped:\n{process.log_tail()}")
+
+    def close(self) -> None:
+        for process in self.processes():
+            process.stop()
+        if self.database_url:
+            from kvledger.consumer.db import drop_database
+
+            with contextlib.suppress(Exception):
+                drop_database(self.admin_url, self.database)
+        with contextlib.suppress(Exception):
+            from confluent_kafka.admin import AdminClient
+
+            admin = AdminClient({"bootstrap.servers": self.bootstrap})
+            for future in admin.delete_topics([self.topic, f"{self.topic}.dlq"]).values():
+                with contextlib.suppress(Exception):
+                    future.result(timeout=10)
+
+
+def vllm_router(name: str, policy: str, specs: list[EngineSpec], port: int, logs: Path) -> Process:
+    """vllm-router in front of the engines with one of its policies."""
+    binary = install.engine_env() / "bin" / "vllm-router"
+    args = [
+        str(binary),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--worker-urls",
+        *(s.url for s in specs),
+        "--log-level",
+        "warning",
+    ]
+    if policy == "kv_aware":
+        for spec in specs:
+            args += [
+                "--kv-event-source",
+                f"{spec.url}={spec.pub_endpoint}",
+                "--kv-event-replay-source",
+                f"{spec.url}={spec.replay_endpoint}",
+            ]
+        args += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+    return Process(name, args, logs)
+
+
+def dynamo_indexer(port: int, logs: Path) -> Process:
+    """NVIDIA Dynamo's standalone indexer (ai-dynamo-runtime, the project's dev install)."""
+    return Process(
+        "dynamo-indexer",
+        [
+            sys.executable,
+            "-m",
+            "dynamo.indexer",
+            "--port",
+            str(port),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--model-name",
+            MODEL,
+        ],
+        logs,
+    )
+
+
+def register_workers(url: str, specs: list[EngineSpec]) -> None:
+    """Dynamo's way: the indexer dials each engine's PUB endpoint itself."""
+    for i, spec in enumerate(specs):
+        post_json(
+            f"{url}/register",
+            {
+                "instance_id": i,
+                "endpoint": spec.pub_endpoint,
+                "model_name": MODEL,
+                "block_size": BLOCK_SIZE,
+            },
+        )
+
+
+def _need(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise EngineError(f"the lab needs ${name} (make lab sets it from scripts/services)")
+    return value
+
+
+@contextlib.contextmanager
+def closing_all(processes: list[Process]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.stop()

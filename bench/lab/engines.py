@@ -65,8 +65,15 @@ def port_free(port: int) -> bool:
     return True
 
 
-def require_free(ports: list[int], what: str) -> None:
-    taken = [p for p in ports if not port_free(p)]
+def require_free(ports: list[int], what: str, wait: float = 0.0) -> None:
+    """Refuse ports something holds, after waiting up to ``wait`` s for them to be let go
+    (a killed process's sockets close a moment after it is reaped)."""
+    deadline = time.monotonic() + wait
+    while True:
+        taken = [p for p in ports if not port_free(p)]
+        if not taken or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     if taken:
         raise EngineError(
             f"{what}: port(s) {', '.join(map(str, taken))} already in use; "
@@ -116,14 +123,17 @@ class Engine:
     def start(self) -> None:
         """Start the engine (returns at once; ``wait_ready`` waits for it)."""
         spec = self.spec
-        require_free([spec.http_port, spec.pub_port, spec.replay_port], spec.name)
+        wait = 20.0 if self.starts else 0.0  # a restart: the last process's ports close
+        require_free([spec.http_port, spec.pub_port, spec.replay_port], spec.name, wait)
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             # vLLM binds only wildcard endpoints (a host name is connected to instead).
             "endpoint": f"tcp://*:{spec.pub_port}",
             "replay_endpoint": f"tcp://*:{spec.replay_port}",
-            "topic": "kv-events",
+            # vLLM's default topic. vllm-router's kv_aware takes only batches whose topic is
+            # its own (empty; no flag sets it): under "kv-events" every lookup missed.
+            "topic": "",
         }
         args = [
             str(install.engine_env() / "bin" / "python"),
@@ -146,6 +156,8 @@ class Engine:
             "--enable-prefix-caching",
             "--enforce-eager",
             "--enable-prompt-tokens-details",
+            # vllm-router kv_aware tokenizes by POST /v1/completions/render (403 without).
+            "--enable-scale-out",
             "--kv-cache-memory-bytes",
             str(self.kv_cache_bytes),
             "--kv-events-config",
@@ -212,8 +224,9 @@ class Engine:
                 self.proc.wait(timeout=15)
 
     def _signal(self, sig: signal.Signals) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+        # The whole group, even when its leader has gone: what it spawned goes too.
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
 
     def log_tail(self, lines: int = 25) -> str:

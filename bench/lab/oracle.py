@@ -33,6 +33,7 @@ class _Held:
         self.content: dict[int, int] = {}  # engine block hash -> content key (kept)
         self.held: dict[int, int] = {}  # engine block hash -> content key, while held
         self.keys: dict[int, int] = {}  # content key -> holders among held hashes
+        self.removed = 0
 
     def store(self, hashes: list[int], parent: int | None, tokens: list[int], size: int) -> None:
         key = 0 if parent is None else self.content.get(parent)
@@ -47,6 +48,7 @@ class _Held:
 
     def remove(self, hashes: Iterable[int]) -> None:
         for block_hash in hashes:
+            self.removed += 1
             key = self.held.pop(block_hash, None)
             if key is not None:
                 left = self.keys[key] - 1
@@ -139,9 +141,15 @@ class Oracle:
                     best, who = n, engine
         return best * self.block_size, who
 
-    def held_blocks(self, engine: int) -> int:
+    def held_hashes(self, engine: int) -> set[int]:
+        """The engine's block hashes it holds now, as its stream says."""
         with self._lock:
-            return len(self._held[engine].held)
+            return set(self._held[engine].held)
+
+    def removals(self, engine: int) -> int:
+        """BlockRemoved hashes the engine has sent (evictions)."""
+        with self._lock:
+            return self._held[engine].removed
 
     def close(self) -> None:
         self._stop.set()

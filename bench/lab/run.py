@@ -37,6 +37,7 @@ FAULTS = (
     ("engine_kill", 0.75),
 )
 WINDOW_S = 12.0  # a fault's window: this long from its instant
+LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
 ROUTERS = ("round_robin", "cache_aware", "kv_aware", "dynamo", "kvledger")
 
 
@@ -50,6 +51,8 @@ class Record:
     attempts: int
     ok: bool
     to_dead: bool  # an attempt went to an engine that was down
+    dead_engine: int  # the engine that refused it (-1: none)
+    dead_at: float  # when it refused, seconds from the run's start
     ttft: float
     prompt_tokens: int
     cached_tokens: int
@@ -124,7 +127,7 @@ class Lab:
         self.seconds = shape.seconds
         self.engines = [Engine(spec, self.model, self.logs) for spec in self.specs]
         self.live = [False] * len(self.engines)
-        self.ledger = stack.Kvledger(self.specs, base + 90, self.logs)
+        self.ledger = stack.from_environment(self.specs, base + 90, self.logs)
         self.router_port = base + 91
         self.indexer_port = base + 92
         self.oracle: Oracle | None = None
@@ -200,6 +203,8 @@ class Lab:
                 1,
                 out.ok,
                 False,
+                -1,
+                0.0,
                 out.ttft,
                 out.prompt_tokens,
                 out.cached_tokens,
@@ -207,7 +212,7 @@ class Lab:
                 out.error,
             )
         tried: set[int] = set()
-        to_dead = False
+        dead, dead_at = -1, 0.0
         first = time.monotonic()
         while True:
             engine = router.choose(tokens, load, tried)
@@ -217,7 +222,8 @@ class Lab:
                 out = routing.complete(self.specs[engine].url, request.prompt)
             finally:
                 load.add(engine, -1)
-            to_dead = to_dead or out.refused
+            if out.refused and dead < 0:
+                dead, dead_at = engine, time.monotonic() - began
             if out.ok or not out.refused or len(tried) >= len(self.engines):
                 break  # a dead engine is retried elsewhere, as a router would
         ttft = (time.monotonic() - first) - out.seconds + out.ttft if out.ok else 0.0
@@ -227,7 +233,9 @@ class Lab:
             engine,
             len(tried),
             out.ok,
-            to_dead,
+            dead >= 0,
+            dead,
+            dead_at,
             ttft,
             out.prompt_tokens,
             out.cached_tokens,
@@ -244,11 +252,17 @@ class Lab:
         began = time.monotonic()
         instants = {name: fraction * self.seconds for name, fraction in FAULTS}
 
+        errors: list[BaseException] = []
+
         def faults() -> None:
             for name, when in sorted(instants.items(), key=lambda kv: kv[1]):
                 time.sleep(max(0.0, when - (time.monotonic() - began)))
                 print(f"lab:   {when:5.1f} s {name}", flush=True)
-                self.fault(name, router)
+                try:
+                    self.fault(name, router)
+                except Exception as error:  # the run is void: said after it ends
+                    errors.append(error)
+                    return
 
         injector = threading.Thread(target=faults, daemon=True)
         injector.start()
@@ -261,15 +275,18 @@ class Lab:
         injector.join()
         counters.close()
         router.stop()
+        if errors:
+            raise EngineError(f"{router.name}'s run is void: a fault failed: {errors[0]}")
         self.ledger.check()
-        return summarize(router.name, records, counters, instants, self.seconds)
+        return summarize(router.name, records, counters, instants)
 
 
 def _rate(hit: float, total: float) -> float:
     return round(hit / total, 4) if total else 0.0
 
 
-def window_figures(records: list[Record]) -> dict[str, Any]:
+def window_figures(records: list[Record], killed_at: dict[int, float]) -> dict[str, Any]:
+    """A window's figures; ``killed_at``: when each engine that died in the run died."""
     ok = [r for r in records if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -286,20 +303,27 @@ def window_figures(records: list[Record]) -> dict[str, Any]:
         else None,
         "failed": sum(not r.ok for r in records),
         "sent_to_dead_engine": sum(r.to_dead for r in records),
+        # ...later than kvledger's liveness window (and a second) after the engine died
+        "sent_to_dead_after_window": sum(
+            r.to_dead and r.dead_at - killed_at.get(r.dead_engine, r.dead_at) > LATE_S
+            for r in records
+        ),
     }
 
 
 def summarize(
-    name: str, records: list[Record], counters: Counters, instants: dict[str, float], seconds: float
+    name: str, records: list[Record], counters: Counters, instants: dict[str, float]
 ) -> dict[str, Any]:
     first = min(instants.values())
-    windows = {"steady": window_figures([r for r in records if r.at < first])}
+    killed = {1: instants["engine_restart"], 2: instants["engine_kill"]}
+    windows = {"steady": window_figures([r for r in records if r.at < first], killed)}
     for fault, at in instants.items():
-        windows[fault] = window_figures([r for r in records if at <= r.at < at + WINDOW_S])
+        during = [r for r in records if at <= r.at < at + WINDOW_S]
+        windows[fault] = window_figures(during, killed)
     return {
         "router": name,
         "all": {
-            **window_figures(records),
+            **window_figures(records, killed),
             "engine_counter_hit_rate": _rate(counters.hits, counters.queries),
             "engine_counter_queries": int(counters.queries),
         },

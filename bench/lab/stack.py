@@ -58,17 +58,18 @@ class Process:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, grace: float = 10.0) -> None:
+        """``sig`` to the process's group (even when its leader has gone), SIGKILL after
+        ``grace`` seconds."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
@@ -123,16 +124,18 @@ class Kvledger:
     """kvledger in front of the engines: its own topic and database (made here, removed on
     exit), a relay per engine, the consumer, and ``serve --memory --dynamo-api``."""
 
-    def __init__(self, specs: list[EngineSpec], port: int, logs: Path) -> None:
+    def __init__(
+        self, specs: list[EngineSpec], port: int, logs: Path, bootstrap: str, server_url: str
+    ) -> None:
+        """``server_url``: a PostgreSQL URL of a role that may create databases (the lab's
+        own is made there and dropped on ``close``)."""
         self.specs, self.port, self.logs = specs, port, logs
         tag = uuid.uuid4().hex[:10]
         self.topic = f"kv-events-lab-{tag}"
         self.group = f"kvledger-lab-{tag}"
         self.database = f"kvledger_lab_{tag}"
-        self.bootstrap = _need("KVLEDGER_KAFKA_BOOTSTRAP")
-        self.admin_url = os.environ.get("KVLEDGER_ADMIN_DATABASE_URL") or _need(
-            "KVLEDGER_DATABASE_URL"
-        )
+        self.bootstrap = bootstrap
+        self.admin_url = server_url
         self.database_url = ""
         self.relays: list[Process] = []
         self.consumer: Process | None = None
@@ -303,6 +306,12 @@ def register_workers(url: str, specs: list[EngineSpec]) -> None:
                 "block_size": BLOCK_SIZE,
             },
         )
+
+
+def from_environment(specs: list[EngineSpec], port: int, logs: Path) -> Kvledger:
+    """kvledger on the services of ``scripts/services env`` (what ``make lab`` exports)."""
+    server = os.environ.get("KVLEDGER_ADMIN_DATABASE_URL") or _need("KVLEDGER_DATABASE_URL")
+    return Kvledger(specs, port, logs, _need("KVLEDGER_KAFKA_BOOTSTRAP"), server)
 
 
 def _need(name: str) -> str:

@@ -47,6 +47,11 @@ def add_simulate(subparsers: Subparsers) -> None:
         action="store_true",
         help="add a source whose block_size disagrees with its announced group spec",
     )
+    p.add_argument(
+        "--prompt-out", metavar="FILE",
+        help="write the token ids of the last prompt the fleet served to FILE (for "
+        "`kvledger lookup --token-ids @FILE`)",
+    )  # fmt: skip
     p.set_defaults(run=command("simulate_cmd:run"))
 
 
@@ -186,7 +191,7 @@ def add_relay(subparsers: Subparsers) -> None:
         "--engine", choices=ENGINES, default="vllm",
         help="whose events: vLLM's or SGLang's ZMQ stream (the same framing and replay), or "
         "TensorRT-LLM's HTTP endpoint (trtllm-serve's POST /kv_cache_events, polled; no "
-        "replay): README's Engines table says how each is read",
+        "replay): docs/engines.md's table says how each is read",
     )  # fmt: skip
     p.add_argument(
         "--endpoint", required=True,

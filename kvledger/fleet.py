@@ -97,6 +97,7 @@ class FleetSummary:
     partial_tails: int = 0
     restarts: int = 0
     instances: list[str] = field(default_factory=list)
+    last_prompt: list[int] = field(default_factory=list)  # the token ids last served
 
 
 @dataclass(slots=True)
@@ -286,6 +287,7 @@ class SimulatedEngine:
         if cfg.gpu_capacity_blocks and not self.misconfigured:
             summary.messages += self.sink.publish_events(self._gpu_blocks(raw, tokens))
         summary.requests += 1
+        summary.last_prompt = tokens
         self.served += 1
 
 

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
@@ -112,4 +113,7 @@ def run(args: argparse.Namespace) -> int:
     for name, count in sorted(result.by_type.items()):
         print(f"  {name:<17}{count}")
     print(f"elapsed:        {result.seconds:.2f} s ({result.produced / result.seconds:,.0f} msg/s)")
+    if args.prompt_out:
+        Path(args.prompt_out).write_text(" ".join(map(str, s.last_prompt)) + "\n")
+        print(f"prompt:         {len(s.last_prompt)} token ids in {args.prompt_out}")
     return 0

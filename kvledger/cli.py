@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name.endswith("_AUTHORIZATION_FAILED") or name.endswith("AUTHENTICATION"):
                 first = (
                     f"{name}: the principal of the Kafka settings (--kafka-config) is refused; "
-                    "it needs an ACL for this operation (README: Security)"
+                    "it needs an ACL for this operation (docs/security.md)"
                 )
             elif name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
                 first = (

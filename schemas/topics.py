@@ -54,7 +54,7 @@ _ONE_KIND_ONLY = (
 
 # How long a topic kvledger creates keeps its records (Kafka's own default, stated on the
 # topic so that it does not follow a broker's setting): a consumer or router away longer
-# than this finds records it never read deleted (it says so; see README "Retention").
+# than this finds records it never read deleted (it says so; see docs/operations.md, "Retention").
 DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
 
 

@@ -1,6 +1,6 @@
 """scripts/services is not open to the machine's other users: a state folder someone else
 owns, or a link, is refused; PostgreSQL asks every connection for its password, and the
-roles and secrets it makes are the ones README promises."""
+roles and secrets it makes are the ones docs/getting-started.md promises."""
 
 from __future__ import annotations
 

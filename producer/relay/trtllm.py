@@ -15,7 +15,7 @@ _utils.py``) — ``{"event_id", "window_size", "attention_dp_rank"?, "data": {..
 - ``{"type": "updated", "block_hash", "cache_level": {"type": "event_diff", "old_value",
   "new_value"}, "priority": {...}}``.
 
-What the relay makes of it (README, "Engines"):
+What the relay makes of it (docs/engines.md, "Engines"):
 - ``event_id`` is the engine's sequence: one event, one engine batch. There is no replay: an
   id skipped is lost at once (``EventsLost``), ids going back are an engine restart;
 - ``cache_level`` 0 (the primary pool) is GPU, 1 (the secondary, host pool) is CPU; any

@@ -125,7 +125,7 @@ class TrtllmServe:
 
 
 def truth(log: list[tuple[int, int, dict[str, Any]]], lost: set[tuple[int, int]]) -> dict[Key, int]:
-    """The residencies the engine's events leave, read as README's Engines table says: a
+    """The residencies the engine's events leave, read as docs/engines.md's table says: a
     restart ends GPU and CPU, a lost event ends everything and is not applied."""
     refs: Counter[Key] = Counter()
     where: dict[bytes, str] = {}

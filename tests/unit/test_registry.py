@@ -1,7 +1,7 @@
 """Schema Registry framing as the ecosystem expects it: subjects by topic name (or the other
 strategies), writers register, readers never do. Registry calls go to confluent-kafka's own
 in-process registry (``mock://``), which this library ships for such tests; no registry
-server can run on this machine (see the README), so there is no test against one."""
+server can run on this machine (see docs/operations.md), so there is no test against one."""
 
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ PLACEHOLDER_KINDS = frozenset(
     {"sliding_window", "sliding_window_mla", "mamba", "chunked_local_attention"}
 )
 SPEC_KINDS = FULL_ATTENTION_KINDS | PLACEHOLDER_KINDS | {"unknown"}
+MAX_BLOCK_SIZE = 1 << 20  # tokens per block or per hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,24 @@ class GroupSpec:
 
     def describe(self) -> str:
         return f"{self.kind}/{self.block_size}/{self.hash_block_size}/{self.sliding_window}"
+
+    def shape_problem(self) -> str | None:
+        """Why no group can have this shape (an unknown kind, sizes out of range or not
+        multiples), or None; the consumer refuses such an announcement with this reason."""
+        if self.kind not in SPEC_KINDS:
+            return f"unknown spec kind {self.kind!r} (known: {', '.join(sorted(SPEC_KINDS))})"
+        sizes = (self.block_size, self.hash_block_size)
+        if not all(0 < size <= MAX_BLOCK_SIZE for size in sizes):
+            return (
+                f"block sizes must be positive (block {self.block_size}, "
+                f"hash {self.hash_block_size})"
+            )
+        if self.block_size % self.hash_block_size:
+            return (
+                f"block size {self.block_size} is not a multiple of hash size "
+                f"{self.hash_block_size}"
+            )
+        return None
 
 
 @dataclass(frozen=True, slots=True)

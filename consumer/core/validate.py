@@ -14,7 +14,6 @@ from kvledger.consumer.core.model import BlockRow, HeldSpec, new_tuple
 from kvledger.schemas.events import (
     FULL_ATTENTION_KINDS,
     MEDIUMS,
-    SPEC_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -30,7 +29,6 @@ from kvledger.schemas.topics import message_key
 # legitimately carry more).
 MAX_HASHES_PER_EVENT = 8192
 MAX_TOKENS_PER_EVENT = 262_144
-MAX_BLOCK_SIZE = 1 << 20
 MAX_HASH_BYTES = 64
 MAX_NAME_CHARS = 512  # a source, model, lora name, ownership, kind…
 # Times the index can hold: from the Unix epoch to the end of year 9999 (Python's limit).
@@ -140,18 +138,8 @@ def _bad_text(names: list[str | None], texts: tuple[str | None, ...]) -> str | N
 
 def check_announcement(spec: GroupSpec, current: HeldSpec | None) -> Invalid | None:
     """An announcement must be well-formed and agree with the spec already held."""
-    if spec.kind not in SPEC_KINDS:
-        return Invalid(Reason.INVALID_EVENT, f"unknown spec kind {spec.kind!r}")
-    if not 0 < spec.block_size <= MAX_BLOCK_SIZE or not 0 < spec.hash_block_size <= MAX_BLOCK_SIZE:
-        return Invalid(
-            Reason.INVALID_EVENT,
-            f"block sizes must be positive (block {spec.block_size}, hash {spec.hash_block_size})",
-        )
-    if spec.block_size % spec.hash_block_size:
-        return Invalid(
-            Reason.INVALID_EVENT,
-            f"block size {spec.block_size} is not a multiple of hash size {spec.hash_block_size}",
-        )
+    if (problem := spec.shape_problem()) is not None:
+        return Invalid(Reason.INVALID_EVENT, problem)
     if current is not None and not current.spec.same_shape(spec):
         return Invalid(
             Reason.SPEC_CONFLICT,

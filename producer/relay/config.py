@@ -78,4 +78,10 @@ def parse_group(text: str, model: str) -> GroupSpec:
         hash_size = int(parts[3]) if len(parts) == 4 else size
     except ValueError:
         raise ValueError(f"--group {text!r}: IDX and sizes must be integers") from None
-    return GroupSpec(model, idx, parts[1], size, hash_size)
+    spec = GroupSpec(model, idx, parts[1], size, hash_size)
+    # Refused now, not once per event in the dead-letter topic.
+    if idx < 0:
+        raise ValueError(f"--group {text!r}: IDX must not be negative")
+    if (problem := spec.shape_problem()) is not None:
+        raise ValueError(f"--group {text!r}: {problem}")
+    return spec

@@ -119,6 +119,20 @@ def test_endpoints_and_group_flags() -> None:
         parse_group("0:full", "m")
 
 
+@pytest.mark.parametrize(
+    ("flag", "reason"),
+    [
+        ("0:full:16", "unknown spec kind 'full'"),
+        ("1:full_attention:0", "block sizes must be positive"),
+        ("0:full_attention:16:5", "not a multiple of hash size 5"),
+        ("-1:full_attention:16", "IDX must not be negative"),
+    ],
+)
+def test_a_group_no_consumer_would_take_is_refused_at_start(flag: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        parse_group(flag, "m")
+
+
 @pytest.mark.parametrize("positional", [False, True], ids=["tagged maps", "positional arrays"])
 def test_the_typed_reading_agrees_with_the_field_by_field_one(positional: bool) -> None:
     import random

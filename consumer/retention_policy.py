@@ -48,6 +48,18 @@ def duration_arg(text: str) -> timedelta:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def seconds_arg(text: str) -> float:
+    """A window in seconds as an argparse type: a duration (``90s``, ``5m``) or, as before,
+    a plain number of seconds; more than zero and finite."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        return duration_arg(text).total_seconds()
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: it must be more than zero")
+    return seconds
+
+
 # The most partitions a retention may keep of each table.
 MAX_PARTITIONS = 1000
 

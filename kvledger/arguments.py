@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.arguments_consumer import add_consumer
 from kvledger.consumer.config import DEFAULT_GROUP
-from kvledger.consumer.retention_policy import duration_arg
+from kvledger.consumer.retention_policy import duration_arg, seconds_arg
 from kvledger.options import (
     DEFAULT_MODEL,
     DEFAULT_PARTITIONS,
@@ -21,7 +21,16 @@ from kvledger.options import (
     add_registry_args,
     bootstrap_arg,
 )
-from kvledger.parsers import add, command
+from kvledger.parsers import (
+    COUNT,
+    NON_NEGATIVE,
+    PORT,
+    PORT_OR_OFF,
+    SECONDS,
+    SECONDS_OR_OFF,
+    add,
+    command,
+)
 
 if TYPE_CHECKING:
     from kvledger.parsers import Subparsers
@@ -29,19 +38,19 @@ if TYPE_CHECKING:
 
 def add_simulate(subparsers: Subparsers) -> None:
     p = add(subparsers, "simulate", "", "publish a simulated fleet's KV events to Kafka")
-    p.add_argument("--instances", type=int, default=4, help="simulated engines")
-    p.add_argument("--requests", type=int, default=100, help="requests per instance")
+    p.add_argument("--instances", type=COUNT, default=4, help="simulated engines")
+    p.add_argument("--requests", type=COUNT, default=100, help="requests per instance")
     p.add_argument("--seed", type=int, default=0, help="the simulation's random seed")
     p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic to publish to")
     p.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS,
+        "--partitions", type=COUNT, default=DEFAULT_PARTITIONS,
         help="partitions when it creates the topic",
     )  # fmt: skip
     bootstrap_arg(p)
     add_kafka_args(p)
     add_registry_args(p)
     p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
-    p.add_argument("--rate", type=float, help="pace publishing to this many messages per second")
+    p.add_argument("--rate", type=SECONDS, help="pace publishing to this many messages per second")
     p.add_argument(
         "--misconfigured-source",
         action="store_true",
@@ -59,8 +68,8 @@ def add_demo(subparsers: Subparsers) -> None:
     p = add(subparsers, "demo", "all", "run the whole pipeline on a simulated fleet")
     bootstrap_arg(p)
     p.add_argument("--database-url", help="server to use (else $KVLEDGER_DATABASE_URL)")
-    p.add_argument("--instances", type=int, default=4, help="simulated engines (at least 2)")
-    p.add_argument("--requests", type=int, default=150, help="requests per instance")
+    p.add_argument("--instances", type=COUNT, default=4, help="simulated engines (at least 2)")
+    p.add_argument("--requests", type=COUNT, default=150, help="requests per instance")
     p.add_argument("--seed", type=int, default=7, help="the simulation's random seed")
     p.add_argument("--keep", action="store_true", help="leave the services up afterwards")
     p.set_defaults(run=command("demo:run"))
@@ -105,11 +114,11 @@ def add_lookup(subparsers: Subparsers) -> None:
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument(
-        "--statement-timeout", type=float, default=5.0,
+        "--statement-timeout", type=SECONDS, default=5.0,
         help="seconds a lookup may run in the database before it is answered 503",
     )  # fmt: skip
     p.add_argument(
-        "--pool-timeout", type=float, default=5.0,
+        "--pool-timeout", type=SECONDS, default=5.0,
         help="seconds a request may wait for a free database connection before a 503",
     )  # fmt: skip
     p.add_argument(
@@ -117,12 +126,12 @@ def add_lookup(subparsers: Subparsers) -> None:
         help="require `Authorization: Bearer <token>` on every route but /healthz, the token "
         f"read from this file (or from ${ENV_LOOKUP_TOKEN})",
     )
-    p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("--pool-size", type=int, default=8, help="database connections at most")
+    p.add_argument("--port", type=PORT, default=8080, help="port to listen on")
+    p.add_argument("--pool-size", type=COUNT, default=8, help="database connections at most")
     p.add_argument(
         "--silent-after",
-        type=float,
-        help="seconds after which a silent source leaves routing answers (else the "
+        type=seconds_arg,
+        help="how long (30, 90s, 5m) after which a silent source leaves routing answers (else the "
         "database's kvledger.silent_after, 30 s by default)",
     )
     p.add_argument(
@@ -135,7 +144,7 @@ def add_lookup(subparsers: Subparsers) -> None:
     p = add(subparsers, "lookup", "consumer", "which instances hold a prompt's prefix")
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
     p.add_argument("--model", required=True, help="the model to look up")
-    p.add_argument("--group", type=int, default=0, help="the KV-cache group index")
+    p.add_argument("--group", type=NON_NEGATIVE, default=0, help="the KV-cache group index")
     p.add_argument(
         "--token-ids",
         required=True,
@@ -148,8 +157,9 @@ def add_lookup(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--silent-after",
-        type=float,
-        help="seconds after which a silent source is left out (else the database's window)",
+        type=seconds_arg,
+        help="how long (30, 90s, 5m) after which a silent source is left out (else the "
+        "database's window)",
     )
     p.add_argument(
         "--json", action="store_true",
@@ -166,8 +176,8 @@ def add_sources(subparsers: Subparsers) -> None:
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
     p.add_argument(
         "--silent-after",
-        type=float,
-        help="seconds without a message after which a source is silent (else the "
+        type=seconds_arg,
+        help="how long (30, 90s, 5m) without a message after which a source is silent (else the "
         "database's kvledger.silent_after, 30 s by default)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per source, as a list")
@@ -198,7 +208,7 @@ def add_relay(subparsers: Subparsers) -> None:
         help="the engine's PUB endpoint, tcp://HOST:PORT (trtllm: http://HOST:PORT)",
     )  # fmt: skip
     p.add_argument(
-        "--poll-interval", type=float, default=0.2,
+        "--poll-interval", type=SECONDS, default=0.2,
         help="trtllm: seconds between polls of the engine's events",
     )  # fmt: skip
     p.add_argument(
@@ -208,7 +218,7 @@ def add_relay(subparsers: Subparsers) -> None:
     p.add_argument("--source", required=True, help="the engine's source id in the index")
     p.add_argument("--model", required=True, help="the model the engine serves")
     p.add_argument(
-        "--dp-size", type=int, default=1,
+        "--dp-size", type=COUNT, default=1,
         help="data-parallel ranks: rank r listens on the endpoints' ports + r and is source "
         "<source>-dp<r>",
     )  # fmt: skip
@@ -223,7 +233,7 @@ def add_relay(subparsers: Subparsers) -> None:
     add_kafka_args(p)
     add_registry_args(p)
     p.add_argument(
-        "--partitions", type=int, default=DEFAULT_PARTITIONS,
+        "--partitions", type=COUNT, default=DEFAULT_PARTITIONS,
         help="partitions when the relay creates the topic",
     )  # fmt: skip
     p.add_argument(
@@ -236,10 +246,12 @@ def add_relay(subparsers: Subparsers) -> None:
         "which announce the blocks they reuse as stores; the index takes a store of a block "
         "the engine already holds as that report, not a second copy (needs --group)",
     )  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    p.add_argument(
+        "--metrics-port", type=PORT_OR_OFF, default=0, help="serve /metrics here (0: off)"
+    )
     p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
     p.add_argument(
-        "--heartbeat-interval", type=float, default=5.0,
+        "--heartbeat-interval", type=SECONDS_OR_OFF, default=5.0,
         help="seconds of engine silence before probing it and sending a heartbeat (0: never)",
     )  # fmt: skip
     p.set_defaults(run=command("relay_cmd:run"))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvledger.consumer.config import DEFAULT_DLQ_TOPIC
 from kvledger.consumer.retention_policy import duration_arg
 from kvledger.options import add_registry_args, db_arg, log_args
-from kvledger.parsers import add, command
+from kvledger.parsers import COUNT, NON_NEGATIVE, PORT_OR_OFF, SECONDS, add, command
 from kvledger.schemas.events import SPEC_KINDS
 
 if TYPE_CHECKING:
@@ -55,18 +55,18 @@ def add_consumer(subparsers: Subparsers) -> None:
         "cluster's default)",
     )  # fmt: skip
     p.add_argument(
-        "--max-batch-retries", type=int, default=5,
+        "--max-batch-retries", type=NON_NEGATIVE, default=5,
         help="tries of a batch failing with a transient-looking error on a working "
         "connection before its failing message is isolated and rejected",
     )  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=5000, help="messages per transaction")
-    p.add_argument("--batch-timeout", type=float, default=0.5, help="seconds")
+    p.add_argument("--batch-size", type=COUNT, default=5000, help="messages per transaction")
+    p.add_argument("--batch-timeout", type=SECONDS, default=0.5, help="seconds")
     p.add_argument(
         "--until-caught-up",
         action="store_true",
         help="exit 0 once the stored offsets reach the partitions' end offsets",
     )
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=PORT_OR_OFF, help="serve Prometheus metrics on this port")
     p.add_argument(
         "--metrics-host", default="127.0.0.1",
         help="interface for the metrics (0.0.0.0 to reach them from other hosts)",
@@ -78,7 +78,7 @@ def add_consumer(subparsers: Subparsers) -> None:
     p.add_argument("--no-migrate", action="store_true", help="do not run migrations first")
     _retention_args(p)
     p.add_argument(
-        "--retention-every", type=float, default=60.0, metavar="SECONDS",
+        "--retention-every", type=SECONDS, default=60.0, metavar="SECONDS",
         help="seconds between retention passes (each from a thread of its own)",
     )  # fmt: skip
     p.set_defaults(run=command("consumer_cmds:consume"))
@@ -99,14 +99,18 @@ def add_consumer(subparsers: Subparsers) -> None:
     db_arg(p)
     p.add_argument("--model", required=True, help="the model the group belongs to")
     p.add_argument(
-        "--group", type=int, required=True, dest="group_idx", help="the KV-cache group index"
+        "--group",
+        type=NON_NEGATIVE,
+        required=True,
+        dest="group_idx",
+        help="the KV-cache group index",
     )
     p.add_argument(
         "--kind", default="full_attention", choices=sorted(SPEC_KINDS), help="the spec kind"
     )
-    p.add_argument("--block-size", type=int, required=True, help="tokens per KV block")
-    p.add_argument("--hash-block-size", type=int, help="defaults to the block size")
-    p.add_argument("--sliding-window", type=int, help="the window, for sliding-window kinds")
+    p.add_argument("--block-size", type=COUNT, required=True, help="tokens per KV block")
+    p.add_argument("--hash-block-size", type=COUNT, help="defaults to the block size")
+    p.add_argument("--sliding-window", type=COUNT, help="the window, for sliding-window kinds")
     p.set_defaults(run=command("consumer_cmds:groups_declare"))
     p = gs.add_parser("list", help="list group specs")
     db_arg(p)
@@ -118,7 +122,9 @@ def add_consumer(subparsers: Subparsers) -> None:
     p = ds.add_parser("list", help="rejections by reason, and the latest rows")
     db_arg(p)
     p.add_argument("--reason", help="only rejections with this reason code")
-    p.add_argument("--limit", type=int, default=20, help="rows to show (0: the summary only)")
+    p.add_argument(
+        "--limit", type=NON_NEGATIVE, default=20, help="rows to show (0: the summary only)"
+    )
     p.add_argument("--json", action="store_true", help='{"summary": [...], "rows": [...]} as JSON')
     p.set_defaults(run=command("consumer_cmds:dlq_list"))
     p = ds.add_parser("replay", help="re-apply pending rejected events (idempotent)")
@@ -133,7 +139,7 @@ def add_consumer(subparsers: Subparsers) -> None:
     )  # fmt: skip
     log_args(p, "the live index's consumer group")
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
-    p.add_argument("--show", type=int, default=5, help="example rows per difference")
+    p.add_argument("--show", type=NON_NEGATIVE, default=5, help="example rows per difference")
     p.add_argument(
         "--json", action="store_true",
         help='{"ok", "rebuilt_messages", "targets", "rows", "differences"} as JSON',

@@ -13,6 +13,7 @@ import argparse
 import difflib
 import importlib
 import importlib.util
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -21,6 +22,37 @@ from typing import TYPE_CHECKING, Any, NoReturn
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)'")
 # An extra → a module it installs that its commands import (found without importing it).
 _EXTRA_PROBE = {"consumer": "psycopg", "lookup": "starlette", "relay": "zmq"}
+
+
+def bounded(
+    kind: type[int] | type[float], low: float, high: float | None = None
+) -> Callable[[str], Any]:
+    """An option's type: a number of ``kind`` in [low, high], refused with the range (a
+    batch size of 0 or -5, a port past 65535, a NaN interval) before the command runs."""
+    word = "an integer" if kind is int else "a number"
+    span = f"at least {low:g}" + (f" and at most {high:g}" if high is not None else "")
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {span}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+COUNT = bounded(int, 1)  # how many of something: at least one
+NON_NEGATIVE = bounded(int, 0)
+PORT = bounded(int, 1, 65535)
+PORT_OR_OFF = bounded(int, 0, 65535)  # 0: off
+SECONDS = bounded(float, 0.001)  # an interval or a timeout
+SECONDS_OR_OFF = bounded(float, 0)  # 0: never
 
 
 class Parser(argparse.ArgumentParser):

@@ -259,3 +259,32 @@ def test_the_metrics_say_which_parts_are_compiled() -> None:
     text = generate_latest(REGISTRY).decode()
     for part, compiled in compiled_parts().items():
         assert f'kvledger_compiled_core{{part="{part}"}} {float(compiled)}' in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["consume", "--batch-size", "0"], "--batch-size: 0 is out of range: at least 1"),
+        (["consume", "--batch-size", "-5"], "--batch-size: -5 is out of range: at least 1"),
+        (["consume", "--batch-timeout", "nan"], "--batch-timeout: 'nan' is not a finite number"),
+        (["serve", "--port", "70000"], "--port: 70000 is out of range: at least 1 and at most"),
+        (["relay", "--endpoint", "tcp://h:1", "--source", "s", "--model", "m",
+          "--dp-size", "0"], "--dp-size: 0 is out of range"),
+        (["sources", "--silent-after", "soon"], "--silent-after: 'soon' is not a duration"),
+        (["sources", "--silent-after", "-3"], "--silent-after: '-3' is not a duration"),
+    ],
+)  # fmt: skip
+def test_a_number_out_of_range_is_refused_before_the_command_runs(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_a_window_takes_a_unit_or_plain_seconds() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["sources", "--silent-after", "5m"]).silent_after == 300.0
+    assert parser.parse_args(["sources", "--silent-after", "45"]).silent_after == 45.0

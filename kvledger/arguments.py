@@ -192,9 +192,11 @@ def add_relay(subparsers: Subparsers) -> None:
             "Subscribe to a vLLM engine's KV-event publisher (started with --kv-events-config "
             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
             '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'), or an SGLang engine\'s '
-            "(--engine sglang; SGLang's --kv-events-config takes the same JSON), and publish "
-            "its events to Kafka, recovering missed batches from the engine's replay socket. "
-            "One relay per engine; data-parallel ranks listen on consecutive ports."
+            "(--engine sglang; SGLang's --kv-events-config takes the same JSON), or poll a "
+            "TensorRT-LLM server's events (--engine trtllm, --endpoint http://HOST:PORT), and "
+            "publish its events to Kafka, recovering missed batches from the engine's replay "
+            "socket where it has one. One relay per engine; data-parallel ranks listen on "
+            "consecutive ports."
         ),
     )  # fmt: skip
     p.add_argument(

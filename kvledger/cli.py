@@ -138,7 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     if not args.verbose:
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+        # Libraries that log each step at INFO: a migration's, or each HTTP request (the
+        # TensorRT-LLM relay polls every 0.2 s: 18,000 lines an hour).
+        for name in ("alembic", "httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     if args.command is None:
         parser.print_help()
         return 2

@@ -4,6 +4,7 @@ commands (their arguments: kvledger.arguments)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import signal
@@ -167,7 +168,22 @@ def groups_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known_reason(command: str, reason: str | None) -> None:
+    """A --reason no rejection can have (a typo) is refused, naming the codes there are."""
+    from kvledger.consumer.core.validate import Reason
+
+    codes = [r.value for r in Reason]
+    if reason is not None and reason not in codes:
+        close = difflib.get_close_matches(reason, codes, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SystemExit(
+            f"kvledger dlq {command}: no reason code {reason!r}: {hint}the codes are "
+            f"{', '.join(codes)}"
+        )
+
+
 def dlq_list(args: argparse.Namespace) -> int:
+    _known_reason("list", args.reason)
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         summary = admin.dlq_summary(conn)
         rows = admin.dlq_rows(conn, args.reason, args.limit)
@@ -194,6 +210,7 @@ def dlq_list(args: argparse.Namespace) -> int:
 
 
 def dlq_replay(args: argparse.Namespace) -> int:
+    _known_reason("replay", args.reason)
     with connect(settings.database_url(args.database_url), autocommit=True) as conn:
         codec = settings.codec(args, "", writer=False)  # reads: registry framing by id
         result = admin.replay(conn, reason=args.reason, codec=codec)

@@ -27,10 +27,18 @@ def create_reader_cmd(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"kvledger roles: no password: pass --password-file or set ${ENV_PASSWORD}"
         )
+    import psycopg
+
     try:
         granted = create_reader(admin, owner, password, args.name, args.reset_password)
     except ValueError as exc:
         raise SystemExit(f"kvledger roles: {exc}") from None
+    except psycopg.errors.InsufficientPrivilege:
+        who = "the index's owner" if admin == owner else "the admin URL's role"
+        raise SystemExit(
+            f"kvledger roles: {who} may not create roles: pass --admin-database-url (or set "
+            f"${ENV_ADMIN}) with a role that has CREATEROLE, such as the server's superuser"
+        ) from None
     what = "password reset" if args.reset_password else "created"
     print(f"role {args.name} {what}: login, member of kvledger_reader (read-only)", file=sys.stderr)
     if not granted:

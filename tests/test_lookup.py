@@ -513,6 +513,21 @@ def test_the_lookup_role_reads_and_cannot_write(
         timeout=60, check=False,
     )  # fmt: skip
     assert again.returncode == 1 and "exists already: pass --reset-password" in again.stderr
+    # Without an admin URL the owner is asked, and an owner that may not create roles
+    # (scripts/services' is not) is one line saying what to pass, not a traceback.
+    with connect(fresh_database, autocommit=True) as conn:
+        owner_creates_roles = conn.execute(
+            "SELECT rolcreaterole OR rolsuper FROM pg_roles WHERE rolname = current_user"
+        ).fetchone() == (True,)
+    if not owner_creates_roles:
+        no_admin = {k: v for k, v in env.items() if k != "KVLEDGER_ADMIN_DATABASE_URL"}
+        refused = subprocess.run(
+            [sys.executable, "-m", "kvledger", "roles", "create-reader", name + "x",
+             "--database-url", fresh_database],
+            env=no_admin, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 1 and "may not create roles" in refused.stderr
+        assert "Traceback" not in refused.stderr
     login = sa.engine.make_url(fresh_database).set(username=name, password="pw-" + name)
     try:
         with connect(login.render_as_string(hide_password=False), autocommit=True) as conn:

@@ -288,3 +288,32 @@ def test_a_window_takes_a_unit_or_plain_seconds() -> None:
     parser = build_parser()
     assert parser.parse_args(["sources", "--silent-after", "5m"]).silent_after == 300.0
     assert parser.parse_args(["sources", "--silent-after", "45"]).silent_after == 45.0
+
+
+def test_a_mistyped_dead_letter_reason_is_refused_with_the_codes() -> None:
+    url = "postgresql+psycopg://kv:pw@127.0.0.1:1/db"  # never reached
+    for command in ("replay", "list"):
+        with pytest.raises(SystemExit) as stop:
+            main(["dlq", command, "--reason", "dupliate", "--database-url", url])
+        said = str(stop.value.code)
+        assert "no reason code 'dupliate'" in said and "did you mean 'duplicate'" in said
+
+
+def test_http_clients_do_not_log_each_request_unless_verbose() -> None:
+    import logging
+
+    url = "postgresql+psycopg://kv:pw@127.0.0.1:1/db"
+    assert main(["sources", "--database-url", url]) == 1
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+
+
+def test_the_relay_says_which_engines_it_reads() -> None:
+    relay = next(
+        sub
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, sub in action.choices.items()
+        if name == "relay"
+    )
+    described = " ".join((relay.description or "").split())
+    assert all(engine in described for engine in ("vLLM", "SGLang", "TensorRT-LLM"))

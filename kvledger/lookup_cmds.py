@@ -49,6 +49,8 @@ def serve(args: argparse.Namespace) -> int:
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     database = settings.lookup_database_url(args.database_url)
     token = _token(args.token_file)
+    if (warning := exposure_warning(args.host, token)) is not None:
+        print(warning, file=sys.stderr)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvledger serve: --tls-cert and --tls-key go together")
     server = {
@@ -156,6 +158,28 @@ def _routing(ranked: list[Ranked]) -> str:
     if len(sharing) == 1:
         return f"route to {best.instance} (score {best.score:,.0f})"
     return f"a {len(sharing)}-way tie at score {best.score:,.0f}: {', '.join(sharing)}"
+
+
+def exposure_warning(host: str, token: str | None) -> str | None:
+    """What to say when the service would answer anyone who can reach a public address."""
+    if token is not None or _loopback(host):
+        return None
+    return (
+        f"kvledger serve: warning: listening on {host} without a token: anyone who reaches "
+        f"this address can query the index (set --token-file or ${ENV_LOOKUP_TOKEN})"
+    )
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine alone (a loopback address or name)."""
+    import ipaddress
+
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def _token(path: str | None) -> str | None:

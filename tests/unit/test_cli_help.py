@@ -317,3 +317,20 @@ def test_the_relay_says_which_engines_it_reads() -> None:
     )
     described = " ".join((relay.description or "").split())
     assert all(engine in described for engine in ("vLLM", "SGLang", "TensorRT-LLM"))
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [("0.0.0.0", None, True), ("::", None, True), ("serve.example", None, True),
+     ("0.0.0.0", "t0ken", False), ("127.0.0.1", None, False), ("::1", None, False),
+     ("localhost", None, False), ("127.0.0.2", None, False)],
+)  # fmt: skip
+def test_serving_a_public_address_without_a_token_warns(
+    host: str, token: str | None, warned: bool
+) -> None:
+    from kvledger.lookup_cmds import exposure_warning
+
+    said = exposure_warning(host, token)
+    assert (said is not None) == warned
+    if said:
+        assert host in said and "without a token" in said

@@ -215,7 +215,11 @@ def verify(
     kafka: Mapping[str, object] | None = None,
     codec: Codec | None = None,
 ) -> VerifyResult:
-    """Rebuild into a scratch database up to the live offsets and compare."""
+    """Rebuild into a scratch database up to the live offsets and compare. The broker is
+    asked first (within the start-up timeout): a broker that does not answer raises before
+    anything is made, instead of a replay that waits for it for ever."""
+    admin = _admin({**(kafka or {}), "bootstrap.servers": bootstrap})
+    _trimmed(admin, topic)  # the probe; read again after the replay, which takes a while
     created = scratch_url is None
     if scratch_url is None:
         name = f"{sa.engine.make_url(live_url).database}_verify_{uuid.uuid4().hex[:8]}"
@@ -234,7 +238,7 @@ def verify(
             stop_at=targets,
             codec=codec,
         )
-        starts = _trimmed(_admin({**(kafka or {}), "bootstrap.servers": bootstrap}), topic)
+        starts = _trimmed(admin, topic)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             windows = retention.windows(live)
             filters = window_filters(windows)

@@ -100,8 +100,38 @@ def terminal_progress(summary: RunSummary, lag: int) -> None:
     sys.stderr.flush()
 
 
+def _missing_topic(config: ConsumerConfig) -> str | None:
+    """Why ``--until-caught-up`` on this topic would end at once having read nothing (the
+    topic does not exist: a typo), naming the topics that do; None when it exists or the
+    broker cannot say (the consumer then reports the broker itself)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from kvledger.schemas.kafka_log import client_logging
+    from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings
+
+    admin = AdminClient(client_logging(
+        {**admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
+         "log_level": 3}
+    ))  # fmt: skip
+    try:
+        topics = admin.list_topics(timeout=STARTUP_TIMEOUT_S).topics
+    except KafkaException:
+        return None
+    if config.topic in topics:
+        return None
+    names = sorted(t for t in topics if not t.startswith("__"))
+    close = difflib.get_close_matches(config.topic, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"kvledger consume: topic {config.topic!r} does not exist on the broker: {hint}" + (
+        f"topics there: {', '.join(names[:20])}" if names else "the broker has no topics"
+    )
+
+
 def consume(args: argparse.Namespace) -> int:
     config = consumer_config(args)
+    if config.until_caught_up and (missing := _missing_topic(config)) is not None:
+        raise SystemExit(missing)
     if not args.no_migrate:
         migrate(config.database_url)
     assert config.retention is not None

@@ -111,6 +111,31 @@ def test_an_unreachable_broker_is_one_line_within_the_startup_timeout() -> None:
     assert len(lines) <= 6, err
 
 
+def test_verify_with_an_unreachable_broker_ends_and_leaves_no_scratch_database(
+    fresh_database: str, database_url: str
+) -> None:
+    """It waited for the broker for ever, and each killed run left a scratch database."""
+    import sqlalchemy as sa
+
+    from kvledger.consumer.db import connect
+
+    live = sa.engine.make_url(fresh_database).database
+    with connect(fresh_database, autocommit=True) as conn:  # an index that has read a log
+        conn.execute(
+            "INSERT INTO kvledger.consumer_offsets (consumer_group, kafka_topic, "
+            "kafka_partition, next_offset) VALUES ('kvledger-index', 'kv-events', 0, 5)"
+        )
+    bootstrap = f"127.0.0.1:{free_port()}"
+    rc, err, seconds = _run(["verify", "--bootstrap", bootstrap, "--database-url", fresh_database])
+    assert rc == 1 and seconds < 20, (seconds, err)
+    assert err.strip().splitlines()[-1].startswith("kvledger verify: Kafka: no broker answered")
+    with connect(database_url, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", (f"{live}_verify_%",)
+        ).fetchall()
+    assert left == []
+
+
 def test_ctrl_c_stops_a_relay_that_waits_for_its_broker() -> None:
     """SIGINT while the relay first looks for an unreachable broker ends it at once."""
     proc = subprocess.Popen(
@@ -220,3 +245,20 @@ def test_records_deleted_before_the_consumer_read_them_are_recorded_and_acted_on
         )
     finally:
         router.stop()
+
+
+def test_a_mistyped_topic_is_refused_not_consumed_as_empty(
+    kafka_bootstrap: str, fresh_database: str, make_topic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`consume --until-caught-up --topic <typo>` exited 0 having read nothing."""
+    real = make_topic("kv-events-typo")
+    typo = real.replace("kv-events-typo", "kv-evnets-typo")
+    argv = ["consume", "--until-caught-up", "--bootstrap", kafka_bootstrap,
+            "--database-url", fresh_database, "--topic"]  # fmt: skip
+    with pytest.raises(SystemExit) as refused:
+        cli([*argv, typo])
+    said = str(refused.value.code)
+    assert f"topic {typo!r} does not exist" in said and f"did you mean {real!r}" in said
+    group, dlq = f"g-{uuid.uuid4().hex[:8]}", make_topic("kv-events-typo-dlq")
+    assert cli([*argv, real, "--consumer-group", group, "--dlq-topic", dlq]) == 0
+    assert "consumed 0 messages" in capsys.readouterr().out

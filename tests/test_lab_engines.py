@@ -177,12 +177,12 @@ def test_a_lookup_names_the_engine_that_served_and_it_is_a_hit_there(fleet: Flee
 
 
 def test_logs_of_an_engine_that_cannot_start_are_shown(tmp_path: Path) -> None:
-    from bench.lab.engines import EngineError
+    from bench.lab.process import LabError
 
     spec = EngineSpec("broken", free_port(), free_port(), free_port())
     engine = Engine(spec, tmp_path / "no-such-model", tmp_path)
     engine.start()
-    with pytest.raises(EngineError, match=r"broken exited .* while starting") as failure:
+    with pytest.raises(LabError, match=r"broken exited .* while starting") as failure:
         engine.wait_ready(timeout=240)
     assert "no-such-model" in str(failure.value)
     assert not engine.alive()

@@ -12,10 +12,7 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.lab import install
+from bench.lab.process import LabError, Process, require_free
 
 BLOCK_SIZE = 32  # CPU attention takes multiples of 32
 MAX_MODEL_LEN = 1024
@@ -31,10 +29,6 @@ START_TIMEOUT = float(os.environ.get("KVLEDGER_LAB_START_TIMEOUT", "300"))
 _METRIC = re.compile(
     r"^(vllm:prefix_cache_(?:hits|queries)_total)\{[^}]*\}\s+([0-9.eE+]+)$", re.MULTILINE
 )
-
-
-class EngineError(RuntimeError):
-    """An engine failed to start, died, or answered wrongly; the message has its log tail."""
 
 
 def model_dir() -> Path:
@@ -50,35 +44,8 @@ def model_dir() -> Path:
         )
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-            raise EngineError(f"building the lab's model failed:\n{tail}")
+            raise LabError(f"building the lab's model failed:\n{tail}")
     return out
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        # As servers bind: a port whose old connections linger in TIME_WAIT is free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def require_free(ports: list[int], what: str, wait: float = 0.0) -> None:
-    """Refuse ports something holds, after waiting up to ``wait`` s for them to be let go
-    (a killed process's sockets close a moment after it is reaped)."""
-    deadline = time.monotonic() + wait
-    while True:
-        taken = [p for p in ports if not port_free(p)]
-        if not taken or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
-    if taken:
-        raise EngineError(
-            f"{what}: port(s) {', '.join(map(str, taken))} already in use; "
-            "stop what holds them or choose other ports (--base-port)"
-        )
 
 
 @dataclass(frozen=True)
@@ -111,19 +78,13 @@ class Engine:
     ) -> None:
         self.spec = spec
         self.model = model
-        self.logs = logs
         self.kv_cache_bytes = kv_cache_bytes
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def log_path(self) -> Path:
-        return self.logs / f"{self.spec.name}.{self.starts}.log"
+        self.process = Process(spec.name, [], logs)
 
     def start(self) -> None:
         """Start the engine (returns at once; ``wait_ready`` waits for it)."""
         spec = self.spec
-        wait = 20.0 if self.starts else 0.0  # a restart: the last process's ports close
+        wait = 20.0 if self.process.starts else 0.0  # a restart: the old ports close
         require_free([spec.http_port, spec.pub_port, spec.replay_port], spec.name, wait)
         events = {
             "enable_kv_cache_events": True,
@@ -164,7 +125,6 @@ class Engine:
             json.dumps(events),
         ]
         env = {
-            **os.environ,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -174,67 +134,29 @@ class Engine:
             "OMP_NUM_THREADS": "1",
             "PYTHONHASHSEED": "0",
         }
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the small cache
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.starts += 1
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        self.process.args = args
+        self.process.env = {
+            k: v for k, v in {**os.environ, **env}.items() if k != "VLLM_CPU_KVCACHE_SPACE"
+        }  # it would override the cache
+        self.process.start()
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
-        """Seconds until ``/health`` answered 200; an exit or the timeout raise EngineError."""
-        began = time.monotonic()
-        while True:
-            if self.proc is None or self.proc.poll() is not None:
-                code = None if self.proc is None else self.proc.returncode
-                raise EngineError(
-                    f"{self.spec.name} exited ({code}) while starting:\n{self.log_tail()}"
-                )
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(f"{self.spec.url}/health", timeout=2) as answer,
-            ):
-                if answer.status == 200:
-                    return time.monotonic() - began
-            if time.monotonic() - began > timeout:
-                self.kill()
-                raise EngineError(
-                    f"{self.spec.name} not ready after {timeout:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
+        """Seconds until ``/health`` answered 200; an exit or the timeout raise LabError."""
+        return self.process.wait_http(f"{self.spec.url}/health", timeout)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process.alive()
 
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM to the engine's process group, SIGKILL after ``grace`` seconds."""
-        self._signal(signal.SIGTERM)
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def stop(self) -> None:
+        """SIGTERM to the engine's process group, SIGKILL after 15 s."""
+        self.process.stop()
 
     def kill(self) -> None:
         """SIGKILL the engine's process group (a crash: no goodbye, cache gone)."""
-        self._signal(signal.SIGKILL)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=15)
+        self.process.kill()
 
-    def _signal(self, sig: signal.Signals) -> None:
-        # The whole group, even when its leader has gone: what it spawned goes too.
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.strip().splitlines()[-lines:])
+    def log_tail(self) -> str:
+        return self.process.log_tail()
 
     def counters(self) -> tuple[float, float]:
         """The engine's own (prefix-cache hits, queries) in tokens, from ``/metrics``."""
@@ -244,13 +166,13 @@ class Engine:
         try:
             return (found["vllm:prefix_cache_hits_total"], found["vllm:prefix_cache_queries_total"])
         except KeyError as missing:
-            raise EngineError(f"{self.spec.name}'s /metrics has no {missing}") from None
+            raise LabError(f"{self.spec.name}'s /metrics has no {missing}") from None
 
     def reset_prefix_cache(self) -> None:
         request = urllib.request.Request(f"{self.spec.url}/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(request, timeout=30) as answer:
             if answer.status != 200:
-                raise EngineError(f"{self.spec.name}: reset_prefix_cache answered {answer.status}")
+                raise LabError(f"{self.spec.name}: reset_prefix_cache answered {answer.status}")
 
 
 @contextlib.contextmanager

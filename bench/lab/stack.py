@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -20,84 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.lab import install
-from bench.lab.engines import BLOCK_SIZE, EngineError, EngineSpec, require_free
+from bench.lab.engines import BLOCK_SIZE, EngineSpec
+from bench.lab.process import LabError, Process, require_free
 
 MODEL = "lab"
 SILENT_AFTER_S = 3.0  # kvledger's liveness window in the lab (relay heartbeats every 1 s)
-
-
-class Process:
-    """A child process with a name, a log file and its own process group."""
-
-    def __init__(
-        self, name: str, args: list[str], logs: Path, env: dict[str, str] | None = None
-    ) -> None:
-        self.name, self.args, self.logs = name, args, logs
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def log_path(self) -> Path:
-        return self.logs / f"{self.name}.{self.starts}.log"
-
-    def start(self) -> Process:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.starts += 1
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                self.args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM, grace: float = 10.0) -> None:
-        """``sig`` to the process's group (even when its leader has gone), SIGKILL after
-        ``grace`` seconds."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.strip().splitlines()[-lines:])
-
-    def wait_http(self, url: str, timeout: float = 60.0) -> None:
-        """Until ``url`` answers 200; the process ending or the timeout raise EngineError."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.alive():
-                raise EngineError(f"{self.name} exited while starting:\n{self.log_tail()}")
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(url, timeout=2) as answer,
-            ):
-                if answer.status == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"{self.name} did not answer {url} in {timeout:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.3)
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
@@ -161,7 +86,7 @@ class Kvledger:
         migrate = self._cli("migrate", "migrate").start()
         assert migrate.proc is not None
         if migrate.proc.wait(timeout=120) != 0:
-            raise EngineError(f"kvledger migrate failed:\n{migrate.log_tail()}")
+            raise LabError(f"kvledger migrate failed:\n{migrate.log_tail()}")
         for i, spec in enumerate(self.specs):
             self.relays.append(
                 self._cli(
@@ -228,7 +153,7 @@ class Kvledger:
         """Every kvledger process still running, or an error with the first dead one's log."""
         for process in self.processes():
             if not process.alive():
-                raise EngineError(f"kvledger's {process.name} stopped:\n{process.log_tail()}")
+                raise LabError(f"kvledger's {process.name} stopped:\n{process.log_tail()}")
 
     def close(self) -> None:
         for process in self.processes():
@@ -317,7 +242,7 @@ def from_environment(specs: list[EngineSpec], port: int, logs: Path) -> Kvledger
 def _need(name: str) -> str:
     value = os.environ.get(name)
     if not value:
-        raise EngineError(f"the lab needs ${name} (make lab sets it from scripts/services)")
+        raise LabError(f"the lab needs ${name} (make lab sets it from scripts/services)")
     return value
 
 

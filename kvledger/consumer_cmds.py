@@ -104,7 +104,7 @@ def _missing_topic(config: ConsumerConfig) -> str | None:
     """Why ``--until-caught-up`` on this topic would end at once having read nothing (the
     topic does not exist: a typo), naming the topics that do; None when it exists or the
     broker cannot say (the consumer then reports the broker itself)."""
-    from confluent_kafka import KafkaException
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
 
     from kvledger.schemas.kafka_log import client_logging
@@ -115,10 +115,16 @@ def _missing_topic(config: ConsumerConfig) -> str | None:
          "log_level": 3}
     ))  # fmt: skip
     try:
+        asked = admin.list_topics(config.topic, timeout=STARTUP_TIMEOUT_S).topics
+        found = asked.get(config.topic)
+        # Only a broker's "no such topic" counts: one the client may not describe (ACLs)
+        # is hidden from a plain listing, and the consumer then says what it lacks.
+        if found is None or found.error is None:
+            return None
+        if found.error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+            return None
         topics = admin.list_topics(timeout=STARTUP_TIMEOUT_S).topics
     except KafkaException:
-        return None
-    if config.topic in topics:
         return None
     names = sorted(t for t in topics if not t.startswith("__"))
     close = difflib.get_close_matches(config.topic, names, n=1)

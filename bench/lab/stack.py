@@ -13,7 +13,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,12 +243,3 @@ def _need(name: str) -> str:
     if not value:
         raise LabError(f"the lab needs ${name} (make lab sets it from scripts/services)")
     return value
-
-
-@contextlib.contextmanager
-def closing_all(processes: list[Process]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for process in processes:
-            process.stop()

@@ -82,9 +82,13 @@ class KVEventPublisher:
         self.codec = codec if codec is not None else Codec()
         self._deliveries = Deliveries(config.topic)
         self._lock = threading.Lock()
-        self._form = WireForm(config.hash_format == "digest", codec=self.codec)
         self._closed = False
         settings = config.sized_settings()
+        limit = int(str(settings.get("message.max.bytes", 1_000_000)))
+        self._form = WireForm(
+            config.hash_format == "digest", codec=self.codec,
+            max_bytes=limit - envelope_reserve(config),
+        )  # fmt: skip
         settings["error_cb"] = self._deliveries.on_error
         # Reports of failures only: a message leaves librdkafka's queue delivered or failed,
         # so the acknowledged are counted without a callback each (``stats``).
@@ -416,3 +420,10 @@ class KVEventPublisher:
             raise PublishError("the publisher is closed")
         self._deliveries.raise_fatal()
         self._deliveries.raise_failures()
+
+
+def envelope_reserve(config: PublisherConfig) -> int:
+    """What a message takes beside its event: the envelope's header, names and numbers, the
+    key, and Kafka's record framing (with room to spare)."""
+    names = len(config.source_id.encode()) + len(config.model.encode())
+    return 1024 + 2 * names

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import defaultdict
@@ -234,14 +235,12 @@ class _VllmStored:  # a kvledger store as vLLM's object (its class name, its fie
 _VllmStored.__name__ = "BlockStored"
 
 
-@pytest.mark.parametrize("via", ["publish_events", "publish_vllm_batch"])
 def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
-    kafka_bootstrap: str, make_topic, via: str
+    kafka_bootstrap: str, make_topic
 ) -> None:
-    """The topic takes 2,000-byte messages: a 5 kB event in the middle of a call is refused
-    when produced (MessageTooLargeError names it); the call's other events are produced with
-    contiguous sequence numbers, and the goodbye after it is delivered. Kvledger's events,
-    and vLLM's (handed to the writer thread, prepared, framed and produced there)."""
+    """The topic takes 2,000-byte messages: a 5 kB event of kvledger's own in the middle of
+    a call is refused when produced (MessageTooLargeError names it); the call's other events
+    are produced with contiguous sequence numbers, and the goodbye after it is delivered."""
     topic = make_topic("small", partitions=1, **{"max.message.bytes": "2000"})
     rng = random.Random(5)
     pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-big", "m", topic=topic))
@@ -251,18 +250,40 @@ def test_a_message_too_large_is_refused_alone_without_a_sequence_gap(
     )
     three = [small, big, stored(rng, 0, n_blocks=1, block_size=16)]
     with pytest.raises(MessageTooLargeError, match="1 event") as info:
-        if via == "publish_events":
-            pub.publish_events(three)
-        else:  # handed to the writer thread: the refusal raises from the next call
-            batch = SimpleNamespace(ts=1.0, events=[_VllmStored(e) for e in three])
-            assert pub.publish_vllm_batch(batch) == 3
-            pub.flush(30)
+        pub.publish_events(three)
     assert info.value.refused and "BlockStored" in info.value.refused[0]
     pub.close(30)  # everything else acknowledged, the goodbye included
     assert pub.stats.failed == 0 and pub.stats.acked == 3
     codec = Codec()
     envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, "g-big", 3)]
     assert [e.seq for e in envs] == [0, 1, 2] and isinstance(envs[2].event, Goodbye)
+
+
+def test_vllms_store_larger_than_a_message_is_produced_as_chained_stores(
+    kafka_bootstrap: str, make_topic
+) -> None:
+    """The same 5 kB store from vLLM (handed to the writer thread, prepared, framed and
+    produced there) leaves as several stores that each fit, chained block to block: every
+    block arrives, in order, and nothing is refused."""
+    topic = make_topic("small", partitions=1, **{"max.message.bytes": "2000"})
+    rng = random.Random(5)
+    pub = KVEventPublisher(PublisherConfig(kafka_bootstrap, "engine-big", "m", topic=topic))
+    three = [stored(rng, 0, n_blocks=n, block_size=16) for n in (1, 64, 1)]
+    batch = SimpleNamespace(ts=1.0, events=[_VllmStored(e) for e in three])
+    assert pub.publish_vllm_batch(batch) == 3
+    pub.close(30)
+    codec = Codec()
+    acked = pub.stats.acked
+    envs = [codec.decode(m.value()) for m in consume_all(kafka_bootstrap, topic, "g-big", acked)]
+    assert pub.stats.failed == 0 and acked > 5 and isinstance(envs[-1].event, Goodbye)
+    assert [e.seq for e in envs] == list(range(acked))
+    stores = [e.event for e in envs[:-1]]
+    assert all(isinstance(e, BlockStored) for e in stores)
+    sent = [events.with_int64_hashes(e) for e in three]  # the publisher's hash form
+    assert [h for e in stores for h in e.block_hashes] == [h for e in sent for h in e.block_hashes]
+    assert [t for e in stores for t in e.token_ids] == [t for e in three for t in e.token_ids]
+    middle = stores[1:-1]
+    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in itertools.pairwise(middle))
 
 
 def test_a_broker_down_at_start_is_reported_within_the_bound() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import re
 import signal
@@ -522,6 +523,106 @@ def test_vllms_own_publisher_feeds_the_index(
     )
     assert [(h.instance, h.matched_blocks) for h in from_memory] == [("stock", 3)]
     assert router.match_tokens(MODEL, 0, range(500, 512), silent_after=hour) == []
+
+
+def deep_extra_keys(depth: int) -> msgspec.Raw:
+    """An extra key nested ``depth`` arrays deep, as bytes (no encoder writes that deep)."""
+    return msgspec.Raw(b"\x91" * depth + b"\xc0")
+
+
+def test_no_batch_of_vllms_publisher_stops_the_relay(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Callable[..., str], group_id: str,
+    vllm_kv_events: ModuleType,
+) -> None:  # fmt: skip
+    """Batches that stopped the relay for good (the restarted relay replayed them and stopped
+    again), sent by vLLM's own publisher, replayed at start and live: a NaN, infinite or
+    absurd ts; a data-parallel rank past the envelope's int; extra keys nested 100,000 deep;
+    a store larger than the topic takes. Each such batch is recorded lost, except the large
+    store, which travels as several chained stores; a single block too large for a message is
+    recorded lost. The relay never stops, and its successor resumes after them."""
+    kv = vllm_kv_events
+    topic = make_topic("hostile-relay", partitions=3, **{"max.message.bytes": "60000"})
+    port, replay = free_port(), free_port()
+    publisher = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}"
+    )
+    work = Workload(11)
+    sent: list[tuple[int, float, list[Event]]] = []
+    lost: set[int] = set()
+    rng = random.Random(5)
+    next_hash = iter(range(2**62, 2**63))
+    long_hashes: list[bytes] = []
+
+    def publish(events: list[Event], ts: float | None = None, rank: int = 0,
+                raw_extra: msgspec.Raw | None = None) -> int:  # fmt: skip
+        vllm_events = [getattr(kv, e.kind)(**e.fields) for e in events]
+        if raw_extra is not None:
+            vllm_events[0].extra_keys = [raw_extra]
+        now = time.time() if ts is None else ts
+        publisher.publish(kv.KVEventBatch(ts=now, events=vllm_events, data_parallel_rank=rank))
+        sent.append((len(sent), now, events))
+        return len(sent) - 1
+
+    def normal(count: int) -> None:
+        for _ in range(count):
+            publish(work.batch())
+
+    def long_prompt(blocks: int) -> Event:  # ~3 bytes a token: several messages' worth
+        hashes = [next(next_hash) for _ in range(blocks)]
+        long_hashes.extend(h.to_bytes(8, "big") for h in hashes)
+        return stored(hashes, None, [rng.randrange(50_000) for _ in range(4 * blocks)], 4, "GPU")
+
+    def hostile() -> None:
+        one = [stored([next(next_hash)], None, [1, 2, 3, 4], 4, "GPU")]
+        for ts in (math.nan, math.inf, -math.inf, 1e16):
+            lost.add(publish(one, ts=ts))
+        lost.add(publish(one, rank=2**62))
+        lost.add(publish(one, raw_extra=deep_extra_keys(100_000)))
+        # One block whose tokens alone are more than a message takes.
+        big = stored([next(next_hash)], None, [40_000 + i for i in range(30_000)], 4, "GPU")
+        lost.add(publish([big]))
+        publish([long_prompt(6_000)])  # split, not lost
+
+    relay = None
+    try:
+        normal(20)
+        hostile()  # before the relay listens: it meets these replaying from 0
+        normal(20)
+        config = RelayConfig(
+            endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            source="stock", model=MODEL, bootstrap_servers=kafka_bootstrap, topic=topic,
+            groups=[parse_group(g, MODEL) for g in GROUPS],
+        )  # fmt: skip
+        for _ in range(2):  # the second relay resumes after everything the first relayed
+            relay = run_relay(config)
+            time.sleep(0.3)
+            hostile()
+            normal(20)
+            deadline = time.monotonic() + 60
+            while relay.ranks[0].committed_seq != len(sent) - 1:
+                assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, len(sent))
+                assert not relay.errors and relay.alive(), relay.errors
+                time.sleep(0.05)
+            relay.stop()
+            assert not relay.errors
+    finally:
+        if relay is not None:
+            relay.stop()
+        publisher.shutdown()
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    want = reference([sent], lambda i, s: s in lost)
+    assert index_of(fresh_database, "stock") == want
+    with connect(fresh_database, autocommit=True) as conn:
+        ranges = conn.execute(
+            "SELECT DISTINCT first_lost_seq, last_lost_seq FROM kvledger.lifecycle_events "
+            "WHERE kind = 'lost' ORDER BY 1"
+        ).fetchall()
+        (whole,) = conn.execute(
+            "SELECT count(DISTINCT block_hash) FROM kvledger.blocks WHERE block_hash = ANY(%s)",
+            (long_hashes,),
+        ).fetchone()  # type: ignore[misc]
+    assert ranges == [(s, s) for s in sorted(lost)]
+    assert whole == len(long_hashes) == 3 * 6_000  # the long prompts, every block
 
 
 def test_what_cannot_be_recovered_is_recorded_lost(

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 from confluent_kafka import KafkaException
 
-from kvledger.producer.errors import PublishError
+from kvledger.producer.errors import MessageTooLargeError, PublishError
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay import sglang, trtllm
 from kvledger.producer.relay.config import RelayConfig
@@ -52,6 +52,10 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import EventsLost, Heartbeat
 
 logger = logging.getLogger(__name__)
+
+# The widest range of lost batches counted as such: 2**32 batches is over a year of an
+# engine's steps at 100 a second; a wider jump is an engine's numbering, not its steps.
+MAX_GAP = 1 << 32
 
 
 class RankRelay:
@@ -249,14 +253,19 @@ class RankRelay:
     def _publish(self, seq: int, batch: EngineBatch | None, time_ms: int | None) -> None:
         self.txn.begin()  # the group specs lead a relay's first transaction: fit to them
         pub, count = self._pub, None
-        try:
-            if batch is not None:  # read whole before any of it is produced
-                count = pub.publish_prepared(
-                    pub.prepare_vllm(batch.events),
-                    time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank,
-                )  # fmt: skip
-        except VllmEventError as exc:
-            self._undecodable(seq, exc)
+        if batch is not None:
+            try:  # read whole before any of it is produced
+                prepared = pub.prepare_vllm(batch.events)
+            except Exception as exc:  # any reason: the batch's loss, not the relay's stop
+                self._undecodable(seq, exc)
+            else:
+                try:
+                    count = pub.publish_prepared(
+                        prepared, time_ms=time_ms, engine_seq=seq, dp_rank=batch.dp_rank
+                    )
+                except MessageTooLargeError as exc:  # the others of the batch were produced
+                    self._undecodable(seq, exc)
+                    count = None
         if count is None:  # undecodable: what it changed is unknown
             self._lost(seq, seq)
             return
@@ -270,15 +279,18 @@ class RankRelay:
         """The batch, its events still vLLM's (checked as they are prepared), or None."""
         try:
             return self._read(payload)
-        except VllmEventError as exc:
+        except Exception as exc:  # whatever a batch does, it stops no relay
             self._undecodable(seq, exc)
             return None
 
-    def _undecodable(self, seq: int, exc: VllmEventError) -> None:
+    def _undecodable(self, seq: int, exc: Exception) -> None:
+        """Engine batch ``seq`` cannot be carried: said with the reason (its loss is
+        recorded by the caller), so no replay can bring it back to stop the relay."""
         self.metrics.undecodable.labels(self.source).inc()
+        reason = str(exc) if isinstance(exc, VllmEventError | PublishError) else repr(exc)
         logger.error(
-            "relay %s: engine batch %d does not decode (%s); recorded as lost",
-            self.source, seq, exc,
+            "relay %s: engine batch %d cannot be relayed (%.300s); recorded as lost",
+            self.source, seq, reason,
         )  # fmt: skip
 
     def _lost(self, first: int, last: int) -> None:
@@ -293,7 +305,8 @@ class RankRelay:
         )  # fmt: skip
         pub.publish_events([EventsLost(first, last, group_idx=g) for g in groups], engine_seq=None)
         self.metrics.unrecoverable.labels(self.source).inc()
-        self.metrics.lost_batches.labels(self.source).inc(max(0, last - first + 1))
+        # A range wider than any engine sends (its numbering jumped) counts as that bound.
+        self.metrics.lost_batches.labels(self.source).inc(min(max(0, last - first + 1), MAX_GAP))
         self.sequence.skip_to(last)
         self.txn.in_txn += 1
 

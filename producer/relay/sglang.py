@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvledger.producer.relay.wire import EngineBatch
+from kvledger.producer.relay.wire import TOO_DEEP, EngineBatch, checked
 from kvledger.producer.vllm import VllmEventError, extra_keys_json, signed_hash_bytes
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -88,7 +88,9 @@ def read_batch(payload: bytes) -> EngineBatch:
         batch = _DECODER.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise VllmEventError(f"not an SGLang KV event batch: {exc}") from None
-    return EngineBatch(batch.ts, [_event(e) for e in batch.events], batch.attn_dp_rank)
+    except RecursionError:
+        raise VllmEventError(TOO_DEEP) from None
+    return checked(EngineBatch(batch.ts, [_event(e) for e in batch.events], batch.attn_dp_rank))
 
 
 def _event(e: Any) -> KVEvent:

@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from kvledger.producer.relay.engine import ReplayTimeoutError
-from kvledger.producer.relay.wire import EngineBatch
+from kvledger.producer.relay.wire import TOO_DEEP, EngineBatch, checked
 from kvledger.producer.vllm import VllmEventError, signed_hash_bytes
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec, KVEvent
 
@@ -57,6 +57,8 @@ LEVELS = {0: "GPU", 1: "CPU"}
 # How much the relay remembers to turn a tier move into a store: each block's parent,
 # tokens and tier, while it is held (a removal forgets it).
 MAX_REMEMBERED = 1 << 17
+# The most one poll's answer may hold (a poll every 0.2 s drains far less).
+MAX_ANSWER_BYTES = 256 << 20
 
 
 def level_of(value: object) -> str:
@@ -82,20 +84,26 @@ class TrtllmReader:
             polled, event = float(wrapped["polled"]), wrapped["event"]
             data = event["data"]
             kind = data["type"]
+        except RecursionError:
+            raise VllmEventError(TOO_DEEP) from None
         except (ValueError, KeyError, TypeError) as exc:
             raise VllmEventError(f"not a TensorRT-LLM KV cache event: {exc!r}") from None
         window = event.get("window_size")
-        group = self.windows.get(window, self.default_group)
+        if window is not None and type(window) is not int:
+            raise VllmEventError(f"window_size is not an int: {str(window)[:40]}")
+        group = (
+            self.default_group if window is None else self.windows.get(window, self.default_group)
+        )
         rank = event.get("attention_dp_rank")
         if rank is not None and type(rank) is not int:
-            raise VllmEventError(f"attention_dp_rank is not an int: {rank!r}")
+            raise VllmEventError(f"attention_dp_rank is not an int: {str(rank)[:40]}")
         try:
             events = list(self._events(kind, data, group))
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, VllmEventError):
-                raise
-            raise VllmEventError(f"TensorRT-LLM {kind} event: {exc!r}") from None
-        return EngineBatch(polled, events, rank)
+        except VllmEventError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise VllmEventError(f"TensorRT-LLM {str(kind)[:40]} event: {str(exc)[:120]}") from None
+        return checked(EngineBatch(polled, events, rank))
 
     def _events(self, kind: object, data: dict[str, Any], group: int) -> Iterator[KVEvent]:
         if kind == "created":
@@ -126,7 +134,7 @@ class TrtllmReader:
             self.blocks[(group, h)] = (parent, tokens, new)
             yield BlockStored((h,), parent, tokens, len(tokens), None, new, None, group_idx=group)
         else:
-            raise VllmEventError(f"unknown TensorRT-LLM event type {kind!r}")
+            raise VllmEventError(f"unknown TensorRT-LLM event type {kind!r:.40}")
 
     def _stored(self, data: dict[str, Any], group: int) -> Iterator[KVEvent]:
         parent = (
@@ -188,6 +196,7 @@ class TrtllmLink:
         self.url = endpoint.rstrip("/") + "/kv_cache_events"
         self.endpoint, self.replay_endpoint = endpoint, None
         self.interval_s, self.max_backoff_s = interval_s, max_backoff_s
+        self.timeout_s = timeout_s
         self._client = httpx.Client(timeout=timeout_s)
         self._queue: deque[tuple[int, bytes]] = deque()
         self._next_poll = 0.0
@@ -209,20 +218,15 @@ class TrtllmLink:
     def _poll(self) -> None:
         now = time.monotonic()
         try:
-            response = self._client.post(self.url)
-            if response.status_code != 200:
-                raise ValueError(f"HTTP {response.status_code}: {response.text[:120]!r}")
-            events = response.json()
+            body = self._answer(now + self.timeout_s)
+            events = json.loads(body)
             if not isinstance(events, list):
-                raise ValueError(f"not a JSON list of events: {response.text[:120]!r}")
+                raise ValueError(f"not a JSON list of events: {body[:120]!r}")
+        except RecursionError:
+            self._failed(now, ValueError(TOO_DEEP))
+            return
         except (httpx.HTTPError, ValueError) as exc:
-            self._backoff = min(self.max_backoff_s, max(self.interval_s, self._backoff * 2))
-            self._next_poll = now + self._backoff
-            if self._on_error is not None:
-                self._on_error()
-            if not self.failing:
-                logger.warning("polling %s failed (%s); retrying with back-off", self.url, exc)
-            self.failing = True
+            self._failed(now, exc)
             return
         if self.failing:
             logger.info("polling %s works again", self.url)
@@ -236,6 +240,32 @@ class TrtllmLink:
                 logger.warning("skipping a TensorRT-LLM event without an event_id: %.120r", event)
                 continue  # its number unknown: the next one shows the gap
             self._queue.append((event_id, json.dumps({"polled": polled, "event": event}).encode()))
+
+    def _answer(self, deadline: float) -> bytes:
+        """One poll's answer, read whole by ``deadline`` and within ``MAX_ANSWER_BYTES``
+        (a trickling or endless answer is a failed poll, not a stalled relay)."""
+        with self._client.stream("POST", self.url) as response:
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    raise ValueError(f"an answer over {MAX_ANSWER_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise ValueError(f"no whole answer within {self.timeout_s:g} s")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            if response.status_code != 200:
+                raise ValueError(f"HTTP {response.status_code}: {body[:120]!r}")
+            return body
+
+    def _failed(self, now: float, exc: BaseException) -> None:
+        self._backoff = min(self.max_backoff_s, max(self.interval_s, self._backoff * 2))
+        self._next_poll = now + self._backoff
+        if self._on_error is not None:
+            self._on_error()
+        if not self.failing:
+            logger.warning("polling %s failed (%s); retrying with back-off", self.url, exc)
+        self.failing = True
 
     def replay(self, start: int, timeout_ms: int = 2000) -> Iterator[tuple[int, bytes]]:
         raise ReplayTimeoutError("TensorRT-LLM keeps no replay: what was not polled is lost")

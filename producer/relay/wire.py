@@ -68,13 +68,34 @@ def read_batch(payload: bytes) -> EngineBatch:
     The typed decoders (msgspec validates in C) read a well-formed batch in either encoding;
     anything they refuse is read again field by field, which accepts what they cannot
     express and says precisely what is wrong with the rest."""
-    for decoder in (_TAGGED, _POSITIONAL):
-        try:
-            typed = decoder.decode(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            continue
-        return EngineBatch(typed.ts, typed.events, typed.data_parallel_rank)
-    return _decode_fields(payload)
+    try:
+        for decoder in (_TAGGED, _POSITIONAL):
+            try:
+                typed = decoder.decode(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+            return checked(EngineBatch(typed.ts, typed.events, typed.data_parallel_rank))
+        return checked(_decode_fields(payload))
+    except RecursionError:
+        raise VllmEventError(TOO_DEEP) from None
+
+
+# What any engine's batch must hold before it reaches the encoder: a time whose
+# milliseconds an Avro long carries with room (any clock's reading, NaN and the infinities
+# not), and a rank the envelope's int carries.
+MAX_TS_S = 1e12
+TOO_DEEP = "the payload nests deeper than any engine's batch does"
+
+
+def checked(batch: EngineBatch) -> EngineBatch:
+    """``batch`` when its time and rank are ones the contract carries; else
+    :class:`VllmEventError` with the reason (every engine's reader ends with it)."""
+    ts, rank = batch.ts, batch.dp_rank
+    if not -MAX_TS_S <= ts <= MAX_TS_S:  # False for NaN too
+        raise VllmEventError(f"the batch's ts {ts!r} is not a time in seconds")
+    if rank is not None and not 0 <= rank < 1 << 31:
+        raise VllmEventError(f"the batch's data-parallel rank {rank} is out of range")
+    return batch
 
 
 def _decode_fields(payload: bytes) -> EngineBatch:

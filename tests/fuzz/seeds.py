@@ -5,6 +5,7 @@ fuzz run starts from them (and tests/unit/test_fuzz_targets.py replays them)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import shutil
 from pathlib import Path
@@ -54,6 +55,8 @@ def _batches() -> list[bytes]:
     removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"}
     positional = ["BlockStored", [5], 1, list(range(16)), 16, None, "CPU", None]
     lookahead = {**stored, "block_hashes": [1], "lookahead_token_ids": [[]] * 20_000}
+    long = {**stored, "block_hashes": list(range(1, 601)), "token_ids": list(range(9600))}
+    deep = {**stored, "extra_keys": [msgspec.Raw(b"\x91" * 100_000 + b"\xc0"), None]}
     return [
         msgspec.msgpack.encode(batch)
         for batch in (
@@ -63,8 +66,60 @@ def _batches() -> list[bytes]:
             [3.0, [{**stored, "extra_keys": [["lora", 1], None], "group_idx": 1}]],
             [4.0, [lookahead]],  # more lookahead lists than hashes: overflowed the C writer
             [5.0, [{**stored, "block_hashes": [-5]}]],  # a signed hash
+            # Each of these once stopped the relay, and its replay stopped the next one.
+            [float("nan"), [stored]],
+            [float("inf"), [stored]],
+            [1e16, [stored]],
+            [6.0, [stored], 2**62],  # a rank past the envelope's int
+            [7.0, [deep]],  # nested past the decoder's recursion limit
+            [8.0, [long]],  # larger than a message: split
         )
     ]
+
+
+def _sglang_batches() -> list[bytes]:
+    stored = {
+        "type": "BlockStored", "block_hashes": [1, -1], "parent_block_hash": None,
+        "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU",
+        "cache_salt": "t", "session_id": None, "lora_name": None,
+    }  # fmt: skip
+    removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU_PINNED"}
+    return [
+        msgspec.msgpack.encode(batch)
+        for batch in (
+            [1_764_000_000.5, [stored, removed], 0],
+            [1.0, [{"type": "AllBlocksCleared"}]],
+            [2.0, [{**stored, "medium": "EXTERNAL"}]],
+            [3.0, [{**stored, "medium": "TAPE"}]],  # refused by name
+            [float("nan"), [stored]],
+            [-float("inf"), [removed]],
+            [4.0, [stored], 2**62],
+            [5.0, [{**stored, "lora_name": msgspec.Raw(b"\x91" * 100_000 + b"\xc0")}]],
+        )
+    ]
+
+
+def _trtllm_events() -> list[bytes]:
+    def tokens(ids: range) -> list[dict[str, object]]:
+        return [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in ids]
+
+    block = {"type": "stored_block", "block_hash": -3, "tokens": tokens(range(16)),
+             "cache_level": 0, "priority": 35}  # fmt: skip
+    stored = {"type": "stored", "parent_hash": None, "blocks": [block, {**block, "block_hash": 4}]}
+    moved = {"type": "updated", "block_hash": 4,
+             "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1}}  # fmt: skip
+    events = [
+        {"event_id": 1, "window_size": 4096, "data": stored},
+        {"event_id": 2, "window_size": 4096, "data": moved, "attention_dp_rank": 0},
+        {"event_id": 3, "window_size": 4096, "data": {"type": "removed", "block_hashes": [4]}},
+        {"event_id": 4, "window_size": [1], "data": stored},  # unhashable: stopped the relay
+        {"event_id": 5, "window_size": {"a": 1}, "data": stored},
+        {"event_id": 6, "data": {"type": "created", "num_blocks_per_cache_level": [8, 8]}},
+    ]
+    wrapped = [json.dumps({"polled": 1_764_000_000.5, "event": e}).encode() for e in events]
+    deep = b'{"polled": 1.0, "event": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nan = json.dumps({"polled": float("nan"), "event": events[0]}).encode()
+    return [*wrapped, deep, nan]
 
 
 def _groups() -> list[bytes]:
@@ -73,7 +128,10 @@ def _groups() -> list[bytes]:
 
 
 def main() -> None:
-    for name, seeds in (("envelope", _envelopes()), ("batch", _batches()), ("group", _groups())):
+    for name, seeds in (
+        ("envelope", _envelopes()), ("batch", _batches()), ("sglang", _sglang_batches()),
+        ("trtllm", _trtllm_events()), ("group", _groups()),
+    ):  # fmt: skip
         folder = CORPUS / name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)

@@ -3,9 +3,11 @@
 - ``envelope``: a message from the topic. The codec answers with an Envelope or a
   DecodeError, nothing else; the compiled decoder and the pure path (avro_strict, then
   fastavro) give the same answer.
-- ``batch``: an engine's ZMQ payload. The relay's reader and the vLLM mapping answer with
-  events in their wire form or a VllmEventError, nothing else (a batch the relay cannot
-  carry is recorded lost; one that raised anything else would stop the relay).
+- ``batch``, ``sglang``, ``trtllm``: an engine's payload (vLLM's and SGLang's msgpack over
+  ZMQ, TensorRT-LLM's JSON as the relay wraps it). The engine's reader and the wire form
+  (stores split to fit a small message) answer with events in their wire form or a
+  VllmEventError, nothing else (a batch the relay cannot carry is recorded lost; one that
+  raised anything else would once have stopped the relay).
 - ``group``: the router's index under operations (stores, holders, metadata, the clock,
   expiry) and lookups read from the bytes (crafted hashes included). The compiled core's
   Group and the pure PureGroup hold, expire and answer alike, and neither raises.
@@ -16,6 +18,7 @@ tests/unit/test_fuzz_targets.py.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import atheris
@@ -24,7 +27,9 @@ with atheris.instrument_imports():
     from kvledger.consumer.router import groups as store
     from kvledger.consumer.router.groups import PureGroup
     from kvledger.producer.prepared import WireForm
-    from kvledger.producer.relay.wire import read_batch
+    from kvledger.producer.relay import sglang
+    from kvledger.producer.relay.trtllm import TrtllmReader
+    from kvledger.producer.relay.wire import EngineBatch, read_batch
     from kvledger.producer.vllm import VllmEventError
     from kvledger.schemas.codec import Codec
     from kvledger.schemas.errors import DecodeError
@@ -53,15 +58,28 @@ SPECS = [
 ]
 
 
-def batch(data: bytes) -> None:
-    form = WireForm(False, codec=CODEC)
+def _carried(read: Callable[[bytes], EngineBatch], data: bytes) -> None:
+    form = WireForm(False, codec=CODEC, max_bytes=4000)
     for spec in SPECS:
         form.announce(spec)
-    try:
-        events = read_batch(data).events
-        form.prepare(events)
-    except VllmEventError:
-        pass
+    with contextlib.suppress(VllmEventError):
+        batch = read(data)
+        # What the relay stamps on its messages: a time in ms and a rank the envelope carries.
+        assert -(2**63) <= round(batch.ts * 1000) < 2**63, batch.ts
+        assert batch.dp_rank is None or 0 <= batch.dp_rank < 2**31, batch.dp_rank
+        form.prepare(batch.events)
+
+
+def batch(data: bytes) -> None:
+    _carried(read_batch, data)
+
+
+def sglang_batch(data: bytes) -> None:
+    _carried(sglang.read_batch, data)
+
+
+def trtllm_event(data: bytes) -> None:
+    _carried(TrtllmReader(SPECS).read_batch, data)
 
 
 KEYS = [bytes([i]) * n for i in range(6) for n in (8, 32)] + [b""]
@@ -143,4 +161,7 @@ def group(data: bytes) -> None:
     assert all(other == first for other in rest), "the compiled and pure groups disagree"
 
 
-TARGETS: dict[str, Callable[[bytes], None]] = {"envelope": envelope, "batch": batch, "group": group}
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "envelope": envelope, "batch": batch, "sglang": sglang_batch, "trtllm": trtllm_event,
+    "group": group,
+}  # fmt: skip

@@ -5,12 +5,16 @@ is not that shape refused with its reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
 from typing import Any
 
 import pytest
 
-from kvledger.producer.relay.trtllm import TrtllmReader
+from kvledger.producer.relay.trtllm import TrtllmLink, TrtllmReader
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
 
@@ -86,8 +90,50 @@ def test_windows_pick_groups_and_extra_token_ids_are_extra_keys() -> None:
         (payload({"type": "removed", "block_hashes": ["a"]}), "a block hash must be a 64-bit"),
         (payload({"type": "removed", "block_hashes": [2**64]}), "a block hash must be a 64-bit"),
         (payload({"type": "stored", "parent_hash": None}), "TensorRT-LLM stored event"),
+        # Each of these once stopped the relay (and its restart, polling again).
+        (payload({"type": "removed", "block_hashes": [1]}, window=[1]), "window_size is not"),
+        (payload({"type": "removed", "block_hashes": [1]}, window={"a": 1}), "window_size is"),
+        (b'{"polled": 1, "event": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+        (payload({"type": "removed", "block_hashes": [1]}).replace(b"100.0", b"NaN"), "ts nan"),
+        (payload({"type": "removed", "block_hashes": [1]}).replace(b"100.0", b"1e16"), "ts 1e"),
+        (payload({"type": "removed", "block_hashes": [1]}, attention_dp_rank=2**62), "rank"),
     ],
 )  # fmt: skip
 def test_what_is_not_that_shape_is_refused(raw: bytes, why: str) -> None:
     with pytest.raises(VllmEventError, match=why):
         TrtllmReader(GROUPS).read_batch(raw)
+
+
+def test_a_trickled_answer_is_a_failed_poll_within_its_timeout() -> None:
+    """An endpoint that answers one byte at a time (each within the read timeout) held a
+    poll 40 s with a 5 s timeout: the whole answer now has that long."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n[")
+            while not stop.wait(0.05):
+                with contextlib.suppress(OSError):
+                    conn.sendall(b" ")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    errors: list[int] = []
+    link = TrtllmLink(
+        f"http://127.0.0.1:{server.getsockname()[1]}",
+        timeout_s=1.0,
+        on_error=lambda: errors.append(1),
+    )
+    try:
+        started = time.monotonic()
+        assert link.receive(50) is None
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        link.close()
+        server.close()
+    assert link.failing and errors == [1]
+    assert took < 2.5, took

@@ -5,6 +5,7 @@ envelope the codec encodes whole; what the mapping refuses refuses its batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from types import ModuleType
@@ -13,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvledger.producer.prepared import Prepared, WireForm, frame
+from kvledger.producer.prepared import Prepared, WireForm, frame, split_store
 from kvledger.producer.relay.wire import _Removed, _Stored, _StoredArray, decode_batch
 from kvledger.producer.vllm import (
     EXTENSIONS,
@@ -387,3 +388,38 @@ def test_a_lora_name_is_kept_once_not_in_every_blocks_extra_keys(
     assert event.lora_name == "a" and event.extra_keys == kept
     without = from_vllm_fields("BlockStored", {**fields, "lora_name": None, "lora_id": None})
     assert without.extra_keys is not None and len(without.extra_keys) == 2  # no LoRA: as sent
+
+
+def test_a_store_larger_than_a_message_leaves_as_chained_stores_that_fit() -> None:
+    """A long prompt's store (once refused by the topic, stopping the relay) is split until
+    each part fits: the same blocks, tokens and keys, each part's parent the block before
+    it, the partial tail and look-ahead on the last part."""
+    n = 300
+    event = from_vllm_event(_store(
+        block_hashes=list(range(1, n + 1)), parent_block_hash=99,
+        token_ids=[40_000 + i for i in range(2 * n - 1)], extra_keys=[[f"k{i}"] for i in range(n)],
+        lookahead_token_ids=[[1, 2]],
+    ))  # fmt: skip
+    event = dataclasses.replace(event, token_start=64, partial=True)
+    form = WireForm(False, codec=CODEC, max_bytes=1500)
+    items = form.prepare([event])
+    assert len(items) > 2 and all(taken(i) and len(i[2]) <= 1500 for i in items)  # type: ignore[index]
+    parts = split_store(event, 4)
+    assert [len(p.block_hashes) for p in parts] == [75] * 4
+    assert sum((p.block_hashes for p in parts), ()) == event.block_hashes
+    assert sum((p.token_ids for p in parts), ()) == event.token_ids
+    assert sum((p.extra_keys or () for p in parts), ()) == event.extra_keys
+    assert [p.parent_block_hash for p in parts] == [
+        event.parent_block_hash,
+        *(p.block_hashes[-1] for p in parts[:-1]),
+    ]
+    assert [p.token_start for p in parts] == [64, 64 + 150, 64 + 300, 64 + 450]
+    assert [(p.partial, p.lookahead_token_ids) for p in parts] == [(False, None)] * 3 + [
+        (True, event.lookahead_token_ids)
+    ]
+
+
+def test_a_single_block_larger_than_a_message_refuses_its_batch() -> None:
+    form = WireForm(False, codec=CODEC, max_bytes=1500)
+    with pytest.raises(VllmEventError, match="larger than a message may be"):
+        form.prepare([_store(block_hashes=[1], token_ids=list(range(40_000, 41_000)))])

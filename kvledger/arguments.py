@@ -127,6 +127,11 @@ def add_lookup(subparsers: Subparsers) -> None:
         f"read from this file (or from ${ENV_LOOKUP_TOKEN})",
     )
     p.add_argument("--port", type=PORT, default=8080, help="port to listen on")
+    p.add_argument(
+        "--max-connections", type=COUNT, default=4096,
+        help="open client connections at most; past it, the one waiting longest for a request "
+        "head is closed (default 4096)",
+    )  # fmt: skip
     p.add_argument("--pool-size", type=COUNT, default=8, help="database connections at most")
     p.add_argument(
         "--silent-after",

@@ -42,6 +42,7 @@ def parse_token_ids(text: str) -> list[int]:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvledger.consumer.lookup.guarded_protocol import HttpLimits
     from kvledger.consumer.lookup.hot import HotPath
     from kvledger.consumer.lookup.hot_protocol import protocol
     from kvledger.consumer.lookup.http import create_app
@@ -75,14 +76,34 @@ def serve(args: argparse.Namespace) -> int:
                 pool_timeout_s=args.pool_timeout, allow_writer=args.allow_writer,
                 dynamo_api=args.dynamo_api, dynamo_router=router,
             )  # fmt: skip
-        if isinstance(app, HotPath):  # its hot routes answered in uvicorn's HTTP parsing
-            server["http"] = protocol(app.routes)
+        # Within the HTTP limits, its hot routes answered in uvicorn's HTTP parsing.
+        routes = app.routes if isinstance(app, HotPath) else {}
+        server["http"] = protocol(routes, HttpLimits(max_connections=args.max_connections))
+        _raise_open_files(args.max_connections)
         freeze_startup_objects()
         uvicorn.run(app, **server)
     finally:
         if router is not None:
             router.stop()
     return 0
+
+
+def _raise_open_files(connections: int) -> None:
+    """Room for ``connections`` sockets beside the service's own files: the soft limit on
+    open files raised toward the hard one (a server out of descriptors stops accepting)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < want:
+            print(
+                f"kvledger serve: {target} open files at most (the hard limit): fewer than "
+                f"--max-connections {connections} and the service's own",
+                file=sys.stderr,
+            )
 
 
 def _router(args: argparse.Namespace, database: str) -> RouterIndex:

@@ -7,7 +7,11 @@ goes to the app as uvicorn's own protocol sends it, where :class:`~.hot.HotPath`
 the hot ones alike.
 
 It overrides four of the parser callbacks of uvicorn's ``HttpToolsProtocol``
-(constraints.txt pins uvicorn; tests/unit/test_hot_protocol.py runs it in real servers).
+(constraints.txt pins uvicorn; tests/unit/test_hot_protocol.py runs it in real servers),
+under :mod:`.guarded_protocol`'s limits: a hot request is bounded, timed and refused as any
+other. A hot route's refusal of a request whose body is large (over ``SMALL_BODY_BYTES``)
+is sent at once and the connection closed, its body never read; a small one's body is read
+and dropped, so that the client, still sending, reads the answer.
 """
 
 from __future__ import annotations
@@ -16,12 +20,20 @@ import time
 from typing import Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from kvledger.consumer.lookup.guarded_protocol import (
+    GuardedProtocol,
+    HttpLimits,
+    RefusedError,
+    guarded,
+)
 from kvledger.consumer.lookup.hot import HotRoute, Reply, head
 
+SMALL_BODY_BYTES = 64 * 1024
 
-class _HotProtocol(HttpToolsProtocol):
+
+class _HotProtocol(GuardedProtocol):
     """uvicorn's httptools protocol, answering the hot routes' requests itself (see the
     module docstring). A request is hot from its headers to its end; its body is kept only
     when its route did not refuse it, and a route refuses a body without a Content-Length
@@ -46,11 +58,17 @@ class _HotProtocol(HttpToolsProtocol):
         if route is None:
             super().on_headers_complete()
             return
+        self.head_read()
         self._route, self._started, self._body = route, time.perf_counter(), []
         self._keep_alive = (
             self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         )
         self._refused = route.refused(self.headers)
+        if self._refused is not None and (self.content_length() or 0) > SMALL_BODY_BYTES:
+            self._keep_alive = False
+            raise RefusedError(
+                self._refused[0], "refused by its route", self._rendered(self._refused)
+            )
 
     def _hot_route(self) -> HotRoute | None:
         """The route of the request whose headers were just read, when this protocol can
@@ -74,7 +92,9 @@ class _HotProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         if self._route is None:
             super().on_body(body)
-        elif self._refused is None:
+            return
+        self.body_read(body)
+        if self._refused is None:
             self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -83,12 +103,19 @@ class _HotProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         self._route = None
+        self.message_read()
         try:
             reply = self._refused or route.reply(b"".join(self._body), self._started)
         except Exception:  # a bug (routes answer their own errors): a 500, as uvicorn's
             self.logger.exception("hot route %s failed", self.url.decode("latin-1"))
             reply, self._keep_alive = (500, b'{"error":"internal error"}', []), False
         self._body = []
+        self.transport.write(self._rendered(reply))
+        if not self._keep_alive:
+            self.transport.close()
+        self.on_response_complete()  # counted; the keep-alive timer armed
+
+    def _rendered(self, reply: Reply) -> bytes:
         status, body, headers = reply
         out = [STATUS_LINE[status]]
         for name, value in (*self.server_state.default_headers, *head(body, headers)):
@@ -96,13 +123,11 @@ class _HotProtocol(HttpToolsProtocol):
         if not self._keep_alive:
             out.append(b"connection: close\r\n")
         out += [b"\r\n", body]
-        self.transport.write(b"".join(out))
-        if not self._keep_alive:
-            self.transport.close()
-        self.on_response_complete()  # counted; the keep-alive timer armed
+        return b"".join(out)
 
 
-def protocol(routes: dict[str, HotRoute]) -> type[HttpToolsProtocol]:
-    """uvicorn's ``http`` protocol class answering ``routes`` (POST path -> route) itself."""
+def protocol(routes: dict[str, HotRoute], limits: HttpLimits | None = None) -> type[Any]:
+    """uvicorn's ``http`` protocol class for one server, within ``limits`` (default:
+    :class:`HttpLimits`'), answering ``routes`` (POST path -> route) itself."""
     paths = {path.encode(): route for path, route in routes.items()}
-    return type("HotProtocol", (_HotProtocol,), {"routes": paths})
+    return guarded(_HotProtocol, limits or HttpLimits(), routes=paths)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from kvledger.consumer.lookup.guarded_protocol import HttpLimits
 from kvledger.consumer.lookup.hot import HotPath
 from kvledger.consumer.lookup.hot_protocol import protocol
 from kvledger.consumer.lookup.http import create_app
@@ -35,6 +36,11 @@ WIDE = 9e8  # a silence window that keeps the 2025 stream's sources live
 
 @pytest.fixture(scope="module")
 def app() -> HotPath:
+    return make_app()
+
+
+def make_app() -> HotPath:
+    """The service from memory with Dynamo's API, its index filled through the pipeline."""
     router = RouterIndex("127.0.0.1:9", "t", "g", dynamo=True)  # never started: filled here
     messages = fleet_stream(FLEET).messages
     for i in range(0, len(messages), 200):
@@ -48,12 +54,13 @@ def app() -> HotPath:
 
 
 @contextmanager
-def server(app: HotPath, hot: bool) -> Iterator[int]:
-    """A uvicorn server on a free loopback port: with the hot protocol or uvicorn's own."""
+def server(app: HotPath, hot: bool, limits: HttpLimits | None = None) -> Iterator[int]:
+    """A uvicorn server on a free loopback port: with the hot protocol (within ``limits``)
+    or uvicorn's own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    http: Any = protocol(app.routes) if hot else "httptools"
+    http: Any = protocol(app.routes, limits) if hot else "httptools"
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="warning",
                             access_log=False, proxy_headers=False, lifespan="off")  # fmt: skip
     srv = uvicorn.Server(config)

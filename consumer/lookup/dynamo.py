@@ -61,6 +61,10 @@ TIERS = {"GPU": 0, "CPU": 1, "STORAGE": 2}  # device, host_pinned, disk
 TIER_NAMES = ("device", "host_pinned", "disk")
 _SUFFIX = re.compile(r"(\d+)$")
 _RANK = re.compile(r"^(.+)-dp(\d{1,6})$")
+# What /register keeps: registrations at most, and the length of their names.
+MAX_REGISTRATIONS = 1024
+MAX_NAME_CHARS = 256
+MAX_ENDPOINT_CHARS = 2048
 
 Answer = tuple[int, Any]  # (status, a body to send as JSON, or its JSON bytes)
 EMPTY_ANSWER = b'{"scores":{},"frequencies":[],"instances":{}}'
@@ -73,7 +77,7 @@ def group_of(routing_group: str) -> int | None:
     """kvledger's group of a Dynamo routing group (None: no such group)."""
     if routing_group == DEFAULT_ROUTING_GROUP:
         return 0
-    if routing_group.isdigit() and len(routing_group) < 10:
+    if routing_group.isascii() and routing_group.isdigit() and len(routing_group) < 10:
         return int(routing_group)
     return None
 
@@ -107,7 +111,10 @@ class Workers:
 
     Ids are given on first sight, in sorted order of the sources present at once (a query
     sees every source that holds blocks), so a source keeps its id for the life of the
-    process; ``/register`` pins one for good. ``version`` counts the ids given or moved."""
+    process. ``/register`` may pin an id to a source not seen yet (or to the id it has):
+    never one that would re-key a source another id already names, nor take an id that is
+    another source's; unregistering the last registration that pinned it gives the source
+    back its own id. ``version`` counts the ids given or moved."""
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
@@ -123,6 +130,8 @@ class Workers:
             wid = int(m.group(1)) if m and len(m.group(1)) < 19 else None
             if wid is None or wid in self.names:
                 wid = hashed_worker_id(name)
+                while wid in self.names:  # another name's hash, or a pin: the next one
+                    wid = (wid + 1) % (1 << 63)
             self._claim(name, wid)
         return wid
 
@@ -132,17 +141,29 @@ class Workers:
 
     def _claim(self, name: str, wid: int) -> None:
         self.version += 1
-        old = self.ids.pop(name, None)
-        if old is not None:
-            self.names.pop(old, None)
-        taken = self.names.get(wid)
         self.ids[name], self.names[wid] = wid, name
-        if taken is not None and taken != name:  # a pin takes the id from a derived one
-            del self.ids[taken]
-            self.id_of(taken)
 
-    def pin(self, name: str, wid: int) -> None:
+    def pin(self, name: str, wid: int) -> str | None:
+        """Pin ``wid`` to source ``name``; the reason it may not (None: pinned)."""
+        held, taken = self.ids.get(name), self.names.get(wid)
+        if held == wid:
+            return None
+        if held is not None:
+            return (
+                f"source {name!r} is worker {held} already: a registration cannot re-key a "
+                "worker it did not create"
+            )
+        if taken is not None:
+            return f"worker id {wid} is source {taken!r}'s"
         self._claim(name, wid)
+        return None
+
+    def unpin(self, name: str) -> None:
+        """No registration pins ``name`` any more: its id is its own again when next seen."""
+        wid = self.ids.pop(name, None)
+        if wid is not None:
+            self.names.pop(wid, None)
+            self.version += 1
 
     def worker_of(self, source: str) -> tuple[int, int]:
         """(worker id, data-parallel rank) of a source: the relay names rank r of an engine
@@ -342,11 +363,14 @@ class DynamoApi:
     def register(self, raw: bytes) -> Answer:
         body = json_object(raw)
         wid = int_field([field(body, "instance_id", int)], "instance_id", 0, 1 << 64, 1)[0]
-        model = field(body, "model_name", str)
-        endpoint = field(body, "endpoint", str)
-        rg = field(body, "routing_group", str, DEFAULT_ROUTING_GROUP)
+        model = _bounded(field(body, "model_name", str), "model_name")
+        endpoint = _bounded(field(body, "endpoint", str), "endpoint", MAX_ENDPOINT_CHARS)
+        rg = _bounded(field(body, "routing_group", str, DEFAULT_ROUTING_GROUP), "routing_group")
         block_size = int_field([field(body, "block_size", int)], "block_size", 1, 1 << 32, 1)[0]
         source = field(body, "source", str, None)
+        if source is not None:
+            _bounded(source, "source")
+        key = (wid, model, rg)
         with self.router.lock:
             group = group_of(rg)
             held = (
@@ -358,11 +382,16 @@ class DynamoApi:
                     f"{held.spec.block_size} for model={model} routing_group={rg}"
                 )
                 return 409, {"error": why}
-            if source is not None:
-                self.workers.pin(source, wid)
-            self.workers.registered[(wid, model, rg)] = {
-                "endpoint": endpoint, "block_size": block_size, "source": source,
-            }  # fmt: skip
+            registered = self.workers.registered
+            if key not in registered and len(registered) >= MAX_REGISTRATIONS:
+                return 409, {"error": f"{MAX_REGISTRATIONS} workers are registered, the most "
+                             "this service keeps: unregister one first"}  # fmt: skip
+            before = registered.get(key, {}).get("source")
+            if source is not None and (refused := self.workers.pin(source, wid)) is not None:
+                return 409, {"error": refused}
+            registered[key] = {"endpoint": endpoint, "block_size": block_size, "source": source}
+            if before is not None and before != source:
+                self._release(before)
         return 201, {"status": "ok"}
 
     def unregister(self, raw: bytes) -> Answer:
@@ -374,9 +403,25 @@ class DynamoApi:
             gone = [k for k in self.workers.registered
                     if k[0] == wid and k[1] == model and (rg is None or k[2] == rg)]  # fmt: skip
             for k in gone:
-                del self.workers.registered[k]
+                source = self.workers.registered.pop(k)["source"]
+                if source is not None:
+                    self._release(source)
         if not gone:
-            return 404, {"error": f"worker {wid} is not registered for model={model} (kvledger "
-                         "follows its sources from the log: one leaves when its engine says "
-                         "goodbye or goes silent)"}  # fmt: skip
+            return 404, {"error": f"worker {wid} is not registered for model={model[:256]} "
+                         "(kvledger follows its sources from the log: one leaves when its "
+                         "engine says goodbye or goes silent)"}  # fmt: skip
         return 200, {"status": "ok"}
+
+    def _release(self, source: str) -> None:
+        """A registration pinning ``source`` is gone: unpinned unless another still pins it."""
+        if all(reg["source"] != source for reg in self.workers.registered.values()):
+            self.workers.unpin(source)
+
+
+def _bounded(value: str, name: str, limit: int = MAX_NAME_CHARS) -> str:
+    if len(value) > limit or "\x00" in value:
+        raise DynamoRequestError(
+            422, f"Failed to deserialize the JSON body: `{name}` is over {limit} characters "
+            "or holds a NUL",
+        )  # fmt: skip
+    return value

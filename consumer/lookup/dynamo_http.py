@@ -59,7 +59,7 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
               methods=["POST"]),
         Route("/dump", handler("dynamo_dump", lambda _, b: api.dump(), slow=True),
               methods=["GET"]),
-        Route("/workers", handler("dynamo_workers", workers), methods=["GET"]),
+        Route("/workers", handler("dynamo_workers", workers, slow=True), methods=["GET"]),
         Route("/register", handler("dynamo_register", lambda _, b: api.register(b)),
               methods=["POST"]),
         Route("/unregister", handler("dynamo_unregister", lambda _, b: api.unregister(b)),
@@ -71,7 +71,7 @@ def routes(api: DynamoApi, refusal: Callable[[Request], Answer | None]) -> list[
 def length_refusal(length: str | None) -> Answer | None:
     """Dynamo's answer to a POST body of Content-Length ``length`` it does not read (None:
     it reads it)."""
-    if length is None or not length.isdigit():
+    if length is None or not (length.isascii() and length.isdigit()):
         return 411, {"error": "a JSON body with Content-Length is required"}
     if int(length) > MAX_BODY_BYTES:
         return 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from kvledger.consumer.lookup.requests import not_text
 from kvledger.schemas.dynamo import dynamo_seed
 
 if TYPE_CHECKING:
@@ -76,10 +77,16 @@ class Query:
 def json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise DynamoRequestError(400, "Failed to parse the request body as JSON: nested too "
+                                 "deeply") from None  # fmt: skip
     except (ValueError, UnicodeDecodeError) as exc:
         raise DynamoRequestError(400, f"Failed to parse the request body as JSON: {exc}") from None
     if not isinstance(body, dict):
         raise DynamoRequestError(422, "Failed to deserialize the JSON body: expected an object")
+    if not_text(raw, body):
+        raise DynamoRequestError(400, "Failed to parse the request body as JSON: a string that "
+                                 "is not valid text (a lone surrogate)")  # fmt: skip
     return body
 
 

@@ -188,7 +188,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def length_error(length: str | None) -> str | None:
     """Why a request body of Content-Length ``length`` is refused (None: it is not)."""
-    if length is None or not length.isdigit():
+    if length is None or not (length.isascii() and length.isdigit()):
         return "a JSON body with Content-Length is required"
     if int(length) > MAX_BODY_BYTES:
         return f"body over {MAX_BODY_BYTES} bytes"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -95,7 +96,34 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise BadRequestError("body is not JSON") from None
     if not isinstance(data, dict):
         raise BadRequestError("body must be a JSON object")
+    if not_text(raw, data):
+        raise BadRequestError("body holds a string that is not valid text (a lone surrogate)")
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def not_text(raw: bytes, data: object) -> bool:
+    """Whether JSON ``data``, parsed from ``raw``, holds a string no UTF-8 can carry (a lone
+    surrogate, which only a ``\\ud800``-style escape can make): such a name would fail
+    every encoding after it. The body is searched before any string is walked."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return False
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return False
 
 
 def parse_match(data: Mapping[str, Any]) -> MatchRequest:

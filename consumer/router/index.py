@@ -58,6 +58,8 @@ _LOST = (
 )
 # Messages applied per hold of the lock lookups take (see _tail).
 APPLY_CHUNK = 500
+# How often position() asks the broker for the log's end (else the last answer stands).
+LOG_END_REFRESH_S = 1.0
 # How long a router keeps a block no one holds (as the index keeps its block rows).
 BLOCK_RETENTION = Retention().blocks
 # Rows an expiry pass looks at per hold of the lookups' lock (~1 ms natively).
@@ -123,6 +125,8 @@ class RouterIndex:
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
         self._ends: dict[int, int] = {}
+        self._ends_at = float("-inf")  # when the broker was last asked (monotonic)
+        self._ends_lock = threading.Lock()
         self._read_to: dict[int, int] = {}  # the consumer's position when last idle
         self._admin: AdminClient | None = None
         self._newest_ms: int | None = None
@@ -295,13 +299,21 @@ class RouterIndex:
             consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
 
     def position(self) -> Position:
-        """Offsets applied, the log's end (asked of the broker; the last known one if it
-        does not answer), and how far behind that is."""
+        """Offsets applied, the log's end (asked of the broker at most once a
+        ``LOG_END_REFRESH_S``; the last known one between, or if it does not answer), and
+        how far behind that is."""
         applied = self._applied()
-        try:
-            self._ends = self._log_end()
-        except KafkaException as exc:
-            logger.debug("log end unknown: %s", exc)
+        now = time.monotonic()
+        # The broker is asked at most once a LOG_END_REFRESH_S, by one caller at a time: a
+        # flood of health checks makes no flood of broker requests.
+        if now - self._ends_at >= LOG_END_REFRESH_S and self._ends_lock.acquire(blocking=False):
+            try:
+                self._ends_at = now
+                self._ends = self._log_end()
+            except KafkaException as exc:
+                logger.debug("log end unknown: %s", exc)
+            finally:
+                self._ends_lock.release()
         behind = sum(max(0, end - applied.get(p, 0)) for p, end in self._ends.items())
         seconds = None
         if self._newest_ms is not None:

@@ -308,16 +308,33 @@ def test_workers_registration_and_unregistration(client: TestClient) -> None:
     assert w["kvledger_source"] == "engine-2" and w["status"] == "active"
     assert (w["model_name"], w["routing_group"], w["block_size"]) == (MODEL, "default", 32)
     assert client.get("/workers", params={"model_name": "other"}).json() == []
-    # answered before the pin below: the answers' worker ids follow it
-    assert any("3" in query(client, p)["instances"] for p in prompts(80))
+    before = [query(client, p)["instances"].keys() for p in prompts(80)]
+    assert any("3" in ids for ids in before)
 
-    reg = {"instance_id": 42, "endpoint": "tcp://10.0.0.9:5557", "model_name": MODEL,
+    # A registration names a source by the id it has; it cannot re-key it (every client's
+    # answers would change), nor take an id another source has.
+    reg = {"instance_id": 3, "endpoint": "tcp://10.0.0.9:5557", "model_name": MODEL,
            "block_size": 32, "source": "engine-3"}  # fmt: skip
     assert client.post("/register", json=reg).status_code == 201
+    for wid, source in ((42, "engine-3"), (2, "engine-new")):
+        taken = client.post("/register", json=dict(reg, instance_id=wid, source=source))
+        assert taken.status_code == 409, taken.json()
     ids = {w["kvledger_source"]: w["instance_id"] for w in client.get("/workers").json()}
-    assert ids["engine-3"] == 42
-    tokens = next(p for p in prompts(80) if "42" in query(client, p)["instances"])
-    assert "3" not in query(client, tokens)["instances"]
+    assert ids["engine-3"] == 3 and ids["engine-2"] == 2
+    assert [query(client, p)["instances"].keys() for p in prompts(80)] == before
+    # A source not seen yet takes the id it is registered with, until unregistered.
+    ahead = dict(reg, instance_id=42, source="engine-new")
+    assert client.post("/register", json=ahead).status_code == 201
+    listed = [w for w in client.get("/workers").json() if w["instance_id"] == 42]
+    assert [(w["kvledger_source"], w["status"]) for w in listed] == [("engine-new", "pending")]
+    assert (
+        client.post("/unregister", json={"instance_id": 42, "model_name": MODEL}).status_code == 200
+    )
+    again = dict(ahead, source="engine-newer")  # 42 is free again: the pin went with it
+    assert client.post("/register", json=again).status_code == 201
+    assert (
+        client.post("/unregister", json={"instance_id": 42, "model_name": MODEL}).status_code == 200
+    )
 
     unknown = {"instance_id": 77, "endpoint": "tcp://x:1", "model_name": MODEL, "block_size": 32}
     assert client.post("/register", json=unknown).status_code == 201
@@ -355,8 +372,11 @@ def test_worker_ids_are_stable_and_distinct() -> None:
     assert w.id_of("a-7") == 7 and w.id_of("9") == 9
     assert w.id_of("b-7") == api.hashed_worker_id("b-7") != 7  # 7 was claimed first
     assert w.id_of("plain") == api.hashed_worker_id("plain") < 1 << 63
-    w.pin("plain", 7)  # a registration takes the id; the source that had it gets another
-    assert w.id_of("plain") == 7 and w.id_of("a-7") != 7
+    assert w.pin("plain", 7) is not None  # neither re-keyed nor given another's id
+    assert w.pin("new", 7) is not None and w.pin("a-7", 7) is None  # its own: kept
+    assert w.pin("new", 70) is None and w.id_of("new") == 70
+    w.unpin("new")
+    assert w.id_of("new") == api.hashed_worker_id("new")  # its own again
     assert len(set(w.ids.values())) == len(w.ids) == len(w.names)
 
 
@@ -366,3 +386,36 @@ def test_a_relays_data_parallel_ranks_are_one_worker() -> None:
     assert w.worker_of("engine-3-dp1") == (3, 1) and w.worker_of("engine-3-dp0") == (3, 0)
     assert w.worker_of("engine-4") == (4, 0)
     assert w.worker_of("plain-dp2") == (api.hashed_worker_id("plain"), 2)
+
+
+def test_no_registration_can_bloat_break_or_re_key_the_service(client: TestClient) -> None:
+    """Attacks that once worked on /register: 8 MiB endpoints kept forever (450 MiB for 60,
+    and a 505 MB /workers), a lone surrogate that made every /workers a 500, a chain of pins
+    that made /register a 500 (RecursionError), bodies nested without end."""
+    base = {"instance_id": 500, "endpoint": "tcp://x:1", "model_name": MODEL, "block_size": 32}
+    huge = client.post("/register", json=dict(base, endpoint="x" * ((8 << 20) - 200)))
+    assert huge.status_code in (413, 422), huge.status_code
+    surrogate = b'{"instance_id": 501, "endpoint": "e", "model_name": "m\\ud800", "block_size": 32}'
+    assert client.post("/register", content=surrogate).status_code == 400
+    assert client.post("/unregister", content=surrogate).status_code == 400
+    for deep in (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"[" * 100_000):
+        assert client.post("/register", content=deep).status_code == 400
+        assert client.post("/unregister", content=deep).status_code == 400
+    statuses = set()
+    for i in range(3000):  # each pinning the id the last one had, to a new source
+        pin = dict(base, instance_id=1000 + i, source=f"chain-{i}")
+        statuses.add(client.post("/register", json=dict(pin, source=f"chain-{i - 1}")).status_code)
+        if i > api.MAX_REGISTRATIONS:
+            break
+    assert statuses <= {201, 409}, statuses
+    full = client.post("/register", json=dict(base, instance_id=99_999, source=None))
+    assert full.status_code == 409 and "unregister one first" in full.json()["error"]
+    workers = client.get("/workers")
+    assert workers.status_code == 200 and len(workers.content) < 4 << 20
+    unknown = {"token_ids": [1], "model_name": MODEL, "routing_group": "nope"}
+    for group in ("\u00b2", "\u0661"):  # digits to str.isdigit(), not group numbers
+        answer = client.post("/query", json=dict(unknown, routing_group=group))
+        assert (answer.status_code, answer.json()) == (
+            404,
+            {"error": f"no indexer for model={MODEL} routing_group={group}"},
+        )

@@ -220,3 +220,19 @@ def test_a_router_forgets_unheld_blocks_past_its_retention_and_answers_alike(
     direct = RouterStore()
     run_batch(messages + again, Codec(), direct, "g")
     assert router_residencies(router.store) == router_residencies(direct)
+
+
+def test_a_flood_of_health_checks_asks_the_broker_once_a_second() -> None:
+    """Each unauthenticated /healthz from memory asked the broker for the log's end (582 a
+    second from one client): now the last answer stands for LOG_END_REFRESH_S."""
+
+    class Counted(RouterIndex):
+        asked = 0
+
+        def _log_end(self) -> dict[int, int]:
+            Counted.asked += 1
+            return {0: 7}
+
+    router = Counted("127.0.0.1:9", "t", "g")  # never started: no broker is reached
+    answers = [router.position() for _ in range(500)]
+    assert Counted.asked == 1 and all(p.log_end == {0: 7} for p in answers)

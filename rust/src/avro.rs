@@ -171,6 +171,7 @@ fn compile(prog: &Bound<'_, PyAny>, depth: usize) -> PyResult<Node> {
             let cls = part(prog, 1)?
                 .cast_into::<PyType>()
                 .map_err(|_| PyTypeError::new_err("not a class in an Avro program"))?;
+            plain_class(&cls)?;
             let fields = nodes(part(prog, 3)?)?;
             let slots = tuple_of(part(prog, 2)?)?;
             let mut names = Vec::with_capacity(slots.len());
@@ -192,6 +193,20 @@ fn compile(prog: &Bound<'_, PyAny>, depth: usize) -> PyResult<Node> {
             )))
         }
     })
+}
+
+/// `cls` is made by `object.__new__` alone: no base of it but `object` has state of its own
+/// to set up (a subclass of dict, set, deque or an exception would be left half made by a
+/// bare allocation, and crash the interpreter when used).
+fn plain_class(cls: &Bound<'_, PyType>) -> PyResult<()> {
+    let object_new = cls.py().get_type::<PyAny>().getattr("__new__")?;
+    if !cls.getattr("__new__")?.is(&object_new) {
+        return Err(PyTypeError::new_err(format!(
+            "{} in an Avro program is not made by object.__new__ alone",
+            cls.name()?
+        )));
+    }
+    Ok(())
 }
 
 /// A slot's name, where the slot is a member descriptor of `cls` itself (one borrowed from

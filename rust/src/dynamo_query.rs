@@ -46,11 +46,13 @@ pub fn read(raw: &[u8]) -> Option<TokenQuery> {
 /// Dynamo's local hash of each full block of packed u32 LE token ids (`local_hash` of
 /// the same ids).
 pub fn packed_hashes(packed: &[u8], block_size: usize, seed: u64) -> Vec<u64> {
-    if block_size == 0 {
+    // No block of 0 tokens, nor of more bytes than an address space holds (a caller's
+    // size times 4 overflowing would otherwise wrap to a wrong count, or panic).
+    let Some(bytes) = block_size.checked_mul(4).filter(|&b| b > 0) else {
         return Vec::new();
-    }
+    };
     packed
-        .chunks_exact(block_size * 4)
+        .chunks_exact(bytes)
         .map(|block| xxh3_64_with_seed(block, seed))
         .collect()
 }
@@ -123,5 +125,8 @@ mod tests {
         let want: Vec<u64> = ids.chunks_exact(4).map(|b| local_hash(b, seed)).collect();
         assert_eq!(packed_hashes(&packed, 4, seed), want);
         assert!(packed_hashes(&packed, 0, seed).is_empty());
+        for huge in [1 << 62, (1 << 62) + 1, usize::MAX] {
+            assert!(packed_hashes(&packed, huge, seed).is_empty());
+        }
     }
 }

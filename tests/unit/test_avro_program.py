@@ -11,6 +11,8 @@ import json
 import os
 import random
 import struct
+import subprocess
+import sys
 from typing import Any
 
 import fastavro
@@ -346,3 +348,27 @@ def test_a_slot_borrowed_from_another_class_is_refused() -> None:
     value, end = DECODE(own, b"\x02", 0)
     assert (type(value), value.a, end) == (small, 1, 1)
     assert ENCODE(own, value, b"h") == b"h\x02"
+
+
+@compiled
+@pytest.mark.parametrize("base", ["dict", "set", "collections.deque", "Exception", "list"])
+def test_a_class_a_bare_allocation_would_leave_half_made_is_refused(base: str) -> None:
+    """A program naming a slotted subclass of dict, set, deque or an exception crashed the
+    interpreter (an instance allocated without its base's own set-up, then used): refused
+    when compiled. Run in a child process, so a crash fails the test instead of ending it."""
+    script = f"""
+import collections
+from kvledger.schemas import avro_program
+cls = type("Sub", ({base},), {{"__slots__": ("a",)}})
+program = (avro_program.OBJECT, cls, (cls.__dict__["a"],), ((avro_program.LONG,),))
+try:
+    value, _ = avro_program.decoder()(program, b"\\x02", 0)
+    print("made", repr(value), len(str(value)))
+except TypeError as exc:
+    print("refused", exc)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-500:])
+    assert run.stdout.startswith("refused") and "object.__new__ alone" in run.stdout, run.stdout

@@ -60,3 +60,18 @@ def test_partial_blocks_and_edges() -> None:
     assert dynamo_block_hashes([1, 2, 3], 4) == [] and dynamo_block_hashes(tokens, 0) == []
     big = [2**32 - 1, 0, 2**31, 7]  # unsigned 32-bit ids, as Dynamo reads them
     assert dynamo_block_hashes(big, 2) == dynamo.compute_block_hash_for_seq(big, 2)
+
+
+@pytest.mark.parametrize("block_size", [2**62, 2**62 + 1, 2**63 - 1, -1, 0])
+def test_a_block_size_no_prompt_can_fill_gives_no_hashes(block_size: int) -> None:
+    """The core's packed hashing took a caller's block size times 4: 2**62 panicked, and
+    2**62 + 1 wrapped to a wrong count of hashes."""
+    try:
+        from kvledger import _core
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("the compiled core was not built (no Rust toolchain); CI requires it")
+    packed = bytes(range(64))  # 16 token ids
+    assert _core.dynamo_packed_hashes(packed, block_size, 0) == []
+    assert len(_core.dynamo_packed_hashes(packed, 4, 0)) == 4

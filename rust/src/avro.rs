@@ -325,7 +325,9 @@ fn read<'py>(py: Python<'py>, node: &Node, r: &mut Reader<'_>) -> PyResult<Bound
 fn new_instance<'py>(cls: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
     let py = cls.py();
     // SAFETY: cls is a type object, the GIL is held; PyType_GenericAlloc returns a new
-    // reference or NULL with an exception set.
+    // reference or NULL with an exception set. A class whose base needs set-up of its own
+    // (dict, set, an exception) was refused when compiled (plain_class): what object.__new__
+    // would make, this makes.
     unsafe {
         let obj = ffi::PyType_GenericAlloc(cls.as_ptr().cast::<ffi::PyTypeObject>(), 0);
         Bound::from_owned_ptr_or_err(py, obj)

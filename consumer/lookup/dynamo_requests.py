@@ -158,6 +158,9 @@ def parse_query(raw: bytes, by_hash: bool) -> Query:
         raise DynamoRequestError(422, f"Failed to deserialize the JSON body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise DynamoRequestError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    except RecursionError:
+        raise DynamoRequestError(400, "Failed to parse the request body as JSON: nested too "
+                                 "deeply") from None  # fmt: skip
     if q.cache_salt is not None:
         raise DynamoRequestError(400, SALTED_HASHES if by_hash else SALT_UNKNOWN)
     if isinstance(q, _HashQuery):

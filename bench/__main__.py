@@ -16,6 +16,7 @@ from bench import (
     consume,
     dynamo_api,
     flood,
+    http_attack,
     lookup,
     peers,
     previous,
@@ -37,6 +38,7 @@ def main() -> None:
     tracker_encode.main()
     flood.main()  # no services: crafted block hashes beside random ones
     cli_start.main()  # no services: the command's start-up beside Python's
+    http_attack.main()  # no services: serve under slowloris beside uvicorn's own protocol
     lookup.main()
     router.main()  # on the lookup benchmark's index, beside SQL
     peers.main()  # the same index as events, into kvledger's core and Dynamo's RadixTree

@@ -38,10 +38,14 @@ def record(name: str, figures: dict[str, Any]) -> None:
 
 
 def publish(
-    data: dict[str, dict[str, Any]], folder: Path = PUBLISHED, when: datetime | None = None
+    data: dict[str, dict[str, Any]],
+    folder: Path = PUBLISHED,
+    when: datetime | None = None,
+    command: str = "make bench",
 ) -> list[Path]:
-    """Write one run's figures as ``<date>.json`` and ``<date>.md`` (a table per benchmark)
-    in ``folder``, and the table again as ``latest.md``; returns the paths written."""
+    """Write one run's figures (of ``command``) as ``<date>.json`` and ``<date>.md`` (a
+    table per benchmark) in ``folder``, and the table again as ``latest.md``; returns the
+    paths written."""
     when = when or datetime.now(UTC)
     folder.mkdir(parents=True, exist_ok=True)
     stamp = f"{when:%Y-%m-%d}"
@@ -51,7 +55,7 @@ def publish(
     lines = [
         f"# Benchmark results, {stamp}",
         "",
-        f"`make bench` on {meta['machine']}, {meta['date']}. Each figure sits beside the "
+        f"`{command}` on {meta['machine']}, {meta['date']}. Each figure sits beside the "
         "baseline measured in the same run (this machine is noisy: compare ratios). The "
         f"same figures as JSON: [{as_json.name}]({as_json.name}).",
     ]

@@ -12,6 +12,7 @@ lookups find its plain and LoRA prefixes and never its salted ones.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
@@ -68,8 +69,10 @@ class Life:
         self.publisher = self._start(buffer_steps)
         self.incarnation, self.seq = self.incarnation + 1, 0
 
-    def send(self, *events: Any) -> int:
-        self.publisher.publish(self.kv.KVEventBatch(ts=time.time(), events=list(events)))
+    def send(self, *events: Any, ts: float | None = None, **batch: Any) -> int:
+        """One batch (``ts``, ``batch``: what it says, as a sound engine would not)."""
+        now = time.time() if ts is None else ts
+        self.publisher.publish(self.kv.KVEventBatch(ts=now, events=list(events), **batch))
         self.sent.append((self.incarnation, self.seq, list(events)))
         self.seq += 1
         return self.seq - 1
@@ -254,3 +257,43 @@ def test_an_sglang_engines_life_through_the_relay_equals_the_truth(
         "salted, with another": [],
     }  # fmt: skip
     assert [(h.medium, h.matched_blocks) for h in by_hash] == [("GPU", 3)]
+
+
+def test_no_batch_of_sglangs_publisher_stops_the_relay(
+    kafka_bootstrap: str, fresh_database: str, make_topic: Any, group_id: str, kv: ModuleType
+) -> None:
+    """Batches that stopped the relay for good (its successor replayed them and stopped
+    again), sent by SGLang's own publisher, replayed at start and live: a NaN, infinite or
+    absurd ts, a rank past the envelope's int, a medium SGLang does not have. Each is
+    recorded lost; the relay goes on, and its successor resumes after them."""
+    topic = make_topic("sglang-odd", partitions=3)
+    life = Life(kv, buffer_steps=256)
+    lost: set[tuple[int, int]] = set()
+
+    def hostile() -> None:
+        page = kv.BlockRemoved(block_hashes=[life._hash()], medium="GPU")
+        for ts in (math.nan, math.inf, -math.inf, 1e16):
+            lost.add((0, life.send(page, ts=ts)))
+        lost.add((0, life.send(page, attn_dp_rank=2**62)))
+        lost.add((0, life.send(kv.BlockRemoved(block_hashes=[1], medium="TAPE"))))
+
+    relay = None
+    try:
+        life.request()
+        hostile()  # before the relay listens: it meets these replaying from 0
+        life.request()
+        for _ in range(2):  # the second relay resumes after what the first relayed
+            relay = run_relay(life, kafka_bootstrap, topic)
+            hostile()
+            life.request()
+            relayed(relay, life)
+            assert relay.alive()
+            relay.stop()
+    finally:
+        if relay is not None:
+            relay.stop()
+        life.publisher.shutdown()
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    want = truth(life.sent, lost)
+    assert want and residencies_of(fresh_database, SOURCE) == want
+    assert sorted(lost_ranges(fresh_database, SOURCE)) == [(s, s) for _, s in sorted(lost)]

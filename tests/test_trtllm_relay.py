@@ -9,7 +9,8 @@ from id 0), chains stored and extended, blocks moved to the host pool and back (
 plus a store each), evictions, a block with extra token ids, the endpoint answering 500s
 then HTML (retried with back-off, counted), events lost before any poll (an id gap:
 recorded lost, the source cleared), and an engine restart (ids from 0: a new epoch). The
-index ends equal to the truth built from what the engine emitted.
+index ends equal to the truth built from what the engine emitted. Then events no engine
+should send: each recorded lost, none stopping the relay.
 """
 
 from __future__ import annotations
@@ -105,3 +106,40 @@ def test_a_trtllm_engines_life_through_the_relay_equals_the_truth(
     # the chain's first block moved to the host pool: CPU holds the prefix's first block,
     # the GPU no prefix at all
     assert [(h.medium, h.matched_blocks) for h in holders] == [("CPU", 1)]
+
+
+def test_no_event_stops_the_relay(
+    kafka_bootstrap: str, fresh_database: str, make_topic: object, group_id: str,
+    serve: TrtllmServe,
+) -> None:  # fmt: skip
+    """What once stopped the relay (and, polled again, its successor): a window given as a
+    list or an object, and an id at the end of the range after a gap (its 2**63 lost events
+    drove the lost-batches counter to 9.2e18). Each is recorded lost; the relay goes on."""
+    topic = make_topic("trtllm-odd", partitions=3)  # type: ignore[operator]
+    relay = Relay(RelayConfig(
+        endpoint=serve.endpoint, source=SOURCE, model=MODEL, bootstrap_servers=kafka_bootstrap,
+        topic=topic, groups=[parse_group("0:full_attention:4", MODEL)], engine="trtllm",
+        poll_interval_s=0.05, heartbeat_interval_s=1.0,
+    ))  # fmt: skip
+    relay.start()
+    try:
+        assert relay.ready(60)
+        kept = serve.store()
+        odd = [serve.emit({"type": "removed", "block_hashes": kept[:1]}, window_size=w)
+               for w in ([1], {"a": 1})]  # fmt: skip
+        serve.store()
+        skipped = serve.emit({"type": "removed", "block_hashes": kept[1:]}, lose=True)
+        serve.next_id = 2**63 - 1
+        last = serve.store()
+        relayed(relay, serve)
+        assert relay.alive()
+    finally:
+        relay.stop()
+    lost_batches = relay.metrics.lost_batches.labels(SOURCE)._value.get()
+    assert lost_batches == 2 + 2**32  # the two odd ones, and the gap counted to its bound
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    want = truth(serve.log, {(0, i) for i in (*odd, skipped)})
+    assert residencies_of(fresh_database, SOURCE) == want
+    assert {k[1] for k in want} == {(h % 2**64).to_bytes(8, "big") for h in last}
+    assert lost_ranges(fresh_database, SOURCE) == [(odd[0], odd[0]), (odd[1], odd[1]),
+                                                   (skipped, 2**63 - 2)]  # fmt: skip

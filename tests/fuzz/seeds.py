@@ -1,6 +1,7 @@
-"""`python -m tests.fuzz.seeds`: writes the seed corpus (tests/fuzz/corpus/TARGET/): valid
-inputs of each entry point and the malformed ones that once broke kvledger, so that every
-fuzz run starts from them (and tests/unit/test_fuzz_targets.py replays them)."""
+"""`python -m tests.fuzz.seeds [TARGET ...]`: writes the seed corpus
+(tests/fuzz/corpus/TARGET/): valid inputs of each entry point and the malformed ones that
+once broke kvledger, so that every fuzz run starts from them (and
+tests/unit/test_fuzz_targets.py replays them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import msgspec
@@ -122,16 +124,32 @@ def _trtllm_events() -> list[bytes]:
     return [*wrapped, deep, nan]
 
 
+def _dynamo_queries() -> list[bytes]:
+    bodies = [
+        b'{"token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "model_name": "m"}',
+        b'{"token_ids": [4294967295], "model_name": "m", "routing_group": "1", "lora_name": "a"}',
+        b'{"token_ids": [], "model_name": "m"}',
+        b'{"token_ids": [1.5], "model_name": "m"}',  # declined: msgspec reads it
+        b'{"model_name": "\\ud800", "token_ids": [1]}',
+    ]
+    # The first byte picks the block size (targets.SIZES): every size, the first body.
+    return [bytes([i]) + bodies[0] for i in range(10)] + [b"\x03" + body for body in bodies[1:]]
+
+
 def _groups() -> list[bytes]:
     rng = random.Random(11)
     return [rng.randbytes(n) for n in (16, 64, 256, 1024, 4096)]
 
 
-def main() -> None:
-    for name, seeds in (
-        ("envelope", _envelopes()), ("batch", _batches()), ("sglang", _sglang_batches()),
-        ("trtllm", _trtllm_events()), ("group", _groups()),
+def main(names: list[str]) -> None:
+    """Write the seeds of ``names`` (default: every target's)."""
+    for name, make in (
+        ("envelope", _envelopes), ("batch", _batches), ("sglang", _sglang_batches),
+        ("trtllm", _trtllm_events), ("dynamo", _dynamo_queries), ("group", _groups),
     ):  # fmt: skip
+        if names and name not in names:
+            continue
+        seeds = make()
         folder = CORPUS / name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -141,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -8,6 +8,9 @@
   (stores split to fit a small message) answer with events in their wire form or a
   VllmEventError, nothing else (a batch the relay cannot carry is recorded lost; one that
   raised anything else would once have stopped the relay).
+- ``dynamo``: a Dynamo /query body, read by the compiled core (or declined), its token ids
+  hashed in blocks of any size a caller could pass: as many hashes as whole blocks fit, and
+  never a panic or a crash (a size times 4 once wrapped).
 - ``group``: the router's index under operations (stores, holders, metadata, the clock,
   expiry) and lookups read from the bytes (crafted hashes included). The compiled core's
   Group and the pure PureGroup hold, expire and answer alike, and neither raises.
@@ -24,6 +27,7 @@ from collections.abc import Callable
 import atheris
 
 with atheris.instrument_imports():
+    from kvledger import _core
     from kvledger.consumer.router import groups as store
     from kvledger.consumer.router.groups import PureGroup
     from kvledger.producer.prepared import WireForm
@@ -80,6 +84,19 @@ def sglang_batch(data: bytes) -> None:
 
 def trtllm_event(data: bytes) -> None:
     _carried(TrtllmReader(SPECS).read_batch, data)
+
+
+# Block sizes a caller could pass: the first byte of a dynamo input picks one.
+SIZES = (0, 1, 2, 4, 16, -1, 2**61, 2**62, 2**62 + 1, 2**63 - 1)
+
+
+def dynamo(data: bytes) -> None:
+    size = SIZES[data[0] % len(SIZES)] if data else 4
+    read = _core.dynamo_token_query(data[1:])
+    packed = read[3] if read is not None else b"\x01\x00\x00\x00" * 9
+    hashes = _core.dynamo_packed_hashes(packed, size, 0)
+    whole = len(packed) // (4 * size) if 0 < size < 2**61 else 0
+    assert len(hashes) == whole, (size, len(packed), len(hashes))
 
 
 KEYS = [bytes([i]) * n for i in range(6) for n in (8, 32)] + [b""]
@@ -163,5 +180,5 @@ def group(data: bytes) -> None:
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "envelope": envelope, "batch": batch, "sglang": sglang_batch, "trtllm": trtllm_event,
-    "group": group,
+    "dynamo": dynamo, "group": group,
 }  # fmt: skip

@@ -16,6 +16,7 @@ from bench import (
     consume,
     dynamo_api,
     flood,
+    freshness,
     http_attack,
     lookup,
     peers,
@@ -45,6 +46,7 @@ def main() -> None:
     dynamo_api.main()  # Dynamo's POST /query from kvledger beside Dynamo's own indexer
     produce.main()
     relay.main()
+    freshness.main()  # an engine's batch to each reader, beside a raw ZMQ subscriber
     consume.main()
     previous.main()  # the apply rate beside the release before the core split
     scale.main()  # 1, 2 and 3 consumers in one group, side by side

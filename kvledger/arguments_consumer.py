@@ -60,7 +60,11 @@ def add_consumer(subparsers: Subparsers) -> None:
         "connection before its failing message is isolated and rejected",
     )  # fmt: skip
     p.add_argument("--batch-size", type=COUNT, default=5000, help="messages per transaction")
-    p.add_argument("--batch-timeout", type=SECONDS, default=0.5, help="seconds")
+    p.add_argument(
+        "--batch-timeout", type=SECONDS, default=0.5,
+        help="seconds to wait for a message when none is waiting (a batch is what is waiting, "
+        "up to --batch-size: nothing waits to fill it)",
+    )  # fmt: skip
     p.add_argument(
         "--until-caught-up",
         action="store_true",

@@ -35,6 +35,7 @@ from kvledger.consumer.core.model import (
 )
 from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.lookup.api import Granularity
+from kvledger.consumer.polling import take
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
 from kvledger.consumer.router.lane import run_router_batch
@@ -191,7 +192,7 @@ class RouterIndex:
         consumer = self._consumer
         assert consumer is not None
         while not self._stop.is_set():
-            messages = consumer.consume(self.batch_size, timeout=0.2)
+            messages = take(consumer, self.batch_size, 0.2)
             batch = []
             for msg in messages:
                 err = msg.error()

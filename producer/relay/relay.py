@@ -202,7 +202,9 @@ class RankRelay:
     def _step(self) -> None:
         cfg = self.config
         try:
-            got = self._link.receive(50)
+            # With batches in an open transaction, none waits for more: committed as soon
+            # as no other batch is already there (a busy engine's still share one).
+            got = self._link.receive(0 if self.txn.open else 50)
             if got is None:
                 self._tally.report()
                 if self.txn.due(idle=True):

@@ -1,8 +1,8 @@
 """`make bench`: every benchmark, each figure beside its baseline from the same run.
 
 Collects the figures in bench/results.json while it runs, then writes the run's dated
-results, bench/results/<date>.json and .md (a Markdown table), and bench/results/latest.md,
-which the README links: the one place the figures are stated. Needs the services
+results, bench/results/<date>.json and .md (a Markdown table): the one place the figures
+are stated. Needs the services
 (KVLEDGER_KAFKA_BOOTSTRAP, KVLEDGER_DATABASE_URL), which `make bench` starts.
 """
 

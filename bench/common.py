@@ -44,8 +44,8 @@ def publish(
     command: str = "make bench",
 ) -> list[Path]:
     """Write one run's figures (of ``command``) as ``<date>.json`` and ``<date>.md`` (a
-    table per benchmark) in ``folder``, and the table again as ``latest.md``; returns the
-    paths written."""
+    table per benchmark) in ``folder``; returns the paths written (no copy as "latest":
+    the newest date is the newest run)."""
     when = when or datetime.now(UTC)
     folder.mkdir(parents=True, exist_ok=True)
     stamp = f"{when:%Y-%m-%d}"
@@ -69,9 +69,7 @@ def publish(
     table = "\n".join(lines) + "\n"
     as_md = folder / f"{stamp}.md"
     as_md.write_text(table)
-    latest = folder / "latest.md"
-    latest.write_text(table)
-    return [as_json, as_md, latest]
+    return [as_json, as_md]
 
 
 def _machine() -> str:

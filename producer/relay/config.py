@@ -3,6 +3,7 @@ announces (``--group IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]``)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +12,9 @@ from kvledger.schemas.events import GroupSpec
 
 # The engines whose ZMQ stream a relay reads (producer/relay/wire.py, sglang.py).
 ENGINES = ("vllm", "sglang", "trtllm")
+# What a ZMQ socket connects to: tcp://HOST:PORT (HOST a name, an address or [IPv6]),
+# ipc://PATH, inproc://NAME.
+ZMQ_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}|(ipc|inproc)://\S+)$")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,14 @@ class RelayConfig:
             raise ValueError(
                 f"a TensorRT-LLM endpoint is http(s)://HOST:PORT, not {self.endpoint!r}"
             )
+        if self.engine != "trtllm":
+            for flag, endpoint in (("--endpoint", self.endpoint),
+                                   ("--replay-endpoint", self.replay_endpoint)):  # fmt: skip
+                if endpoint is not None and not ZMQ_ENDPOINT.match(endpoint):
+                    raise ValueError(
+                        f"{flag} {endpoint!r}: a {self.engine} engine's ZMQ endpoint is "
+                        "tcp://HOST:PORT (or ipc://PATH, inproc://NAME)"
+                    )
 
     def rank_source(self, rank: int) -> str:
         return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvledger.producer.relay.config import parse_group
+from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.engine import offset_endpoint
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.wire import decode_batch, seq_of
@@ -131,6 +131,25 @@ def test_endpoints_and_group_flags() -> None:
 def test_a_group_no_consumer_would_take_is_refused_at_start(flag: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         parse_group(flag, "m")
+
+
+@pytest.mark.parametrize(
+    ("engine", "endpoint", "replay"),
+    [
+        ("vllm", "127.0.0.1:25557", None),  # no scheme: a ZMQError once it ran
+        ("sglang", "http://127.0.0.1:25557", None),
+        ("vllm", "tcp://127.0.0.1:25557", "127.0.0.1:25558"),
+        ("vllm", "tcp://host", None),
+    ],
+)
+def test_an_endpoint_no_socket_can_use_is_refused_at_start(
+    engine: str, endpoint: str, replay: str | None
+) -> None:
+    with pytest.raises(ValueError, match="ZMQ endpoint is tcp://HOST:PORT"):
+        RelayConfig(endpoint, "s", "m", "b:9092", replay_endpoint=replay, engine=engine)
+    for good in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://engine-0.svc:5557",
+                 "ipc:///tmp/kv", "inproc://kv"):  # fmt: skip
+        RelayConfig(good, "s", "m", "b:9092", engine=engine)
 
 
 @pytest.mark.parametrize("positional", [False, True], ids=["tagged maps", "positional arrays"])

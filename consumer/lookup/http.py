@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from kvledger import __version__
 from kvledger.consumer.lookup.hot import HotPath, HotRoute, Reply
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
@@ -164,15 +165,24 @@ def create_app(
         dynamo_api_ = dynamo.DynamoApi(source, silent_after)
         extra = dynamo_http.routes(dynamo_api_, refusal)
         hot.update(dynamo_http.hot_routes(dynamo_api_, allowed))
+    routes = [
+        *extra,
+        Route("/v1/match", timed("match", lookups.match, with_body=True), methods=["POST"]),
+        Route("/v1/blocks/{block_hash}", timed("blocks", lookups.block), methods=["GET"]),
+        Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", lambda _: JSONResponse(DOCUMENT), methods=["GET"]),
+    ]
+    # GET /: what this service is and what it answers (no token needed, as /openapi.json).
+    index = {
+        "service": "kvledger lookup service", "version": __version__,
+        "mode": "memory" if router is not None else "sql", "dynamo_api": dynamo_api,
+        "routes": sorted(f"{m} {r.path}" for r in routes for m in sorted(r.methods or ())
+                         if m != "HEAD"),
+        "openapi": "/openapi.json",
+    }  # fmt: skip
     app = Starlette(
-        routes=[
-            *extra,
-            Route("/v1/match", timed("match", lookups.match, with_body=True), methods=["POST"]),
-            Route("/v1/blocks/{block_hash}", timed("blocks", lookups.block), methods=["GET"]),
-            Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/openapi.json", lambda _: JSONResponse(DOCUMENT), methods=["GET"]),
-        ],
+        routes=[*routes, Route("/", lambda _: JSONResponse(index), methods=["GET"])],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )

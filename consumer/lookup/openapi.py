@@ -288,6 +288,30 @@ DOCUMENT: dict[str, Any] = {
                 },
             }
         },
+        "/": {
+            "get": {
+                "operationId": "index",
+                "summary": "What this service is, its mode and its routes (no token needed)",
+                "security": [{}],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["service", "version", "mode", "routes", "openapi"],
+                            "properties": {
+                                "service": {"type": "string"},
+                                "version": {"type": "string"},
+                                "mode": {"enum": ["sql", "memory"]},
+                                "dynamo_api": {"type": "boolean"},
+                                "routes": {"type": "array", "items": {"type": "string"}},
+                                "openapi": {"type": "string"},
+                            },
+                        },
+                        "The service",
+                    ),
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "operationId": "openapi",

@@ -136,3 +136,14 @@ def test_a_salted_prompt_is_found_over_http_given_its_salt() -> None:
 
         assert found(cache_salt="tenant-1") == [("engine-0", 2)]
         assert found() == [] and found(cache_salt="tenant-2") == []
+
+
+def test_the_root_says_what_the_service_is_and_answers(router: RouterIndex) -> None:
+    """GET / was a 404: it names the service, its mode and its routes, with no token."""
+    client = TestClient(create_app(router=router, token="s3cret"))
+    answer = client.get("/")
+    assert answer.status_code == 200
+    body = answer.json()
+    assert (body["mode"], body["openapi"]) == ("memory", "/openapi.json")
+    assert {"POST /v1/match", "GET /healthz", "GET /openapi.json"} <= set(body["routes"])
+    assert client.get(body["openapi"]).json()["paths"]["/"]["get"]["operationId"] == "index"

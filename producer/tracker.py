@@ -31,9 +31,11 @@ _warned: set[str] = set()
 
 
 def _warn_once(kind: str, message: str) -> None:
+    """Say once, at INFO, a thing the tracker does that is expected (vLLM warns it once; a
+    warning for expected behaviour only alarms: `simulate` printed two on every run)."""
     if kind not in _warned:
         _warned.add(kind)
-        logger.warning(message)
+        logger.info(message)
 
 
 OffloadKey = bytes

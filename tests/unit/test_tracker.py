@@ -440,3 +440,17 @@ def test_missing_hash_raises() -> None:
     c = cfg(16, 64, 4)
     with pytest.raises(TrackerInputError, match="missing"):
         t.record_store(req, c, 0, b"k" * 12)
+
+
+def test_a_placeholder_is_said_once_and_not_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """`simulate` printed two warnings on every run about what they called expected."""
+    import logging
+
+    from kvledger.producer import tracker as tracker_module
+
+    tracker_module._warned.clear()
+    with caplog.at_level(logging.DEBUG, logger="kvledger.producer.tracker"):
+        for _ in range(2):
+            tracker_module._warn_once("store", "no payload: a placeholder (expected)")
+    said = [r for r in caplog.records if "placeholder" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]

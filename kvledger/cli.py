@@ -147,6 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result: int = args.run(args)
+    except KeyboardInterrupt:
+        return _interrupted(args)
+    except SystemError as exc:  # Ctrl-C inside a C library's callback arrives wrapped
+        if args.verbose or not isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+            raise
+        return _interrupted(args)
     except ModuleNotFoundError as exc:
         root = (exc.name or "").split(".")[0]
         if args.verbose or root not in _EXTRA_OF:
@@ -185,6 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvledger {args.command}: {what}: {first}", file=sys.stderr)
         return 1
     return result
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """Ctrl-C: one line, not a traceback (-v shows where it was)."""
+    if args.verbose:
+        import traceback
+
+        traceback.print_exc()
+    print(f"kvledger {args.command}: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -262,3 +262,20 @@ def test_a_mistyped_topic_is_refused_not_consumed_as_empty(
     group, dlq = f"g-{uuid.uuid4().hex[:8]}", make_topic("kv-events-typo-dlq")
     assert cli([*argv, real, "--consumer-group", group, "--dlq-topic", dlq]) == 0
     assert "consumed 0 messages" in capsys.readouterr().out
+
+
+def test_ctrl_c_is_one_line_not_a_traceback(kafka_bootstrap: str, make_topic) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C in `simulate` printed a 20-line traceback (`verify` 78, `demo` 49): one line
+    now, and the shell's exit status for an interrupt."""
+    topic = make_topic("ctrl-c", partitions=12)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "kvledger", "simulate", "--topic", topic, "--bootstrap",
+         kafka_bootstrap, "--instances", "4", "--requests", "1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(4)  # publishing by now
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if "Traceback" in line or "interrupted" in line]
+    assert run.returncode == 130, err[-2000:]
+    assert lines == ["kvledger simulate: interrupted"], err[-2000:]

@@ -26,6 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse a run aimed at services off this machine unless told it may use them."""
+    from tests.helpers.local_only import ALLOW, remote_services
+
+    remote = remote_services(os.environ)
+    if remote and os.environ.get(ALLOW) != "1":
+        pytest.exit(
+            f"the tests would create and drop topics, groups and databases on services off "
+            f"this machine ({', '.join(remote)}): set {ALLOW}=1 to allow it",
+            returncode=2,
+        )
+
+
 def _unavailable(what: str, why: str) -> None:
     message = f"{what} is not available: {why}"
     if IN_CI:

@@ -72,6 +72,11 @@ def add_demo(subparsers: Subparsers) -> None:
     p.add_argument("--requests", type=COUNT, default=150, help="requests per instance")
     p.add_argument("--seed", type=int, default=7, help="the simulation's random seed")
     p.add_argument("--keep", action="store_true", help="leave the services up afterwards")
+    p.add_argument(
+        "--name", default="demo",
+        help="its database <database>_NAME, topic kv-events-NAME and group kvledger-NAME "
+        "(a-z, 0-9, _; default demo)",
+    )  # fmt: skip
     p.set_defaults(run=command("demo:run"))
 
 

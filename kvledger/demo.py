@@ -8,8 +8,9 @@ it speaks vLLM's ZMQ KV-event protocol (GPU block-pool events and CPU offloads, 
 code in it) and reaches Kafka through ``kvledger relay``, with one batch kept from its live
 stream that the relay gets back by replay.
 
-The demo works in its own database (``<database>_demo``) and its own topic
-(``kv-events-demo``), both recreated on every run, so a second run starts clean.
+The demo works in its own database (``<database>_demo``), topic (``kv-events-demo``) and
+consumer group, recreated on every run, so a second run starts clean; ``--name`` gives
+them another name (the tests run it under names of their own).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import re
 import sys
 import threading
 import time
@@ -45,14 +47,13 @@ from kvledger.schemas.topics import ensure_topic
 from kvledger.simulate_cmd import run_simulation
 from kvledger.vllm_engine import VllmWireSink, ZmqEngine
 
-TOPIC = "kv-events-demo"
-GROUP = "kvledger-demo"
+NAME = re.compile(r"^[a-z][a-z0-9_]{0,30}$")  # a database suffix, a topic's and a group's
 HIDDEN_BATCH = 40  # the relayed engine's batch kept from its live stream (a forced gap)
 
 
-def _demo_database(server_url: str) -> str:
-    name = f"{sa.engine.make_url(server_url).database or 'kvledger'}_demo"
-    return create_database(server_url, name, replace=True)
+def _demo_database(server_url: str, name: str) -> str:
+    database = f"{sa.engine.make_url(server_url).database or 'kvledger'}_{name}"
+    return create_database(server_url, database, replace=True)
 
 
 def _fresh_topics(admin: AdminClient, names: Sequence[str]) -> None:
@@ -81,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     server = settings.database_url(args.database_url)
     if args.instances < 2:
         raise SystemExit("kvledger demo: --instances must be at least 2")
+    if not NAME.match(args.name):
+        raise SystemExit(f"kvledger demo: --name {args.name!r}: a-z, 0-9 and _, a letter first")
+    # Its own topic, group and database: kv-events-<name>, kvledger-<name>, <db>_<name>.
+    topic, group = f"kv-events-{args.name}", f"kvledger-{args.name}"
     fleet = FleetConfig(
         instances=args.instances,
         requests=args.requests,
@@ -97,28 +102,28 @@ def run(args: argparse.Namespace) -> int:
     )
 
     report.section("set-up")
-    database = _demo_database(server)
+    database = _demo_database(server, args.name)
     migrate(database)
     print(f"   database {sa.engine.make_url(database).database} created and migrated")
     admin = AdminClient(client_logging({"bootstrap.servers": bootstrap, "log_level": 4}))
-    _fresh_topics(admin, [TOPIC, f"{TOPIC}.dlq"])
-    ensure_topic(admin, TOPIC, 12)
-    print(f"   topic {TOPIC} (12 partitions) and dead-letter topic {TOPIC}.dlq")
+    _fresh_topics(admin, [topic, f"{topic}.dlq"])
+    ensure_topic(admin, topic, 12)
+    print(f"   topic {topic} (12 partitions) and dead-letter topic {topic}.dlq")
 
     consumer = IndexConsumer(
         ConsumerConfig(
             bootstrap_servers=bootstrap,
             database_url=database,
-            topic=TOPIC,
-            group_id=GROUP,
-            dlq_topic=f"{TOPIC}.dlq",
+            topic=topic,
+            group_id=group,
+            dlq_topic=f"{topic}.dlq",
             batch_size=2000,
             batch_timeout_s=0.2,
         )
     )
     consumer_thread = threading.Thread(target=consumer.run, name="consumer", daemon=True)
     consumer_thread.start()
-    print("   consumer started (group kvledger-demo)")
+    print(f"   consumer started (group {group})")
     relayed = instance_ids(fleet)[fleet.instances - 1]  # the last engine is a stock one
     engine = ZmqEngine(0, 0)
     wire = VllmWireSink(engine, hide=lambda seq: seq == HIDDEN_BATCH)
@@ -129,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             source=relayed,
             model=fleet.model,
             bootstrap_servers=bootstrap,
-            topic=TOPIC,
+            topic=topic,
             groups=[group_announcement(fleet.model, g) for g in (FULL_GROUP, SLIDING_GROUP)],
         )
     )
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     report.section("publishing")
-    sim = run_simulation(bootstrap, TOPIC, fleet, partitions=12, sinks={relayed: wire})
+    sim = run_simulation(bootstrap, topic, fleet, partitions=12, sinks={relayed: wire})
     all_relayed = _finish_relay(relay, engine)
     s = sim.summary
     print(
@@ -192,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         "announcements it makes itself)"
     )
     for reason, count in sorted(c.rejected_by_reason.items()):
-        print(f"   rejected {reason}: {count} (kept with raw bytes; also in {TOPIC}.dlq)")
+        print(f"   rejected {reason}: {count} (kept with raw bytes; also in {topic}.dlq)")
     if lag != 0:
         print("kvledger demo: the consumer did not catch up", file=sys.stderr)
         return 1

@@ -3,23 +3,44 @@ alone (no log line beside it), a tie is called a tie, and its hints name command
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
+
+from kvledger.consumer.db import drop_database
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def demo_name(kafka_admin: AdminClient, database_url: str) -> Iterator[str]:
+    """A name of this test's for the demo's database, topics and group (the demo's own,
+    kvledger_demo and kv-events-demo, are a user's), removed afterwards."""
+    name = f"t_{uuid.uuid4().hex[:10]}"
+    yield name
+    topics = [f"kv-events-{name}", f"kv-events-{name}.dlq"]
+    for future in kafka_admin.delete_topics(topics).values():
+        with contextlib.suppress(Exception):
+            future.result(timeout=30)
+    server = sa.engine.make_url(database_url)
+    drop_database(database_url, f"{server.database or 'kvledger'}_{name}")
+
+
 def test_the_demo_report_reconciles_and_stands_alone(
-    kafka_bootstrap: str, database_url: str
+    kafka_bootstrap: str, database_url: str, demo_name: str
 ) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvledger", "demo", "--bootstrap", kafka_bootstrap,
-         "--database-url", database_url, "--requests", "60"],
+         "--database-url", database_url, "--requests", "60", "--name", demo_name],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -46,3 +67,4 @@ def test_the_demo_report_reconciles_and_stands_alone(
     [decision] = [ln for ln in out.splitlines() if ln.startswith("   → ")]
     assert ("-way tie at score" in decision) == (len(scores) > 1 and scores[0] == scores[1])
     assert "   .venv/bin/kvledger sources --database-url" in out and "make demo KEEP=1" in out
+    assert f"topic kv-events-{demo_name} " in out and "kvledger_demo" not in out

@@ -41,11 +41,18 @@ define with_env
 $(if $(USE_EXTERNAL),,eval "$$($(SERVICES) env)";)
 endef
 
-# KEEP=1 (or DEMO_ARGS=--keep) leaves the local services running for exploration.
-demo: services
-	@$(with_env) $(VENV)/bin/kvledger demo $(DEMO_ARGS) $(if $(KEEP),--keep,)
-	@if [ -z "$(KEEP)$(USE_EXTERNAL)" ] && ! echo "$(DEMO_ARGS)" | grep -q -- --keep; then \
-		$(SERVICES) down; fi
+# KEEP=1 (or DEMO_ARGS=--keep) leaves the local services running for exploration; without it
+# the demo stops the services it started, and only those.
+demo: venv
+ifeq ($(USE_EXTERNAL),)
+	@before="$$($(SERVICES) running)"; $(SERVICES) up || exit 1; \
+	$(with_env) $(VENV)/bin/kvledger demo $(DEMO_ARGS) $(if $(KEEP),--keep,); rc=$$?; \
+	if [ -z "$(KEEP)" ] && ! echo "$(DEMO_ARGS)" | grep -q -- --keep; then \
+		for s in kafka postgres; do case " $$before " in *" $$s "*) ;; \
+			*) $(SERVICES) down $$s ;; esac; done; fi; exit $$rc
+else
+	@$(VENV)/bin/kvledger demo $(DEMO_ARGS)
+endif
 
 lint: venv
 	@$(VENV)/bin/ruff check .

@@ -231,7 +231,7 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
     if args.keep:
         print("   the services are left running (scripts/services down stops them); in a shell:")
     else:
-        print("   `make demo` stops the services now: run `make demo KEEP=1` to explore, then:")
+        print("   `make demo` stops the services it started: `make demo KEEP=1` keeps them; then:")
     # No password on the screen: it is the one in $KVLEDGER_DATABASE_URL (scripts/services env).
     demo_url = f'"${{KVLEDGER_DATABASE_URL%/*}}/{url.database}"'
     print('   eval "$(scripts/services env)"')

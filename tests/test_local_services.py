@@ -73,3 +73,38 @@ def test_postgres_asks_for_passwords_and_the_roles_are_least_privilege() -> None
     finally:
         subprocess.run([SERVICES, "down", "postgres"], env=env, check=False)
         subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+def test_make_demo_stops_only_what_it_started() -> None:
+    """`make demo` stopped every local service at its end, the ones it found running too
+    (issue 48's item 18). On services of this test's own (ports and state folder): with
+    PostgreSQL already running, the demo starts Kafka, runs, stops Kafka alone; `status`
+    names a standby too."""
+    state = Path(tempfile.mkdtemp(prefix="kvledger-demo-"))
+    env = dict(
+        os.environ, KVLEDGER_STATE_DIR=str(state), KVLEDGER_PG_PORT=str(free_port()),
+        KVLEDGER_PG_STANDBY_PORT=str(free_port()), KVLEDGER_KAFKA_PORT=str(free_port()),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
+    )  # fmt: skip
+    for name in ("KVLEDGER_KAFKA_BOOTSTRAP", "KVLEDGER_DATABASE_URL"):
+        env.pop(name, None)
+    root = Path(SERVICES).parents[1]
+    try:
+        subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
+        subprocess.run([SERVICES, "up", "standby"], env=env, check=True)
+        status = subprocess.run(  # exit 3: Kafka is not running (yet)
+            [SERVICES, "status"], env=env, capture_output=True, text=True, check=False
+        )
+        assert "standby:    running" in status.stdout, status.stdout
+        demo = subprocess.run(
+            ["make", "--no-print-directory", "demo", "DEMO_ARGS=--requests 30 --name t_make"],
+            cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+        running = subprocess.run(
+            [SERVICES, "running"], env=env, capture_output=True, text=True, check=True
+        )
+        assert running.stdout.split() == ["postgres"], running.stdout
+    finally:
+        subprocess.run([SERVICES, "down"], env=env, check=False)
+        subprocess.run(["rm", "-rf", str(state)], check=False)

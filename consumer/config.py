@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from kvledger.consumer.retention_policy import Retention
 
 DEFAULT_GROUP = "kvledger-index"
-DEFAULT_DLQ_TOPIC = "kv-events.dlq"
+# The dead-letter topic of a topic: its name and this suffix (kv-events.dlq).
+DLQ_SUFFIX = ".dlq"
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +18,9 @@ class ConsumerConfig:
     database_url: str
     topic: str = "kv-events"
     group_id: str = DEFAULT_GROUP
-    # None: rejections are stored in rejected_events only (rebuilds, verification).
-    dlq_topic: str | None = DEFAULT_DLQ_TOPIC
+    # "": the topic's own, <topic>.dlq; None: rejections are stored in rejected_events only
+    # (rebuilds, verification).
+    dlq_topic: str | None = ""
     batch_size: int = 5000
     batch_timeout_s: float = 0.5
     until_caught_up: bool = False
@@ -50,3 +52,8 @@ class ConsumerConfig:
     # nothing is deleted (a rebuild's scratch index); partitions are still made ahead.
     retention: Retention | None = None
     retention_every_s: float = 60.0
+
+    @property
+    def dead_letter_topic(self) -> str | None:
+        """Where rejections are sent: ``dlq_topic``, or the topic's own ``<topic>.dlq``."""
+        return self.dlq_topic if self.dlq_topic != "" else self.topic + DLQ_SUFFIX

@@ -36,7 +36,8 @@ class DeadLetterProducer:
     kvledger.rejected_events either way, and the consumer never stalls on it. The topic is
     created with the cluster's default replication factor (``replication_factor=-1``) and
     ``topic_config`` (e.g. ``min.insync.replicas``), so a cluster that requires more than one
-    replica works.
+    replica works. ``derived``: the topic is the events topic's own (``<topic>.dlq``, not
+    named by the user): where the shared one of earlier releases exists, that is said.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class DeadLetterProducer:
         settings: Mapping[str, object] | None = None,
         replication_factor: int = -1,
         topic_config: Mapping[str, str] | None = None,
+        derived: bool = False,
     ) -> None:
         self.topic = topic
         self.timeout = timeout
@@ -69,6 +71,15 @@ class DeadLetterProducer:
             replication_factor=replication_factor, config=dict(topic_config or {}),
         )  # fmt: skip
         self.truncated = 0
+        # A topic's own dead-letter topic (not named by the user): earlier rejections may be
+        # in the one every topic shared before.
+        self.earlier = earlier_dead_letters(admin, topic) if derived else None
+        if self.earlier is not None:
+            logger.warning(
+                "dead letters now go to %s; before kvledger 0.3 every topic's went to %s, "
+                "which holds earlier ones (each is in kvledger.rejected_events too; "
+                "--dlq-topic %s keeps using it)", topic, self.earlier, self.earlier,
+            )  # fmt: skip
 
     def send(self, rejections: Sequence[Rejection]) -> None:
         """Produce every rejection and wait for the acknowledgements (raises on failure)."""
@@ -133,3 +144,19 @@ class DeadLetterProducer:
 
     def close(self) -> None:
         self._producer.flush(self.timeout)
+
+
+# Before kvledger 0.3 every topic's dead letters went to this one.
+SHARED_DLQ = "kv-events.dlq"
+
+
+def earlier_dead_letters(admin: AdminClient, topic: str) -> str | None:
+    """The shared dead-letter topic of earlier releases, when ``topic`` is another and that
+    one exists (it may hold this topic's earlier rejections); else None."""
+    if topic == SHARED_DLQ:
+        return None
+    try:
+        listed = admin.list_topics(SHARED_DLQ, timeout=5).topics.get(SHARED_DLQ)
+    except KafkaException:
+        return None
+    return SHARED_DLQ if listed is not None and listed.error is None else None

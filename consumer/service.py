@@ -102,10 +102,11 @@ class IndexConsumer:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.REGISTRY)
         started = time.monotonic()
         self._conn = self._connect()
-        if cfg.dlq_topic:
+        if cfg.dead_letter_topic:
             self._dlq = DeadLetterProducer(
-                cfg.bootstrap_servers, cfg.dlq_topic, settings=cfg.kafka,
+                cfg.bootstrap_servers, cfg.dead_letter_topic, settings=cfg.kafka,
                 replication_factor=cfg.dlq_replication_factor, topic_config=cfg.dlq_topic_config,
+                derived=cfg.dlq_topic == "",
             )  # fmt: skip
         self._consumer = self._new_consumer()
         retainer = None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from kvledger.consumer.config import DEFAULT_DLQ_TOPIC
 from kvledger.consumer.retention_policy import duration_arg
 from kvledger.options import add_registry_args, db_arg, log_args
 from kvledger.parsers import COUNT, NON_NEGATIVE, PORT_OR_OFF, SECONDS, add, command
@@ -48,7 +47,10 @@ def add_consumer(subparsers: Subparsers) -> None:
 
     p = add(subparsers, "consume", extra, "materialize the topic into the index")
     log_args(p, "the Kafka consumer group (its offsets live in the index)")
-    p.add_argument("--dlq-topic", default=DEFAULT_DLQ_TOPIC, help="the dead-letter topic")
+    p.add_argument(
+        "--dlq-topic", default="",
+        help="the dead-letter topic (default: the topic's own, TOPIC.dlq: kv-events.dlq)",
+    )
     p.add_argument(
         "--dlq-replication-factor", type=int, default=-1,
         help="replication factor when the consumer creates the dead-letter topic (-1: the "

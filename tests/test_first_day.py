@@ -4,6 +4,7 @@ not answer. Each answer is one clear line (or a 503 with its reason), never a tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -279,3 +280,38 @@ def test_ctrl_c_is_one_line_not_a_traceback(kafka_bootstrap: str, make_topic) ->
     lines = [line for line in err.splitlines() if "Traceback" in line or "interrupted" in line]
     assert run.returncode == 130, err[-2000:]
     assert lines == ["kvledger simulate: interrupted"], err[-2000:]
+
+
+def test_each_topic_has_its_own_dead_letter_topic(
+    kafka_bootstrap: str,
+    fresh_database: str,
+    make_topic,
+    kafka_admin,  # type: ignore[no-untyped-def]
+) -> None:
+    """The dead-letter topic was kv-events.dlq whatever --topic said (issue 48's item 15):
+    a topic's rejections now go to <topic>.dlq unless --dlq-topic names another."""
+    topic = make_topic("own-dlq", partitions=1)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(topic, b"not an envelope", b"engine-x/0")
+    producer.flush(30)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    try:
+        assert cli(["consume", "--until-caught-up", "--bootstrap", kafka_bootstrap,
+                    "--database-url", fresh_database, "--topic", topic,
+                    "--consumer-group", group]) == 0  # fmt: skip
+        from confluent_kafka import Consumer
+
+        reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group + "-r",
+                           "auto.offset.reset": "earliest"})  # fmt: skip
+        reader.subscribe([f"{topic}.dlq"])
+        got = None
+        deadline = time.monotonic() + 30
+        while got is None and time.monotonic() < deadline:
+            msg = reader.poll(0.5)
+            got = msg if msg is not None and msg.error() is None else None
+        reader.close()
+        assert got is not None and got.value() == b"not an envelope"
+    finally:
+        for future in kafka_admin.delete_topics([f"{topic}.dlq"]).values():
+            with contextlib.suppress(Exception):
+                future.result(timeout=30)

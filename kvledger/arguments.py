@@ -306,7 +306,29 @@ def add_roles(subparsers: Subparsers) -> None:
     p.set_defaults(run=command("roles_cmd:create_reader_cmd"))
 
 
-ADDERS = (add_simulate, add_consumer, add_demo, add_lookup, add_sources, add_relay, add_roles)
+def add_status(subparsers: Subparsers) -> None:
+    p = add(
+        subparsers, "status", "consumer",
+        "the index at a glance: schema, sources by state, blocks by tier, rejections pending, "
+        "and (given a broker) how far the consumer group is behind",
+    )  # fmt: skip
+    p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
+    bootstrap_arg(p, "optional: the consumer group's lag from this broker; ")
+    add_kafka_args(p)
+    p.add_argument("--topic", default=DEFAULT_TOPIC, help="the events topic")
+    p.add_argument("--consumer-group", default=DEFAULT_GROUP, help="the index's consumer group")
+    p.add_argument(
+        "--silent-after", type=seconds_arg,
+        help="how long (30, 90s, 5m) without a message after which a source is silent",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(run=command("status_cmd:run"))
+
+
+ADDERS = (
+    add_simulate, add_consumer, add_demo, add_lookup, add_sources, add_status, add_relay,
+    add_roles,
+)  # fmt: skip
 
 
 def add_commands(subparsers: Subparsers) -> None:

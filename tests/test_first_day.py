@@ -5,6 +5,7 @@ not answer. Each answer is one clear line (or a 503 with its reason), never a tr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -315,3 +316,40 @@ def test_each_topic_has_its_own_dead_letter_topic(
         for future in kafka_admin.delete_topics([f"{topic}.dlq"]).values():
             with contextlib.suppress(Exception):
                 future.result(timeout=30)
+
+
+def test_status_shows_the_index_at_a_glance(
+    kafka_bootstrap: str,
+    fresh_database: str,
+    make_topic,
+    capsys,  # type: ignore[no-untyped-def]
+) -> None:
+    """`kvledger status` (issue 48): one command for what needed several queries: the
+    schema, sources by state, blocks by tier, rejections pending, the group's lag."""
+    from kvledger.fleet import FleetConfig
+    from kvledger.simulate_cmd import run_simulation
+
+    topic = make_topic("status", partitions=3)
+    dlq = make_topic("status-dlq", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    run_simulation(kafka_bootstrap, topic, FleetConfig(instances=3, requests=20, seed=2),
+                   partitions=3, show_progress=False)  # fmt: skip
+    common = ["--database-url", fresh_database, "--bootstrap", kafka_bootstrap, "--topic", topic,
+              "--consumer-group", group]  # fmt: skip
+    assert cli(["consume", "--until-caught-up", *common, "--dlq-topic", dlq]) == 0
+    capsys.readouterr()
+    assert cli(["status", *common, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["schema"] and sum(status["sources"].values()) == 3, status
+    assert status["held"]["CPU"] + status["held"]["STORAGE"] > 0, status  # GPU ended: goodbye
+    assert status["behind"] == 0 and status["attention"] == [], status
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(topic, b"not an envelope", b"engine-x/0")
+    producer.flush(30)
+    assert cli(["status", *common]) == 0  # one message not applied yet: said, not alarming
+    assert "1 message(s) behind" in capsys.readouterr().out
+    assert cli(["consume", "--until-caught-up", *common, "--dlq-topic", dlq]) == 0
+    capsys.readouterr()
+    assert cli(["status", *common]) == 1
+    said = capsys.readouterr().out
+    assert "rejected   1 pending (undecodable 1)" in said and "kvledger dlq list" in said

@@ -1,0 +1,118 @@
+"""`kvledger status`: the index at a glance. Its database and schema, its sources by state,
+the blocks they hold by tier, the rejected events waiting, and, given a broker, how far the
+consumer group is behind the topic. Each line says what to run for more. Exit 0 when
+nothing needs an operator, 1 when something does (no schema, a rejection pending, a source
+that changed model); a consumer behind is said, not alarmed (it catches up)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from kvledger import settings
+from kvledger.consumer.admin import dlq_summary, list_sources
+from kvledger.consumer.db import connect
+
+
+@dataclass
+class Status:
+    """What `kvledger status` shows (also its --json)."""
+
+    database: str
+    schema: str | None
+    sources: dict[str, int] = field(default_factory=dict)  # state -> count
+    held: dict[str, int] = field(default_factory=dict)  # tier -> residencies
+    rejected_pending: dict[str, int] = field(default_factory=dict)  # reason -> pending
+    model_changes: list[str] = field(default_factory=list)
+    topic: str | None = None
+    consumer_group: str | None = None
+    behind: int | None = None  # messages the group has not applied (None: not asked)
+    partitions: int | None = None
+
+    @property
+    def attention(self) -> list[str]:
+        """What an operator should look at (empty: nothing)."""
+        out = []
+        if self.schema is None:
+            out.append("the index schema is missing: run `kvledger migrate`")
+        if pending := sum(self.rejected_pending.values()):
+            out.append(f"{pending} rejected event(s) pending: `kvledger dlq list`")
+        out += [f"source {s} changed model: give each model its own source id"
+                for s in self.model_changes]  # fmt: skip
+        return out
+
+
+def gather(args: argparse.Namespace) -> Status:
+    url = settings.database_url(args.database_url)
+    where = sa.engine.make_url(url)
+    window = timedelta(seconds=args.silent_after) if args.silent_after else None
+    status = Status(f"{where.database} on {where.host or 'a local socket'}:{where.port}", None)
+    with connect(url, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regclass('kvledger_migrations.version')").fetchone()
+        if found is None or found[0] is None:
+            return status
+        version = conn.execute("SELECT version_num FROM kvledger_migrations.version").fetchone()
+        status.schema = str(version[0]) if version else "?"
+        sources = list_sources(conn, window)
+        for s in sources:
+            status.sources[s.state] = status.sources.get(s.state, 0) + 1
+            for tier, n in s.held.items():
+                status.held[tier] = status.held.get(tier, 0) + n
+        status.model_changes = [s.source for s in sources if s.previous_model is not None]
+        for reason, pending, *_ in dlq_summary(conn):
+            if int(str(pending)):
+                status.rejected_pending[str(reason)] = int(str(pending))
+        if getattr(args, "bootstrap", None) or settings.from_env(settings.ENV_KAFKA):
+            status.topic, status.consumer_group = args.topic, args.consumer_group
+            rows = conn.execute(
+                "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
+                "WHERE consumer_group = %s AND kafka_topic = %s",
+                (args.consumer_group, args.topic),
+            ).fetchall()
+            stored: dict[int, int] = {int(p): int(o) for p, o in rows}
+            ends = _log_ends(args)
+            status.partitions = len(ends)
+            status.behind = sum(max(0, end - stored.get(p, 0)) for p, end in ends.items())
+    return status
+
+
+def _log_ends(args: argparse.Namespace) -> dict[int, int]:
+    from confluent_kafka.admin import AdminClient
+
+    from kvledger.schemas.kafka_log import client_logging
+    from kvledger.schemas.topics import admin_settings, partition_offsets
+
+    kafka = {**settings.kafka_settings(args), "bootstrap.servers": settings.kafka_bootstrap(args)}
+    admin = AdminClient(client_logging({**admin_settings(kafka), "log_level": 3}))
+    return partition_offsets(admin, args.topic, timeout=10)
+
+
+def run(args: argparse.Namespace) -> int:
+    status = gather(args)
+    if args.json:
+        out: dict[str, Any] = {**status.__dict__, "attention": status.attention}
+        print(json.dumps(out, indent=2))
+        return 1 if status.attention else 0
+    print(f"index      {status.database}: " + (
+        f"schema {status.schema}" if status.schema else "no kvledger schema (kvledger migrate)"
+    ))  # fmt: skip
+    if status.schema is not None:
+        states = ", ".join(f"{n} {state}" for state, n in sorted(status.sources.items()))
+        print(f"sources    {sum(status.sources.values())}" + (f" ({states})" if states else "")
+              + ": kvledger sources")  # fmt: skip
+        tiers = "  ".join(f"{t} {status.held.get(t, 0):,}" for t in ("GPU", "CPU", "STORAGE"))
+        print(f"held       {tiers} (blocks held, by tier)")
+        pending = sum(status.rejected_pending.values())
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(status.rejected_pending.items()))
+        print(f"rejected   {pending} pending" + (f" ({reasons})" if reasons else ""))
+    if status.behind is not None:
+        print(f"consumer   group {status.consumer_group} on {status.topic} "
+              f"({status.partitions} partitions): {status.behind:,} message(s) behind")  # fmt: skip
+    for line in status.attention:
+        print(f"attention  {line}")
+    return 1 if status.attention else 0

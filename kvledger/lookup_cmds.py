@@ -60,6 +60,8 @@ def serve(args: argparse.Namespace) -> int:
         # Nothing reads the client's address (no access log; tokens, not addresses, admit),
         # so uvicorn's X-Forwarded-* rewriting would be a layer per request for nothing.
         "proxy_headers": False,
+        # uvicorn's lines through kvledger's own handler (and --log-format), not its own.
+        "log_config": None,
     }  # fmt: skip
     # Dynamo's API is answered from a router index (it keeps Dynamo's block hashes): the
     # memory mode's own, or, beside the SQL mode, one of its own.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import ssl
@@ -649,3 +650,20 @@ def test_an_admin_with_createrole_alone_can_make_and_remake_the_reader(
         with connect(superuser, autocommit=True) as conn:
             conn.execute(f"DROP ROLE IF EXISTS {admin}_r")
             conn.execute(f"DROP ROLE {admin}")
+
+
+def test_json_logs_are_json_from_uvicorn_too(fresh_database: str, as_reader) -> None:  # type: ignore[no-untyped-def]
+    """`--log-format json serve` still let uvicorn print its own plain lines (issue 48's
+    item 10): every line on stderr is a JSON object now, uvicorn's included."""
+    port = free_port()
+    proc = spawn(
+        [sys.executable, "-m", "kvledger", "--log-format", "json", "serve", "--database-url",
+         as_reader(fresh_database), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert first_answer(f"http://127.0.0.1:{port}/healthz", "the service").status_code == 200
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    lines = err.splitlines()
+    records = [json.loads(line) for line in lines]  # raises on a line that is not JSON
+    assert any(r["logger"].startswith("uvicorn") for r in records), lines

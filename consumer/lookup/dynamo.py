@@ -362,6 +362,13 @@ class DynamoApi:
 
     def register(self, raw: bytes) -> Answer:
         body = json_object(raw)
+        missing = [f for f in ("instance_id", "model_name", "endpoint", "block_size")
+                   if f not in body]  # fmt: skip
+        if missing:  # all of them at once, not one 422 at a time
+            fields = ", ".join(f"`{f}`" for f in missing)
+            raise DynamoRequestError(
+                422, f"Failed to deserialize the JSON body: missing field(s) {fields}"
+            )
         wid = int_field([field(body, "instance_id", int)], "instance_id", 0, 1 << 64, 1)[0]
         model = _bounded(field(body, "model_name", str), "model_name")
         endpoint = _bounded(field(body, "endpoint", str), "endpoint", MAX_ENDPOINT_CHARS)

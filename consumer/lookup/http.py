@@ -41,7 +41,7 @@ from kvledger import __version__
 from kvledger.consumer.lookup.hot import HotPath, HotRoute, Reply
 from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
 from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
-from kvledger.consumer.lookup.openapi import DOCUMENT
+from kvledger.consumer.lookup.openapi import document
 from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
 from kvledger.consumer.lookup.routes import Answer, Lookups, answer
 from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
@@ -165,13 +165,14 @@ def create_app(
         dynamo_api_ = dynamo.DynamoApi(source, silent_after)
         extra = dynamo_http.routes(dynamo_api_, refusal)
         hot.update(dynamo_http.hot_routes(dynamo_api_, allowed))
+    openapi = document(dynamo_api)
     routes = [
         *extra,
         Route("/v1/match", timed("match", lookups.match, with_body=True), methods=["POST"]),
         Route("/v1/blocks/{block_hash}", timed("blocks", lookups.block), methods=["GET"]),
         Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/openapi.json", lambda _: JSONResponse(DOCUMENT), methods=["GET"]),
+        Route("/openapi.json", lambda _: JSONResponse(openapi), methods=["GET"]),
     ]
     # GET /: what this service is and what it answers (no token needed, as /openapi.json).
     index = {

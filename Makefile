@@ -20,6 +20,8 @@ venv: $(VENV)/.installed
 CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs rust/src/*/*.rs)
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing kvledger into $(VENV) and building its compiled core (rust/):" \
+		"a minute or two the first time, seconds after"
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	@$(if $(filter true,$(CI)),KVLEDGER_REQUIRE_CORE=1) $(PY) -m pip install -q \
 		--disable-pip-version-check -c constraints.txt -e '.[dev]'

@@ -30,10 +30,21 @@ def section(title: str) -> None:
 
 def sql(conn: psycopg.Connection, title: str, query: str, params: Sequence[object] = ()) -> None:
     section(title)
-    print("   " + "\n   ".join(line for line in query.strip().splitlines()))
+    print("   " + "\n   ".join(line for line in pasteable(query, params).strip().splitlines()))
     cur = conn.execute(query, params)
     header = [d.name for d in cur.description or []]
     print_table(header, cur.fetchall(), indent="   ")
+
+
+def pasteable(query: str, params: object) -> str:
+    """The query as psql takes it: each ``%(name)s`` replaced by its value as an SQL string
+    literal (the report printed the placeholders, which psql cannot run)."""
+    if not isinstance(params, dict):
+        return query
+    for name, value in params.items():
+        literal = "'" + str(value).replace("'", "''") + "'"
+        query = query.replace(f"%({name})s", literal)
+    return query
 
 
 def relayed(

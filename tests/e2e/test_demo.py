@@ -68,3 +68,5 @@ def test_the_demo_report_reconciles_and_stands_alone(
     assert ("-way tie at score" in decision) == (len(scores) > 1 and scores[0] == scores[1])
     assert "   .venv/bin/kvledger sources --database-url" in out and "make demo KEEP=1" in out
     assert f"topic kv-events-{demo_name} " in out and "kvledger_demo" not in out
+    # Every SQL statement printed can be pasted into psql: no driver placeholders.
+    assert "%(" not in out and "WHERE r.instance = 'engine-" in out

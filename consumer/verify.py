@@ -200,6 +200,9 @@ class VerifyResult:
     # Partitions whose log no longer starts at offset 0 (the topic's retention deleted
     # records): what only those said is in the live index and cannot be in the rebuild.
     log_starts: dict[int, int] = field(default_factory=dict)
+    # The other topics the live index was fed from (its consumer offsets): a rebuild from
+    # one topic cannot hold what they said.
+    other_topics: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -229,6 +232,10 @@ def verify(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
             targets = stored_offsets(live, group, topic)
+            others = [str(t) for (t,) in live.execute(
+                "SELECT DISTINCT kafka_topic FROM kvledger.consumer_offsets "
+                "WHERE kafka_topic <> %s ORDER BY 1", (topic,),
+            ).fetchall()]  # fmt: skip
         summary = _replay_log(
             bootstrap,
             scratch_url,
@@ -247,7 +254,7 @@ def verify(
         return VerifyResult(
             diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()},
             windows, {t: (out_live[t], out_rebuilt[t]) for t in filters},
-            starts,
+            starts, others,
         )  # fmt: skip
     finally:
         if created:

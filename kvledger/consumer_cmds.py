@@ -275,6 +275,7 @@ def verify_cmd(args: argparse.Namespace) -> int:
             "rows": result.rows,
             "retained_since": result.windows,
             "log_starts": {str(p): o for p, o in result.log_starts.items()},
+            "other_topics": result.other_topics,
             "not_compared": {t: {"live": a, "rebuilt": b}
                              for t, (a, b) in result.not_compared.items()},
             "differences": [
@@ -304,6 +305,13 @@ def verify_cmd(args: argparse.Namespace) -> int:
         print(f"verify: OK — the index equals the rebuild ({rows})")
         return 0
     print("verify: DIFFERENT")
+    if result.other_topics:
+        print(
+            f"  the index was also fed from {', '.join(result.other_topics)} (its consumer "
+            f"offsets): verify rebuilds from {args.topic} alone, so what those topics said "
+            "shows as a difference; an index fed from several topics cannot be verified "
+            "against one"
+        )
     for d in result.differences:
         print(
             f"  {d.table}: {len(d.only_live)} row(s) only in the live index, "

@@ -106,6 +106,15 @@ def test_verify_detects_tampering_and_rebuild_repairs(
     assert {(d["table"], d["only_live"], d["only_rebuilt"]) for d in report["differences"]} >= {
         ("residencies", 1, 1), ("blocks", 0, 1),
     }  # fmt: skip
+    # Fed from a second topic too, the index cannot equal a rebuild from one: and verify
+    # says why (it used to fail with no hint, issue 48's item 17).
+    other = make_topic("verify-other", partitions=6)
+    assert _produced(_producer_process(kafka_bootstrap, other, 5, 100000)) > 0
+    consume(kafka_bootstrap, fresh_database, other, group_id)
+    assert cli(["verify", *args]) == 1
+    assert f"the index was also fed from {other} " in capsys.readouterr().out
+    with connect(fresh_database, autocommit=True) as conn:
+        conn.execute("DELETE FROM kvledger.consumer_offsets WHERE kafka_topic = %s", (other,))
     assert cli(["rebuild", *args]) == 2  # needs --yes
     assert cli(["rebuild", *args, "--yes"]) == 0
     assert cli(["verify", *args]) == 0

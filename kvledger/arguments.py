@@ -325,9 +325,18 @@ def add_status(subparsers: Subparsers) -> None:
     p.set_defaults(run=command("status_cmd:run"))
 
 
+def add_completion(subparsers: Subparsers) -> None:
+    p = add(
+        subparsers, "completion", "",
+        "a shell completion script: eval \"$(kvledger completion bash)\" in ~/.bashrc",
+    )  # fmt: skip
+    p.add_argument("shell", choices=("bash", "zsh"), help="the shell")
+    p.set_defaults(run=command("completion:run"))
+
+
 ADDERS = (
     add_simulate, add_consumer, add_demo, add_lookup, add_sources, add_status, add_relay,
-    add_roles,
+    add_roles, add_completion,
 )  # fmt: skip
 
 

@@ -128,7 +128,17 @@ class JsonFormatter(logging.Formatter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    from kvledger import envopts
+    from kvledger.config_file import ConfigFileError, check, load
+
+    try:
+        found, named = load()  # before the parser binds the environment to its options
+        parser = build_parser()
+        if found is not None:
+            check(found, named, envopts.known(parser))
+    except ConfigFileError as exc:
+        print(f"kvledger: the config file: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(

@@ -44,6 +44,21 @@ def bind(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = No
             action.help = f"{text} [env {name}{_default(action)}]"
 
 
+def known(parser: argparse.ArgumentParser) -> set[str]:
+    """Every variable an option of ``parser`` reads: its own, and the shared settings its
+    help names (``$KVLEDGER_…``), each also as ``…_FILE``."""
+    import re
+
+    out: set[str] = set()
+    for command, sub in [([], parser), *_commands(parser, [])]:
+        for action in sub._actions:
+            if not action.option_strings:
+                continue
+            out.add(variable(command, action.option_strings[-1]))
+            out.update(re.findall(r"\$(KVLEDGER_[A-Z0-9_]+)", action.help or ""))
+    return out | {f"{name}_FILE" for name in out}
+
+
 def _commands(
     parser: argparse.ArgumentParser, path: list[str]
 ) -> Iterator[tuple[list[str], argparse.ArgumentParser]]:

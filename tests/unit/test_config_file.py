@@ -1,0 +1,78 @@
+"""kvledger/config_file.py (issue 48's item 22): settings from a TOML file, under the
+environment and the command line, each key checked against the options that read it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvledger.cli import build_parser
+from kvledger.config_file import ConfigFileError, check, load
+from kvledger.envopts import known
+
+FILE = """
+kafka-bootstrap = "broker1:9092"
+[consume]
+batch-size = 2000
+until-caught-up = true
+[relay]
+group = ["0:full_attention:16", "1:sliding_window:16"]
+[groups.declare]
+model = "m"
+"""
+
+
+def test_the_file_fills_what_the_environment_does_not_hold(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text(FILE)
+    env = {"KVLEDGER_CONFIG": str(tmp_path / "c.toml"), "KVLEDGER_CONSUME_BATCH_SIZE": "7"}
+    found, named = load(env)
+    assert found == tmp_path / "c.toml"
+    assert env["KVLEDGER_CONSUME_BATCH_SIZE"] == "7"  # the environment wins
+    assert env["KVLEDGER_KAFKA_BOOTSTRAP"] == "broker1:9092"
+    assert env["KVLEDGER_CONSUME_UNTIL_CAUGHT_UP"] == "true"
+    assert env["KVLEDGER_RELAY_GROUP"] == "0:full_attention:16,1:sliding_window:16"
+    assert env["KVLEDGER_GROUPS_DECLARE_MODEL"] == "m"
+    check(found, named, known(build_parser()))  # every key is read by some option
+
+
+def test_the_users_file_is_read_when_present(tmp_path: Path) -> None:
+    assert load({"XDG_CONFIG_HOME": str(tmp_path)}) == (None, [])
+    (tmp_path / "kvledger").mkdir()
+    (tmp_path / "kvledger" / "config.toml").write_text("[serve]\nport = 9001\n")
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    assert load(env)[0] is not None and env["KVLEDGER_SERVE_PORT"] == "9001"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("[consume]\nbatch-sise = 3\n", "did you mean $KVLEDGER_CONSUME_BATCH_SIZE"),
+        ("[consume\n", "is not TOML"),
+        ("[serve]\nport = 1979-05-27\n", "is not a setting's value"),
+    ],
+)
+def test_a_file_no_command_can_read_is_refused_in_one_line(
+    tmp_path: Path, text: str, why: str
+) -> None:
+    (tmp_path / "c.toml").write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvledger", "status"], capture_output=True, text=True,
+        env={"KVLEDGER_CONFIG": str(tmp_path / "c.toml"), "PATH": "/usr/bin:/bin"},
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 2 and why in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_flag_wins_over_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "c.toml").write_text("[consume]\nbatch-size = 2000\n")
+    monkeypatch.setenv("KVLEDGER_CONFIG", str(tmp_path / "c.toml"))
+    monkeypatch.delenv("KVLEDGER_CONSUME_BATCH_SIZE", raising=False)
+    load()
+    parser = build_parser()
+    assert parser.parse_args(["consume"]).batch_size == 2000
+    assert parser.parse_args(["consume", "--batch-size", "5"]).batch_size == 5
+    with pytest.raises(ConfigFileError):
+        check(tmp_path, [("KVLEDGER_NOPE", "nope")], known(parser))

@@ -48,7 +48,8 @@ def add_consumer(subparsers: Subparsers) -> None:
     p = add(subparsers, "consume", extra, "materialize the topic into the index")
     log_args(p, "the Kafka consumer group (its offsets live in the index)")
     p.add_argument(
-        "--dlq-topic", default="",
+        "--dlq-topic",
+        default="",
         help="the dead-letter topic (default: the topic's own, TOPIC.dlq: kv-events.dlq)",
     )
     p.add_argument(

@@ -20,7 +20,6 @@ as true or false. The file's values fill the environment of this process only.
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,8 @@ def load(
     found = path(env)
     if found is None:
         return None, []
+    import tomllib  # only when there is a file: every command's start-up counts
+
     try:
         data = tomllib.loads(found.read_text())
     except (OSError, UnicodeDecodeError) as exc:

@@ -212,6 +212,7 @@ FROM kvledger.instance_footprint
 WHERE group_idx = 0 ORDER BY instance, medium, ownership
 """,
         )
+        report.misconfigured(conn)
         report.sql(
             conn,
             "top shared prefixes (view kvledger.hottest_prefixes)",

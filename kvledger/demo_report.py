@@ -160,6 +160,25 @@ GROUP BY r.medium ORDER BY r.medium
     )
 
 
+def misconfigured(conn: psycopg.Connection) -> None:
+    """Why the misconfigured engine holds anything at all: which of its group-0 blocks the
+    index took (partial tails, whose size is the group's hash size, and placeholders)."""
+    row = conn.execute(
+        "SELECT count(*) FILTER (WHERE b.partial), count(*) FILTER (WHERE b.block_size = 0), "
+        "count(*) FROM kvledger.residencies r JOIN kvledger.blocks b "
+        "USING (model, group_idx, block_hash) "
+        "WHERE r.instance = 'engine-misconfigured' AND r.group_idx = 0"
+    ).fetchone()
+    partial, placeholders, held = row if row is not None else (0, 0, 0)
+    if held:
+        print(
+            f"   engine-misconfigured holds {held} group-0 block(s) all the same: {partial} "
+            f"partial tail(s) (16 tokens, the group's hash size: valid) and {placeholders} "
+            "placeholder(s); each of its full stores (16-token blocks where the group says "
+            "32) was refused (the last audit below)"
+        )
+
+
 def audits(conn: psycopg.Connection) -> None:
     row = conn.execute(
         "SELECT min(stored_at), max(coalesce(removed_at, stored_at)) "
@@ -181,6 +200,11 @@ WHERE instance = 'engine-1' AND medium = 'CPU' AND ownership = ''
 """,
         {"at": middle},  # type: ignore[arg-type]
     )
+    if middle is not None:  # under the audit it explains, not the next one
+        print(
+            f"   (the middle of the run: {middle:%H:%M:%S.%f}; runs spanned "
+            f"{(last - first) / timedelta(seconds=1):.2f} s of event time)"
+        )
     sql(
         conn,
         "audit: which sources sent events the index refused, and why?",
@@ -190,8 +214,3 @@ FROM kvledger.rejected_events
 GROUP BY source, reason ORDER BY events DESC
 """,
     )
-    if middle is not None:
-        print(
-            f"   (the middle of the run: {middle:%H:%M:%S.%f}; runs spanned "
-            f"{(last - first) / timedelta(seconds=1):.2f} s of event time)"
-        )

@@ -68,5 +68,10 @@ def test_the_demo_report_reconciles_and_stands_alone(
     assert ("-way tie at score" in decision) == (len(scores) > 1 and scores[0] == scores[1])
     assert "   .venv/bin/kvledger sources --database-url" in out and "make demo KEEP=1" in out
     assert f"topic kv-events-{demo_name} " in out and "kvledger_demo" not in out
+    # Each line under the section it explains: the misconfigured engine's blocks are said to
+    # be its partial tails, and the run's middle sits under the audit that uses it.
+    assert "engine-misconfigured holds" in out and "partial tail(s)" in out
+    middle, refused = out.index("(the middle of the run:"), out.index("== audit: which sources")
+    assert out.index("== audit: what did engine-1 hold") < middle < refused
     # Every SQL statement printed can be pasted into psql: no driver placeholders.
     assert "%(" not in out and "WHERE r.instance = 'engine-" in out

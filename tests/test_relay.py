@@ -692,3 +692,37 @@ def test_the_kafka_settings_reach_every_client(
         )  # fmt: skip
         assert done.returncode == 1, (command[0], done.stderr[-2000:])
         assert "No such configuration property" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_relay_says_its_engine_is_there_as_it_starts(
+    kafka_bootstrap: str, topic: str, engines: list[ZmqEngine]
+) -> None:
+    """A relay restarted after the index's liveness window left its live engine silent
+    until its first heartbeat interval passed (the lab's relay restart: the engine dropped
+    from answers). It heartbeats once resynchronised."""
+    from confluent_kafka import Consumer
+
+    from kvledger.schemas.codec import Codec
+    from kvledger.schemas.events import Heartbeat
+
+    engine = engine_pair(engines)
+    config = dataclasses.replace(
+        relay_config(engine, kafka_bootstrap, topic, "prompt"), heartbeat_interval_s=600.0
+    )
+    relay = run_relay(config)
+    try:
+        reader = Consumer({
+            "bootstrap.servers": kafka_bootstrap, "group.id": f"hb-{time.time_ns()}",
+            "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+        })  # fmt: skip
+        reader.subscribe([topic])
+        codec, beats = Codec(), 0
+        deadline = time.monotonic() + 20
+        while not beats and time.monotonic() < deadline:
+            msg = reader.poll(0.5)
+            if msg is not None and msg.error() is None:
+                beats += isinstance(codec.decode(msg.value()).event, Heartbeat)
+        reader.close()
+    finally:
+        relay.stop()
+    assert beats == 1  # long before the 600 s interval

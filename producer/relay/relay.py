@@ -24,9 +24,10 @@ thread). Its loop:
    its successor resumes after the last whole one. When Kafka is unreachable the relay stops
    reading (ZMQ's bounded queue then drops live batches), keeps retrying, and, once Kafka is
    back, replays from the last committed batch. It never exits on a broker outage.
-5. Idle: every ``heartbeat_interval_s`` (0: never) without batches it probes the engine's
-   replay socket; an answer (which would also bring any missed batch) is published as a
-   Heartbeat, silence is left silent. Stopping the relay is not the engine's goodbye: none is sent.
+5. Idle: at start, then every ``heartbeat_interval_s`` (0: never) without batches, it probes
+   the engine's replay socket; an answer (which would also bring any missed batch) is
+   published as a Heartbeat, silence is left silent. Stopping the relay is not the engine's
+   goodbye: none is sent.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class RankRelay:
         try:
             self.txn.connect()
             self._resync_at_start()
+            if cfg.heartbeat_interval_s > 0:
+                # Say at once that the engine is there: a relay restarted after the index's
+                # liveness window would otherwise leave its live engine silent until the
+                # first interval passed.
+                self._probe()
             self.ready.set()
             while not self._stop.is_set():
                 self._step()

@@ -302,8 +302,10 @@ def test_each_topic_has_its_own_dead_letter_topic(
                     "--consumer-group", group]) == 0  # fmt: skip
         from confluent_kafka import Consumer
 
-        reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group + "-r",
-                           "auto.offset.reset": "earliest"})  # fmt: skip
+        reader = Consumer({
+            "bootstrap.servers": kafka_bootstrap, "group.id": group + "-r",
+            "auto.offset.reset": "earliest", "enable.auto.commit": False,
+        })  # fmt: skip
         reader.subscribe([f"{topic}.dlq"])
         got = None
         deadline = time.monotonic() + 30

@@ -714,6 +714,7 @@ def test_a_relay_says_its_engine_is_there_as_it_starts(
         reader = Consumer({
             "bootstrap.servers": kafka_bootstrap, "group.id": f"hb-{time.time_ns()}",
             "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+            "enable.auto.commit": False,
         })  # fmt: skip
         reader.subscribe([topic])
         codec, beats = Codec(), 0

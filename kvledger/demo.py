@@ -186,15 +186,16 @@ def run(args: argparse.Namespace) -> int:
     )
     with connect(database, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*), count(*) FILTER (WHERE event_type = 'GroupSpec') "
+            "SELECT count(*), count(*) FILTER (WHERE event_type = 'GroupSpec'), "
+            "count(*) FILTER (WHERE event_type = 'Heartbeat') "
             "FROM kvledger.events WHERE source = %s",
             (relayed,),
         ).fetchone()
-    from_relay, announced = row if row is not None else (0, 0)
+    from_relay, announced, beats = row if row is not None else (0, 0, 0)
     print(
         f"   = {sim.produced} the simulated engines' publishers produced + {from_relay} from "
-        f"the relay ({from_relay - announced} of {relayed}'s events, {announced} group "
-        "announcements it makes itself)"
+        f"the relay ({from_relay - announced - beats} of {relayed}'s events, {announced} group "
+        f"announcements and {beats} heartbeat(s) it makes itself)"
     )
     for reason, count in sorted(c.rejected_by_reason.items()):
         print(f"   rejected {reason}: {count} (kept with raw bytes; also in {topic}.dlq)")

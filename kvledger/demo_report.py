@@ -84,7 +84,7 @@ GROUP BY r.medium ORDER BY r.medium
     ).fetchone()
     print(
         f"   {row[0] if row else 0} of its messages applied (the relayed events and the relay's "
-        "own group announcements); nothing recorded lost"
+        "own group announcements and heartbeats); nothing recorded lost"
     )
 
 

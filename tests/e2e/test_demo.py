@@ -53,13 +53,14 @@ def test_the_demo_report_reconciles_and_stands_alone(
     read = re.search(r"   (\d+) messages: (\d+) applied, (\d+) rejected, (\d+) duplicate", out)
     parts = re.search(
         r"   = (\d+) the simulated engines' publishers produced \+ (\d+) from the relay \((\d+) "
-        r"of engine-\d's events, (\d+) group announcements",
+        r"of engine-\d's events, (\d+) group announcements and (\d+) heartbeat",
         out,
     )
     produced = re.search(r"   (\d+) messages produced, (\d+) acknowledged", out)
     assert read and parts and produced, out
     assert int(read[1]) == int(parts[1]) + int(parts[2]) == int(read[2]) + int(read[3])
-    assert int(parts[1]) == int(produced[1]) and int(parts[2]) == int(parts[3]) + int(parts[4])
+    assert int(parts[1]) == int(produced[1])
+    assert int(parts[2]) == int(parts[3]) + int(parts[4]) + int(parts[5])
     relayed = re.search(r"(\d+) messages relayed", out)
     assert relayed and int(relayed[1]) == int(parts[3])
     # The decision says "tie" exactly when the two best scores are equal.

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.arguments_consumer import add_consumer
 from kvledger.consumer.config import DEFAULT_GROUP
-from kvledger.consumer.retention_policy import duration_arg, seconds_arg
+from kvledger.consumer.retention_policy import duration_arg
 from kvledger.options import (
     DEFAULT_MODEL,
     DEFAULT_PARTITIONS,
@@ -20,6 +20,7 @@ from kvledger.options import (
     add_kafka_args,
     add_registry_args,
     bootstrap_arg,
+    silent_after_arg,
 )
 from kvledger.parsers import (
     COUNT,
@@ -138,12 +139,7 @@ def add_lookup(subparsers: Subparsers) -> None:
         "head is closed (default 4096)",
     )  # fmt: skip
     p.add_argument("--pool-size", type=COUNT, default=8, help="database connections at most")
-    p.add_argument(
-        "--silent-after",
-        type=seconds_arg,
-        help="how long (30, 90s, 5m) after which a silent source leaves routing answers (else the "
-        "database's kvledger.silent_after, 30 s by default)",
-    )
+    silent_after_arg(p, "after which a silent source leaves routing answers")
     p.add_argument(
         "--block-retention", type=duration_arg, default="1d", metavar="D",
         help="with --memory or --dynamo-api: forget a block this long after it was last "
@@ -165,12 +161,7 @@ def add_lookup(subparsers: Subparsers) -> None:
     p.add_argument(
         "--include-silent", action="store_true", help="also holders whose source is not live"
     )
-    p.add_argument(
-        "--silent-after",
-        type=seconds_arg,
-        help="how long (30, 90s, 5m) after which a silent source is left out (else the "
-        "database's window)",
-    )
+    silent_after_arg(p, "after which a silent source is left out")
     p.add_argument(
         "--json", action="store_true",
         help='{"holders": [...], "ranked": [...]} as JSON (the HTTP API\'s shapes)',
@@ -184,12 +175,7 @@ def add_sources(subparsers: Subparsers) -> None:
         "every source: live, silent, closed or restarted; epoch, last seen, gaps, blocks",
     )  # fmt: skip
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
-    p.add_argument(
-        "--silent-after",
-        type=seconds_arg,
-        help="how long (30, 90s, 5m) without a message after which a source is silent (else the "
-        "database's kvledger.silent_after, 30 s by default)",
-    )
+    silent_after_arg(p, "without a message after which a source is silent")
     p.add_argument("--json", action="store_true", help="one JSON object per source, as a list")
     p.set_defaults(run=command("sources_cmd:run"))
 
@@ -317,10 +303,7 @@ def add_status(subparsers: Subparsers) -> None:
     add_kafka_args(p)
     p.add_argument("--topic", default=DEFAULT_TOPIC, help="the events topic")
     p.add_argument("--consumer-group", default=DEFAULT_GROUP, help="the index's consumer group")
-    p.add_argument(
-        "--silent-after", type=seconds_arg,
-        help="how long (30, 90s, 5m) without a message after which a source is silent",
-    )  # fmt: skip
+    silent_after_arg(p, "without a message after which a source is silent")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(run=command("status_cmd:run"))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from kvledger.consumer.config import DEFAULT_GROUP
+from kvledger.consumer.retention_policy import seconds_arg
 from kvledger.settings import ENV_KAFKA, ENV_KAFKA_CONFIG, ENV_REGISTRY, ENV_REGISTRY_CONFIG
 
 # The defaults of modules that import Kafka's client or more (tests/unit/test_cli_help.py
@@ -72,3 +73,12 @@ def log_args(p: argparse.ArgumentParser, group_help: str) -> None:
     add_registry_args(p)
     p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic of events")
     p.add_argument("--consumer-group", dest="group", default=DEFAULT_GROUP, help=group_help)
+
+
+def silent_after_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """--silent-after, the liveness window (units or plain seconds), ``what`` it decides."""
+    p.add_argument(
+        "--silent-after", type=seconds_arg,
+        help=f"how long (30, 90s, 5m) {what} (else the database's kvledger.silent_after, 30 s "
+        "by default)",
+    )  # fmt: skip

@@ -549,21 +549,11 @@ def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader
     API gives."""
     import json
 
-    import jsonschema
-    from openapi_spec_validator import validate
-    from referencing import Registry, Resource
-
     from kvledger.client import LookupClient, LookupServiceError
     from kvledger.consumer.lookup.openapi import DOCUMENT
+    from tests.helpers.openapi import conformance
 
-    validate(DOCUMENT)
-    registry = Registry().with_resource("urn:api", Resource.from_contents(
-        {"$schema": "https://json-schema.org/draft/2020-12/schema", **DOCUMENT}
-    ))  # fmt: skip
-
-    def conforms(body: object, schema: str) -> None:
-        ref = {"$ref": f"urn:api#/components/schemas/{schema}"}
-        jsonschema.Draft202012Validator(ref, registry=registry).validate(body)
+    conforms = conformance(DOCUMENT)
 
     url, fleet, _ = filled
     tokens = system_prompts(fleet)[0] + [7, 8, 9]

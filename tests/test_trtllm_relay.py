@@ -39,6 +39,15 @@ def serve() -> Iterator[TrtllmServe]:
     s.close()
 
 
+def trtllm_relay(serve: TrtllmServe, bootstrap: str, topic: str) -> Relay:
+    """A relay polling ``serve`` every 50 ms (not started)."""
+    return Relay(RelayConfig(
+        endpoint=serve.endpoint, source=SOURCE, model=MODEL, bootstrap_servers=bootstrap,
+        topic=topic, groups=[parse_group("0:full_attention:4", MODEL)], engine="trtllm",
+        poll_interval_s=0.05, heartbeat_interval_s=1.0,
+    ))  # fmt: skip
+
+
 def relayed(relay: Relay, serve: TrtllmServe, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while relay.ranks[0].committed_seq != serve.next_id - 1 or serve.queue:
@@ -55,11 +64,7 @@ def test_a_trtllm_engines_life_through_the_relay_equals_the_truth(
     serve.emit({"type": "created", "num_blocks_per_cache_level": [128, 512]})
     system = serve.store()
     serve.store(system[-1])
-    relay = Relay(RelayConfig(
-        endpoint=serve.endpoint, source=SOURCE, model=MODEL, bootstrap_servers=kafka_bootstrap,
-        topic=topic, groups=[parse_group("0:full_attention:4", MODEL)], engine="trtllm",
-        poll_interval_s=0.05, heartbeat_interval_s=1.0,
-    ))  # fmt: skip
+    relay = trtllm_relay(serve, kafka_bootstrap, topic)
     relay.start()
     lost: set[tuple[int, int]] = set()
     try:
@@ -116,11 +121,7 @@ def test_no_event_stops_the_relay(
     list or an object, and an id at the end of the range after a gap (its 2**63 lost events
     drove the lost-batches counter to 9.2e18). Each is recorded lost; the relay goes on."""
     topic = make_topic("trtllm-odd", partitions=3)  # type: ignore[operator]
-    relay = Relay(RelayConfig(
-        endpoint=serve.endpoint, source=SOURCE, model=MODEL, bootstrap_servers=kafka_bootstrap,
-        topic=topic, groups=[parse_group("0:full_attention:4", MODEL)], engine="trtllm",
-        poll_interval_s=0.05, heartbeat_interval_s=1.0,
-    ))  # fmt: skip
+    relay = trtllm_relay(serve, kafka_bootstrap, topic)
     relay.start()
     try:
         assert relay.ready(60)

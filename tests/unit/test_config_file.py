@@ -3,6 +3,7 @@ environment and the command line, each key checked against the options that read
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,8 +71,11 @@ def test_a_flag_wins_over_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     (tmp_path / "c.toml").write_text("[consume]\nbatch-size = 2000\n")
     monkeypatch.setenv("KVLEDGER_CONFIG", str(tmp_path / "c.toml"))
     monkeypatch.delenv("KVLEDGER_CONSUME_BATCH_SIZE", raising=False)
-    load()
-    parser = build_parser()
+    try:
+        load()
+        parser = build_parser()
+    finally:  # what load() put in this process's environment goes with the test
+        os.environ.pop("KVLEDGER_CONSUME_BATCH_SIZE", None)
     assert parser.parse_args(["consume"]).batch_size == 2000
     assert parser.parse_args(["consume", "--batch-size", "5"]).batch_size == 5
     with pytest.raises(ConfigFileError):

@@ -1,9 +1,11 @@
-"""Reading a Kafka consumer promptly (the consumer's loop and the router's tail).
+"""Reading a Kafka consumer promptly (the router's tail).
 
 ``Consumer.consume(n, timeout)`` returns when ``n`` messages have arrived or ``timeout``
-has passed: on a light stream every message waited out the whole timeout before it was
-applied (the router's tail: 0.2 s; the consumer: 0.5 s). :func:`take` returns what the
-client already holds at once, else the first message to arrive and what came with it.
+has passed: on a light stream every message waited out the whole timeout (0.2 s) before
+the router applied it. :func:`take` returns what the client already holds at once, else the
+first message to arrive and what came with it. The consumer's own loop keeps filling its
+batches (each is a PostgreSQL transaction: side by side under a steady 3,000 msg/s its lag
+looked no better taking promptly, and the runs were too noisy to say it was not worse).
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
 from kvledger.consumer.inbound import Inbound, from_kafka
 from kvledger.consumer.log_loss import act_on_losses, below_start
 from kvledger.consumer.pipeline import BatchResult, run_batch
-from kvledger.consumer.polling import take
 from kvledger.consumer.retention import Retainer, ensure_partitions
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
@@ -119,7 +118,9 @@ class IndexConsumer:
             while not self._stop.is_set():
                 consumer = self._consumer
                 assert consumer is not None
-                messages = take(consumer, cfg.batch_size, cfg.batch_timeout_s)
+                # Batches are filled (each is a PostgreSQL transaction): a busy topic's stay
+                # large. The router's tail takes promptly instead (consumer/polling.py).
+                messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
                 batch: list[Inbound] = []
                 fatal = None
                 reset: set[int] = set()

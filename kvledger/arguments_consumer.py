@@ -65,8 +65,7 @@ def add_consumer(subparsers: Subparsers) -> None:
     p.add_argument("--batch-size", type=COUNT, default=5000, help="messages per transaction")
     p.add_argument(
         "--batch-timeout", type=SECONDS, default=0.5,
-        help="seconds to wait for a message when none is waiting (a batch is what is waiting, "
-        "up to --batch-size: nothing waits to fill it)",
+        help="seconds a batch may wait to fill up to --batch-size before it is applied",
     )  # fmt: skip
     p.add_argument(
         "--until-caught-up",

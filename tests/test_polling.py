@@ -1,7 +1,7 @@
 """consumer/polling.py's take() on a real broker: a message is handed over when it arrives,
 not when the batch fills or the wait runs out (``Consumer.consume(n, timeout)`` waited out
 its whole timeout for fewer than n messages, so every event of a light stream reached the
-router's index 0.2 s late, and the SQL index 0.5 s late)."""
+router's index 0.2 s late)."""
 
 from __future__ import annotations
 

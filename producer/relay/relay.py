@@ -112,12 +112,13 @@ class RankRelay:
             )
         try:
             self.txn.connect()
-            self._resync_at_start()
-            if cfg.heartbeat_interval_s > 0:
-                # Say at once that the engine is there: a relay restarted after the index's
-                # liveness window would otherwise leave its live engine silent until the
-                # first interval passed.
-                self._probe()
+            answered = self._resync_at_start()
+            if answered and cfg.heartbeat_interval_s > 0:
+                # Say at once that the engine is there (its replay socket just answered): a
+                # relay restarted after the index's liveness window would otherwise leave
+                # its live engine silent until the first interval passed.
+                self._heartbeat()
+                self._commit()
             self.ready.set()
             while not self._stop.is_set():
                 self._step()
@@ -127,7 +128,8 @@ class RankRelay:
             self.txn.close()
 
     # ------------------------------------------------------------------ resynchronising
-    def _resync_at_start(self) -> None:
+    def _resync_at_start(self) -> bool:
+        """Where the topic stands, then the engine's batches since; whether it answered."""
         position = self.txn.position
         pub = self._pub
         if position is None or position.engine_seq is None:
@@ -137,8 +139,7 @@ class RankRelay:
                 pub.epoch = self._now_ms()
             logger.info("relay %s: no engine history on the topic; replaying from 0", self.source)
             self.txn.started(None)  # what the topic already has
-            self._replay_from(0, verify=None)
-            return
+            return self._replay_from(0, verify=None)
         pub.resume(position.epoch, position.next_seqs)
         self.txn.started(position.engine_seq)
         self.sequence.relayed(position.engine_seq, position.engine_time_ms)
@@ -147,7 +148,7 @@ class RankRelay:
             "relay %s: resuming epoch %d after engine batch %d",
             self.source, position.epoch, position.engine_seq,
         )  # fmt: skip
-        self._replay_from(position.engine_seq, verify=position.engine_time_ms)
+        return self._replay_from(position.engine_seq, verify=position.engine_time_ms)
 
     def _replay_from(self, start: int, verify: int | None = None, upto: int | None = None) -> bool:
         """Ask the engine for its batches from ``start`` and relay them; what it no longer
@@ -336,14 +337,18 @@ class RankRelay:
             else:
                 answered = self._replay_from(last + 1 if last is not None else 0)
         if answered:
-            self.txn.begin()
-            pub = self._pub
-            group = min(pub.groups) if pub.groups else 0
-            interval = int(self.config.heartbeat_interval_s * 1000)
-            pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
-            self.txn.in_txn += 1
-            self._tally.behind_s = 0.0  # caught up (reported as the probe commits)
+            self._heartbeat()
         self._commit()
+
+    def _heartbeat(self) -> None:
+        """The engine answered: a Heartbeat in the open transaction (committed by the caller)."""
+        self.txn.begin()
+        pub = self._pub
+        group = min(pub.groups) if pub.groups else 0
+        interval = int(self.config.heartbeat_interval_s * 1000)
+        pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
+        self.txn.in_txn += 1
+        self._tally.behind_s = 0.0  # caught up (reported as the probe commits)
 
     # ------------------------------------------------------------------ transactions
     def _commit(self) -> None:

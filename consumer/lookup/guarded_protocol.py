@@ -133,8 +133,6 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_count = self._body_bytes = 0
-        if not self._in_head:  # a request right behind the last one's end
-            self._in_head, self._head_bytes = True, 0
         if self._timer is None:
             self._await_head(self.limits.head_timeout_s)
 

@@ -153,6 +153,24 @@ ROUTER_BLOCKS_EXPIRED = Counter(
     "retention",
     registry=REGISTRY,
 )
+REPUBLISH_BATCHES = Counter(
+    "kvledger_republish_batches_total",
+    "Batches `kvledger republish` sent on vLLM's wire (each source's, and a snapshot's each)",
+    registry=REGISTRY,
+)
+REPUBLISH_SNAPSHOTS = Counter(
+    "kvledger_republish_snapshots_total",
+    "Snapshots republished: a source's holdings restated (start-up, a subscriber joining, "
+    "a replay older than retained, a source live again)",
+    registry=REGISTRY,
+)
+REPUBLISH_REPLAYS = Counter(
+    "kvledger_republish_replays_total",
+    "Replay requests by outcome: answered, cut (the subscriber could not take the answer), "
+    "malformed (not [empty, 8-byte seq]: no answer, as vLLM)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 RETAINED_SINCE = Gauge(
     "kvledger_retained_since_seconds",
     "Unix time where each table's retained rows start (absent: never trimmed)",

@@ -255,6 +255,70 @@ def add_relay(subparsers: Subparsers) -> None:
     p.set_defaults(run=command("relay_cmd:run"))
 
 
+def add_republish(subparsers: Subparsers) -> None:
+    p = add(
+        subparsers, "republish", "republish",
+        "republish each engine's events, as the index holds them, on vLLM's ZMQ sockets",
+        description=(
+            "Follow the index (bootstrapped from the database, then the topic) and publish "
+            "each source's events in vLLM's own ZMQ protocol, so that a router made for vLLM's "
+            "stream (vllm-router's kv_aware, Dynamo's indexer, llm-d) needs only a new "
+            "address: a PUB socket and a replay ROUTER per source (--source), and one PUB "
+            "for all with topics kv@<source>@<model> (--mux-port). What the index corrects is "
+            "said too: an engine restart ends the tiers that died with it, a recorded loss "
+            "clears what the index cleared, a source silent past --silent-after is cleared "
+            "(and restated when it speaks again), a rejected event is not republished. A new "
+            "subscriber, and a replay older than what is retained, get the source's holdings "
+            "first. docs/republish.md has the details."
+        ),
+    )  # fmt: skip
+    p.add_argument(
+        "--source", action="append", default=[], metavar="NAME=PORT[:REPLAY_PORT]",
+        help="republish source NAME on a PUB socket at PORT (and its replay at REPLAY_PORT); "
+        "repeat per source",
+    )  # fmt: skip
+    p.add_argument(
+        "--mux-port", type=PORT,
+        help="also one PUB socket for every source, topics kv@<source>@<model>",
+    )  # fmt: skip
+    p.add_argument(
+        "--host", default="127.0.0.1",
+        help="interface the sockets bind (* for all, as vLLM binds tcp://*:PORT)",
+    )  # fmt: skip
+    p.add_argument(
+        "--zmq-topic", default="", help="the topic frame of each source's PUB (vLLM's `topic`)"
+    )
+    p.add_argument(
+        "--buffer-steps", type=COUNT, default=10_000,
+        help="batches each source's replay retains (vLLM's buffer_steps); older requests get "
+        "the source's holdings",
+    )  # fmt: skip
+    silent_after_arg(p, "after which a silent source is republished as holding nothing")
+    p.add_argument(
+        "--database-url",
+        help="the index to bootstrap from (else $KVLEDGER_LOOKUP_DATABASE_URL, else "
+        "$KVLEDGER_DATABASE_URL)",
+    )
+    bootstrap_arg(p)
+    add_kafka_args(p)
+    add_registry_args(p)
+    p.add_argument("--topic", default=DEFAULT_TOPIC, help="the events topic")
+    p.add_argument(
+        "--consumer-group", default=DEFAULT_GROUP,
+        help="the consumer group whose stored offsets the bootstrap snapshot is at",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-retention", type=duration_arg, default="1d", metavar="D",
+        help="forget a block this long after it was last stored or held, once no one holds "
+        "it and no block names it as its parent",
+    )  # fmt: skip
+    p.add_argument(
+        "--metrics-port", type=PORT_OR_OFF, default=0, help="serve /metrics here (0: off)"
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
+    p.set_defaults(run=command("republish_cmd:run"))
+
+
 def add_roles(subparsers: Subparsers) -> None:
     roles = add(
         subparsers, "roles", "consumer", "database roles",
@@ -319,7 +383,7 @@ def add_completion(subparsers: Subparsers) -> None:
 
 ADDERS = (
     add_simulate, add_consumer, add_demo, add_lookup, add_sources, add_status, add_relay,
-    add_roles, add_completion,
+    add_republish, add_roles, add_completion,
 )  # fmt: skip
 
 

@@ -123,7 +123,13 @@ def command(target: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _installed(extra: str) -> bool:
-    probes = _EXTRA_PROBE.values() if extra == "all" else [_EXTRA_PROBE.get(extra)]
+    probes: list[str | None]
+    if extra == "all":
+        probes = list(_EXTRA_PROBE.values())
+    elif extra == "republish":  # the consumer's and the relay's
+        probes = [_EXTRA_PROBE["consumer"], _EXTRA_PROBE["relay"]]
+    else:
+        probes = [_EXTRA_PROBE.get(extra)]
     return all(p is None or importlib.util.find_spec(p) is not None for p in probes)
 
 

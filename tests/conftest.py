@@ -258,3 +258,12 @@ def fresh_database(database_url: str) -> Iterator[str]:
         yield url
     finally:
         drop_database(database_url, name)
+
+
+@pytest.fixture
+def vllm_kv_events() -> Iterator[Any]:
+    """vLLM 0.33.0's kv_events module from its wheel (see tests/helpers/vllm_wheel.py)."""
+    from tests.helpers.vllm_wheel import vllm_module
+
+    with vllm_module("vllm.distributed.kv_events") as module:
+        yield module

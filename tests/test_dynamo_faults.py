@@ -15,16 +15,11 @@ engine holds after what it published.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from datetime import timedelta
-from types import ModuleType
-from typing import Any
 
 import httpx
 import pytest
@@ -33,123 +28,22 @@ from starlette.testclient import TestClient
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.router.index import RouterIndex
-from kvledger.producer.relay.config import RelayConfig, parse_group
-from kvledger.producer.relay.relay import Relay
-from tests.helpers.procs import free_port, spawn
-from tests.helpers.vllm_wheel import vllm_module
+from tests.helpers.scripted_engines import (
+    BLOCK,
+    CHAINS,
+    LENGTH,
+    MODEL,
+    TOKENS,
+    Engine,
+    prompts,
+    relay,
+    start_dynamo_indexer,
+    truth,
+)
 
 pytestmark = pytest.mark.integration
 if os.environ.get("CI") != "true":
     pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
-
-MODEL, BLOCK, CHAINS, LENGTH = "m", 4, 6, 8
-rng = random.Random(31)
-TOKENS = [[rng.randrange(1, 50_000) for _ in range(BLOCK * LENGTH)] for _ in range(CHAINS + 9)]
-
-
-def block_hash(chain: int, j: int) -> int:
-    """Block j of a chain, as an engine hashes it: from its tokens and all before them."""
-    prefix = repr(TOKENS[chain][: (j + 1) * BLOCK]).encode()
-    return int.from_bytes(hashlib.sha256(prefix).digest()[:8], "big") >> 1
-
-
-class Engine:
-    """One vLLM publisher and what it holds on GPU: a prefix of each chain."""
-
-    def __init__(self, kv: ModuleType, index: int, buffer_steps: int = 10_000) -> None:
-        self.kv, self.index, self.buffer_steps = kv, index, buffer_steps
-        self.port, self.replay = free_port(), free_port()
-        self.held = [0] * len(TOKENS)
-        self.publisher = self._publisher()
-
-    def _publisher(self) -> Any:
-        return self.kv.ZmqEventPublisher(
-            data_parallel_rank=0, endpoint=f"tcp://*:{self.port}",
-            replay_endpoint=f"tcp://*:{self.replay}", buffer_steps=self.buffer_steps,
-        )  # fmt: skip
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    @property
-    def replay_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay}"
-
-    def store(self, chain: int, upto: int) -> None:
-        have = self.held[chain]
-        if upto <= have:
-            return
-        self._send(self.kv.BlockStored(
-            block_hashes=[block_hash(chain, j) for j in range(have, upto)],
-            parent_block_hash=block_hash(chain, have - 1) if have else None,
-            token_ids=TOKENS[chain][have * BLOCK : upto * BLOCK], block_size=BLOCK,
-            lora_id=None, medium="GPU", lora_name=None,
-        ))  # fmt: skip
-        self.held[chain] = upto
-
-    def evict(self, chain: int, downto: int) -> None:
-        have = self.held[chain]
-        if downto >= have:
-            return
-        hashes = [block_hash(chain, j) for j in reversed(range(downto, have))]
-        self._send(self.kv.BlockRemoved(block_hashes=hashes, medium="GPU"))
-        self.held[chain] = downto
-
-    def _send(self, event: Any) -> None:
-        self.publisher.publish(self.kv.KVEventBatch(ts=time.time(), events=[event]))
-
-    def work(self, r: random.Random, batches: int, chains: range) -> None:
-        for _ in range(batches):
-            c = r.choice(chains)
-            if r.random() < 0.7:
-                self.store(c, r.randint(self.held[c] + 1, LENGTH) if self.held[c] < LENGTH else 0)
-            else:
-                self.evict(c, r.randint(0, self.held[c]))
-
-    def restart(self) -> None:
-        """A crash and a new engine on the same ports: sequence 0, nothing cached."""
-        self.publisher.shutdown()
-        time.sleep(0.5)
-        self.publisher = self._publisher()
-        self.held = [0] * len(TOKENS)
-
-    def score(self, chain: int, blocks: int) -> int:
-        return min(self.held[chain], blocks)
-
-
-def prompts() -> list[tuple[int, int, list[int]]]:
-    """(chain, full blocks of it, tokens): every chain cut at 2, 5 and 8 blocks, a tail."""
-    return [
-        (c, m, [*TOKENS[c][: m * BLOCK], 7, 7, 7])
-        for c in range(CHAINS)  # not the sentinels (see settle)
-        for m in (2, 5, LENGTH)
-    ]  # fmt: skip
-
-
-def truth(engines: list[Engine], chain: int, blocks: int) -> dict[str, dict[str, int]]:
-    out = {}
-    for e in engines:
-        if (n := e.score(chain, blocks)) > 0:
-            out[str(e.index)] = {"0": n * BLOCK}
-    return out
-
-
-@pytest.fixture
-def vllm_kv_events() -> Iterator[ModuleType]:
-    with vllm_module("vllm.distributed.kv_events") as module:
-        yield module
-
-
-def relay(engine: Engine, bootstrap: str, topic: str) -> Relay:
-    r = Relay(RelayConfig(
-        endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint,
-        source=f"engine-{engine.index}", model=MODEL, bootstrap_servers=bootstrap, topic=topic,
-        groups=[parse_group(f"0:full_attention:{BLOCK}", MODEL)], heartbeat_interval_s=1.0,
-    ))  # fmt: skip
-    r.start()
-    assert r.ready(60), "the relay did not resynchronise with its engine"
-    return r
 
 
 def test_kvledger_stays_exact_where_dynamos_indexer_does_not(
@@ -158,22 +52,7 @@ def test_kvledger_stays_exact_where_dynamos_indexer_does_not(
     kv = vllm_kv_events
     topic = make_topic("dynamo-faults", partitions=3)
     engines = [Engine(kv, 0), Engine(kv, 1), Engine(kv, 2, buffer_steps=4)]
-    dport = free_port()
-    dynamo = f"http://127.0.0.1:{dport}"
-    log = open(tmp_path / "dynamo.log", "w")  # noqa: SIM115 - the child writes it
-    spawn(
-        [sys.executable, "-m", "dynamo.indexer", "--port", str(dport), "--block-size",
-         str(BLOCK), "--model-name", MODEL],
-        stdout=log, stderr=log, env={**os.environ, "DYN_KV_INDEXER_TEST_ENDPOINTS": "1"},
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            httpx.get(f"{dynamo}/health")
-            break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, "Dynamo's indexer never answered"
-            time.sleep(0.3)
+    dynamo, _ = start_dynamo_indexer(tmp_path)
     for e in engines:
         reg = {"instance_id": e.index, "endpoint": e.endpoint, "replay_endpoint":
                e.replay_endpoint, "model_name": MODEL, "block_size": BLOCK}  # fmt: skip

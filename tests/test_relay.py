@@ -35,7 +35,6 @@ from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
 from tests.helpers.consuming import consume, residencies_of
 from tests.helpers.kafka import private_kafka
 from tests.helpers.procs import free_port, spawn
-from tests.helpers.vllm_wheel import vllm_module
 
 pytestmark = pytest.mark.integration
 
@@ -406,13 +405,6 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
 
 
 # ---------------------------------------------------------------------- vLLM's own publisher
-@pytest.fixture
-def vllm_kv_events() -> Iterator[ModuleType]:
-    """vLLM 0.33.0's kv_events module from its wheel (see tests/helpers/vllm_wheel.py)."""
-    with vllm_module("vllm.distributed.kv_events") as module:
-        yield module
-
-
 def test_vllms_own_publisher_feeds_the_index(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
     vllm_kv_events: ModuleType,

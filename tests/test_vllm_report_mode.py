@@ -12,7 +12,7 @@ event classes and ZMQ publisher; the bytes are vLLM's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from types import ModuleType
 
@@ -26,19 +26,12 @@ from kvledger.producer.relay.relay import Relay
 from kvledger.vllm_engine import removed, stored
 from tests.helpers.consuming import consume, residencies_of
 from tests.helpers.procs import free_port
-from tests.helpers.vllm_wheel import vllm_module
 
 pytestmark = pytest.mark.integration
 
 MODEL = "m"
 CHAIN = [2**64 - 101, 2**64 - 102, 2**64 - 103]  # one prompt's three blocks of 4 tokens
 TOKENS = list(range(700, 712))
-
-
-@pytest.fixture
-def vllm_kv_events() -> Iterator[ModuleType]:
-    with vllm_module("vllm.distributed.kv_events") as module:
-        yield module
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Protocol
 
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
@@ -38,7 +39,7 @@ from kvledger.consumer.lookup.api import Granularity
 from kvledger.consumer.polling import take
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
-from kvledger.consumer.router.lane import run_router_batch
+from kvledger.consumer.router.lane import LaneObserver, run_router_batch
 from kvledger.consumer.router.snapshot import load_snapshot
 from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import FencedError
@@ -99,6 +100,13 @@ class Position:
     error: str | None = None  # set when the router stopped following the topic
 
 
+class ApplyObserver(LaneObserver, Protocol):
+    """A :class:`LaneObserver` also told when each chunk has applied (under the lookups'
+    lock, so it reads the store as the chunk left it)."""
+
+    def applied(self) -> None: ...
+
+
 class RouterIndex:
     """The in-memory router index (see the module docstring)."""
 
@@ -140,6 +148,7 @@ class RouterIndex:
         self.block_retention = block_retention
         self._next_expiry = 0.0
         self.blocks_expired = 0
+        self.observer: ApplyObserver | None = None  # told what each chunk applied
 
     # ------------------------------------------------------------------ bootstrap
     def bootstrap(self, conn: psycopg.Connection) -> None:
@@ -239,8 +248,10 @@ class RouterIndex:
                 self.store.set_clock(_clock())
                 tally = run_router_batch(
                     batch[i : i + APPLY_CHUNK], self.codec, self.store, self.consumer_group,
-                    read_from=read_from,
+                    read_from=read_from, observer=self.observer,
                 )  # fmt: skip
+                if self.observer is not None:
+                    self.observer.applied()
             self.applied_messages += tally.messages
             self.block_events += tally.block_events
         self.expire()

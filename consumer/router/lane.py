@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from kvledger.consumer.core.lifecycle import utc
 from kvledger.consumer.core.model import (
@@ -66,12 +67,23 @@ class Tally:
     fast: int = 0
 
 
+class LaneObserver(Protocol):
+    """Told, in log order and as each applies, what changed the store's holdings: a store
+    or removal the lane applied whole (with the hashes a removal left unheld), or a plan
+    (its residency changes) with the messages it was made from (kvledger republish)."""
+
+    def stored(self, env: Envelope, event: BlockStored) -> None: ...
+    def removed(self, env: Envelope, event: BlockRemoved, ended: list[bytes]) -> None: ...
+    def planned(self, plan: Plan, batch: Sequence[Decoded]) -> None: ...
+
+
 def run_router_batch(
     messages: Sequence[Inbound],
     codec: Codec,
     store: RouterStore,
     consumer_group: str,
     read_from: Mapping[TopicPartition, int] | None = None,
+    observer: LaneObserver | None = None,
 ) -> Tally:
     """Apply one batch of consumed messages to the router's store, exactly once (fenced and
     offset as :func:`~kvledger.consumer.pipeline.run_batch` does). The store changes as the
@@ -80,7 +92,7 @@ def run_router_batch(
     the topic, as it does on any error (:meth:`~.index.RouterIndex.position` says why)."""
     batch = [decode(m, codec) for m in messages]
     starts, next_offsets = fence_points(batch, read_from)
-    lane = _Lane(store)
+    lane = _Lane(store, observer)
     with store.transaction():
         store.fence(consumer_group, starts)
         for d in batch:
@@ -91,8 +103,9 @@ def run_router_batch(
 
 
 class _Lane:
-    def __init__(self, store: RouterStore) -> None:
+    def __init__(self, store: RouterStore, observer: LaneObserver | None = None) -> None:
         self.store = store
+        self.observer = observer
         self.waiting: list[Decoded] = []  # for the planner, in log order
         self.seen_ms: dict[str, int] = {}  # per source, the newest log time applied here
         # per stream, its state and the newest event time applied here
@@ -127,6 +140,8 @@ class _Lane:
         batch, self.waiting = self.waiting, []
         plan = make_plan(batch, store.load(needs(batch, keys=False)))
         store.apply_now(plan)
+        if self.observer is not None:
+            self.observer.planned(plan, batch)
         warn_model_changes(plan)
         self.tally.messages += plan.messages
         self.tally.block_events += plan.block_events
@@ -169,10 +184,15 @@ class _Lane:
             )  # fmt: skip
             if reused is None:
                 return False
+            if self.observer is not None:
+                self.observer.stored(env, ev)
         else:
             if check_removed(ev, spec) is not None:
                 return False
             g.release_run(ev.block_hashes, hid)
+            if self.observer is not None:
+                ended = [h for h in ev.block_hashes if not g.refcount(h, hid)]
+                self.observer.removed(env, ev, ended)
         forward(state, seq)
         newest = self.event_ms.get(stream)
         if newest is None or newest[1] < env.event_time_ms:

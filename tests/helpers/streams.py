@@ -204,3 +204,64 @@ def fleet_prompts(config: FleetConfig, count: int, seed: int) -> list[list[int]]
         cut = rng.randrange(0, len(base) + 1)
         out.append(base[:cut] + random_tokens(rng, rng.choice([0, 16, 40, 300])))
     return out
+
+
+def messy_stream(seed: int) -> Stream:
+    """Random stores, removals and lifecycle over few hashes, so that stores meet rows of
+    the same and of other content, placeholders, partial tails, LoRA names, reuse reports,
+    gaps, duplicates, restarts, clears and heartbeats."""
+    rng, s = random.Random(seed), Stream(partitions=2)
+    sources = ["e0", "e1", "e2"]
+    epochs = dict.fromkeys(sources, 1)
+    for source in sources:
+        reports = rng.random() < 0.3
+        s.send(source, dataclasses.replace(spec(0, block=4, hash_size=2), reports_reuse=reports))
+        s.send(source, spec(1, kind="sliding_window"))
+    for _ in range(400):
+        source = rng.choice(sources)
+        epoch = epochs[source]
+        medium = rng.choice(["GPU", "CPU"])
+        roll = rng.random()
+        if roll < 0.45:
+            n = rng.randint(1, 4)
+            first = rng.randrange(12)
+            hashes = [first + k for k in range(n)]
+            if rng.random() < 0.05:
+                hashes.append(hashes[0])  # a hash twice
+            parent = first - 1 if first and rng.random() < 0.7 else None
+            start = rng.choice([None, 4 * first, 4 * first + 4])
+            partial = rng.random() < 0.1
+            event = stored(
+                hashes, start=start, size=2 if partial else 4, parent=parent, medium=medium,
+                partial=partial, salt=rng.choice([0, 0, 0, 1]),
+                lora=rng.choice([None, None, "a", "b"]),
+            )  # fmt: skip
+            if rng.random() < 0.05:
+                event = dataclasses.replace(event, extra_keys=('["s"]',) + (None,) * (n - 1))
+            s.send(source, event, epoch=epoch)
+        elif roll < 0.55:
+            first = rng.randrange(30, 36)
+            placeholder = BlockStored(
+                (first.to_bytes(8, "big"), (first + 1).to_bytes(8, "big")), None, (), 0, None,
+                medium, None, group_idx=1,
+            )  # fmt: skip
+            s.send(source, placeholder, epoch=epoch)
+        elif roll < 0.85:
+            hashes = [rng.randrange(14) for _ in range(rng.randint(1, 3))]
+            s.send(source, removed(hashes, medium=medium), epoch=epoch)
+        elif roll < 0.88:
+            s.send(source, cleared(medium=medium, group=0), epoch=epoch)
+        elif roll < 0.91:
+            epochs[source] += 1
+            s.send(source, spec(0, block=4, hash_size=2), epoch=epochs[source], seq=0)
+        elif roll < 0.94:
+            s.send(source, Heartbeat(group_idx=0, interval_ms=1000), epoch=epoch)
+        elif roll < 0.97:
+            last = s._seq.get((source, 0, epoch), 0)
+            s.send(source, stored([rng.randrange(12)], medium=medium), epoch=epoch,
+                   seq=max(0, last - rng.randint(0, 2)))  # fmt: skip  # a duplicate
+        else:
+            last = s._seq.get((source, 0, epoch), 0)
+            s.send(source, removed([rng.randrange(12)], medium=medium), epoch=epoch,
+                   seq=last + rng.randint(2, 5))  # fmt: skip  # a gap
+    return s

@@ -1,0 +1,1 @@
+"""Republishing the index as vLLM ZMQ event streams (`kvledger republish`)."""

@@ -1,0 +1,349 @@
+"""The ZMQ side of `kvledger republish`: each source's stream on vLLM's sockets.
+
+Per source given an endpoint, as a vLLM engine binds them (shared/VLLM_FACTS.md):
+
+- a PUB socket sending ``[topic, seq (8 bytes big-endian), payload]``;
+- a ROUTER replay socket: ``[empty, start seq]`` is answered with every retained batch from
+  ``start`` as ``[empty, topic, seq, payload]``, then ``[empty, empty, ff*8, empty]``.
+
+And one multiplexed PUB for every source, topics ``kv@<source>@<model>`` (llm-d's).
+
+Sequence numbers count batches per source from ``start-up milliseconds << 20``: dense while
+the process runs, and past every number an earlier run sent (a subscriber never sees them go
+back, which vLLM's wire reads as an engine restart). What a source's replay retains is its
+last ``buffer_steps`` batches (and ``buffer_bytes``); a request older than that is answered
+from the source's newest snapshot (its holdings restated: :mod:`.feed`), made then if none
+is retained. The PUB sockets are XPUBs: a new subscription (Dynamo's indexer has no replay
+of its own worth the name) is answered with a snapshot, at most one per source per
+``snapshot_interval_s``. A slow subscriber loses what its high-water mark cannot hold (and
+can ask replay); a replay answer it cannot take is cut short and counted. Nothing a
+subscriber sends blocks the others or the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import zmq
+
+from kvledger.consumer import metrics
+from kvledger.consumer.republish.events import encode_batch
+from kvledger.consumer.republish.feed import Feed, Output
+from kvledger.consumer.router.index import RouterIndex
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+SNAPSHOT_EVENTS = 1000  # events per batch of a snapshot
+REQUESTS_PER_TURN = 64  # replay requests read per socket per loop turn
+TICK_S = 0.2  # how often liveness is checked
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where one source is republished: its PUB address and replay address (or None)."""
+
+    source: str
+    pub: str
+    replay: str | None = None
+
+
+@dataclass(slots=True)
+class Outlet:
+    """One source's numbered stream and what its replay retains."""
+
+    source: str
+    next_seq: int
+    keep: bool  # retain batches for replay
+    steps: int
+    max_bytes: int
+    ring: deque[tuple[int, bytes]] = field(default_factory=deque)
+    ring_bytes: int = 0
+    snapshot_seq: int | None = None  # first batch of the newest snapshot retained
+    last_snapshot: float = float("-inf")  # monotonic
+    topic: bytes = b""
+    mux_topic: bytes = b""
+
+    def number(self, payload: bytes, starts_snapshot: bool) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        if starts_snapshot:
+            self.snapshot_seq = seq
+        if self.keep:
+            self.ring.append((seq, payload))
+            self.ring_bytes += len(payload)
+            while len(self.ring) > self.steps or (
+                self.ring_bytes > self.max_bytes and len(self.ring) > 1
+            ):
+                old, data = self.ring.popleft()
+                self.ring_bytes -= len(data)
+                if old == self.snapshot_seq:
+                    self.snapshot_seq = None
+        return seq
+
+    def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The retained batches a replay from ``start`` gets; None when ``start`` is older
+        than what is retained and no snapshot is (one must be made)."""
+        if start >= self.next_seq:
+            return []
+        first = self.ring[0][0] if self.ring else self.next_seq
+        if start < first:
+            if self.snapshot_seq is None:
+                return None
+            start = self.snapshot_seq
+        return [(s, p) for s, p in self.ring if s >= start]
+
+
+class Publisher:
+    """Publishes a :class:`Feed`'s outputs (see the module doc); one thread owns the
+    sockets."""
+
+    def __init__(
+        self,
+        index: RouterIndex,
+        endpoints: Iterable[Endpoint],
+        mux: str | None = None,
+        silent_after_s: float = 30.0,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        buffer_bytes: int = 64 << 20,
+        hwm: int = 100_000,
+        snapshot_interval_s: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.endpoints = {e.source: e for e in endpoints}
+        self.mux_address = mux
+        self.topic = topic.encode()
+        self.buffer_steps, self.buffer_bytes, self.hwm = buffer_steps, buffer_bytes, hwm
+        self.snapshot_interval_s = snapshot_interval_s
+        self.feed = Feed(index, self._wanted, timedelta(seconds=silent_after_s))
+        self.base_seq = int(time.time() * 1000) << 20
+        self.outlets: dict[str, Outlet] = {}
+        self._ctx = zmq.Context()
+        self._pubs: dict[str, zmq.Socket[bytes]] = {}
+        self._replays: dict[zmq.Socket[bytes], str] = {}
+        self._replay_of: dict[str, zmq.Socket[bytes]] = {}
+        self._mux: zmq.Socket[bytes] | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._due: dict[str, float] = {}  # snapshots asked for: source -> not before
+        self._parked: dict[str, list[bytes]] = {}  # replay peers waiting for a snapshot
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    def _wanted(self, source: str) -> bool:
+        return self.mux_address is not None or source in self.endpoints
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        """Bind every socket (an address no socket can use fails here), observe the index,
+        and publish from a thread: first a snapshot of every source."""
+        for e in self.endpoints.values():
+            pub = self._xpub(e.pub)
+            self._pubs[e.source] = pub
+            if e.replay is not None:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                replay.setsockopt(zmq.SNDHWM, self.hwm)
+                replay.setsockopt(zmq.RCVHWM, 1000)
+                replay.bind(e.replay)
+                self._replays[replay] = e.source
+                self._replay_of[e.source] = replay
+        if self.mux_address is not None:
+            self._mux = self._xpub(self.mux_address)
+        self.feed.wake = self._wake
+        with self.index.lock:
+            self.index.observer = self.feed
+            for source in sorted(set(self.endpoints) | set(self.feed.known())):
+                self.feed.out.append(self.feed.snapshot(source))
+        self._thread = threading.Thread(target=self._run, name="kvledger-republish", daemon=True)
+        self._thread.start()
+
+    def _xpub(self, address: str) -> zmq.Socket[bytes]:
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only a topic's first
+        pub.setsockopt(zmq.SNDHWM, self.hwm)
+        pub.bind(address)
+        return pub
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self.index.lock:
+            if self.index.observer is self.feed:
+                self.index.observer = None
+        self._ctx.destroy(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        # A full buffer: a wake-up is already waiting (closed: the publisher stopped).
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"x")
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for pub in self._pubs.values():
+            poller.register(pub, zmq.POLLIN)
+        if self._mux is not None:
+            poller.register(self._mux, zmq.POLLIN)
+        for replay in self._replays:
+            poller.register(replay, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = 0.0
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(timeout=int(TICK_S * 1000)))
+                if self._wake_r.fileno() in ready:
+                    self._drain_wake()
+                requests = self._read(ready)
+                now = time.monotonic()
+                with self.index.lock:
+                    if now >= next_tick:
+                        next_tick = now + TICK_S
+                        self.feed.tick(self.feed.known())
+                    for source in [s for s, at in self._due.items() if at <= now]:
+                        del self._due[source]
+                        self._snapshot_now(source, now)
+                    outputs = self.feed.take()
+                for output in outputs:
+                    self._publish(output)
+                for outlet, peer, start in requests:
+                    self._answer(outlet, peer, start)
+                self._answer_parked()
+            except Exception as exc:  # a bug: say so, and stop (as the router tail does)
+                logger.exception("republish stopped")
+                self.error = f"{type(exc).__name__}: {exc}"
+                return
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _read(self, ready: dict[object, int]) -> list[tuple[str, bytes, int]]:
+        """Subscriptions (each asks a snapshot) and replay requests (returned)."""
+        now = time.monotonic()
+        for source, pub in self._pubs.items():
+            if pub in ready:
+                for message in _recv_some(pub):
+                    if message[:1] == b"\x01":
+                        self._ask_snapshot(source, now)
+        if self._mux is not None and self._mux in ready:
+            for message in _recv_some(self._mux):
+                if message[:1] == b"\x01":
+                    prefix = message[1:]
+                    with self.index.lock:
+                        known = self.feed.known()
+                    for source in known:
+                        if self._outlet(source).mux_topic.startswith(prefix):
+                            self._ask_snapshot(source, now)
+        requests = []
+        for replay, source in self._replays.items():
+            if replay not in ready:
+                continue
+            for _ in range(REQUESTS_PER_TURN):
+                try:
+                    frames = replay.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                    metrics.REPUBLISH_REPLAYS.labels("malformed").inc()
+                    continue  # as vLLM: no answer
+                requests.append((source, frames[0], int.from_bytes(frames[2], "big")))
+        return requests
+
+    def _ask_snapshot(self, source: str, now: float) -> None:
+        outlet = self._outlet(source)
+        at = max(now, outlet.last_snapshot + self.snapshot_interval_s)
+        self._due[source] = min(self._due.get(source, at), at)
+
+    def _snapshot_now(self, source: str, now: float) -> None:
+        self._outlet(source).last_snapshot = now
+        self.feed.out.append(self.feed.snapshot(source))
+
+    # ------------------------------------------------------------------ sending
+    def _outlet(self, source: str) -> Outlet:
+        outlet = self.outlets.get(source)
+        if outlet is None:
+            e = self.endpoints.get(source)
+            outlet = self.outlets[source] = Outlet(
+                source, self.base_seq, e is not None and e.replay is not None,
+                self.buffer_steps, self.buffer_bytes, topic=self.topic,
+            )  # fmt: skip
+        return outlet
+
+    def _publish(self, output: Output) -> None:
+        outlet = self._outlet(output.source)
+        outlet.mux_topic = f"kv@{output.source}@{output.model}".encode()
+        if output.snapshot:
+            outlet.last_snapshot = time.monotonic()
+            metrics.REPUBLISH_SNAPSHOTS.inc()
+        events = output.events
+        step = SNAPSHOT_EVENTS if output.snapshot else max(len(events), 1)
+        for i in range(0, max(len(events), 1), step):
+            payload = encode_batch(output.ts, events[i : i + step], output.dp_rank)
+            seq = outlet.number(payload, output.snapshot and i == 0).to_bytes(8, "big")
+            pub = self._pubs.get(output.source)
+            if pub is not None:
+                pub.send_multipart([outlet.topic, seq, payload])
+            if self._mux is not None:
+                self._mux.send_multipart([outlet.mux_topic, seq, payload])
+            metrics.REPUBLISH_BATCHES.inc()
+
+    def _answer(self, source: str, peer: bytes, start: int) -> None:
+        outlet = self._outlet(source)
+        batches = outlet.replay(start)
+        if batches is None:  # older than retained, no snapshot kept: make one first
+            self._parked.setdefault(source, []).append(peer)
+            self._due[source] = time.monotonic()
+            self._wake()
+            return
+        replay = self._replay_of[source]
+        try:
+            for seq, payload in batches:
+                replay.send_multipart([peer, b"", outlet.topic, seq.to_bytes(8, "big"), payload])
+            replay.send_multipart([peer, b"", b"", END_SEQ, b""])
+            metrics.REPUBLISH_REPLAYS.labels("answered").inc()
+        except zmq.ZMQError:  # the peer is gone or cannot take more: its answer is cut
+            metrics.REPUBLISH_REPLAYS.labels("cut").inc()
+
+    def _answer_parked(self) -> None:
+        for source in list(self._parked):
+            if source in self._due:
+                continue  # its snapshot is not made yet
+            outlet = self._outlet(source)
+            # From the snapshot just made (or, were it already past the buffer, from the
+            # oldest batch retained): never parked again.
+            start = outlet.snapshot_seq
+            if start is None:
+                start = outlet.ring[0][0] if outlet.ring else outlet.next_seq
+            for peer in self._parked.pop(source):
+                self._answer(source, peer, start)
+
+
+def _recv_some(sock: zmq.Socket[bytes]) -> list[bytes]:
+    out = []
+    for _ in range(REQUESTS_PER_TURN):
+        try:
+            out.append(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out

@@ -1,0 +1,317 @@
+"""`kvledger republish` heard by a router's own released code: Dynamo 1.6.1's standalone
+indexer (``python -m dynamo.indexer``) registered with kvledger's endpoints instead of the
+engines'. Three vLLM publishers (vLLM 0.33.0's ``ZmqEventPublisher`` from its wheel) feed
+`kvledger relay`s into real Kafka; a router index follows the topic and republishes each
+engine on vLLM's sockets. Dynamo is asked ``POST /query`` and held to the truth, through the
+faults its indexer gets wrong when it dials the engines itself (tests/test_dynamo_faults.py):
+
+- an engine restarts (sequence back to 0, an empty cache, no goodbye);
+- an engine's removals fall past its replay buffer while no one listens;
+- Dynamo's indexer itself restarts: re-registered, it holds the fleet again at once, with
+  no engine saying anything (a snapshot answers its subscription);
+- an engine dies for good: once silent past the window, Dynamo no longer names it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+
+from kvledger.consumer.db import connect
+from kvledger.consumer.republish.publisher import END_SEQ, Endpoint, Publisher
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.producer.relay.wire import decode_batch
+from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.helpers.procs import free_port, spawn
+from tests.helpers.scripted_engines import (
+    BLOCK,
+    CHAINS,
+    LENGTH,
+    MODEL,
+    TOKENS,
+    Engine,
+    prompts,
+    relay,
+    start_dynamo_indexer,
+    truth,
+)
+
+pytestmark = pytest.mark.integration
+if os.environ.get("CI") != "true":
+    pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
+
+SILENT_S = 4.0  # the liveness window (the relays heartbeat every second)
+
+
+def wait_until(what: str, ok: Callable[[], bool], timeout: float = 60) -> float:
+    """Seconds until ``ok()`` held (polled every 0.1 s)."""
+    start = time.monotonic()
+    while not ok():
+        assert time.monotonic() - start < timeout, f"never: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def register(dynamo: str, engine: Engine, endpoint: Endpoint) -> None:
+    body = {
+        "instance_id": engine.index, "endpoint": endpoint.pub,
+        "replay_endpoint": endpoint.replay, "model_name": MODEL, "block_size": BLOCK,
+    }  # fmt: skip
+    assert httpx.post(f"{dynamo}/register", json=body).status_code == 201
+
+
+def scores(dynamo: str, tokens: list[int]) -> dict[str, Any]:
+    body = {"token_ids": tokens, "model_name": MODEL}
+    answer: dict[str, Any] = httpx.post(f"{dynamo}/query", json=body).json()
+    return answer.get("scores", {})
+
+
+def wrong(dynamo: str, engines: list[Engine]) -> list[tuple[int, int]]:
+    """The prompts (chain, blocks) Dynamo answers other than the truth."""
+    return [(c, m) for c, m, tokens in prompts() if scores(dynamo, tokens) != truth(engines, c, m)]
+
+
+def test_dynamos_indexer_fed_by_kvledger_stays_exact(
+    kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events, tmp_path
+) -> None:
+    kv = vllm_kv_events
+    topic = make_topic("republish", partitions=3)
+    engines = [Engine(kv, 0), Engine(kv, 1), Engine(kv, 2, buffer_steps=4)]
+    relays = [relay(e, kafka_bootstrap, topic) for e in engines]
+    router = RouterIndex(kafka_bootstrap, topic, group_id)
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    router.start()
+    endpoints = [
+        Endpoint(f"engine-{e.index}", f"tcp://127.0.0.1:{free_port()}",
+                 f"tcp://127.0.0.1:{free_port()}")
+        for e in engines
+    ]  # fmt: skip
+    publisher = Publisher(router, endpoints, silent_after_s=SILENT_S)
+    publisher.start()
+    dynamo, proc = start_dynamo_indexer(tmp_path)
+    for e, endpoint in zip(engines, endpoints, strict=True):
+        register(dynamo, e, endpoint)
+    sentinels = iter(range(CHAINS, len(TOKENS)))
+
+    def settle(*moved: Engine) -> None:
+        """Each engine named stores a chain of its own; wait until Dynamo shows it."""
+        for e in moved:
+            c = next(sentinels)
+            e.store(c, 1)
+            seen = lambda c=c, e=e: str(e.index) in scores(dynamo, TOKENS[c][:BLOCK])  # noqa: E731
+            wait_until(f"Dynamo sees engine {e.index}'s sentinel", seen)
+
+    def exact(when: str) -> None:
+        """Dynamo answers every prompt as the engines hold them (its indexer applies what it
+        hears on threads of its own: given a few seconds to)."""
+        try:
+            wait_until(when, lambda: wrong(dynamo, engines) == [], timeout=10)
+        except AssertionError:
+            raise AssertionError(f"{when}, Dynamo is wrong on {wrong(dynamo, engines)}") from None
+
+    work = random.Random(5)
+    try:
+        engines[0].work(work, 60, range(CHAINS))
+        engines[1].work(work, 60, range(3, CHAINS))
+        engines[2].work(work, 60, range(CHAINS))
+        for c in range(3, CHAINS):
+            engines[1].store(c, LENGTH)
+        settle(*engines)
+        exact("in steady state")
+
+        # An engine restarts (a crash: no goodbye), then serves chains 0-2 only: the index
+        # ends what the old engine held, and Dynamo hears it as removals.
+        engines[1].restart()
+        engines[1].work(work, 30, range(3))
+        settle(engines[1])
+        exact("after an engine restart")
+
+        # Engine 2's removals fall past its replay buffer while its relay is down: the
+        # index records the loss and clears the engine, then holds what was replayed.
+        for c in range(CHAINS):
+            engines[2].store(c, LENGTH)
+        settle(engines[2])
+        relays[2].stop()
+        for c in range(CHAINS):
+            engines[2].evict(c, 0)
+        for c in range(4):
+            engines[2].store(c, 3)
+        relays[2] = relay(engines[2], kafka_bootstrap, topic)
+        settle(engines[2])
+        exact("after a lost gap")
+
+        # Dynamo's indexer restarts: registered again, it holds the whole fleet from
+        # kvledger's snapshots alone (no engine publishes meanwhile).
+        proc.kill()
+        proc.wait()
+        dynamo, proc = start_dynamo_indexer(tmp_path, "dynamo-again")
+        for e, endpoint in zip(engines, endpoints, strict=True):
+            register(dynamo, e, endpoint)
+        took = wait_until("Dynamo recovers the fleet", lambda: wrong(dynamo, engines) == [])
+        print(f"Dynamo's indexer restarted: exact again {took:.1f} s after registering")
+
+        # Engine 0 dies for good (and its relay with it): once silent past the window,
+        # Dynamo is told it holds nothing.
+        engines[0].publisher.shutdown()
+        relays[0].stop()
+        engines[0].held = [0] * len(TOKENS)
+        took = wait_until("Dynamo forgets the dead engine",
+                          lambda: wrong(dynamo, engines) == [], timeout=SILENT_S + 30)  # fmt: skip
+        print(f"a dead engine left Dynamo's answers {took:.1f} s after it died")
+    finally:
+        publisher.stop()
+        router.stop()
+        for r in relays:
+            r.stop()
+        for e in engines:
+            e.publisher.shutdown()
+
+
+def follow(held: set[bytes], events: list[Any]) -> None:
+    """A subscriber's set of held hashes after ``events``."""
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            held.clear()
+        elif isinstance(e, BlockStored):
+            held.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            held.difference_update(e.block_hashes)
+
+
+def test_replay_answers_from_retained_batches_or_a_snapshot(
+    kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events
+) -> None:
+    """vLLM's replay protocol on kvledger's socket: from a retained sequence number, the
+    batches from there; from one older than retained (here: one a previous run of
+    kvledger sent), a snapshot of what the engine holds, then the end marker; garbage gets
+    no answer and stops nothing."""
+    kv = vllm_kv_events
+    topic = make_topic("republish-replay")
+    engine = Engine(kv, 0)
+    relay_ = relay(engine, kafka_bootstrap, topic)
+    router = RouterIndex(kafka_bootstrap, topic, group_id)
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    router.start()
+    endpoint = Endpoint("engine-0", f"tcp://127.0.0.1:{free_port()}",
+                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    publisher = Publisher(router, [endpoint], silent_after_s=60)
+    publisher.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint.pub)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(str(endpoint.replay))
+    try:
+        engine.store(0, 3)
+        engine.store(1, 2)
+        heard: list[tuple[int, list[Any]]] = []
+        held: set[bytes] = set()  # what a subscriber of this socket holds
+        deadline = time.monotonic() + 30
+        while len(held) < 5:  # chain 0's three blocks and chain 1's two
+            assert time.monotonic() < deadline, heard
+            if sub.poll(500):
+                _topic, seq, payload = sub.recv_multipart()
+                events = decode_batch(payload).events
+                heard.append((int.from_bytes(seq, "big"), events))
+                follow(held, events)
+        seqs = [s for s, _ in heard]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # dense
+        assert seqs[0] >= publisher.base_seq
+
+        def replay(start: int) -> list[tuple[int, list[Any]]]:
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            out = []
+            while True:
+                assert dealer.poll(10_000), "no replay answer"
+                frames = dealer.recv_multipart()
+                assert frames[0] == b"" and len(frames) == 4
+                if frames[2] == END_SEQ:
+                    assert frames[1] == b"" and frames[3] == b""
+                    return out
+                out.append((int.from_bytes(frames[2], "big"), decode_batch(frames[3]).events))
+
+        assert replay(seqs[-1]) == [heard[-1]]  # retained: as it was published
+        assert replay(seqs[-1] + 1) == []  # nothing yet
+        dealer.send_multipart([b"", b"bad"])  # malformed: no answer, nothing stops
+        old = replay(0)  # before anything this run sent: a snapshot
+        assert isinstance(old[0][1][0], AllBlocksCleared)
+        restated: set[bytes] = set()
+        for _, events in old:
+            follow(restated, events)
+        assert restated == held
+        assert [s for s, _ in old] == sorted(s for s, _ in old)
+    finally:
+        ctx.destroy(linger=0)
+        publisher.stop()
+        router.stop()
+        relay_.stop()
+        engine.publisher.shutdown()
+
+
+def test_the_command_republishes_every_source_on_one_multiplexed_socket(
+    kafka_bootstrap, fresh_database, make_topic, vllm_kv_events, tmp_path
+) -> None:
+    """`kvledger republish` as an operator runs it: one source on its own sockets, every
+    source on the multiplexed PUB under kv@<source>@<model>; SIGTERM ends it with status 0,
+    and a malformed --source is one clear line."""
+    kv = vllm_kv_events
+    topic = make_topic("republish-cmd")
+    engines = [Engine(kv, 0), Engine(kv, 1)]
+    relays = [relay(e, kafka_bootstrap, topic) for e in engines]
+    mux, pub = free_port(), free_port()
+    log = open(tmp_path / "republish.log", "w")  # noqa: SIM115 - the child writes it
+    proc = spawn(
+        [sys.executable, "-m", "kvledger", "republish", "--source", f"engine-1={pub}",
+         "--mux-port", str(mux), "--topic", topic, "--bootstrap", kafka_bootstrap,
+         "--database-url", fresh_database, "--consumer-group", "republish-cmd"],
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"tcp://127.0.0.1:{mux}")
+    own = ctx.socket(zmq.SUB)
+    own.setsockopt(zmq.SUBSCRIBE, b"")
+    own.connect(f"tcp://127.0.0.1:{pub}")
+    try:
+        held: dict[bytes, set[bytes]] = {}
+        deadline = time.monotonic() + 60
+        while len(held.get(b"kv@engine-0@m", ())) < 3 or len(held.get(b"kv@engine-1@m", ())) < 2:
+            assert time.monotonic() < deadline, (held, (tmp_path / "republish.log").read_text())
+            engines[0].store(0, 3)
+            engines[1].store(1, 2)
+            while sub.poll(300):
+                name, _seq, payload = sub.recv_multipart()
+                follow(held.setdefault(name, set()), decode_batch(payload).events)
+        on_its_own: set[bytes] = set()
+        while own.poll(1000):
+            topic_, _seq, payload = own.recv_multipart()
+            assert topic_ == b""
+            follow(on_its_own, decode_batch(payload).events)
+        assert on_its_own == held[b"kv@engine-1@m"]
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        ctx.destroy(linger=0)
+        for r in relays:
+            r.stop()
+        for e in engines:
+            e.publisher.shutdown()
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvledger", "republish", "--source", "engine-1:6000"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0
+    assert "give NAME=PORT or NAME=PORT:REPLAY_PORT" in bad.stderr

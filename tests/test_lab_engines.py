@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.downloads]
 class Fleet:
     engines: list[Engine]
     oracle: Oracle
+    republished: Oracle  # the same, subscribed to `kvledger republish`
     ledger: stack.Kvledger
     vocab: dict[str, int]
     texts: Iterator[str]
@@ -50,16 +51,26 @@ def fleet(
     kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("lab-logs")
-    specs = [EngineSpec(f"engine-{i}", free_port(), free_port(), free_port()) for i in range(2)]
+    specs = [
+        EngineSpec(f"engine-{i}", free_port(), free_port(), free_port(), (free_port(), free_port()))
+        for i in range(2)
+    ]
     with running(specs, logs) as engines:
         oracle = Oracle([s.pub_endpoint for s in specs], BLOCK_SIZE)
         ledger = stack.Kvledger(specs, free_port(), logs, kafka_bootstrap, database_url)
+        republished = Oracle(
+            [f"tcp://127.0.0.1:{s.republished[0]}" for s in specs], BLOCK_SIZE
+        )  # fmt: skip
         try:
             ledger.start()
-            yield Fleet(engines, oracle, ledger, model.vocabulary(engines[0].model), _texts(700))
+            yield Fleet(
+                engines, oracle, republished, ledger, model.vocabulary(engines[0].model),
+                _texts(700),
+            )  # fmt: skip
         finally:
             ledger.close()
             oracle.close()
+            republished.close()
 
 
 def _send(engine: Engine, prompt: str) -> routing.Outcome:
@@ -93,6 +104,26 @@ def _eventually(what: str, check: Callable[[], bool], timeout: float = 30.0) -> 
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.25)
+
+
+def _republished_equals_streams(fleet: Fleet) -> None:
+    """What a subscriber of `kvledger republish` holds per engine is what the engine's own
+    stream says it holds."""
+
+    def same() -> bool:
+        return all(
+            fleet.republished.held_hashes(i) == fleet.oracle.held_hashes(i)
+            for i in range(len(fleet.engines))
+        )
+
+    try:
+        _eventually("kvledger's republished streams never equalled the engines'", same)
+    except AssertionError:
+        detail = [
+            (len(fleet.republished.held_hashes(i)), len(fleet.oracle.held_hashes(i)))
+            for i in range(len(fleet.engines))
+        ]
+        raise AssertionError(f"republished vs engine held blocks per engine: {detail}") from None
 
 
 def _index_equals_streams(fleet: Fleet) -> None:
@@ -140,6 +171,7 @@ def test_index_equals_each_engines_stream_after_evictions_and_a_restart(fleet: F
     _send(fleet.engines[1], next(fleet.texts))
     assert fleet.oracle.removals(0) > 0, "no eviction: the test needs one"
     _index_equals_streams(fleet)
+    _republished_equals_streams(fleet)
 
     # Engine 1 restarted: its cache is gone, and kvledger must forget what it held.
     restarted = fleet.engines[1]
@@ -149,6 +181,9 @@ def test_index_equals_each_engines_stream_after_evictions_and_a_restart(fleet: F
     restarted.wait_ready()
     _send(restarted, next(fleet.texts))
     _index_equals_streams(fleet)
+    # A subscriber of `kvledger republish` heard the restart from kvledger (the engine's
+    # stream does not say it: the oracle was told to forget above).
+    _republished_equals_streams(fleet)
 
 
 def test_a_lookup_names_the_engine_that_served_and_it_is_a_hit_there(fleet: Fleet) -> None:

@@ -56,6 +56,7 @@ class EngineSpec:
     http_port: int
     pub_port: int
     replay_port: int
+    republish_ports: tuple[int, int] | None = None  # else the HTTP port + 3 and + 4
 
     @property
     def url(self) -> str:
@@ -68,6 +69,11 @@ class EngineSpec:
     @property
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def republished(self) -> tuple[int, int]:
+        """The ports `kvledger republish` gives this engine's stream: PUB, replay."""
+        return self.republish_ports or (self.http_port + 3, self.http_port + 4)
 
 
 class Engine:

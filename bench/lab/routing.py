@@ -170,11 +170,18 @@ class Served(Router):
 class VllmRouter(Served):
     """vllm-router 0.1.17 with one of its policies, restarted fresh for each run."""
 
-    def __init__(self, specs: list[EngineSpec], logs: Path, policy: str, port: int) -> None:
+    def __init__(
+        self, specs: list[EngineSpec], logs: Path, policy: str, port: int,
+        republished: bool = False,
+    ) -> None:  # fmt: skip
+        """``republished``: kv_aware hears `kvledger republish`, not the engines."""
         super().__init__(specs, logs)
         self.policy = policy
-        self.name = f"vllm-router {policy}"
-        self.process = stack.vllm_router(f"vllm-router-{policy}", policy, specs, port, logs)
+        self.name = f"vllm-router {policy}" + (" via kvledger" if republished else "")
+        self.process = stack.vllm_router(
+            f"vllm-router-{policy}{'-kvledger' if republished else ''}", policy, specs, port,
+            logs, republished,
+        )  # fmt: skip
         self.proxy_url = f"http://127.0.0.1:{port}"
         self.health_url = f"{self.proxy_url}/health"
 

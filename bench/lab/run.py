@@ -39,7 +39,7 @@ FAULTS = (
 )
 WINDOW_S = 12.0  # a fault's window: this long from its instant
 LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
-ROUTERS = ("round_robin", "cache_aware", "kv_aware", "dynamo", "kvledger")
+ROUTERS = ("round_robin", "cache_aware", "kv_aware", "kv_aware_kvledger", "dynamo", "kvledger")
 
 
 @dataclass
@@ -339,6 +339,8 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
         return routing.RoundRobin(lab.specs, lab.logs)
     if kind in ("cache_aware", "kv_aware"):
         return routing.VllmRouter(lab.specs, lab.logs, kind, lab.router_port)
+    if kind == "kv_aware_kvledger":  # vllm-router's kv_aware hearing `kvledger republish`
+        return routing.VllmRouter(lab.specs, lab.logs, "kv_aware", lab.router_port, True)
     if kind == "dynamo":
         return routing.DynamoIndexer(lab.specs, lab.logs, lab.indexer_port)
     if kind == "kvledger":

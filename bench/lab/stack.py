@@ -1,6 +1,7 @@
 """The processes the lab runs beside its engines, each in its own process group with its own
 log, stopped on every exit: kvledger as a user runs it (a relay per engine, the consumer,
-``serve --memory --dynamo-api``), vllm-router, and Dynamo's standalone indexer.
+``serve --memory --dynamo-api``, ``republish``), vllm-router, and Dynamo's standalone
+indexer.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def source_name(engine: int) -> str:
 
 class Kvledger:
     """kvledger in front of the engines: its own topic and database (made here, removed on
-    exit), a relay per engine, the consumer, and ``serve --memory --dynamo-api``."""
+    exit), a relay per engine, the consumer, ``serve --memory --dynamo-api``, and
+    ``republish`` (each engine's stream again, from the index, on the ports
+    :attr:`EngineSpec.republished` names)."""
 
     def __init__(
         self, specs: list[EngineSpec], port: int, logs: Path, bootstrap: str, server_url: str
@@ -64,6 +67,7 @@ class Kvledger:
         self.relays: list[Process] = []
         self.consumer: Process | None = None
         self.server: Process | None = None
+        self.republisher: Process | None = None
 
     @property
     def url(self) -> str:
@@ -133,6 +137,17 @@ class Kvledger:
             str(SILENT_AFTER_S),
         )
         self.restart_server()
+        sources = []
+        for i, spec in enumerate(self.specs):
+            pub, replay = spec.republished
+            require_free([pub, replay], "kvledger republish")
+            sources += ["--source", f"{source_name(i)}={pub}:{replay}"]
+        self.republisher = self._cli(
+            "republish", "republish", *sources, "--topic", self.topic,
+            "--consumer-group", self.group, "--silent-after", str(SILENT_AFTER_S),
+            "--metrics-port", str(self.port + 3),
+        )  # fmt: skip
+        self.republisher.start().wait_http(f"http://127.0.0.1:{self.port + 3}/metrics", 90)
 
     def restart_server(self) -> None:
         assert self.server is not None
@@ -146,7 +161,8 @@ class Kvledger:
         self.relays[engine].start()
 
     def processes(self) -> list[Process]:
-        return [*self.relays, *(p for p in (self.consumer, self.server) if p is not None)]
+        others = (self.consumer, self.server, self.republisher)
+        return [*self.relays, *(p for p in others if p is not None)]
 
     def check(self) -> None:
         """Every kvledger process still running, or an error with the first dead one's log."""
@@ -171,8 +187,12 @@ class Kvledger:
                     future.result(timeout=10)
 
 
-def vllm_router(name: str, policy: str, specs: list[EngineSpec], port: int, logs: Path) -> Process:
-    """vllm-router in front of the engines with one of its policies."""
+def vllm_router(
+    name: str, policy: str, specs: list[EngineSpec], port: int, logs: Path,
+    republished: bool = False,
+) -> Process:  # fmt: skip
+    """vllm-router in front of the engines with one of its policies; ``kv_aware`` hears the
+    engines' streams, or (``republished``) kvledger's republished ones."""
     binary = install.engine_env() / "bin" / "vllm-router"
     args = [
         str(binary),
@@ -189,11 +209,16 @@ def vllm_router(name: str, policy: str, specs: list[EngineSpec], port: int, logs
     ]
     if policy == "kv_aware":
         for spec in specs:
+            pub, replay = (
+                (f"tcp://127.0.0.1:{p}" for p in spec.republished)
+                if republished
+                else (spec.pub_endpoint, spec.replay_endpoint)
+            )
             args += [
                 "--kv-event-source",
-                f"{spec.url}={spec.pub_endpoint}",
+                f"{spec.url}={pub}",
                 "--kv-event-replay-source",
-                f"{spec.url}={spec.replay_endpoint}",
+                f"{spec.url}={replay}",
             ]
         args += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
     return Process(name, args, logs)

@@ -23,6 +23,7 @@ from bench import (
     previous,
     produce,
     relay,
+    republish,
     retention,
     router,
     scale,
@@ -47,6 +48,7 @@ def main() -> None:
     produce.main()
     relay.main()
     freshness.main()  # an engine's batch to each reader, beside a raw ZMQ subscriber
+    republish.main()  # a restarted subscriber's whole view from `kvledger republish`
     consume.main()
     previous.main()  # the apply rate beside the release before the core split
     scale.main()  # 1, 2 and 3 consumers in one group, side by side

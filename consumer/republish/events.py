@@ -6,8 +6,9 @@ tagged maps (shared/VLLM_FACTS.md). Here those maps are made from what the index
 - an event the router lane applied whole (:func:`stored_map`, :func:`removed_map`);
 - a plan's residency changes: a residency that opened is a store of its block as the index
   holds it, one that ended is a removal (:func:`delta_maps`);
-- a holder's whole holdings, parents before children (:func:`holdings_maps`): what a
-  subscriber is told after ``AllBlocksCleared`` to hold exactly what the index holds.
+- a holder's whole holdings, each run of chained blocks as one store, parents before
+  children (:func:`chain_maps`): what a subscriber is told after ``AllBlocksCleared`` to
+  hold exactly what the index holds.
 
 Hashes go out as vLLM's int hashes where the index holds 8 bytes (vLLM's default, and what
 SGLang and TensorRT-LLM relays store), as the raw digest otherwise. A partial block (a
@@ -97,59 +98,89 @@ def removed_map(ev: BlockRemoved, ended: Sequence[bytes]) -> dict[str, Any] | No
     return _tail(out, group, ev.ownership, ev.locality)
 
 
-def block_map(
-    h: bytes, row: Row, lora_name: str | None, medium: str, group_idx: int, ownership: str
-) -> dict[str, Any] | None:
-    """One held block as a store of it alone; None for a partial block."""
-    parent, _, tokens, block_size, partial = row
-    if partial:
-        return None
+# A held block as read from its group: its row and its LoRA name.
+Blocks = dict[bytes, tuple[Row, str | None]]
+
+
+def read_blocks(group: Any, hashes: Iterable[bytes]) -> Blocks:
+    """What :func:`chain_maps` needs of ``hashes`` (a group's ``row`` and ``meta``; read
+    under the lock the group's writer takes), partial blocks left out."""
+    out: Blocks = {}
+    for h in hashes:
+        row = group.row(h)
+        if row is not None and not row[4]:
+            meta = group.meta(h)
+            out[h] = (row, meta[0] if meta else None)
+    return out
+
+
+def _joins(row: Row, lora: str | None, first: tuple[Row, str | None]) -> bool:
+    """Whether a block can follow a run begun by ``first`` in one event: full blocks of
+    the same size and LoRA name (a placeholder, without tokens, stands alone)."""
+    size = first[0][3]
+    return lora == first[1] and row[3] == size and size > 0 and len(row[2]) == size
+
+
+def chain_maps(blocks: Blocks, medium: str, group_idx: int, ownership: str) -> list[dict[str, Any]]:
+    """A holder's blocks as stores, one per run of blocks that chain parent to child (as
+    an engine stores a prompt's), every run after the run that holds its parent."""
+    children: dict[bytes, list[bytes]] = {}
+    roots = []
+    for h, (row, _) in blocks.items():
+        parent = row[0]
+        if parent is not None and parent != h and parent in blocks:
+            children.setdefault(parent, []).append(h)
+        else:
+            roots.append(h)
+    out: list[dict[str, Any]] = []
+    seen: set[bytes] = set()
+    # Roots first; then whatever a cycle left unreached (no engine makes one).
+    for start in [*roots, *blocks]:
+        todo = [start]
+        while todo:
+            first = todo.pop()
+            if first in seen:
+                continue
+            run, x = [first], first
+            seen.add(first)
+            head = blocks[first]
+            while True:
+                kids = [k for k in children.get(x, ()) if k not in seen]
+                if len(kids) == 1 and _joins(*blocks[kids[0]], head):
+                    x = kids[0]
+                    seen.add(x)
+                    run.append(x)
+                    continue
+                todo.extend(kids)
+                break
+            out.append(_stored(run, blocks, medium, group_idx, ownership))
+    return out
+
+
+def _stored(
+    run: list[bytes], blocks: Blocks, medium: str, group_idx: int, ownership: str
+) -> dict[str, Any]:
+    (parent, _, tokens, block_size, _), lora = blocks[run[0]]
+    if len(run) > 1:
+        tokens = [t for h in run for t in blocks[h][0][2]]
     out: dict[str, Any] = {
         "type": "BlockStored",
-        "block_hashes": [wire_hash(h)],
+        "block_hashes": [wire_hash(h) for h in run],
         "parent_block_hash": None if parent is None else wire_hash(parent),
         "token_ids": list(tokens),
         "block_size": block_size,
         "lora_id": None,
         "medium": medium,
-        "lora_name": lora_name,
+        "lora_name": lora,
     }
     return _tail(out, group_idx, ownership)
 
 
-def parents_first(rows: Mapping[bytes, Row]) -> list[bytes]:
-    """The hashes of ``rows`` ordered so that a block whose parent is among them comes
-    after it (a subscriber's tree takes a child only under a parent it holds)."""
-    depth: dict[bytes, int] = {}
-    for h in rows:
-        path: list[bytes] = []
-        on_path: set[bytes] = set()
-        x: bytes | None = h
-        while x is not None and x in rows and x not in depth and x not in on_path:
-            path.append(x)
-            on_path.add(x)  # a cycle (no engine makes one) stops the walk
-            x = rows[x][0]
-        d = depth.get(x, -1) if x is not None else -1
-        for y in reversed(path):
-            d += 1
-            depth[y] = d
-    return sorted(rows, key=depth.__getitem__)
-
-
 def holdings_maps(
     group: Any, hashes: Iterable[bytes], medium: str, group_idx: int, ownership: str
-) -> Iterator[dict[str, Any]]:
-    """A holder's blocks as stores, parents first."""
-    rows: dict[bytes, Row] = {}
-    for h in hashes:
-        row = group.row(h)
-        if row is not None:
-            rows[h] = row
-    for h in parents_first(rows):
-        meta = group.meta(h)
-        m = block_map(h, rows[h], meta[0] if meta else None, medium, group_idx, ownership)
-        if m is not None:
-            yield m
+) -> list[dict[str, Any]]:
+    """A holder's blocks as stores, parents first (:func:`chain_maps`)."""
+    return chain_maps(read_blocks(group, hashes), medium, group_idx, ownership)
 
 
 def delta_maps(

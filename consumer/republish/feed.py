@@ -33,8 +33,10 @@ from kvledger.consumer.core.model import Plan, ResidencyDelta
 from kvledger.consumer.inbound import Decoded
 from kvledger.consumer.republish.events import (
     CLEARED,
+    Blocks,
+    chain_maps,
     delta_maps,
-    holdings_maps,
+    read_blocks,
     removed_map,
     stored_map,
 )
@@ -53,6 +55,15 @@ class Output:
     ts: float
     events: list[dict[str, Any]]
     snapshot: bool = False  # begins with AllBlocksCleared and restates every block held
+    # A snapshot's events are made from what was read under the index's lock, after it
+    # (the part that takes time: the lock is held only for the reading).
+    build: Callable[[], list[dict[str, Any]]] | None = None
+
+    def resolved(self) -> list[dict[str, Any]]:
+        """The events (a snapshot's made now, once)."""
+        if self.build is not None:
+            self.events, self.build = self.build(), None
+        return self.events
 
 
 @dataclass(slots=True)
@@ -147,8 +158,9 @@ class Feed:
                 self.out.append(self.snapshot(source))
 
     def snapshot(self, source: str) -> Output:
-        """``AllBlocksCleared``, then, if the source is live, every block it holds."""
-        events = [CLEARED]
+        """``AllBlocksCleared``, then, if the source is live, every block it holds (read
+        now; the events made when :meth:`Output.resolved` is asked)."""
+        read: list[tuple[Blocks, str, int, str]] = []
         if self._live(source, _now() - self.window):
             self._cleared.discard(source)
             store = self.index.store
@@ -157,11 +169,18 @@ class Feed:
                 for hid, (_, medium, ownership) in mine:
                     held = g.held_by(hid)
                     if held:
-                        events.extend(holdings_maps(g, held, medium, group_idx, ownership))
+                        read.append((read_blocks(g, held), medium, group_idx, ownership))
         else:
             self._cleared.add(source)
+
+        def build() -> list[dict[str, Any]]:
+            events = [CLEARED]
+            for blocks, medium, group_idx, ownership in read:
+                events.extend(chain_maps(blocks, medium, group_idx, ownership))
+            return events
+
         return Output(
-            source, self._model(source), self._ranks.get(source), time.time(), events, True
+            source, self._model(source), self._ranks.get(source), time.time(), [], True, build
         )
 
     def known(self) -> list[str]:

@@ -155,7 +155,9 @@ class Publisher:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                replay.setsockopt(zmq.SNDHWM, self.hwm)
+                # One whole answer queued per peer at most: a peer that asks and does
+                # not read has the rest of its answers cut, not kept in memory.
+                replay.setsockopt(zmq.SNDHWM, self.buffer_steps + 2)
                 replay.setsockopt(zmq.RCVHWM, 1000)
                 replay.bind(e.replay)
                 self._replays[replay] = e.source
@@ -216,7 +218,9 @@ class Publisher:
                 with self.index.lock:
                     if now >= next_tick:
                         next_tick = now + TICK_S
-                        self.feed.tick(self.feed.known())
+                        # A mapped source the index no longer knows is told it holds
+                        # nothing (once), as a silent one is.
+                        self.feed.tick(set(self.feed.known()) | set(self.endpoints))
                     for source in [s for s, at in self._due.items() if at <= now]:
                         del self._due[source]
                         self._snapshot_now(source, now)
@@ -296,7 +300,7 @@ class Publisher:
         if output.snapshot:
             outlet.last_snapshot = time.monotonic()
             metrics.REPUBLISH_SNAPSHOTS.inc()
-        events = output.events
+        events = output.resolved()
         step = SNAPSHOT_EVENTS if output.snapshot else max(len(events), 1)
         for i in range(0, max(len(events), 1), step):
             payload = encode_batch(output.ts, events[i : i + step], output.dp_rank)

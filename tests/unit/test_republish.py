@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import random
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
 from kvledger.consumer.core.model import SourceLife
 from kvledger.consumer.republish.events import (
     CLEARED,
+    Blocks,
+    chain_maps,
     encode_batch,
-    parents_first,
     removed_map,
     stored_map,
 )
@@ -59,29 +59,50 @@ def test_what_has_no_vllm_form_or_ends_nothing_is_not_sent() -> None:
     assert encode_batch(0.0, [CLEARED], None)  # a rank not known: vLLM's None
 
 
-def test_parents_come_before_their_children() -> None:
+def test_a_holders_blocks_go_out_as_chains_parents_first() -> None:
+    """Random trees of blocks (shared prefixes, as an engine's cache holds them): one store
+    per run of single children, each after the run holding its parent; every block once,
+    its tokens with it."""
     rng = random.Random(4)
     for _ in range(50):
         n = rng.randint(1, 60)
         parent = {i: (rng.randrange(i) if i and rng.random() < 0.8 else None) for i in range(n)}
         key = {i: i.to_bytes(8, "big") for i in range(n)}
-        rows: dict[bytes, Any] = {
-            key[i]: (key[p] if p is not None else b"outside", None, (), 4, False)
+        blocks: Blocks = {
+            key[i]: ((key[p] if p is not None else b"outside!", None, (i, i), 2, False), None)
             for i, p in parent.items()
         }
-        items = list(rows.items())
+        items = list(blocks.items())
         rng.shuffle(items)
-        order = parents_first(dict(items))
-        at = {h: i for i, h in enumerate(order)}
-        assert sorted(order) == sorted(rows)
+        events = chain_maps(dict(items), "GPU", 0, "")
+        at: dict[int, int] = {}
+        for k, e in enumerate(events):
+            assert e["token_ids"] == [t for h in e["block_hashes"] for t in (h, h)]
+            for j, h in enumerate(e["block_hashes"]):
+                assert h not in at
+                at[h] = k
+                want = parent[h]
+                if j:  # inside a run: the block before it is its parent
+                    assert e["block_hashes"][j - 1] == want
+                elif want is None:
+                    assert e["parent_block_hash"] == int.from_bytes(b"outside!", "big")
+                else:
+                    assert e["parent_block_hash"] == want
+        assert sorted(at) == list(range(n))
         for i, p in parent.items():
             if p is not None:
-                assert at[key[p]] < at[key[i]]
+                assert at[p] <= at[i]
+        # one store per run: a block starts one only under a parent with other children
+        kids = [sum(1 for q in parent.values() if q == i) for i in range(n)]
+        starts = [h for e in events for h in e["block_hashes"][:1]]
+        assert all(parent[h] is None or kids[parent[h]] > 1 for h in starts)
 
 
 def test_a_cycle_ends_the_walk() -> None:
     a, b = b"a" * 8, b"b" * 8
-    assert sorted(parents_first({a: (b, None, (), 4, False), b: (a, None, (), 4, False)})) == [a, b]
+    blocks: Blocks = {a: ((b, None, (1,), 1, False), None), b: ((a, None, (2,), 1, False), None)}
+    hashes = [h for e in chain_maps(blocks, "GPU", 0, "") for h in e["block_hashes"]]
+    assert sorted(hashes) == [int.from_bytes(a, "big"), int.from_bytes(b, "big")]
 
 
 # ---------------------------------------------------------------------- the numbered stream
@@ -127,7 +148,7 @@ def hear(heard: dict[str, Held], outputs: list[Output]) -> None:
     """A subscriber per source following the outputs."""
     for out in outputs:
         mine = heard.setdefault(out.source, set())
-        for e in out.events:
+        for e in out.resolved():
             if e["type"] == "AllBlocksCleared":
                 mine.clear()
                 continue

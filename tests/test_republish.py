@@ -245,6 +245,28 @@ def test_replay_answers_from_retained_batches_or_a_snapshot(
         assert replay(seqs[-1]) == [heard[-1]]  # retained: as it was published
         assert replay(seqs[-1] + 1) == []  # nothing yet
         dealer.send_multipart([b"", b"bad"])  # malformed: no answer, nothing stops
+        for frames in ([b"x" * 100_000], [b"", b"", b""], [b"\xff" * 8]):
+            dealer.send_multipart(frames)
+        # A peer that asks for everything many times and leaves without reading, and a
+        # subscriber that never reads: neither stops the others.
+        rude = ctx.socket(zmq.DEALER)
+        rude.connect(str(endpoint.replay))
+        for _ in range(200):
+            rude.send_multipart([b"", (0).to_bytes(8, "big")])
+        deaf = ctx.socket(zmq.SUB)
+        deaf.setsockopt(zmq.SUBSCRIBE, b"")
+        deaf.setsockopt(zmq.RCVHWM, 1)
+        deaf.connect(endpoint.pub)
+        time.sleep(0.5)
+        rude.close(linger=0)
+        engine.store(2, 1)
+        while len(held) < 6:  # the live stream goes on
+            assert time.monotonic() < deadline + 30, heard
+            if sub.poll(500):
+                _topic, seq, payload = sub.recv_multipart()
+                events = decode_batch(payload).events
+                heard.append((int.from_bytes(seq, "big"), events))
+                follow(held, events)
         old = replay(0)  # before anything this run sent: a snapshot
         assert isinstance(old[0][1][0], AllBlocksCleared)
         restated: set[bytes] = set()

@@ -10,6 +10,7 @@ __all__ = [
     "FatalProducerError",
     "MessageTooLargeError",
     "PublishError",
+    "QueueFullError",
     "TopicMismatchError",
 ]
 
@@ -41,3 +42,8 @@ class MessageTooLargeError(PublishError):
     def __init__(self, message: str, refused: list[str]) -> None:
         super().__init__(message)
         self.refused = refused
+
+
+class QueueFullError(PublishError):
+    """A batch was not taken: the writer's queue stayed full past the caller's bound (the
+    batch is not published; nothing after it is affected)."""

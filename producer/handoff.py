@@ -7,7 +7,9 @@ back to scheduling; a thread of the publisher maps, encodes and produces it. Her
 the whole write (~10 µs an event).
 
 Nothing is lost and nothing reorders:
-- a full queue (``capacity`` batches waiting) blocks ``put`` until the thread catches up;
+- a full queue (``capacity`` batches waiting) blocks ``put`` until the thread catches up
+  (or, given ``wait_s``, that long at most: the item is then refused, and the caller knows
+  it was not taken: the vLLM plugin records it lost);
 - batches are written one at a time, in the order they were put;
 - a batch that fails (an event that cannot be read, a message the topic refuses) is
   recorded, and the next ``put``, ``drain`` or the publisher's ``close`` raises it (the
@@ -22,12 +24,14 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_SKIP = object()  # a number a bounded put gave up
 
 
 class Handoff:
@@ -50,11 +54,14 @@ class Handoff:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, item: Any) -> None:
-        """Hand ``item`` over (blocks while the queue is full); raises a failure recorded
-        since the last one raised."""
+    def put(self, item: Any, wait_s: float | None = None) -> bool:
+        """Hand ``item`` over (blocking while the queue is full, for ``wait_s`` at most when
+        given: False then, and the item is not taken); raises a failure recorded since the
+        last one raised."""
         if self._failure is not None or self._stopped:
             self._raise()
+        if wait_s is not None:
+            return self._put_within(item, wait_s)
         n = next(self._puts)
         if n - self._written >= self._capacity:
             with self._room:
@@ -67,6 +74,27 @@ class Handoff:
                 finally:
                     self._waiting -= 1
         self._queue.put(item)
+        return True
+
+    def _put_within(self, item: Any, wait_s: float) -> bool:
+        n = next(self._puts)
+        if n - self._written >= self._capacity:
+            deadline = time.monotonic() + wait_s
+            with self._room:
+                self._waiting += 1
+                try:
+                    while n - self._written >= self._capacity:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            # Its number given up: written as nothing, so the count of
+                            # items written still meets the count of numbers taken.
+                            self._queue.put(_SKIP)
+                            return False
+                        self._room.wait(min(left, 0.05))
+                finally:
+                    self._waiting -= 1
+        self._queue.put(item)
+        return True
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every item put before this call is written; raises a recorded failure."""
@@ -103,7 +131,8 @@ class Handoff:
                 item.set()
                 continue
             try:
-                self._write(item)
+                if item is not _SKIP:
+                    self._write(item)
             except Exception as exc:  # kept for the caller's next call
                 logger.error("a handed-over batch was not written: %s", exc)
                 if self._failure is None:

@@ -46,7 +46,7 @@ from confluent_kafka import Producer
 
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.delivery import Deliveries, PublisherStats
-from kvledger.producer.errors import PublishError
+from kvledger.producer.errors import PublishError, QueueFullError
 from kvledger.producer.handoff import Handoff
 from kvledger.producer.prepared import Prepared, WireForm
 from kvledger.producer.stream import NO_STAMP, SourceStream, Stamp
@@ -58,7 +58,14 @@ from kvledger.producer.tracker import (
     group_announcement,
 )
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import Goodbye, GroupSpec, Heartbeat, KVEvent, group_of
+from kvledger.schemas.events import (
+    EventsLost,
+    Goodbye,
+    GroupSpec,
+    Heartbeat,
+    KVEvent,
+    group_of,
+)
 from kvledger.schemas.kafka_log import client_logging
 
 logger = logging.getLogger(__name__)
@@ -166,7 +173,9 @@ class KVEventPublisher:
         return self.publish_prepared(events, time_ms=time_ms, engine_seq=engine_seq,
                                      dp_rank=dp_rank)  # fmt: skip
 
-    def publish_vllm_batch(self, batch: Any, engine_seq: int | None = None) -> int:
+    def publish_vllm_batch(
+        self, batch: Any, engine_seq: int | None = None, wait_s: float | None = None
+    ) -> int:
         """vLLM's entry point: a KVEventBatch (``events``; ``ts`` and ``data_parallel_rank``
         when it has them), published with the batch's time and rank.
 
@@ -176,6 +185,8 @@ class KVEventPublisher:
         be read publishes nothing, and :class:`~.vllm.VllmEventError` raises from the next
         call, ``flush`` or ``close`` (from this one with ``handoff_batches=0``).
         ``engine_seq``: the batch's number in the engine's stream (the relay's position).
+        ``wait_s``: a full queue waits this long at most, then :class:`QueueFullError`
+        raises and the batch is not taken (the caller records it lost: :meth:`record_lost`).
         """
         try:  # vLLM's batches have both (attributes read directly: ~70 ns less than getattr)
             ts, rank = batch.ts, batch.data_parallel_rank
@@ -186,10 +197,27 @@ class KVEventPublisher:
         if handoff is not None:  # the engine's thread pays a queue put; the writer the rest
             self._check_open()
             events = list(batch.events)
-            handoff.put((self._stream.write_vllm, events, (time_ms, engine_seq, rank)))
+            item = (self._stream.write_vllm, events, (time_ms, engine_seq, rank))
+            if not handoff.put(item, wait_s):
+                raise QueueFullError(f"{len(events)} events not taken: the queue stayed full")
             return len(events)
         with self._lock:
             return self._write(self._stream.write_vllm, batch.events, (time_ms, engine_seq, rank))
+
+    def record_lost(self, first_seq: int, last_seq: int, wait_s: float | None = None) -> bool:
+        """Say that engine batches ``first_seq..last_seq`` were not published (the index then
+        ends what the source held in each group: it can no longer know it), after every
+        batch handed over before; False when the queue stayed full for ``wait_s`` (nothing
+        said: ask again)."""
+        lost = [EventsLost(first_seq, last_seq, g) for g in self.groups] or [
+            EventsLost(first_seq, last_seq)
+        ]
+        if self._handoff is None:
+            with self._lock:
+                self._write(self._stream_events, lost, NO_STAMP)
+            return True
+        self._check_open()
+        return self._handoff.put((self._stream_events, lost, NO_STAMP), wait_s)
 
     def prepare_vllm(self, events: Iterable[Any]) -> list[Prepared | KVEvent]:
         """vLLM events (objects with vLLM's names, or already mapped by :mod:`.vllm`) in

@@ -80,11 +80,14 @@ class Engine:
     """A vLLM engine process (its own process group, so its children go with it)."""
 
     def __init__(
-        self, spec: EngineSpec, model: Path, logs: Path, kv_cache_bytes: int = KV_CACHE_BYTES
-    ) -> None:
+        self, spec: EngineSpec, model: Path, logs: Path, kv_cache_bytes: int = KV_CACHE_BYTES,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        """``env``: more of the engine's environment (the kvledger plugin's settings)."""
         self.spec = spec
         self.model = model
         self.kv_cache_bytes = kv_cache_bytes
+        self.extra_env = dict(env or {})
         self.process = Process(spec.name, [], logs)
 
     def start(self) -> None:
@@ -142,8 +145,10 @@ class Engine:
         }
         self.process.args = args
         self.process.env = {
-            k: v for k, v in {**os.environ, **env}.items() if k != "VLLM_CPU_KVCACHE_SPACE"
-        }  # it would override the cache
+            k: v
+            for k, v in {**os.environ, **env, **self.extra_env}.items()
+            if k != "VLLM_CPU_KVCACHE_SPACE"  # it would override the cache
+        }
         self.process.start()
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
@@ -183,12 +188,13 @@ class Engine:
 
 @contextlib.contextmanager
 def running(
-    specs: list[EngineSpec], logs: Path, kv_cache_bytes: int = KV_CACHE_BYTES
-) -> Iterator[list[Engine]]:
+    specs: list[EngineSpec], logs: Path, kv_cache_bytes: int = KV_CACHE_BYTES,
+    env: dict[str, str] | None = None,
+) -> Iterator[list[Engine]]:  # fmt: skip
     """Engines started together and ready; every one is stopped on the way out, however
-    the block ends (an error, Ctrl-C)."""
+    the block ends (an error, Ctrl-C). ``env``: more of each engine's environment."""
     model = model_dir()
-    engines = [Engine(spec, model, logs, kv_cache_bytes) for spec in specs]
+    engines = [Engine(spec, model, logs, kv_cache_bytes, env) for spec in specs]
     try:
         for engine in engines:
             engine.start()

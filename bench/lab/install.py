@@ -144,3 +144,28 @@ if __name__ == "__main__":
         print(engine_env())
     except InstallError as error:
         sys.exit(str(error))
+
+
+def install_plugin(root: Path | None = None) -> Path:
+    """kvledger itself, this checkout, into the engines' virtualenv as an operator installs
+    its vLLM plugin there (``pip install 'kvledger[vllm]'``): a wheel built from the
+    checkout (its compiled core with it), installed with the plugin extra's dependencies,
+    replacing any earlier one. Returns the engines' virtualenv."""
+    import tempfile
+
+    root = root or engine_env()
+    checkout = Path(__file__).resolve().parents[2]
+    python = str(root / "bin" / "python")
+    with tempfile.TemporaryDirectory(prefix="kvledger-wheel-") as out:
+        env = {**os.environ, "CARGO_TARGET_DIR": str(checkout / "rust" / "target")}
+        done = subprocess.run(
+            [str(root / "bin" / "uv"), "build", "--wheel", "--out-dir", out, str(checkout)],
+            capture_output=True, text=True, check=False, env=env,
+        )  # fmt: skip
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+            raise InstallError(f"lab install step 'kvledger wheel' failed:\n{tail}")
+        [wheel] = Path(out).glob("kvledger-*.whl")
+        uv = [str(root / "bin" / "uv"), "pip", "install", "--python", python, "-q"]
+        _run([*uv, "--reinstall-package", "kvledger", f"{wheel}[vllm]"], "kvledger[vllm]")
+    return root

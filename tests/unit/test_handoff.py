@@ -130,3 +130,29 @@ def test_an_unreadable_vllm_batch_raises_from_the_engines_next_call() -> None:
     finally:
         with contextlib.suppress(PublishError):  # nothing can be acknowledged here
             pub.close(timeout=0.5, goodbye=False)
+
+
+def test_a_bounded_put_gives_up_and_leaves_the_count_whole() -> None:
+    """``put(item, wait_s)`` on a full queue returns False after about ``wait_s`` with the
+    item not taken; the writer goes on, and later puts (bounded or not) are written in
+    order, none lost and none doubled."""
+    import time
+
+    gate = threading.Event()
+    written: list[int] = []
+
+    def write(item: int) -> None:
+        gate.wait(10)
+        written.append(item)
+
+    handoff = Handoff(write, 2, "w")
+    assert handoff.put(0, wait_s=0.05) and handoff.put(1, wait_s=0.05)
+    started = time.monotonic()
+    assert handoff.put(2, wait_s=0.1) is False  # full: refused, not taken
+    assert 0.08 <= time.monotonic() - started < 2
+    gate.set()
+    for i in range(3, 40):
+        assert handoff.put(i, wait_s=5) if i % 2 else handoff.put(i) in (None, True)
+    handoff.drain(10)
+    assert written == [0, 1, *range(3, 40)]
+    handoff.stop(10)

@@ -36,7 +36,7 @@ import zmq
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from bench.common import capture_produced, raw_produce, record
+from bench.common import PUBLISHED, capture_produced, publish, raw_produce, record
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay.config import RelayConfig, parse_group
@@ -278,17 +278,21 @@ def publish_path(bootstrap: str, batches: int = 30_000) -> dict[str, float]:
     sync_cpu = time.thread_time() - sync_cpu
     publisher.close(120, goodbye=False)
     # The vLLM plugin's call (kvledger/producer/vllm_plugin.py): numbered, the queue's wait
-    # bounded (1 ms, its default), on a queue with room.
-    bounded_topic = f"bench-vllm-bounded-{uuid.uuid4().hex[:8]}"
-    topics.append(bounded_topic)
-    ensure_topic(admin, bounded_topic, 12)
-    publisher = _embedded(bootstrap, bounded_topic)
-    bounded = 0.0
-    for i, batch in enumerate(objects[:UNSATURATED]):
-        t = time.perf_counter()
-        publisher.publish_vllm_batch(batch, engine_seq=i, wait_s=0.001)
-        bounded += time.perf_counter() - t
-    publisher.close(120, goodbye=False)
+    # bounded (1 ms, its default), on a queue with room; the best of as many rounds.
+    bounded_runs = []
+    for _ in range(ROUNDS):
+        bounded_topic = f"bench-vllm-bounded-{uuid.uuid4().hex[:8]}"
+        topics.append(bounded_topic)
+        ensure_topic(admin, bounded_topic, 12)
+        publisher = _embedded(bootstrap, bounded_topic)
+        spent_bounded = 0.0
+        for i, batch in enumerate(objects[:UNSATURATED]):
+            t = time.perf_counter()
+            publisher.publish_vllm_batch(batch, engine_seq=i, wait_s=0.001)
+            spent_bounded += time.perf_counter() - t
+        publisher.close(120, goodbye=False)
+        bounded_runs.append(spent_bounded)
+    bounded = min(bounded_runs)
     messages = len(captured)
     admin.delete_topics(topics)
     return {
@@ -330,4 +334,12 @@ def main() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--publish-path"]:  # the embedded engine's path alone (and its files)
+        figures = publish_path(os.environ["KVLEDGER_KAFKA_BOOTSTRAP"])
+        written = publish({"vllm_publish": figures}, PUBLISHED / "vllm-publish",
+                          command="python -m bench.relay --publish-path")  # fmt: skip
+        print(f"wrote {', '.join(str(w) for w in written)}")
+    else:
+        main()

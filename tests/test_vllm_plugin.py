@@ -17,9 +17,12 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from confluent_kafka.admin import AdminClient
 
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer import vllm_plugin
+from kvledger.schemas.topics import ensure_topic
+from tests.helpers.kafka import private_kafka
 from tests.helpers.procs import free_port
 
 pytestmark = pytest.mark.integration
@@ -143,6 +146,73 @@ def test_batches_the_queue_cannot_take_are_said_lost(
         publisher.shutdown()
     finally:
         router.stop()
+
+
+OUTAGE_S = 60.0
+
+
+def test_a_minute_without_kafka_loses_nothing_and_stalls_nothing(
+    tmp_path, group_id, vllm_kv_events, monkeypatch
+) -> None:
+    """A broker of the test's own stopped for a minute while the engine goes on publishing
+    (a batch every 0.2 s, heartbeats between): no publish call waits, nothing is lost, and
+    once the broker is back the index holds every block the engine stored."""
+    kv = vllm_kv_events
+    with private_kafka(tmp_path / "state") as broker:
+        topic = "kv-events"
+        ensure_topic(AdminClient({"bootstrap.servers": broker.bootstrap}), topic, 3)
+        for name, value in {
+            "KVLEDGER_VLLM_SOURCE": "steady", "KVLEDGER_KAFKA_BOOTSTRAP": broker.bootstrap,
+            "KVLEDGER_TOPIC": topic, "KVLEDGER_VLLM_MODEL": MODEL,
+            "KVLEDGER_VLLM_GROUPS": f"0:full_attention:{BLOCK}",
+        }.items():  # fmt: skip
+            monkeypatch.setenv(name, value)
+        registry = kv.EventPublisherFactory._registry
+        monkeypatch.setitem(registry, "zmq", registry["zmq"])
+        vllm_plugin.register()
+        publisher: Any = registry["zmq"](data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}")
+        router = RouterIndex(broker.bootstrap, topic, group_id)
+        router.start()
+        stored: list[int] = []
+        slowest = 0.0
+
+        def store() -> None:
+            nonlocal slowest
+            h = 5000 + len(stored)
+            batch = kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
+                block_hashes=[h], parent_block_hash=stored[-1] if stored else None,
+                token_ids=list(range(BLOCK)), block_size=BLOCK, lora_id=None, medium="GPU",
+                lora_name=None,
+            )])  # fmt: skip
+            started = time.perf_counter()
+            publisher.publish(batch)
+            slowest = max(slowest, time.perf_counter() - started)
+            stored.append(h)
+
+        try:
+            for _ in range(10):
+                store()
+            broker.stop()
+            until = time.monotonic() + OUTAGE_S
+            while time.monotonic() < until:
+                store()
+                time.sleep(0.2)
+            broker.start()
+            store()
+            keys = [h.to_bytes(8, "big") for h in stored]
+            deadline = time.monotonic() + 120
+            while [(h.instance, h.matched_blocks) for h in router.match(MODEL, 0, keys)] != [
+                ("steady", len(stored))
+            ]:
+                assert time.monotonic() < deadline, router.match(MODEL, 0, keys)
+                time.sleep(0.2)
+            assert publisher.lost_batches == 0
+            assert slowest < 0.05, f"a publish call waited {slowest:.3f} s"
+            print(f"{len(stored)} batches across a {OUTAGE_S:.0f} s outage; slowest call "
+                  f"{slowest * 1e3:.2f} ms")  # fmt: skip
+            publisher.shutdown()
+        finally:
+            router.stop()
 
 
 BASE = {"KVLEDGER_VLLM_SOURCE": "e", "KVLEDGER_KAFKA_BOOTSTRAP": "b"}

@@ -30,22 +30,36 @@ pytestmark = pytest.mark.integration
 MODEL, BLOCK = "plugged-model", 4
 
 
+def plugged(
+    kv: Any, monkeypatch: pytest.MonkeyPatch, source: str, bootstrap: str, topic: str,
+    **more: str,
+) -> Any:  # fmt: skip
+    """vLLM's ``"zmq"`` publisher factory once the plugin registered into it, with the
+    engine's environment set for ``source`` (``more``: further KVLEDGER_VLLM_* settings, by
+    their last word); vLLM's own factory is restored after the test."""
+    env = {
+        "KVLEDGER_VLLM_SOURCE": source, "KVLEDGER_KAFKA_BOOTSTRAP": bootstrap,
+        "KVLEDGER_TOPIC": topic, "KVLEDGER_VLLM_MODEL": MODEL,
+        "KVLEDGER_VLLM_GROUPS": f"0:full_attention:{BLOCK}",
+        **{f"KVLEDGER_VLLM_{k.upper()}": v for k, v in more.items()},
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    registry = kv.EventPublisherFactory._registry
+    monkeypatch.setitem(registry, "zmq", registry["zmq"])
+    vllm_plugin.register()
+    return registry["zmq"]
+
+
 def test_the_engines_zmq_publisher_also_feeds_the_index(
     kafka_bootstrap, make_topic, group_id, vllm_kv_events, monkeypatch
 ) -> None:
     kv = vllm_kv_events
     topic = make_topic("vllm-plugin")
-    for name, value in {
-        "KVLEDGER_VLLM_SOURCE": "plugged-{rank}", "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
-        "KVLEDGER_TOPIC": topic, "KVLEDGER_VLLM_MODEL": MODEL,
-        "KVLEDGER_VLLM_GROUPS": f"0:full_attention:{BLOCK}",
-    }.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
     registry = kv.EventPublisherFactory._registry
-    monkeypatch.setitem(registry, "zmq", registry["zmq"])  # restored after
-    vllm_plugin.register()
+    make = plugged(kv, monkeypatch, "plugged-{rank}", kafka_bootstrap, topic)
     vllm_plugin.register()  # vLLM loads plugins in every process, maybe more than once
-    make = registry["zmq"]
+    assert registry["zmq"] is make
     assert getattr(make, "kvledger", False)
     port = free_port()
     publisher: Any = make(data_parallel_rank=1, endpoint=f"tcp://*:{port}", topic="t")
@@ -99,17 +113,8 @@ def test_batches_the_queue_cannot_take_are_said_lost(
     holds as published."""
     kv = vllm_kv_events
     topic = make_topic("vllm-plugin-lost")
-    for name, value in {
-        "KVLEDGER_VLLM_SOURCE": "bursty", "KVLEDGER_KAFKA_BOOTSTRAP": kafka_bootstrap,
-        "KVLEDGER_TOPIC": topic, "KVLEDGER_VLLM_MODEL": MODEL,
-        "KVLEDGER_VLLM_GROUPS": f"0:full_attention:{BLOCK}", "KVLEDGER_VLLM_QUEUE": "1",
-        "KVLEDGER_VLLM_MAX_WAIT_MS": "0",
-    }.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    registry = kv.EventPublisherFactory._registry
-    monkeypatch.setitem(registry, "zmq", registry["zmq"])
-    vllm_plugin.register()
-    publisher: Any = registry["zmq"](data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}")
+    make = plugged(kv, monkeypatch, "bursty", kafka_bootstrap, topic, queue="1", max_wait_ms="0")
+    publisher: Any = make(data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}")
     router = RouterIndex(kafka_bootstrap, topic, group_id)
     router.start()
 
@@ -161,16 +166,8 @@ def test_a_minute_without_kafka_loses_nothing_and_stalls_nothing(
     with private_kafka(tmp_path / "state") as broker:
         topic = "kv-events"
         ensure_topic(AdminClient({"bootstrap.servers": broker.bootstrap}), topic, 3)
-        for name, value in {
-            "KVLEDGER_VLLM_SOURCE": "steady", "KVLEDGER_KAFKA_BOOTSTRAP": broker.bootstrap,
-            "KVLEDGER_TOPIC": topic, "KVLEDGER_VLLM_MODEL": MODEL,
-            "KVLEDGER_VLLM_GROUPS": f"0:full_attention:{BLOCK}",
-        }.items():  # fmt: skip
-            monkeypatch.setenv(name, value)
-        registry = kv.EventPublisherFactory._registry
-        monkeypatch.setitem(registry, "zmq", registry["zmq"])
-        vllm_plugin.register()
-        publisher: Any = registry["zmq"](data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}")
+        make = plugged(kv, monkeypatch, "steady", broker.bootstrap, topic)
+        publisher: Any = make(data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}")
         router = RouterIndex(broker.bootstrap, topic, group_id)
         router.start()
         stored: list[int] = []

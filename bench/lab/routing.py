@@ -172,18 +172,49 @@ class VllmRouter(Served):
 
     def __init__(
         self, specs: list[EngineSpec], logs: Path, policy: str, port: int,
-        republished: bool = False,
+        republished: bool = False, tag: str = "",
     ) -> None:  # fmt: skip
-        """``republished``: kv_aware hears `kvledger republish`, not the engines."""
+        """``republished``: kv_aware hears `kvledger republish`, not the engines; ``tag``
+        tells replicas' logs apart."""
         super().__init__(specs, logs)
         self.policy = policy
         self.name = f"vllm-router {policy}" + (" via kvledger" if republished else "")
         self.process = stack.vllm_router(
-            f"vllm-router-{policy}{'-kvledger' if republished else ''}", policy, specs, port,
-            logs, republished,
+            f"vllm-router-{policy}{'-kvledger' if republished else ''}{tag}", policy, specs,
+            port, logs, republished,
         )  # fmt: skip
         self.proxy_url = f"http://127.0.0.1:{port}"
         self.health_url = f"{self.proxy_url}/health"
+
+
+class Replicas(Router):
+    """Replicas of a proxying router behind a round-robin balancer, as a fleet runs more
+    than one: each sees every n-th request and keeps its own state. The router-restart
+    fault restarts one of them (a rolling restart)."""
+
+    def __init__(self, replicas: list[VllmRouter]) -> None:
+        super().__init__(replicas[0].specs, replicas[0].logs)
+        self.replicas = replicas
+        self.name = f"{replicas[0].name} x{len(replicas)}"
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    @property  # type: ignore[override]
+    def proxy_url(self) -> str | None:
+        with self._lock:
+            k = next(self._next)
+        return self.replicas[k % len(self.replicas)].proxy_url
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    def restart(self) -> None:
+        self.replicas[0].restart()
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
 
 
 class IndexPolicy(Router):

@@ -39,7 +39,11 @@ FAULTS = (
 )
 WINDOW_S = 12.0  # a fault's window: this long from its instant
 LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
-ROUTERS = ("round_robin", "cache_aware", "kv_aware", "kv_aware_kvledger", "dynamo", "kvledger")
+ROUTERS = (
+    "round_robin", "cache_aware", "cache_aware_x3", "kv_aware", "kv_aware_kvledger", "dynamo",
+    "kvledger",
+)  # fmt: skip
+REPLICAS = 3  # cache_aware_x3: vllm-router replicas behind a round-robin balancer
 
 
 @dataclass
@@ -339,6 +343,12 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
         return routing.RoundRobin(lab.specs, lab.logs)
     if kind in ("cache_aware", "kv_aware"):
         return routing.VllmRouter(lab.specs, lab.logs, kind, lab.router_port)
+    if kind == "cache_aware_x3":  # each replica sees a third of the requests
+        return routing.Replicas([
+            routing.VllmRouter(lab.specs, lab.logs, "cache_aware", lab.router_port + 3 + k,
+                               tag=f"-{k}")
+            for k in range(REPLICAS)
+        ])  # fmt: skip
     if kind == "kv_aware_kvledger":  # vllm-router's kv_aware hearing `kvledger republish`
         return routing.VllmRouter(lab.specs, lab.logs, "kv_aware", lab.router_port, True)
     if kind == "dynamo":

@@ -206,6 +206,9 @@ def vllm_router(
         *(s.url for s in specs),
         "--log-level",
         "warning",
+        # Its metrics on a port of its own (29000 unless told): replicas side by side.
+        "--prometheus-port",
+        str(port + 100),
     ]
     if policy == "kv_aware":
         for spec in specs:

@@ -38,6 +38,7 @@ engine with the reason):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -214,10 +215,13 @@ class KvledgerPublisher:
                                                for g in groups),
         )  # fmt: skip
 
-    def _open(self) -> Any:
+    def _open(self, check: bool = True) -> Any:
+        """A publisher with the groups announced; ``check``: ask the broker first (at the
+        engine's start-up only: never on the scheduler's thread while the engine serves)."""
         from kvledger.producer.publisher import KVEventPublisher
 
-        publisher = KVEventPublisher(self._config)
+        config = self._config if check else dataclasses.replace(self._config, startup_timeout_s=0)
+        publisher = KVEventPublisher(config)
         for spec in self._groups:
             publisher.announce_group_spec(spec)
         return publisher
@@ -253,12 +257,13 @@ class KvledgerPublisher:
         if now - self._reopened_at < LOG_EVERY_S:
             return
         self._reopened_at = now
-        old, self._lost = self._kv, None  # a new epoch starts from nothing: nothing to say
+        old = self._kv
         try:
-            self._kv = self._open()
-        except Exception as exc:  # Kafka still away: the old one stays, and says so
+            self._kv = self._open(check=False)
+        except Exception as exc:  # the old one stays (and fails), and says so
             self._say(f"cannot open a new publisher: {exc}")
             return
+        self._lost = None  # a new epoch starts from nothing: nothing to say of the old
         with contextlib.suppress(Exception):  # it failed already; its reason was said
             old.close(timeout=0, goodbye=False)
 

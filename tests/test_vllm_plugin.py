@@ -212,6 +212,72 @@ def test_a_minute_without_kafka_loses_nothing_and_stalls_nothing(
             router.stop()
 
 
+def test_deliveries_failed_for_good_start_a_new_epoch_without_stalling(
+    tmp_path, group_id, vllm_kv_events, monkeypatch
+) -> None:
+    """Kafka away longer than its client holds messages (here 2 s, by the operator's
+    client settings): deliveries fail, the plugin says the batches lost and opens a new
+    publisher (a new epoch) without ever holding the scheduler's thread; once the broker is
+    back the index follows the engine again."""
+    kv = vllm_kv_events
+    settings = tmp_path / "kafka.properties"
+    settings.write_text("message.timeout.ms=2000\n")
+    with private_kafka(tmp_path / "state") as broker:
+        topic = "kv-events"
+        ensure_topic(AdminClient({"bootstrap.servers": broker.bootstrap}), topic, 3)
+        monkeypatch.setenv("KVLEDGER_KAFKA_CONFIG", str(settings))
+        make = plugged(kv, monkeypatch, "failing", broker.bootstrap, topic)
+        publisher: Any = make(data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}")
+        router = RouterIndex(broker.bootstrap, topic, group_id)
+        router.start()
+        slowest, next_hash = 0.0, 9000
+
+        def store() -> bytes:
+            nonlocal slowest, next_hash
+            next_hash += 1
+            batch = kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
+                block_hashes=[next_hash], parent_block_hash=None, token_ids=list(range(BLOCK)),
+                block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None,
+            )])  # fmt: skip
+            started = time.perf_counter()
+            publisher.publish(batch)
+            slowest = max(slowest, time.perf_counter() - started)
+            return next_hash.to_bytes(8, "big")
+
+        def held(key: bytes) -> bool:
+            return [h.instance for h in router.match(MODEL, 0, [key])] == ["failing"]
+
+        try:
+            first = store()
+            deadline = time.monotonic() + 30
+            while not held(first):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            with router.lock:
+                epoch = router.store.lives["failing"].epoch
+            broker.stop()
+            until = time.monotonic() + 14
+            while time.monotonic() < until:
+                store()
+                time.sleep(0.2)
+            assert publisher.lost_batches > 0
+            broker.start()
+            deadline = time.monotonic() + 90
+            while True:  # the engine goes on storing; each block is looked for 0.2 s after
+                latest = store()
+                time.sleep(0.2)
+                if held(latest):
+                    break
+                assert time.monotonic() < deadline, "the index never followed the engine again"
+            with router.lock:
+                assert router.store.lives["failing"].epoch > epoch  # a new publisher
+            assert not held(first)  # the old epoch's blocks ended with it (never over-claimed)
+            assert slowest < 0.05, f"a publish call waited {slowest:.3f} s"
+            publisher.shutdown()
+        finally:
+            router.stop()
+
+
 BASE = {"KVLEDGER_VLLM_SOURCE": "e", "KVLEDGER_KAFKA_BOOTSTRAP": "b"}
 
 

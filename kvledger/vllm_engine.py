@@ -146,12 +146,18 @@ class ZmqEngine:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, self.send_hwm)
-        self.port = _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         # As vLLM does: room for a whole replay and its end marker (ROUTER drops past it).
         self.router.setsockopt(zmq.SNDHWM, 2 * (self.buffer_steps + 1))
-        self.replay_port = _bind(self.router, f"tcp://127.0.0.1:{self.replay_port}")
+        try:
+            self.port = _bind(self.pub, f"tcp://127.0.0.1:{self.port}")
+            self.replay_port = _bind(self.router, f"tcp://127.0.0.1:{self.replay_port}")
+        except BaseException:
+            # Left to the garbage collector, a context with open sockets blocks in term()
+            # forever (CI once lost ten minutes to one).
+            self.ctx.destroy(linger=0)
+            raise
         self.running = True
         self.thread = threading.Thread(target=self._serve_replay, daemon=True)
         self.thread.start()

@@ -34,7 +34,7 @@ from kvledger.schemas.topics import ensure_topic
 from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
 from tests.helpers.consuming import consume, residencies_of
 from tests.helpers.kafka import private_kafka
-from tests.helpers.procs import free_port, spawn
+from tests.helpers.procs import free_port, free_ports, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -188,12 +188,10 @@ def test_two_ranks_in_both_encodings_and_nothing_lost(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
     engines: list[ZmqEngine],
 ) -> None:  # fmt: skip
-    port, replay = free_port(), free_port()
-    ranks = [
-        ZmqEngine(port, replay, rank=0, positional=False),
-        ZmqEngine(port + 1, replay + 1, rank=1, positional=True),
-    ]
-    engines.extend(ranks)
+    port, replay = free_ports(2), free_ports(2)
+    ranks = engines  # each closed by the fixture, even when the second fails to bind
+    ranks.append(ZmqEngine(port, replay, rank=0, positional=False))
+    ranks.append(ZmqEngine(port + 1, replay + 1, rank=1, positional=True))
     work = [Workload(1), Workload(2)]
     for engine, w in zip(ranks, work, strict=True):  # published before the relay listens
         for _ in range(30):

@@ -23,7 +23,7 @@ from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer import vllm_plugin
 from kvledger.schemas.topics import ensure_topic
 from tests.helpers.kafka import private_kafka
-from tests.helpers.procs import free_port
+from tests.helpers.procs import free_port, free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,7 @@ def test_the_engines_zmq_publisher_also_feeds_the_index(
     vllm_plugin.register()  # vLLM loads plugins in every process, maybe more than once
     assert registry["zmq"] is make
     assert getattr(make, "kvledger", False)
-    port = free_port()
+    port = free_ports(2)
     publisher: Any = make(data_parallel_rank=1, endpoint=f"tcp://*:{port}", topic="t")
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

@@ -148,6 +148,21 @@ class Publisher:
     def start(self) -> None:
         """Bind every socket (an address no socket can use fails here), observe the index,
         and publish from a thread: first a snapshot of every source."""
+        try:
+            self._bind_all()
+        except BaseException:
+            # Sockets left open block the context's term() when the collector gets to it.
+            self._ctx.destroy(linger=0)
+            raise
+        self.feed.wake = self._wake
+        with self.index.lock:
+            self.index.observer = self.feed
+            for source in sorted(set(self.endpoints) | set(self.feed.known())):
+                self.feed.out.append(self.feed.snapshot(source))
+        self._thread = threading.Thread(target=self._run, name="kvledger-republish", daemon=True)
+        self._thread.start()
+
+    def _bind_all(self) -> None:
         for e in self.endpoints.values():
             pub = self._xpub(e.pub)
             self._pubs[e.source] = pub
@@ -164,13 +179,6 @@ class Publisher:
                 self._replay_of[e.source] = replay
         if self.mux_address is not None:
             self._mux = self._xpub(self.mux_address)
-        self.feed.wake = self._wake
-        with self.index.lock:
-            self.index.observer = self.feed
-            for source in sorted(set(self.endpoints) | set(self.feed.known())):
-                self.feed.out.append(self.feed.snapshot(source))
-        self._thread = threading.Thread(target=self._run, name="kvledger-republish", daemon=True)
-        self._thread.start()
 
     def _xpub(self, address: str) -> zmq.Socket[bytes]:
         pub = self._ctx.socket(zmq.XPUB)

@@ -3,6 +3,7 @@ free loopback ports for the services some tests start themselves."""
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 from typing import Any
@@ -25,10 +26,35 @@ def reap() -> None:
             proc.wait(timeout=30)
 
 
+# Below the kernel's ephemeral range (32768-60999 on Linux): a port the kernel hands to an
+# outgoing connection (a Kafka client's, say) between the test's choice and its bind would
+# otherwise be taken, as CI once saw.
+_LOW, _HIGH = 20_000, 32_000
+_rng = random.Random()
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` adjacent loopback ports that are free now (vLLM offsets a data
+    parallel rank's ports by the rank)."""
+    for _ in range(1000):
+        base = _rng.randrange(_LOW, _HIGH - count)
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} adjacent free ports in {_LOW}-{_HIGH}")
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)
 
 
 def first_answer(url: str, what: str, timeout: float = 30, **httpx_args: Any) -> Any:

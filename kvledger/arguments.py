@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.arguments_consumer import add_consumer
 from kvledger.consumer.config import DEFAULT_GROUP
-from kvledger.consumer.retention_policy import duration_arg
+from kvledger.consumer.retention_policy import duration_arg, seconds_arg
 from kvledger.options import (
     DEFAULT_MODEL,
     DEFAULT_PARTITIONS,
@@ -144,6 +144,17 @@ def add_lookup(subparsers: Subparsers) -> None:
         "--block-retention", type=duration_arg, default="1d", metavar="D",
         help="with --memory or --dynamo-api: forget a block this long after it was last "
         "stored or held, once no one holds it and no block names it as its parent",
+    )  # fmt: skip
+    p.add_argument(
+        "--provisional-window", type=seconds_arg, default=5.0, metavar="S",
+        help="with --memory: how long (5, 2s) an instance a router reported sending a "
+        "prompt to (POST /v1/decisions) is answered as a provisional holder of it, unless "
+        "its engine's events show the blocks first (default 5 s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--decisions-topic", metavar="TOPIC",
+        help="with --memory: share routers' decisions with every replica of the service "
+        "through this topic (created if missing); without it, each replica holds its own",
     )  # fmt: skip
     p.set_defaults(run=command("lookup_cmds:serve"))
 

@@ -39,6 +39,8 @@ class MatchAnswer:
     # Set when the answer is empty because the index has no spec for the model and group
     # asked (a mistyped name, or engines that have not announced it yet): why, in words.
     unknown_group: str | None = None
+    # Memory mode: per instance, decisions routed there that its engine has not confirmed.
+    in_flight: dict[str, int] | None = None
 
 
 class LookupServiceError(Exception):
@@ -113,7 +115,34 @@ class LookupClient:
             ranked=[Ranked(**r) for r in data["ranked"]],
             left_out=[Holder(**h) for h in data["left_out"]],
             unknown_group=data.get("unknown_group"),
+            in_flight=data.get("in_flight"),
         )
+
+    def decide(
+        self,
+        model: str,
+        instance: str,
+        token_ids: Sequence[int] | None = None,
+        hashes: Sequence[bytes | int | str] | None = None,
+        group_idx: int = 0,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> int:
+        """POST /v1/decisions: the prompt went to ``instance``; the service answers it as a
+        provisional holder of the prompt's full blocks for a short window. Returns the
+        number of blocks held."""
+        body: dict[str, Any] = {"model": model, "group_idx": group_idx, "instance": instance}
+        if hashes is not None:
+            body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        for key, value in (("lora_name", lora_name), ("cache_salt", cache_salt),
+                           ("request_id", request_id)):  # fmt: skip
+            if value is not None:
+                body[key] = value
+        held: int = self._request("POST", "/v1/decisions", body)["provisional_blocks"]
+        return held
 
     def blocks(self, block_hash: bytes | int | str) -> list[Block]:
         """GET /v1/blocks/{hash}: the index's rows of one hash ([] when it has none)."""

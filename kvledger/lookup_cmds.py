@@ -23,7 +23,9 @@ from kvledger.schemas.lookup import Holder, Ranked
 from kvledger.tables import print_table
 
 if TYPE_CHECKING:
+    from kvledger.consumer.router.decisions import DecisionLog
     from kvledger.consumer.router.index import RouterIndex
+    from kvledger.consumer.router.provisional import Provisional
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -66,11 +68,16 @@ def serve(args: argparse.Namespace) -> int:
     # Dynamo's API is answered from a router index (it keeps Dynamo's block hashes): the
     # memory mode's own, or, beside the SQL mode, one of its own.
     router = _router(args, database) if args.memory or args.dynamo_api else None
+    decisions = None
     try:
         if args.memory:
+            assert router is not None
+            provisional, decisions = _decisions(args, router)
             app = create_app(
-                silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api
-            )
+                silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api,
+                provisional=provisional,
+                share=decisions.publish if decisions is not None else None,
+            )  # fmt: skip
         else:
             app = create_app(
                 database, args.pool_size, window, token=token,
@@ -85,9 +92,29 @@ def serve(args: argparse.Namespace) -> int:
         freeze_startup_objects()
         uvicorn.run(app, **server)
     finally:
+        if decisions is not None:
+            decisions.stop()
         if router is not None:
             router.stop()
     return 0
+
+
+def _decisions(
+    args: argparse.Namespace, router: RouterIndex
+) -> tuple[Provisional, DecisionLog | None]:
+    """Where routers' decisions are held (and, with --decisions-topic, shared)."""
+    from kvledger.consumer.router.decisions import DecisionLog
+    from kvledger.consumer.router.provisional import Provisional
+
+    provisional = Provisional(args.provisional_window)
+    if args.decisions_topic is None:
+        return provisional, None
+    log = DecisionLog(
+        settings.kafka_bootstrap(args), args.decisions_topic, provisional,
+        kafka=dict(settings.kafka_settings(args)),
+    )  # fmt: skip
+    log.start()
+    return provisional, log
 
 
 def _raise_open_files(connections: int) -> None:

@@ -21,6 +21,9 @@ class Holder:
     # live | silent | closed | unknown (as_of for match_at): an annotation of the match, not
     # part of it (holders compare by what they hold).
     source_state: str = field(default="live", compare=False)
+    # A router sent the prompt there and the engine's events have not shown the blocks yet
+    # (answered for a short window: docs/routers.md, "Provisional holders").
+    provisional: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

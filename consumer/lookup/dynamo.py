@@ -35,6 +35,7 @@ inputs) have none: kvledger does not know how Dynamo would hash them, so it clai
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,7 @@ from kvledger.consumer.core.model import GroupKey, SourceLife
 from kvledger.consumer.lookup.dynamo_requests import (
     DEFAULT_ROUTING_GROUP,
     DynamoRequestError,
+    Query,
     field,
     int_field,
     json_object,
@@ -52,6 +54,7 @@ from kvledger.consumer.lookup.dynamo_requests import (
 )
 from kvledger.consumer.router.groups import SlotTable
 from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, is_live, state_of
+from kvledger.consumer.router.provisional import TOKENS, Provisional, chain_keys
 
 if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
@@ -181,10 +184,16 @@ class Workers:
 class DynamoApi:
     """Dynamo's indexer routes over a :class:`RouterIndex` built with ``dynamo=True``."""
 
-    def __init__(self, router: RouterIndex, silent_after: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        router: RouterIndex,
+        silent_after: timedelta | None = None,
+        provisional: Provisional | None = None,
+    ) -> None:
         if not router.dynamo:
             raise ValueError("Dynamo's API needs a RouterIndex(dynamo=True)")
         self.router = router
+        self.provisional = provisional  # routers' decisions, answered in /query's scores
         self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
         self.workers = Workers()
         self._window_us = self.window // _US
@@ -254,7 +263,50 @@ class DynamoApi:
             g = store.groups.get(key)
             if g is None:
                 return 200, EMPTY_ANSWER
-            return 200, q.answer(g, store.specs[key].spec.block_size, self._slots(store), cut)
+            block_size = store.specs[key].spec.block_size
+            body = q.answer(g, block_size, self._slots(store), cut)
+            p = self.provisional
+            if by_hash or p is None or p.empty(key.model, key.group_idx, TOKENS):
+                return 200, body
+            workers = {name: (*self.workers.worker_of(name), seen_us(store.lives.get(name)))
+                       for name in self._slot_names}  # fmt: skip
+        return 200, self._with_provisional(q, key, block_size, body, workers, cut)
+
+    def _with_provisional(
+        self, q: Query, key: GroupKey, block_size: int, body: bytes,
+        workers: dict[str, tuple[int, int, int | None]], cut: int,
+    ) -> bytes:  # fmt: skip
+        """``body`` with the live instances routers sent this prompt to scored as if they
+        held what was sent (GPU tier), named under ``"provisional"`` (worker id -> tokens),
+        where that is more than they hold."""
+        assert self.provisional is not None
+        locals_ = q.hashes(block_size)
+        answer = json.loads(body)
+        scores, instances = answer["scores"], answer["instances"]
+        real = {name: scores.get(str(wid), {}).get(str(rank), 0) // block_size
+                for name, (wid, rank, _) in workers.items()}  # fmt: skip
+        depths = self.provisional.depths(key.model, key.group_idx, TOKENS,
+                                         chain_keys(locals_), real)  # fmt: skip
+        marked: dict[str, int] = {}
+        for name, blocks in depths.items():
+            if name not in workers:
+                continue
+            wid, rank, seen = workers[name]
+            if seen is None or seen < cut:
+                continue  # not live: left out, as its real blocks are
+            tokens, w, r = blocks * block_size, str(wid), str(rank)
+            scores.setdefault(w, {})[r] = tokens
+            entry = instances.setdefault(
+                w, {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
+            )
+            entry["dp"][r] = max(entry["dp"].get(r, 0), tokens)
+            for tier in ("gpu", "cpu", "disk", "longest_matched"):
+                entry[tier] = max(entry[tier], tokens)
+            marked[w] = tokens
+        if not marked:
+            return body
+        answer["provisional"] = marked
+        return json.dumps(answer, separators=(",", ":")).encode()
 
     # ------------------------------------------------------------------ /dump
     def dump(self) -> Answer:

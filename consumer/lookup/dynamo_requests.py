@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from kvledger.consumer.lookup.requests import not_text
-from kvledger.schemas.dynamo import dynamo_seed
+from kvledger.schemas.dynamo import dynamo_seed, packed_block_hashes
 
 if TYPE_CHECKING:
     from kvledger.consumer.router.groups import BlockGroup, SlotTable
 
 try:
     from kvledger._core import dynamo_block_hashes as _native_hashes
+    from kvledger._core import dynamo_packed_hashes as packed_block_hashes
     from kvledger._core import dynamo_token_query as _token_query
 except ImportError:  # built without a Rust toolchain
     _native_hashes = _token_query = None  # type: ignore[assignment]
@@ -65,10 +66,12 @@ class Query:
         return g.dynamo_answer(self.hashes(block_size), block_size, slots, cut)
 
     def hashes(self, block_size: int) -> list[int]:
-        """The Dynamo local block hashes of a query not read packed, for blocks of
-        ``block_size`` tokens."""
+        """The Dynamo local block hashes of the query, for blocks of ``block_size``
+        tokens."""
         if self.locals is not None:
             return self.locals
+        if self.packed is not None:
+            return packed_block_hashes(self.packed, block_size, dynamo_seed(self.lora_name))
         assert self.token_ids is not None
         return local_hashes(self.token_ids, block_size, self.lora_name)
 

@@ -5,6 +5,9 @@ POST /v1/match    {"model", "group_idx", "hashes": [hex...] | "token_ids": [...]
                    "cache_salt"? (with token_ids), "at"?,
                    "weights"?, "include_silent"?, "silent_after_s"?} → holders, a routing
                    rank, and the holders left out because their source is not live
+POST /v1/decisions {"model", "group_idx"?, "instance", "token_ids" | "hashes", "lora_name"?,
+                   "cache_salt"?, "request_id"?} → 202: the instance is a provisional holder
+                   of the prompt's blocks for a short window (memory mode)
 GET  /v1/blocks/{hash}   the block rows of a hash (hex) and their holders
 GET  /healthz            the database answers (memory mode: the router's log position)
 GET  /metrics            Prometheus metrics
@@ -22,7 +25,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,6 +51,10 @@ from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
 
 if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
+    from kvledger.consumer.router.provisional import Decision, Provisional
+
+# Answered on the event loop in memory mode: microseconds, less than a hop to a thread.
+_ON_LOOP = frozenset({"match", "decisions"})
 
 
 class _KvledgerMetrics:
@@ -74,6 +81,8 @@ def create_app(
     allow_writer: bool = False,
     dynamo_api: bool = False,
     dynamo_router: RouterIndex | None = None,
+    provisional: Provisional | None = None,
+    share: Callable[[Decision], None] | None = None,
 ) -> ASGIApp:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
@@ -83,10 +92,12 @@ def create_app(
     must not be able to write to the index (:class:`WriterRoleError`, raised here) unless
     ``allow_writer``. ``dynamo_api``: also serve NVIDIA Dynamo's KV-indexer routes
     (:mod:`.dynamo`), from ``dynamo_router`` or else ``router`` (built with
-    ``dynamo=True``): Dynamo's routes are always answered from memory."""
+    ``dynamo=True``): Dynamo's routes are always answered from memory. ``provisional``
+    (memory mode): POST /v1/decisions holds where routers sent prompts, and lookups answer
+    those instances as provisional holders; ``share`` tells the other replicas."""
     lookups = Lookups(
         database_url, pool_size, silent_after, router, statement_timeout_ms, pool_timeout_s,
-        allow_writer,
+        allow_writer, provisional, share,
     )  # fmt: skip
     expected = f"Bearer {token}".encode() if token else None
 
@@ -115,7 +126,7 @@ def create_app(
                 # on the database or, for the router's /healthz, on the broker (the log
                 # end): in the thread pool, never blocking the loop.
                 result = (
-                    answer(route, fn, arg) if router is not None and route == "match"
+                    answer(route, fn, arg) if router is not None and route in _ON_LOOP
                     else await run_in_threadpool(answer, route, fn, arg)
                 )  # fmt: skip
             status, payload, headers = counted(route, start, result)
@@ -162,7 +173,9 @@ def create_app(
         def refusal(request: Request) -> tuple[int, Any] | None:
             return None if allowed(request.headers.get("authorization", "")) else refused()[:2]
 
-        dynamo_api_ = dynamo.DynamoApi(source, silent_after)
+        dynamo_api_ = dynamo.DynamoApi(
+            source, silent_after, provisional if source is router else None
+        )
         extra = dynamo_http.routes(dynamo_api_, refusal)
         hot.update(dynamo_http.hot_routes(dynamo_api_, allowed))
     openapi = document(dynamo_api)
@@ -170,6 +183,7 @@ def create_app(
         *extra,
         Route("/v1/match", timed("match", lookups.match, with_body=True), methods=["POST"]),
         Route("/v1/blocks/{block_hash}", timed("blocks", lookups.block), methods=["GET"]),
+        Route("/v1/decisions", timed("decisions", lookups.decide, True), methods=["POST"]),
         Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", lambda _: JSONResponse(openapi), methods=["GET"]),

@@ -109,6 +109,37 @@ SCHEMAS: dict[str, Any] = {
             "matched_blocks": {"type": "integer", "minimum": 0},
             "matched_tokens": {"type": "integer", "minimum": 0},
             "source_state": {"enum": ["live", "silent", "closed", "unknown", "as_of"]},
+            "provisional": {
+                "const": True,
+                "description": "Present (true) where a router reported sending this prompt "
+                "to the instance (POST /v1/decisions) and its engine's events have not shown "
+                "the blocks yet: answered for the service's --provisional-window",
+            },
+        },
+    },
+    "DecisionRequest": {
+        "type": "object",
+        "required": ["model", "instance"],
+        "additionalProperties": False,
+        "properties": {
+            "model": {"type": "string"},
+            "group_idx": {"type": "integer", "minimum": 0, "default": 0},
+            "instance": {"type": "string", "description": "The instance the prompt went to"},
+            "token_ids": {"type": "array", "items": {"type": "integer"}},
+            "hashes": {"type": "array", "items": {"type": ["string", "integer"]}},
+            "lora_name": {"type": "string"},
+            "cache_salt": {"type": "string"},
+            "request_id": {"type": "string"},
+        },
+        "description": "Exactly one of token_ids and hashes (as /v1/match takes them).",
+    },
+    "DecisionAnswer": {
+        "type": "object",
+        "required": ["instance", "provisional_blocks", "expires_in_s"],
+        "properties": {
+            "instance": {"type": "string"},
+            "provisional_blocks": {"type": "integer", "minimum": 0},
+            "expires_in_s": {"type": "number"},
         },
     },
     "Ranked": {
@@ -130,6 +161,12 @@ SCHEMAS: dict[str, Any] = {
                 "type": "array",
                 "items": {"$ref": "#/components/schemas/Holder"},
                 "description": "Holders whose source is not live (answers for now only)",
+            },
+            "in_flight": {
+                "type": "object",
+                "additionalProperties": {"type": "integer"},
+                "description": "Memory mode: per instance, the decisions routed there in the "
+                "provisional window that its engine's events have not confirmed yet",
             },
             "unknown_group": {
                 "type": "string",
@@ -235,6 +272,25 @@ DOCUMENT: dict[str, Any] = {
                         "`at` is before the retained history (retention dropped it); `error` "
                         "says where the retained history starts",
                     ),
+                },
+            }
+        },
+        "/v1/decisions": {
+            "post": {
+                "operationId": "decide",
+                "summary": "A router sent a prompt to an instance: answered as a provisional "
+                "holder of its blocks for a short window (memory mode)",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/DecisionRequest"}
+                        }
+                    },
+                },
+                "responses": {
+                    "202": _json({"$ref": "#/components/schemas/DecisionAnswer"}, "Held"),
+                    **_ERRORS,
                 },
             }
         },

@@ -226,3 +226,58 @@ def _at(at: object) -> datetime | None:
     if when.tzinfo is None:
         raise BadRequestError("at needs a time zone")
     return when
+
+
+DECISION_FIELDS = frozenset({
+    "model", "group_idx", "instance", "hashes", "token_ids", "lora_name", "cache_salt",
+    "request_id",
+})  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRequest:
+    """POST /v1/decisions: a router sent the prompt (by token ids or block hashes) to
+    ``instance``."""
+
+    model: str
+    group_idx: int
+    instance: str
+    hashes: list[bytes] | None = None
+    token_ids: list[int] | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+def parse_decision(data: Mapping[str, Any]) -> DecisionRequest:
+    unknown = sorted(set(data) - DECISION_FIELDS)
+    if unknown:
+        raise BadRequestError(f"unknown field(s): {', '.join(map(str, unknown))[:200]}")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequestError("model (string) is required")
+    _name("model", model)
+    group = data.get("group_idx", 0)
+    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < 2**31:
+        raise BadRequestError("group_idx must be an integer in 0..2^31-1")
+    instance = data.get("instance")
+    if not isinstance(instance, str) or not instance:
+        raise BadRequestError("instance (string) is required: the instance the prompt went to")
+    _name("instance", instance)
+    request_id = _text(data, "request_id")
+    hashes, tokens = data.get("hashes"), data.get("token_ids")
+    if (hashes is None) == (tokens is None):
+        raise BadRequestError("give exactly one of hashes or token_ids")
+    if tokens is not None:
+        return DecisionRequest(
+            model, group, instance, token_ids=_tokens(tokens), lora_name=_lora(data),
+            cache_salt=_text(data, "cache_salt"), request_id=request_id,
+        )  # fmt: skip
+    for name in ("lora_name", "cache_salt"):
+        if data.get(name) is not None:
+            raise BadRequestError(f"{name} applies to token_ids (a hash already includes it)")
+    if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
+        raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
+    return DecisionRequest(
+        model, group, instance, hashes=[parse_hash(h) for h in hashes], request_id=request_id
+    )

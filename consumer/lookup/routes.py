@@ -33,6 +33,7 @@ from kvledger.consumer.lookup.api import (
 from kvledger.consumer.lookup.requests import (
     BadRequestError,
     MatchRequest,
+    parse_decision,
     parse_json,
     parse_match,
     parse_path_hash,
@@ -43,6 +44,7 @@ from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:
     from kvledger.consumer.router.index import RouterIndex
+    from kvledger.consumer.router.provisional import Decision, Provisional
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +106,16 @@ class Lookups:
         statement_timeout_ms: int,
         pool_timeout_s: float,
         allow_writer: bool,
+        provisional: Provisional | None = None,
+        share: Callable[[Decision], None] | None = None,
     ) -> None:
         if database_url is None and router is None:
             raise ValueError("create_app needs a database URL or a router")
+        if provisional is not None and router is None:
+            raise ValueError("provisional holders are answered from memory: they need a router")
         self.router = router
+        self.provisional = provisional
+        self.share = share  # the other replicas are told (a DecisionLog's publish)
         self.silent_after = silent_after
         self.pool_timeout_s = pool_timeout_s
         self.database_url = database_url
@@ -181,6 +189,8 @@ class Lookups:
                 )  # fmt: skip
             # Only an empty answer asks whether the group is known: a hit pays nothing.
             unknown = not holders and not idx.knows_group(req.model, req.group_idx)
+        if self.provisional is not None and req.at is None and req.granularity == "block":
+            holders = self._with_provisional(req, holders)
         if req.at is None and not req.include_silent:
             holders, left_out = split_live(holders)
         ranked = rank(holders, req.weights)
@@ -191,7 +201,73 @@ class Lookups:
         }
         if unknown:
             body["unknown_group"] = unknown_group(req.model, req.group_idx)
+        if self.provisional is not None:
+            body["in_flight"] = self.provisional.in_flight()
         return 200, body, {}
+
+    def _with_provisional(self, req: MatchRequest, holders: list[Holder]) -> list[Holder]:
+        """``holders`` and, where a router's decision says more than the index holds, the
+        instances it sent this prompt to (marked provisional, counted on the GPU tier)."""
+        from kvledger.consumer.router import provisional as pv
+
+        assert self.provisional is not None and self.router is not None
+        kind = pv.TOKENS if req.token_ids is not None else pv.HASHES
+        if self.provisional.empty(req.model, req.group_idx, kind):
+            return holders  # nothing reported for this group: nothing to pay
+        block_size = self.router.block_size(req.model, req.group_idx)
+        if block_size is None:
+            return holders
+        if req.token_ids is not None:
+            keys = pv.token_keys(req.token_ids, block_size, req.lora_name, req.cache_salt)
+        else:
+            assert req.hashes is not None
+            keys = pv.hash_keys(req.hashes)
+        real: dict[str, int] = {}
+        for h in holders:
+            real[h.instance] = max(real.get(h.instance, 0), h.matched_blocks)
+        depths = self.provisional.depths(req.model, req.group_idx, kind, keys, real)
+        if not depths:
+            return holders
+        states = self.router.states(list(depths), self._window(req))
+        extra = [
+            Holder(instance, "GPU", "", n, n * block_size, states[instance], provisional=True)
+            for instance, n in depths.items()
+        ]
+        return sorted([*holders, *extra], key=lambda h: (
+            -h.matched_tokens, -h.matched_blocks, h.instance, h.medium, h.ownership))  # fmt: skip
+
+    def decide(self, raw: bytes) -> Answer:
+        """POST /v1/decisions: a router sent a prompt to an instance; held as a provisional
+        holder of the prompt's blocks (and shared with the other replicas)."""
+        from kvledger.consumer.router import provisional as pv
+
+        if self.provisional is None or self.router is None:
+            raise BadRequestError(
+                "decisions are held by the memory-backed service (kvledger serve --memory)"
+            )
+        req = parse_decision(parse_json(raw))
+        block_size = self.router.block_size(req.model, req.group_idx)
+        if block_size is None:
+            raise BadRequestError(
+                f"model/group_idx: no group {req.model!r}/{req.group_idx} in the index"
+            )
+        state = self.router.states([req.instance], self.silent_after)[req.instance]
+        if state in ("unknown", "closed"):
+            why = "has sent no events" if state == "unknown" else "said goodbye"
+            raise BadRequestError(f"instance: {req.instance!r} {why}")
+        if req.token_ids is not None:
+            kind = pv.TOKENS
+            keys = pv.token_keys(req.token_ids, block_size, req.lora_name, req.cache_salt)
+        else:
+            assert req.hashes is not None
+            kind, keys = pv.HASHES, pv.hash_keys(req.hashes)
+        decision = pv.Decision(req.model, req.group_idx, req.instance, kind, tuple(keys),
+                               request_id=req.request_id)  # fmt: skip
+        held = self.provisional.add(decision)
+        if held and self.share is not None:
+            self.share(decision)
+        return 202, {"instance": req.instance, "provisional_blocks": held,
+                     "expires_in_s": self.provisional.ttl_s}, {}  # fmt: skip
 
     def block(self, params: dict[str, Any]) -> Answer:
         """GET /v1/blocks/{hash}: the block rows of a hash and their holders."""
@@ -254,11 +330,16 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _holder_json(h: Any) -> dict[str, Any]:
-    """A Holder or Ranked as JSON (dataclasses.asdict, without its deep copy: ~4x faster)."""
+    """A Holder or Ranked as JSON (dataclasses.asdict, without its deep copy: ~4x faster);
+    ``provisional`` only where true (the answers of an index no router reports to are
+    as they were)."""
     names = _FIELDS.get(type(h))
     if names is None:
-        names = _FIELDS[type(h)] = tuple(f.name for f in fields(h))
-    return {name: getattr(h, name) for name in names}
+        names = _FIELDS[type(h)] = tuple(f.name for f in fields(h) if f.name != "provisional")
+    out = {name: getattr(h, name) for name in names}
+    if getattr(h, "provisional", False):
+        out["provisional"] = True
+    return out
 
 
 def _block_json(b: Any) -> dict[str, Any]:

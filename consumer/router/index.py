@@ -382,6 +382,19 @@ class RouterIndex:
             found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name, cache_salt)
             return m.answer(self.store, found, include_silent, silent_after, _now())
 
+    def block_size(self, model: str, group_idx: int) -> int | None:
+        """The group's block size in tokens (None: no such group in the index)."""
+        with self.lock:
+            held = self.store.specs.get(GroupKey(model, group_idx))
+        return held.spec.block_size if held is not None and held.spec.block_size > 0 else None
+
+    def states(self, instances: Sequence[str], silent_after: timedelta | None) -> dict[str, str]:
+        """Each instance's state (live, silent, closed, unknown) in the liveness window."""
+        window = silent_after if silent_after is not None else m.DEFAULT_SILENT_AFTER
+        now = _now()
+        with self.lock:
+            return {i: m.state_of(self.store.lives.get(i), now, window) for i in instances}
+
     def knows_group(self, model: str, group_idx: int) -> bool:
         """As :meth:`PrefixIndex.knows_group`, from memory."""
         with self.lock:

@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.router.provisional import Provisional
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from tests.helpers.streams import fleet_stream
@@ -31,6 +32,8 @@ FIELDS = {
     "/register": ["instance_id", "model_name", "endpoint", "block_size", "routing_group",
                   "source"],
     "/unregister": ["instance_id", "model_name", "routing_group"],
+    "/v1/decisions": ["model", "group_idx", "instance", "hashes", "token_ids", "lora_name",
+                      "cache_salt", "request_id"],
 }  # fmt: skip
 
 
@@ -40,14 +43,17 @@ def client() -> TestClient:
     messages = fleet_stream(FLEET).messages
     for i in range(0, len(messages), 200):
         run_batch(messages[i : i + 200], Codec(), router.store, "g")
-    app = create_app(router=router, dynamo_api=True, silent_after=timedelta(days=9999))
+    app = create_app(router=router, dynamo_api=True, silent_after=timedelta(days=9999),
+                     provisional=Provisional(5.0))  # fmt: skip
     return TestClient(app)
 
 
 # Text with what once made a 500: lone surrogates, non-ASCII digits, NUL, the model's name.
 text = st.one_of(
     st.text(st.characters(codec=None, categories=None), max_size=12),
-    st.sampled_from(["\ud800", "\udfff", "\u00b2", "\u0661", "\x00", "default", FLEET.model]),
+    st.sampled_from(
+        ["\ud800", "\udfff", "\u00b2", "\u0661", "\x00", "default", FLEET.model, "engine-0"]
+    ),
 )
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), text

@@ -1,0 +1,178 @@
+"""Routing decisions shared by every replica of the lookup service through one Kafka topic.
+
+A replica that takes a decision report holds it at once (:class:`.provisional.Provisional`)
+and writes it here; every replica reads the topic from the start of the provisional window
+and holds the decisions the others took. The topic is a hint channel, not a log of record:
+a decision lost on the way costs one lookup's freshness, never the index's truth, so it is
+written without transactions and read without a consumer group. A record that does not
+read as a decision is skipped, counted and logged with its partition and offset.
+
+The wire form is JSON: ``{"v": 1, "model", "group_idx", "instance", "kind": "tokens" |
+"hashes", "keys": [u64...], "origin", "request_id"?}``; the keys are the prompt's chained
+block keys (:func:`.provisional.token_keys`), never its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import Annotated, Literal
+
+import msgspec
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from kvledger.consumer.router.provisional import Decision, Provisional
+from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings, ensure_topic
+
+logger = logging.getLogger(__name__)
+
+RETENTION_MS = 3600 * 1000  # an hour: decisions matter for seconds
+MAX_RECORD_BYTES = 512 * 1024
+_U64 = (1 << 64) - 1
+
+
+class _Wire(msgspec.Struct, forbid_unknown_fields=True):
+    v: Literal[1]
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    group_idx: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    kind: Literal["tokens", "hashes"]
+    keys: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=65_536)]
+    origin: Annotated[str, msgspec.Meta(max_length=64)]
+    request_id: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+
+
+_decode = msgspec.json.Decoder(_Wire).decode
+_encode = msgspec.json.Encoder().encode
+
+
+def encode(d: Decision) -> bytes:
+    return _encode(_Wire(1, d.model, d.group_idx, d.instance, d.kind, list(d.keys), d.origin,
+                         d.request_id))  # fmt: skip
+
+
+def decode(raw: bytes) -> Decision:
+    """A record's decision; ``ValueError`` saying why it is not one."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ValueError(f"record of {len(raw)} bytes, over {MAX_RECORD_BYTES}")
+    try:
+        w = _decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(str(exc)) from None
+    if w.keys and max(w.keys) > _U64:
+        raise ValueError("a key over 2^64-1")
+    return Decision(w.model, w.group_idx, w.instance, w.kind, tuple(w.keys), w.origin,
+                    w.request_id)  # fmt: skip
+
+
+class DecisionLog:
+    """Writes this replica's decisions to ``topic`` and holds every other replica's in
+    ``provisional``: started with :meth:`start` (which creates the topic if missing, or
+    fails saying why), stopped with :meth:`stop`."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        provisional: Provisional,
+        kafka: dict[str, object] | None = None,
+    ) -> None:
+        self.topic, self.provisional = topic, provisional
+        self.settings: dict[str, object] = {"bootstrap.servers": bootstrap_servers,
+                                            **(kafka or {})}  # fmt: skip
+        self.origin = uuid.uuid4().hex[:16]  # this replica, in the records it writes
+        self.shared = 0  # others' decisions held
+        self.rejected = 0  # records that were not decisions
+        self.dropped = 0  # own decisions not written (the producer's queue was full)
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._warned = 0.0
+
+    def start(self) -> None:
+        admin = AdminClient(admin_settings(self.settings))
+        ensure_topic(admin, self.topic, partitions=1, retention_ms=RETENTION_MS,
+                     exact_partitions=False, timeout=STARTUP_TIMEOUT_S)  # fmt: skip
+        self._producer = Producer(client_logging({
+            **self.settings, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
+            "queue.buffering.max.messages": 100_000, "message.timeout.ms": 5000,
+            "client.id": "kvledger-decisions",
+        }))  # fmt: skip
+        consumer = Consumer(client_logging({
+            **self.settings, "group.id": f"kvledger-decisions-{self.origin}",  # joins none
+            "enable.auto.commit": False, "enable.auto.offset.store": False,
+            "auto.offset.reset": "latest", "fetch.wait.max.ms": 10, "client.id":
+            "kvledger-decisions", "log_level": 4,
+        }))  # fmt: skip
+        metadata = consumer.list_topics(self.topic, timeout=STARTUP_TIMEOUT_S)
+        since = int((time.time() - self.provisional.ttl_s) * 1000)
+        partitions = metadata.topics[self.topic].partitions
+        wanted = [TopicPartition(self.topic, p, since) for p in partitions]
+        found = consumer.offsets_for_times(wanted, timeout=STARTUP_TIMEOUT_S)
+        consumer.assign([TopicPartition(tp.topic, tp.partition,
+                                        tp.offset if tp.offset >= 0 else OFFSET_END)
+                         for tp in found])  # fmt: skip
+        self._consumer = consumer
+        self._thread = threading.Thread(target=self._tail, name="kvledger-decisions",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def publish(self, decision: Decision) -> None:
+        """Write ``decision`` for the other replicas; never waits (a full queue drops it,
+        counted and logged)."""
+        assert self._producer is not None
+        try:
+            self._producer.produce(self.topic, encode(replace(decision, origin=self.origin)))
+        except BufferError:
+            self.dropped += 1
+            self._warn("decisions topic %s: the producer's queue is full; %d decisions not "
+                       "shared", self.topic, self.dropped)  # fmt: skip
+        self._producer.poll(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._consumer is not None:
+            self._consumer.close()
+        if self._producer is not None:
+            self._producer.flush(2)
+
+    def _tail(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        while not self._stop.is_set():
+            first = consumer.poll(0.1)  # at once when one comes (consume() waits for all)
+            if first is None:
+                continue
+            for msg in [first, *consumer.consume(499, 0)]:
+                err = msg.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        self._warn("decisions topic %s: %s", self.topic, err)
+                    continue
+                try:
+                    decision = decode(msg.value() or b"")
+                except ValueError as exc:
+                    self.rejected += 1
+                    self._warn("decisions topic %s: record at partition %d offset %d is not "
+                               "a decision (%s); skipped", self.topic, msg.partition(),
+                               msg.offset(), exc)  # fmt: skip
+                    continue
+                if decision.origin != self.origin:
+                    self.provisional.add(decision)
+                    self.shared += 1
+            if self._producer is not None:
+                self._producer.poll(0)
+
+    def _warn(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._warned >= 1.0:  # at most a line a second
+            self._warned = now
+            logger.warning(fmt, *args)

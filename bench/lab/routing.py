@@ -9,6 +9,7 @@ near-ties within one block broken by the fewest requests in flight).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
@@ -289,3 +290,18 @@ class KvledgerIndex(IndexPolicy):
 
     def restart(self) -> None:
         self.ledger.restart_server()
+
+
+class KvledgerDecisions(KvledgerIndex):
+    """The same policy, telling kvledger where it sent each prompt (POST /v1/decisions):
+    the engine chosen is a provisional holder of the prompt until its events confirm it."""
+
+    name = "kvledger + decisions"
+
+    def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        engine = super().choose(token_ids, load, exclude)
+        body = {"model": stack.MODEL, "instance": stack.source_name(engine), "token_ids": token_ids}
+        # kvledger restarting, or the engine new to it: routed all the same
+        with contextlib.suppress(OSError):
+            stack.post_json(f"{self.query_url}/v1/decisions", body)
+        return engine

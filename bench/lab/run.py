@@ -41,7 +41,7 @@ WINDOW_S = 12.0  # a fault's window: this long from its instant
 LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
 ROUTERS = (
     "round_robin", "cache_aware", "cache_aware_x3", "kv_aware", "kv_aware_kvledger", "dynamo",
-    "kvledger",
+    "kvledger", "kvledger_decisions",
 )  # fmt: skip
 REPLICAS = 3  # cache_aware_x3: vllm-router replicas behind a round-robin balancer
 
@@ -355,6 +355,8 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
         return routing.DynamoIndexer(lab.specs, lab.logs, lab.indexer_port)
     if kind == "kvledger":
         return routing.KvledgerIndex(lab.specs, lab.logs, lab.ledger)
+    if kind == "kvledger_decisions":
+        return routing.KvledgerDecisions(lab.specs, lab.logs, lab.ledger)
     raise SystemExit(f"unknown router {kind!r}: choose from {', '.join(ROUTERS)}")
 
 

@@ -135,6 +135,8 @@ class Kvledger:
             str(self.port),
             "--silent-after",
             str(SILENT_AFTER_S),
+            "--decisions-topic",
+            f"{self.topic}.decisions",
         )
         self.restart_server()
         sources = []
@@ -182,7 +184,8 @@ class Kvledger:
             from confluent_kafka.admin import AdminClient
 
             admin = AdminClient({"bootstrap.servers": self.bootstrap})
-            for future in admin.delete_topics([self.topic, f"{self.topic}.dlq"]).values():
+            topics = [self.topic, f"{self.topic}.dlq", f"{self.topic}.decisions"]
+            for future in admin.delete_topics(topics).values():
                 with contextlib.suppress(Exception):
                     future.result(timeout=10)
 

@@ -15,6 +15,9 @@ from the publish:
 - ``republish``: a raw SUB socket on `kvledger republish`'s PUB for the engine (the same
   router index, republishing what it applied) receives it: what a router fed by kvledger
   instead of the engine sees.
+- ``decision``: not an engine's batch but a router's decision (POST /v1/decisions), timed
+  from one replica of the lookup service writing it to the decisions topic to another
+  replica answering the prompt's holder as provisional (`serve --decisions-topic`).
 
 p50/p99 of each. Targets: router p50 ≤ 20 ms, p99 ≤ 50 ms (the freshness issue);
 republish p50 ≤ 20 ms, p99 ≤ 100 ms at 1,000 block events/s (the republish issue: the
@@ -42,14 +45,16 @@ from confluent_kafka.admin import AdminClient
 
 from bench.common import PUBLISHED, publish, record
 from kvledger.consumer.republish.publisher import Endpoint, Publisher
+from kvledger.consumer.router.decisions import DecisionLog
 from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.router.provisional import HASHES, Decision, Provisional
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.topics import ensure_topic
 from tests.helpers.procs import free_port
 from tests.helpers.vllm_wheel import vllm_module
 
 MODEL, BLOCK, SOURCE = "fresh-model", 16, "fresh-engine"
-STAGES = ("zmq", "kafka", "router", "republish")
+STAGES = ("zmq", "kafka", "router", "republish", "decision")
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -122,6 +127,9 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
             threading.Thread(target=watch.zmq_sub, args=(again, "republish"), daemon=True),
         ]
         republisher = None
+        logs: list[DecisionLog] = []
+        sent: dict[int, float] = {}
+        decisions: dict[int, float] = {}
         try:
             relay = subprocess.Popen(
                 [sys.executable, "-m", "kvledger", "relay", "--endpoint", f"tcp://127.0.0.1:{port}",
@@ -130,6 +138,13 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
                  "--bootstrap", bootstrap],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
+            ensure_topic(admin, f"{topic}.decisions", 1)
+            here, there = Provisional(60.0), Provisional(60.0)
+            writer = DecisionLog(bootstrap, f"{topic}.decisions", here)
+            reader = DecisionLog(bootstrap, f"{topic}.decisions", there)
+            logs += [writer, reader]
+            writer.start()
+            reader.start()
             router = RouterIndex(bootstrap, topic, f"bench-fresh-{uuid.uuid4().hex[:6]}")
             republisher = Publisher(router, [Endpoint(SOURCE, f"tcp://127.0.0.1:{again}")])
             republisher.start()
@@ -137,7 +152,6 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
             for t in threads:
                 t.start()
             time.sleep(3)  # the relay resynchronised, the readers assigned
-            sent: dict[int, float] = {}
             for _ in range(batches):
                 chain = [rng.getrandbits(63) for _ in range(blocks)]
                 h = chain[0]
@@ -156,6 +170,15 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
                         watch.seen["router"][h] = time.perf_counter()
                         break
                     time.sleep(0.0005)
+                keys = tuple(rng.getrandbits(63) for _ in range(blocks))
+                decided = time.perf_counter()
+                writer.publish(Decision(MODEL, 0, SOURCE, HASHES, keys))
+                decisions[keys[0]] = decided
+                while time.perf_counter() < decided + 5:
+                    if there.depths(MODEL, 0, HASHES, keys[:1], {}):
+                        watch.seen["decision"][keys[0]] = time.perf_counter()
+                        break
+                    time.sleep(0.0005)
                 time.sleep(gap_ms / 1000)
             time.sleep(1)
         finally:
@@ -166,18 +189,20 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
                 republisher.stop()
             if router is not None:
                 router.stop()
+            for log in logs:
+                log.stop()
             if relay is not None:
                 relay.terminate()
                 relay.wait(30)
             publisher.shutdown()
-            admin.delete_topics([topic])
+            admin.delete_topics([topic, f"{topic}.decisions"])
     figures: dict[str, Any] = {"batches": batches, "gap_ms": gap_ms, "blocks": blocks}
     for stage in STAGES:
-        seen = watch.seen[stage]
-        waits = [seen[h] - t for h, t in sent.items() if h in seen]
+        seen, began = watch.seen[stage], decisions if stage == "decision" else sent
+        waits = [seen[h] - t for h, t in began.items() if h in seen]
         figures[f"{stage}_p50_ms"] = percentile(waits, 50)
         figures[f"{stage}_p99_ms"] = percentile(waits, 99)
-        figures[f"{stage}_missing"] = len(sent) - len(waits)
+        figures[f"{stage}_missing"] = len(began) - len(waits)
     record("freshness", figures)
     return figures
 

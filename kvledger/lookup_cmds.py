@@ -103,6 +103,7 @@ def _decisions(
     args: argparse.Namespace, router: RouterIndex
 ) -> tuple[Provisional, DecisionLog | None]:
     """Where routers' decisions are held (and, with --decisions-topic, shared)."""
+    from kvledger.consumer.lookup.metrics import PROVISIONAL
     from kvledger.consumer.router.decisions import DecisionLog
     from kvledger.consumer.router.provisional import Provisional
 
@@ -114,6 +115,7 @@ def _decisions(
         kafka=dict(settings.kafka_settings(args)),
     )  # fmt: skip
     log.start()
+    PROVISIONAL.logs.add(log)
     return provisional, log
 
 

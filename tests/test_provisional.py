@@ -140,6 +140,13 @@ def test_replicas_share_decisions_until_the_engine_confirms_them(
         assert "engine-a" not in holders(url, OTHER)
         assert LookupClient(url).match(MODEL, token_ids=OTHER).in_flight == {}
 
+    scrape = httpx.get(f"{one}/metrics", timeout=10).text
+    for line in ('kvledger_provisional_decisions_total{outcome="confirmed"} 1.0',
+                 'kvledger_provisional_decisions_total{outcome="expired"} 1.0',
+                 "kvledger_provisional_added_total 2.0", "kvledger_provisional_held 0.0",
+                 'kvledger_decisions_records_total{outcome="shared"} 1.0'):  # fmt: skip
+        assert line in scrape, scrape
+
     # Refusals name the field.
     for body, why in [
         ({"model": MODEL, "instance": "engine-z", "token_ids": PROMPT}, "instance"),

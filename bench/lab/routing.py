@@ -227,6 +227,10 @@ class IndexPolicy(Router):
         return [e for e in range(len(self.specs)) if e not in exclude]
 
     def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        return self.choose_at(self.query_url, token_ids, load, exclude)
+
+    def choose_at(self, url: str, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        """:meth:`choose`, asking the indexer at ``url``."""
         allowed = (
             self.candidates(exclude)
             or [e for e in range(len(self.specs)) if e not in exclude]
@@ -234,7 +238,7 @@ class IndexPolicy(Router):
         )
         try:
             answer = stack.post_json(
-                f"{self.query_url}/query", {"token_ids": token_ids, "model_name": stack.MODEL}
+                f"{url}/query", {"token_ids": token_ids, "model_name": stack.MODEL}
             )
         except OSError:
             answer = {}  # the indexer is down (restarting): route by load alone
@@ -294,14 +298,26 @@ class KvledgerIndex(IndexPolicy):
 
 class KvledgerDecisions(KvledgerIndex):
     """The same policy, telling kvledger where it sent each prompt (POST /v1/decisions):
-    the engine chosen is a provisional holder of the prompt until its events confirm it."""
+    the engine chosen is a provisional holder of the prompt until its events confirm it.
+    With ``replicas`` > 1, as many router replicas behind a round-robin balancer, each with
+    a ``serve --memory`` of its own; the replicas share decisions through kvledger's
+    decisions topic. The router-restart fault restarts the first (a rolling restart)."""
 
-    name = "kvledger + decisions"
+    def __init__(
+        self, specs: list[EngineSpec], logs: Path, ledger: stack.Kvledger, replicas: int = 1
+    ) -> None:
+        super().__init__(specs, logs, ledger)
+        self.urls = ledger.urls[:replicas]
+        self.name = "kvledger + decisions" + (f" x{replicas}" if replicas > 1 else "")
+        self._next = itertools.count()
+        self._lock = threading.Lock()
 
     def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
-        engine = super().choose(token_ids, load, exclude)
+        with self._lock:
+            url = self.urls[next(self._next) % len(self.urls)]
+        engine = self.choose_at(url, token_ids, load, exclude)
         body = {"model": stack.MODEL, "instance": stack.source_name(engine), "token_ids": token_ids}
         # kvledger restarting, or the engine new to it: routed all the same
         with contextlib.suppress(OSError):
-            stack.post_json(f"{self.query_url}/v1/decisions", body)
+            stack.post_json(f"{url}/v1/decisions", body)
         return engine

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lab import install, model, routing, stack, workload
-from bench.lab.engines import BLOCK_SIZE, Engine, EngineSpec, model_dir
+from bench.lab.engines import BLOCK_SIZE, KV_CACHE_BYTES, Engine, EngineSpec, model_dir
 from bench.lab.oracle import Oracle
 from bench.lab.process import LabError
 
@@ -41,7 +41,7 @@ WINDOW_S = 12.0  # a fault's window: this long from its instant
 LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
 ROUTERS = (
     "round_robin", "cache_aware", "cache_aware_x3", "kv_aware", "kv_aware_kvledger", "dynamo",
-    "kvledger", "kvledger_decisions",
+    "kvledger", "kvledger_decisions", "kvledger_decisions_x3",
 )  # fmt: skip
 REPLICAS = 3  # cache_aware_x3: vllm-router replicas behind a round-robin balancer
 
@@ -130,7 +130,9 @@ class Lab:
             shape = workload.Shape(sessions=8, documents=6, questions=24, seconds=30.0)
         self.requests = workload.stream(model.words(), shape)
         self.seconds = shape.seconds
-        self.engines = [Engine(spec, self.model, self.logs) for spec in self.specs]
+        self.kv_blocks = args.kv_blocks
+        kv_bytes = KV_CACHE_BYTES * args.kv_blocks // 128  # KV_CACHE_BYTES holds 128 blocks
+        self.engines = [Engine(spec, self.model, self.logs, kv_bytes) for spec in self.specs]
         self.live = [False] * len(self.engines)
         self.ledger = stack.from_environment(self.specs, base + 90, self.logs)
         self.router_port = base + 91
@@ -325,6 +327,9 @@ def summarize(
     for fault, at in instants.items():
         during = [r for r in records if at <= r.at < at + WINDOW_S]
         windows[fault] = window_figures(during, killed)
+    # A new document asked by several at once: only a router that knows where it sent the
+    # first can send the rest after it (no engine's events show it yet).
+    windows["bursts"] = window_figures([r for r in records if r.kind == "burst"], killed)
     return {
         "router": name,
         "all": {
@@ -357,6 +362,8 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
         return routing.KvledgerIndex(lab.specs, lab.logs, lab.ledger)
     if kind == "kvledger_decisions":
         return routing.KvledgerDecisions(lab.specs, lab.logs, lab.ledger)
+    if kind == "kvledger_decisions_x3":  # each replica with its own serve, decisions shared
+        return routing.KvledgerDecisions(lab.specs, lab.logs, lab.ledger, REPLICAS)
     raise SystemExit(f"unknown router {kind!r}: choose from {', '.join(ROUTERS)}")
 
 
@@ -379,7 +386,10 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         "second after the engine died). Hit rates are the engines' own: per request the engine's "
         "`cached_tokens`, and over the run its `/metrics` counters. *Available* is the "
         "longest prefix any live engine held when the request was sent (the engines' own "
-        f"event streams). Every request: [{as_json.name}]({as_json.name}); over time: "
+        "event streams). *bursts*: the requests of the bursts (a new document asked by "
+        "several at once, before any engine's events can show it: there the available hit "
+        "rate is what the first of a burst left by the time each later one was sent). "
+        f"Every request: [{as_json.name}]({as_json.name}); over time: "
         f"![hit rate over time](lab-{stamp}.png)",
         "",
     ]
@@ -394,7 +404,7 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         "sent_to_dead_after_window",
         "requests",
     )
-    for window in ("all", "steady", *(name for name, _ in FAULTS)):
+    for window in ("all", "steady", *(name for name, _ in FAULTS), "bursts"):
         lines += [
             f"## {window}",
             "",
@@ -437,11 +447,17 @@ def main(argv: list[str] | None = None) -> int:
         "--seconds", type=float, default=0.0, help="spread the stream's arrivals over this long"
     )
     parser.add_argument("--quick", action="store_true", help="a short stream (a smoke run)")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=128,
+        help="each engine's KV cache in blocks of 32 tokens (fewer: heavier eviction)",
+    )  # fmt: skip
     parser.add_argument("--logs", default=str(install.CACHE / "lab-logs"))
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if args.engines < 1:
         parser.error("--engines must be at least 1")
+    if args.kv_blocks < 16:
+        parser.error("--kv-blocks must be at least 16 (a prompt's worth)")
     kinds = [k.strip() for k in args.routers.split(",") if k.strip()]
     if not kinds:
         parser.error("--routers names no router")
@@ -483,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}",
         "machine": _machine(),
         "engines": len(lab.engines),
-        "kv_blocks": 128,
+        "kv_blocks": lab.kv_blocks,
         "requests": len(lab.requests),
         "stream_seconds": lab.seconds,
         "wall_seconds": round(time.monotonic() - began),

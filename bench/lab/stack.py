@@ -41,6 +41,9 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(answer.read())
 
 
+REPLICAS = 3  # serve replicas for the routers that run as several (kvledger_decisions_x3)
+
+
 def source_name(engine: int) -> str:
     return f"engine-{engine}"  # kvledger's Dynamo worker id is the number it ends in
 
@@ -68,10 +71,19 @@ class Kvledger:
         self.consumer: Process | None = None
         self.server: Process | None = None
         self.republisher: Process | None = None
+        # More `serve --memory` replicas (the routers' own, sharing decisions), on the
+        # ports below the first's.
+        self.replica_ports = [port - 10 + k for k in range(REPLICAS - 1)]
+        self.replicas: list[Process] = []
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every replica of the lookup service, the first :attr:`url`."""
+        return [self.url, *(f"http://127.0.0.1:{p}" for p in self.replica_ports)]
 
     def _cli(self, name: str, *args: str) -> Process:
         env = {
@@ -121,24 +133,13 @@ class Kvledger:
             "--dlq-topic",
             f"{self.topic}.dlq",
         ).start()
-        self.server = self._cli(
-            "serve",
-            "serve",
-            "--memory",
-            "--dynamo-api",
-            "--allow-writer",
-            "--topic",
-            self.topic,
-            "--consumer-group",
-            self.group,
-            "--port",
-            str(self.port),
-            "--silent-after",
-            str(SILENT_AFTER_S),
-            "--decisions-topic",
-            f"{self.topic}.decisions",
-        )
+        self.server = self._server("serve", self.port)
         self.restart_server()
+        for k, port in enumerate(self.replica_ports):
+            require_free([port], "kvledger serve")
+            replica = self._server(f"serve-{k + 1}", port)
+            self.replicas.append(replica)
+            replica.start().wait_http(f"http://127.0.0.1:{port}/healthz", timeout=90)
         sources = []
         for i, spec in enumerate(self.specs):
             pub, replay = spec.republished
@@ -150,6 +151,13 @@ class Kvledger:
             "--metrics-port", str(self.port + 3),
         )  # fmt: skip
         self.republisher.start().wait_http(f"http://127.0.0.1:{self.port + 3}/metrics", 90)
+
+    def _server(self, name: str, port: int) -> Process:
+        return self._cli(
+            name, "serve", "--memory", "--dynamo-api", "--allow-writer", "--topic", self.topic,
+            "--consumer-group", self.group, "--port", str(port), "--silent-after",
+            str(SILENT_AFTER_S), "--decisions-topic", f"{self.topic}.decisions",
+        )  # fmt: skip
 
     def restart_server(self) -> None:
         assert self.server is not None
@@ -164,7 +172,7 @@ class Kvledger:
 
     def processes(self) -> list[Process]:
         others = (self.consumer, self.server, self.republisher)
-        return [*self.relays, *(p for p in others if p is not None)]
+        return [*self.relays, *(p for p in others if p is not None), *self.replicas]
 
     def check(self) -> None:
         """Every kvledger process still running, or an error with the first dead one's log."""

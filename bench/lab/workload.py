@@ -1,6 +1,7 @@
 """The lab's request stream (pure, deterministic from a seed): multi-turn chat sessions over
-a few long system prompts, and questions over long shared documents, with open-loop
-arrival times. Every router in a lab run gets exactly this stream.
+a few long system prompts, questions over long shared documents, and bursts of questions
+over a new document arriving together, with open-loop arrival times. Every router in a lab
+run gets exactly this stream.
 
 Sizes are in words, one token each with the lab's tokenizer. The defaults hold more distinct
 prefix blocks than the fleet's caches (3 engines x 128 blocks of 32 tokens), so engines evict
@@ -18,7 +19,7 @@ class Request:
     """One request: when it is sent (seconds from the run's start) and its prompt."""
 
     at: float
-    kind: str  # "chat" or "doc"
+    kind: str  # "chat", "doc" or "burst"
     key: str  # the session or document it belongs to
     prompt: str
 
@@ -38,6 +39,12 @@ class Shape:
     question_words: int = 24
     seconds: float = 66.0  # arrivals spread over this long
     think_seconds: tuple[float, float] = (3.0, 7.0)  # between a session's turns
+    # Bursts: a document no one asked about before, asked by several users at once (a
+    # fresh link shared in a team): each burst's questions arrive burst_gap_s apart, all
+    # within the first one's prefill, before any engine's events can show the document.
+    bursts: int = 4
+    burst_questions: int = 4
+    burst_gap_s: float = 0.03
 
 
 def stream(words: list[str], shape: Shape = Shape(), seed: int = 11) -> list[Request]:
@@ -71,5 +78,11 @@ def stream(words: list[str], shape: Shape = Shape(), seed: int = 11) -> list[Req
                 f"{documents[d]} {text(shape.question_words)}",
             )
         )
+    for b in range(shape.bursts):
+        document = text(shape.document_words)
+        at = rng.uniform(0, shape.seconds - 1.0)
+        for q in range(shape.burst_questions):
+            requests.append(Request(at + q * shape.burst_gap_s, "burst", f"burst-{b}",
+                                    f"{document} {text(shape.question_words)}"))  # fmt: skip
     requests.sort(key=lambda r: r.at)
     return requests

@@ -42,7 +42,7 @@ from starlette.types import ASGIApp
 
 from kvledger import __version__
 from kvledger.consumer.lookup.hot import HotPath, HotRoute, Reply
-from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
+from kvledger.consumer.lookup.metrics import LATENCY, PROVISIONAL, REQUESTS
 from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
 from kvledger.consumer.lookup.openapi import document
 from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
@@ -99,6 +99,8 @@ def create_app(
         database_url, pool_size, silent_after, router, statement_timeout_ms, pool_timeout_s,
         allow_writer, provisional, share,
     )  # fmt: skip
+    if provisional is not None:
+        PROVISIONAL.stores.add(provisional)
     expected = f"Bearer {token}".encode() if token else None
 
     def allowed(authorization: str) -> bool:

@@ -4,7 +4,13 @@ through the consumer's pipeline, so its /metrics adds the consumer's counters to
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
 from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from kvledger.consumer.metrics import process_registry
 
@@ -26,3 +32,49 @@ LATENCY = Histogram(
              0.25, 0.5, 1.0, 2.5, 5.0),
     registry=REGISTRY,
 )  # fmt: skip
+
+
+class _Provisional:
+    """kvledger_provisional_* and kvledger_decisions_*: read at scrape time from the
+    provisional stores and decision logs alive in the process (one per service)."""
+
+    def __init__(self) -> None:
+        self.stores: weakref.WeakSet[Any] = weakref.WeakSet()  # Provisional
+        self.logs: weakref.WeakSet[Any] = weakref.WeakSet()  # DecisionLog
+
+    def collect(self) -> Iterator[Metric]:
+        stores, logs = list(self.stores), list(self.logs)
+        if not stores:
+            return
+        decisions = CounterMetricFamily(
+            "kvledger_provisional_decisions",
+            "Routers' decisions held as provisional holders, by how they ended: confirmed "
+            "(the engine's events showed the blocks), expired (the window passed first), "
+            "evicted (pushed out by the bound on held blocks)",
+            labels=["outcome"],
+        )
+        for outcome in ("confirmed", "expired", "evicted"):
+            decisions.add_metric([outcome], sum(getattr(s.stats, outcome) for s in stores))
+        yield decisions
+        yield CounterMetricFamily(
+            "kvledger_provisional_added", "Decisions held (reported here or shared by a replica)",
+            value=sum(s.stats.added for s in stores),
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvledger_provisional_held", "Decisions held now", value=sum(len(s) for s in stores)
+        )
+        if logs:
+            shared = CounterMetricFamily(
+                "kvledger_decisions_records",
+                "Records of the decisions topic: shared (another replica's, held here), "
+                "rejected (not a decision), unsent (this replica's, the producer's queue full)",
+                labels=["outcome"],
+            )
+            for outcome, name in (("shared", "shared"), ("rejected", "rejected"),
+                                  ("unsent", "dropped")):  # fmt: skip
+                shared.add_metric([outcome], sum(getattr(log, name) for log in logs))
+            yield shared
+
+
+PROVISIONAL = _Provisional()
+REGISTRY.register(PROVISIONAL)

@@ -138,7 +138,6 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
                  "--bootstrap", bootstrap],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
-            ensure_topic(admin, f"{topic}.decisions", 1)
             here, there = Provisional(60.0), Provisional(60.0)
             writer = DecisionLog(bootstrap, f"{topic}.decisions", here)
             reader = DecisionLog(bootstrap, f"{topic}.decisions", there)
@@ -184,7 +183,8 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
         finally:
             watch.stop.set()
             for t in threads:
-                t.join(10)
+                if t.ident is not None:  # started
+                    t.join(10)
             if republisher is not None:
                 republisher.stop()
             if router is not None:

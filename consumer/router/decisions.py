@@ -97,8 +97,10 @@ class DecisionLog:
 
     def start(self) -> None:
         admin = AdminClient(admin_settings(self.settings))
-        ensure_topic(admin, self.topic, partitions=1, retention_ms=RETENTION_MS,
-                     exact_partitions=False, timeout=STARTUP_TIMEOUT_S)  # fmt: skip
+        # Any retention will do for hints kept seconds: only a topic made here gets an hour's.
+        ensure_topic(admin, self.topic, partitions=1, exact_partitions=False,
+                     config={"retention.ms": str(RETENTION_MS)},
+                     timeout=STARTUP_TIMEOUT_S)  # fmt: skip
         self._producer = Producer(client_logging({
             **self.settings, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
             "queue.buffering.max.messages": 100_000, "message.timeout.ms": 5000,

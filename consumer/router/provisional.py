@@ -31,7 +31,12 @@ from typing import Literal
 
 import xxhash
 
-from kvledger.schemas.dynamo import dynamo_block_hashes
+from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed
+
+try:
+    from kvledger._core import dynamo_block_hashes as _native_hashes
+except ImportError:  # built without a Rust toolchain
+    _native_hashes = None  # type: ignore[assignment]
 
 Kind = Literal["tokens", "hashes"]
 TOKENS: Kind = "tokens"
@@ -47,7 +52,11 @@ def token_keys(
     """One key per full block of ``tokens``: the block's Dynamo local hash (under the LoRA
     adapter, as Dynamo's /query computes it) chained with the key before it (from the cache
     salt's), so a key names a whole prefix."""
-    return chain_keys(dynamo_block_hashes(tokens, block_size, lora_name), cache_salt)
+    if _native_hashes is None or block_size <= 0:
+        return chain_keys(dynamo_block_hashes(tokens, block_size, lora_name), cache_salt)
+    if tokens and min(tokens) < 0:  # int32 ids as Dynamo's u32
+        tokens = [t & 0xFFFFFFFF for t in tokens]
+    return chain_keys(_native_hashes(tokens, block_size, dynamo_seed(lora_name)), cache_salt)
 
 
 def chain_keys(locals_: Sequence[int], cache_salt: str | None = None) -> list[int]:

@@ -20,13 +20,13 @@ from kvledger.options import (
     add_kafka_args,
     add_registry_args,
     bootstrap_arg,
+    metrics_args,
     silent_after_arg,
 )
 from kvledger.parsers import (
     COUNT,
     NON_NEGATIVE,
     PORT,
-    PORT_OR_OFF,
     SECONDS,
     SECONDS_OR_OFF,
     add,
@@ -255,10 +255,7 @@ def add_relay(subparsers: Subparsers) -> None:
         "which announce the blocks they reuse as stores; the index takes a store of a block "
         "the engine already holds as that report, not a second copy (needs --group)",
     )  # fmt: skip
-    p.add_argument(
-        "--metrics-port", type=PORT_OR_OFF, default=0, help="serve /metrics here (0: off)"
-    )
-    p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
+    metrics_args(p)
     p.add_argument(
         "--heartbeat-interval", type=SECONDS_OR_OFF, default=5.0,
         help="seconds of engine silence before probing it and sending a heartbeat (0: never)",
@@ -323,10 +320,7 @@ def add_republish(subparsers: Subparsers) -> None:
         help="forget a block this long after it was last stored or held, once no one holds "
         "it and no block names it as its parent",
     )  # fmt: skip
-    p.add_argument(
-        "--metrics-port", type=PORT_OR_OFF, default=0, help="serve /metrics here (0: off)"
-    )
-    p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")
+    metrics_args(p)
     p.set_defaults(run=command("republish_cmd:run"))
 
 

@@ -8,6 +8,7 @@ import argparse
 
 from kvledger.consumer.config import DEFAULT_GROUP
 from kvledger.consumer.retention_policy import seconds_arg
+from kvledger.parsers import PORT_OR_OFF
 from kvledger.settings import ENV_KAFKA, ENV_KAFKA_CONFIG, ENV_REGISTRY, ENV_REGISTRY_CONFIG
 
 # The defaults of modules that import Kafka's client or more (tests/unit/test_cli_help.py
@@ -82,3 +83,11 @@ def silent_after_arg(p: argparse.ArgumentParser, what: str) -> None:
         help=f"how long (30, 90s, 5m) {what} (else the database's kvledger.silent_after, 30 s "
         "by default)",
     )  # fmt: skip
+
+
+def metrics_args(p: argparse.ArgumentParser) -> None:
+    """--metrics-port (0: off) and --metrics-host, for a command that serves /metrics."""
+    p.add_argument(
+        "--metrics-port", type=PORT_OR_OFF, default=0, help="serve /metrics here (0: off)"
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", help="interface for /metrics")

@@ -8,7 +8,6 @@ registered with it, scores and selects on them as kvledger's /query says."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -19,13 +18,12 @@ import pytest
 from kvledger.fleet import FleetConfig
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.consuming import consume
-from tests.helpers.procs import first_answer, free_port, spawn
+from tests.helpers.procs import first_answer, free_port, require_dynamo, spawn
 from tests.helpers.streams import fleet_prompts
 from tests.test_router import LORA, lora_chain
 
 pytestmark = pytest.mark.integration
-if os.environ.get("CI") != "true":
-    pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
+require_dynamo()
 
 
 def post(url: str, body: dict[str, Any]) -> Any:

@@ -15,7 +15,6 @@ engine holds after what it published.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from starlette.testclient import TestClient
 from kvledger.consumer.db import connect
 from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.router.index import RouterIndex
+from tests.helpers.procs import require_dynamo
 from tests.helpers.scripted_engines import (
     BLOCK,
     CHAINS,
@@ -42,8 +42,7 @@ from tests.helpers.scripted_engines import (
 )
 
 pytestmark = pytest.mark.integration
-if os.environ.get("CI") != "true":
-    pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
+require_dynamo()
 
 
 def test_kvledger_stays_exact_where_dynamos_indexer_does_not(

@@ -14,7 +14,6 @@ faults its indexer gets wrong when it dials the engines itself (tests/test_dynam
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from kvledger.consumer.republish.publisher import END_SEQ, Endpoint, Publisher
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.wire import decode_batch
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tests.helpers.procs import free_port, spawn
+from tests.helpers.procs import free_port, require_dynamo, spawn
 from tests.helpers.scripted_engines import (
     BLOCK,
     CHAINS,
@@ -46,8 +45,7 @@ from tests.helpers.scripted_engines import (
 )
 
 pytestmark = pytest.mark.integration
-if os.environ.get("CI") != "true":
-    pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
+require_dynamo()
 
 SILENT_S = 4.0  # the liveness window (the relays heartbeat every second)
 

@@ -71,3 +71,14 @@ def first_answer(url: str, what: str, timeout: float = 30, **httpx_args: Any) ->
         except httpx.TransportError:
             assert time.monotonic() < deadline, f"{what} never answered"
             time.sleep(0.3)
+
+
+def require_dynamo() -> None:
+    """Skip the calling test module where Dynamo's released indexer (ai-dynamo-runtime, the
+    dev extra) is not installed, except under CI, where its absence must fail the tests."""
+    import os
+
+    import pytest
+
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")

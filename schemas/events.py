@@ -46,6 +46,9 @@ PLACEHOLDER_KINDS = frozenset(
     {"sliding_window", "sliding_window_mla", "mamba", "chunked_local_attention"}
 )
 SPEC_KINDS = FULL_ATTENTION_KINDS | PLACEHOLDER_KINDS | {"unknown"}
+# Recurrent state groups (Mamba, linear attention): from vLLM 0.34 their offloaded chunks
+# are announced as state checkpoints (see BlockStored.is_state_checkpoint).
+RECURRENT_KINDS = frozenset({"mamba"})
 MAX_BLOCK_SIZE = 1 << 20  # tokens per block or per hash
 
 
@@ -81,6 +84,13 @@ class BlockStored:
     def is_placeholder(self) -> bool:
         """A legacy payload: one tail hash, no tokens, block_size 0."""
         return self.block_size == 0 and not self.token_ids
+
+    @property
+    def is_state_checkpoint(self) -> bool:
+        """vLLM 0.34's payload for a recurrent group's offloaded chunk: the state at one
+        hash (the chunk's last), chained to the hash before it, a block size and no tokens
+        (a consumer aligns it with the attention group's blocks by hash)."""
+        return self.block_size > 0 and not self.token_ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import httpx
 import msgspec
@@ -717,3 +718,81 @@ def test_a_relay_says_its_engine_is_there_as_it_starts(
     finally:
         relay.stop()
     assert beats == 1  # long before the 600 s interval
+
+
+def test_a_hybrid_engines_state_checkpoints_reach_the_index(
+    kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
+    vllm_kv_events: ModuleType,
+) -> None:  # fmt: skip
+    """vLLM 0.34 (whose kv_events module is 0.33.0's, byte for byte) announces a recurrent
+    group's offloaded chunk as a state checkpoint: one hash, its parent, the block size, no
+    tokens. Sent by vLLM's own publisher through the relay, each is indexed in its group
+    with its holder and history (partial tails too); one that cannot be a checkpoint is
+    dead-lettered saying why."""
+    kv = vllm_kv_events
+    port, replay = free_port(), free_port()
+    publisher = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}"
+    )
+    attention = kv.BlockStored(
+        block_hashes=[11, 12, 13, 14], parent_block_hash=None, token_ids=list(range(16)),
+        block_size=4, lora_id=None, medium="CPU", lora_name=None, group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )  # fmt: skip
+
+    def state(at: int, parent: int, size: int, hashes: int = 1, group: int = 2) -> Any:
+        return kv.BlockStored(
+            block_hashes=[at + i for i in range(hashes)], parent_block_hash=parent,
+            token_ids=[], block_size=size, lora_id=None, medium="CPU", lora_name=None,
+            group_idx=group, kv_cache_spec_kind="mamba" if group == 2 else "full_attention",
+        )  # fmt: skip
+
+    batches = [
+        [attention, state(12, 11, 8), state(14, 13, 8)],
+        [state(13, 12, 4)],  # a partial tail's state (the hash size)
+        [kv.BlockRemoved(block_hashes=[12], medium="CPU", group_idx=2)],
+        [state(15, 14, 8, hashes=2)],  # two hashes: not a checkpoint
+        [state(16, 14, 4, group=0)],  # no tokens in an attention group
+    ]
+    try:
+        config = RelayConfig(
+            endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            source="hybrid", model=MODEL, bootstrap_servers=kafka_bootstrap, topic=topic,
+            groups=[parse_group(g, MODEL) for g in (*GROUPS, "2:mamba:8:4")],
+        )  # fmt: skip
+        for events in batches:  # before the relay listens: replayed at its start
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
+        relay = run_relay(config)
+        try:
+            deadline = time.monotonic() + 60
+            while relay.ranks[0].committed_seq != len(batches) - 1:
+                assert time.monotonic() < deadline, relay.ranks[0].committed_seq
+                time.sleep(0.05)
+        finally:
+            relay.stop()
+    finally:
+        publisher.shutdown()
+    consume(kafka_bootstrap, fresh_database, topic, group_id, batch=50)
+    with connect(fresh_database, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT block_hash, parent_hash, block_size, partial, cardinality(token_ids) "
+            "FROM kvledger.blocks WHERE group_idx = 2 ORDER BY block_hash"
+        ).fetchall()
+        held = conn.execute(
+            "SELECT block_hash FROM kvledger.residencies WHERE group_idx = 2 ORDER BY 1"
+        ).fetchall()
+        ended = conn.execute(
+            "SELECT block_hash, removed_by FROM kvledger.residency_history "
+            "WHERE group_idx = 2 AND removed_at IS NOT NULL"
+        ).fetchall()
+        rejected = conn.execute(
+            "SELECT reason, detail FROM kvledger.rejected_events ORDER BY detail"
+        ).fetchall()
+    b = lambda i: i.to_bytes(8, "big")  # noqa: E731
+    assert [(bytes(r[0]), bytes(r[1]), r[2], r[3], r[4]) for r in rows] == [
+        (b(12), b(11), 8, False, 0), (b(13), b(12), 4, True, 0), (b(14), b(13), 8, False, 0),
+    ]  # fmt: skip
+    assert [bytes(r[0]) for r in held] == [b(13), b(14)]
+    assert [(bytes(h), how) for h, how in ended] == [(b(12), "removed")]
+    assert [reason for reason, _ in rejected] == ["invalid_event", "token_count_mismatch"]
+    assert "names one hash" in rejected[0][1] and "recurrent group" in rejected[1][1]

@@ -14,6 +14,7 @@ from kvledger.consumer.core.model import BlockRow, HeldSpec, new_tuple
 from kvledger.schemas.events import (
     FULL_ATTENTION_KINDS,
     MEDIUMS,
+    RECURRENT_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -190,6 +191,20 @@ def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:
             )
         return None
     expected = spec.hash_block_size if event.partial else spec.block_size
+    if event.is_state_checkpoint:
+        if spec.kind not in RECURRENT_KINDS:
+            return Invalid(
+                Reason.TOKEN_COUNT_MISMATCH,
+                f"token_ids: none for {len(event.block_hashes)} hash(es) of "
+                f"{event.block_size}: a state checkpoint (vLLM 0.34) belongs to a recurrent "
+                f"group, and group {event.group_idx} is {spec.kind}",
+            )
+        if len(event.block_hashes) != 1:
+            return Invalid(
+                Reason.INVALID_EVENT,
+                f"block_hashes: a state checkpoint names one hash (the state's), not "
+                f"{len(event.block_hashes)}",
+            )
     if event.block_size != expected:
         what = " (hash size, partial tail)" if event.partial else ""
         return Invalid(
@@ -197,6 +212,8 @@ def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:
             f"block_size {event.block_size} but the {held.origin} spec of group "
             f"{event.group_idx} says {expected}{what}",
         )
+    if event.is_state_checkpoint:
+        return None
     if len(event.token_ids) != len(event.block_hashes) * event.block_size:
         return Invalid(
             Reason.TOKEN_COUNT_MISMATCH,

@@ -109,9 +109,13 @@ def build(messages_by_partition: dict[int, list[bytes]]) -> Reference:
                     reason = "unknown_group"
                 elif ev.block_size == 0 and not ev.token_ids:
                     reason = "placeholder_for_full_attention" if spec[0] in FULL else None
+                elif not ev.token_ids and spec[0] != "mamba":  # a state checkpoint elsewhere
+                    reason = "token_count_mismatch"
+                elif not ev.token_ids and len(ev.block_hashes) != 1:
+                    reason = "invalid_event"
                 elif ev.block_size != (spec[2] if ev.partial else spec[1]):
                     reason = "block_size_mismatch"
-                elif len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+                elif ev.token_ids and len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
                     reason = "token_count_mismatch"
                 if reason is None:
                     parent = ev.parent_block_hash

@@ -191,7 +191,28 @@ def edge_stream() -> Stream:
     s.send(d, stored([70, 71], size=8, start=0, medium="GPU"))
     s.send(d, stored([70, 71, 72], size=8, start=0, medium="GPU"))  # 70, 71: reported reuse
     s.send(d, removed([70, 72], medium="GPU"))  # 71 stays, held once
+    # vLLM 0.34's state checkpoints in a recurrent group: one hash, its parent, no tokens.
+    s.send(d, spec(2, kind="mamba", block=8, hash_size=4))
+    s.send(d, checkpoint(70, parent=None, size=8, group=2))
+    s.send(d, checkpoint(72, parent=71, size=8, group=2))
+    s.send(d, checkpoint(73, parent=72, size=4, group=2, partial=True))  # a partial tail's
+    s.send(d, type(placeholder)((h(74),), None, (), 0, None, "CPU", None, group_idx=2))
+    s.send(d, checkpoint(74, parent=73, size=8, group=2))  # upgrades the placeholder row
+    s.send(d, removed([72], group=2))
+    s.send(d, checkpoint(75, parent=74, size=8, group=2, hashes=2))  # invalid_event: two
+    s.send(d, checkpoint(76, parent=71, size=8, group=0))  # token_count_mismatch: attention
     return s
+
+
+def checkpoint(
+    x: int, *, parent: int | None, size: int, group: int, partial: bool = False, hashes: int = 1
+) -> BlockStored:
+    """vLLM 0.34's payload for a recurrent group's offloaded chunk: the state at hash ``x``
+    (``hashes`` > 1: a malformed one), chained to ``parent``, a block size and no tokens."""
+    return BlockStored(
+        tuple(h(x + i) for i in range(hashes)), h(parent) if parent is not None else None, (),
+        size, None, "CPU", None, group_idx=group, partial=partial,
+    )  # fmt: skip
 
 
 def fleet_prompts(config: FleetConfig, count: int, seed: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from kvledger.consumer.pipeline import BatchResult, replay_batch, run_batch
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
 from kvledger.schemas.events import EventsLost, GroupSpec, Heartbeat, KVEvent
+from tests.helpers import streams
 from tests.helpers.streams import MODEL, Stream, cleared, h, removed, spec, stored
 
 A, B = "engine-a", "engine-b"
@@ -493,3 +494,46 @@ def test_an_unknown_group_is_named_with_the_wire_default() -> None:
     for invalid in (check_stored(stored_event, None), check_removed(removed_event, None)):
         assert invalid is not None and invalid.detail.startswith("group 0 has no declared")
         assert "kvledger groups declare" in invalid.detail
+
+
+# ---------------------------------------------------------------------- 0.34 state checkpoints
+def checkpoint(x: int, parent: int | None, size: int = 4, group: int = 1, hashes: int = 1,
+               partial: bool = False) -> KVEvent:  # fmt: skip
+    return streams.checkpoint(x, parent=parent, size=size, group=group, partial=partial,
+                              hashes=hashes)  # fmt: skip
+
+
+def test_a_state_checkpoint_is_a_block_of_a_recurrent_group(s: Stream) -> None:
+    s.send(A, spec(1, "mamba", 8, 4))
+    s.send(A, stored([1, 2, 3, 4]))  # the attention group's blocks
+    s.send(A, checkpoint(2, parent=1, size=8))  # the state after the chunk ending at 2
+    s.send(A, checkpoint(4, parent=3, size=4, partial=True))  # a partial tail's state
+    s.send(A, removed([2], group=1))
+    store, _ = run(s.messages)
+    assert rejected(store) == []
+    row = store.blocks[BlockKey(MODEL, 1, h(4))]
+    assert (row.parent_hash, row.token_ids, row.block_size, row.partial) == (h(3), (), 4, True)
+    assert store.blocks[BlockKey(MODEL, 1, h(2))].parent_hash == h(1)
+    assert res(4, group=1) in store.residencies
+    assert res(2, group=1) not in store.residencies  # held, then removed: in the history
+    [(_, removed_at, how)] = history(store, res(2, group=1))
+    assert how == "removed" and removed_at is not None
+
+
+@pytest.mark.parametrize(
+    ("event", "reason", "names"),
+    [
+        (checkpoint(2, parent=1, group=0), "token_count_mismatch", "a recurrent group"),
+        (checkpoint(2, parent=1, hashes=2), "invalid_event", "names one hash"),
+        (checkpoint(2, parent=1, size=16), "block_size_mismatch", "says 8"),
+    ],
+)
+def test_a_state_checkpoint_that_cannot_be_one_is_rejected_saying_why(
+    s: Stream, event: KVEvent, reason: str, names: str
+) -> None:
+    s.send(A, spec(1, "mamba", 8, 4))
+    s.send(A, event)
+    store, _ = run(s.messages)
+    assert rejected(store) == [reason]
+    [detail] = [r.detail for r, _ in store.rejected.values()]
+    assert names in detail, detail

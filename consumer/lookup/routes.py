@@ -39,6 +39,7 @@ from kvledger.consumer.lookup.requests import (
     parse_path_hash,
 )
 from kvledger.consumer.roles import WriterRoleError, ensure_read_only
+from kvledger.consumer.router import provisional as pv
 from kvledger.schemas.lookup import Holder
 from kvledger.schemas.redact import redact
 
@@ -208,8 +209,6 @@ class Lookups:
     def _with_provisional(self, req: MatchRequest, holders: list[Holder]) -> list[Holder]:
         """``holders`` and, where a router's decision says more than the index holds, the
         instances it sent this prompt to (marked provisional, counted on the GPU tier)."""
-        from kvledger.consumer.router import provisional as pv
-
         assert self.provisional is not None and self.router is not None
         kind = pv.TOKENS if req.token_ids is not None else pv.HASHES
         if self.provisional.empty(req.model, req.group_idx, kind):

@@ -10,7 +10,7 @@ source's state, so a caller that includes them sees why they would have been lef
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Literal, get_args
@@ -42,6 +42,16 @@ def split_live(holders: Sequence[Holder]) -> tuple[list[Holder], list[Holder]]:
     """(holders whose source is live, the others)."""
     live = [h for h in holders if h.source_state == "live"]
     return live, [h for h in holders if h.source_state != "live"]
+
+
+def deepest_states(found: Iterable[tuple[str, int]], upto: Mapping[str, int]) -> dict[str, int]:
+    """Per instance, the deepest position among ``found`` (instance, 1-based position of a
+    held state checkpoint) that is within its prefix ``upto[instance]``."""
+    out: dict[str, int] = {}
+    for instance, pos in found:
+        if pos <= upto.get(instance, 0) and pos > out.get(instance, 0):
+            out[instance] = pos
+    return out
 
 
 def unknown_group(model: str, group_idx: int) -> str:
@@ -130,6 +140,25 @@ class PrefixIndex:
             cache_salt,
         )  # fmt: skip
         return self._holders("match_tokens", params, "source_state")
+
+    def state_checkpoints(
+        self, model: str, group_idx: int, hashes: Sequence[bytes], upto: Mapping[str, int]
+    ) -> dict[str, int]:
+        """For each instance of ``upto`` (instance -> how many leading blocks of the prompt
+        it holds in the attention group), the deepest position within that prefix at whose
+        hash it holds a state checkpoint in recurrent group ``group_idx`` (any tier; absent:
+        none). A hybrid model's prefix is reusable up to there."""
+        top = min(max(upto.values(), default=0), len(hashes))
+        if top == 0:
+            return {}
+        rows = self.conn.execute(
+            "SELECT DISTINCT r.instance, p.pos "
+            "FROM unnest(%b::bytea[]) WITH ORDINALITY AS p(hash, pos) "
+            "JOIN kvledger.residencies r ON r.model = %s AND r.group_idx = %s "
+            "AND r.block_hash = p.hash WHERE r.instance = ANY(%s)",
+            (list(hashes[:top]), model, group_idx, list(upto)),
+        ).fetchall()
+        return deepest_states(((instance, int(pos)) for instance, pos in rows), upto)
 
     def knows_group(self, model: str, group_idx: int) -> bool:
         """Whether the index has a spec (declared or announced) for (model, group)."""

@@ -83,6 +83,13 @@ SCHEMAS: dict[str, Any] = {
                 "description": "With token_ids: the cache salt the engine hashed the prompt "
                 "with (the walk starts at the first blocks of that salt)",
             },
+            "state_group": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "With hashes (block granularity, now): a hybrid model's "
+                "recurrent group; the answer's state_checkpoints then says, per instance, "
+                "the deepest position within its prefix where it holds the state",
+            },
             "weights": {
                 "type": "object",
                 "additionalProperties": {"type": "number"},
@@ -161,6 +168,14 @@ SCHEMAS: dict[str, Any] = {
                 "type": "array",
                 "items": {"$ref": "#/components/schemas/Holder"},
                 "description": "Holders whose source is not live (answers for now only)",
+            },
+            "state_checkpoints": {
+                "type": "object",
+                "additionalProperties": {"type": "integer"},
+                "description": "With state_group: per instance, the deepest position (in "
+                "blocks) within its matched prefix at whose hash it holds a state checkpoint "
+                "of that group (vLLM 0.34's recurrent groups); a hybrid model's prefix is "
+                "reusable up to there. An instance without one is absent.",
             },
             "in_flight": {
                 "type": "object",

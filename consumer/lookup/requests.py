@@ -23,7 +23,7 @@ MAX_TOKENS = 262_144
 MAX_NAME_CHARS = 512
 FIELDS = frozenset({
     "model", "group_idx", "weights", "hashes", "token_ids", "granularity", "at", "lora_name",
-    "cache_salt", "include_silent", "silent_after_s",
+    "cache_salt", "include_silent", "silent_after_s", "state_group",
 })  # fmt: skip
 
 
@@ -46,6 +46,9 @@ class MatchRequest:
     include_silent: bool = False
     silent_after: timedelta | None = None
     cache_salt: str | None = None  # with token_ids: the salt the engine hashed the prompt with
+    # With hashes: a hybrid model's recurrent group, whose deepest state checkpoint within
+    # each holder's prefix the answer says.
+    state_group: int | None = None
 
 
 def parse_hash(value: object) -> bytes:
@@ -157,6 +160,8 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     if tokens is not None:
         if granularity != "block":
             raise BadRequestError("granularity applies to hashes, not token_ids")
+        if data.get("state_group") is not None:
+            raise BadRequestError("state_group applies to hashes, not token_ids, for now")
         if data.get("at") is not None:
             raise BadRequestError("at applies to hashes; token_ids lookups answer for now")
         return MatchRequest(
@@ -168,9 +173,15 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         raise BadRequestError("cache_salt applies to token_ids (a hash already includes it)")
     if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
         raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
+    state_group = data.get("state_group")
+    if state_group is not None:
+        if type(state_group) is not int or not 0 <= state_group < 2**31:
+            raise BadRequestError("state_group must be an integer in 0..2^31-1")
+        if granularity != "block" or data.get("at") is not None:
+            raise BadRequestError("state_group applies to block hashes, for now")
     return MatchRequest(
         model, group, weights, [parse_hash(h) for h in hashes], granularity, _at(data.get("at")),
-        include_silent=include_silent, silent_after=silent_after,
+        include_silent=include_silent, silent_after=silent_after, state_group=state_group,
     )  # fmt: skip
 
 

@@ -190,6 +190,13 @@ class Lookups:
                 )  # fmt: skip
             # Only an empty answer asks whether the group is known: a hit pays nothing.
             unknown = not holders and not idx.knows_group(req.model, req.group_idx)
+            states = None
+            if req.state_group is not None:
+                assert req.hashes is not None
+                upto: dict[str, int] = {}
+                for h in holders:
+                    upto[h.instance] = max(upto.get(h.instance, 0), h.matched_blocks)
+                states = idx.state_checkpoints(req.model, req.state_group, req.hashes, upto)
         if self.provisional is not None and req.at is None and req.granularity == "block":
             holders = self._with_provisional(req, holders)
         if req.at is None and not req.include_silent:
@@ -202,6 +209,8 @@ class Lookups:
         }
         if unknown:
             body["unknown_group"] = unknown_group(req.model, req.group_idx)
+        if states is not None:
+            body["state_checkpoints"] = states
         if self.provisional is not None:
             body["in_flight"] = self.provisional.in_flight()
         return 200, body, {}
@@ -308,6 +317,7 @@ class _MemoryLookups:
         self.router = router
         self.match = router.match
         self.match_tokens = router.match_tokens
+        self.state_checkpoints = router.state_checkpoints
 
     def match_at(self, *args: object) -> list[Holder]:
         raise BadRequestError("as-of lookups are served by the SQL-backed service")

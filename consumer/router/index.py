@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -35,7 +35,7 @@ from kvledger.consumer.core.model import (
     GroupKey,
 )
 from kvledger.consumer.inbound import Inbound, from_kafka
-from kvledger.consumer.lookup.api import Granularity
+from kvledger.consumer.lookup.api import Granularity, deepest_states
 from kvledger.consumer.polling import take
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
@@ -381,6 +381,21 @@ class RouterIndex:
         with self.lock:
             found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name, cache_salt)
             return m.answer(self.store, found, include_silent, silent_after, _now())
+
+    def state_checkpoints(
+        self, model: str, group_idx: int, hashes: Sequence[bytes], upto: Mapping[str, int]
+    ) -> dict[str, int]:
+        """As :meth:`PrefixIndex.state_checkpoints`, from memory."""
+        top = min(max(upto.values(), default=0), len(hashes))
+        found: list[tuple[str, int]] = []
+        with self.lock:
+            g = self.store.groups.get(GroupKey(model, group_idx))
+            if g is None:
+                return {}
+            holders = self.store.holders
+            for pos in range(top, 0, -1):
+                found += [(holders[hid][0], pos) for hid, _, _ in g.runs([hashes[pos - 1]])]
+        return deepest_states(found, upto)
 
     def block_size(self, model: str, group_idx: int) -> int | None:
         """The group's block size in tokens (None: no such group in the index)."""

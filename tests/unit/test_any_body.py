@@ -26,7 +26,7 @@ from tests.helpers.streams import fleet_stream
 FLEET = FleetConfig(instances=2, requests=20, seed=3)
 FIELDS = {
     "/v1/match": ["model", "group_idx", "weights", "hashes", "token_ids", "granularity", "at",
-                  "lora_name", "cache_salt", "include_silent", "silent_after_s"],
+                  "lora_name", "cache_salt", "include_silent", "silent_after_s", "state_group"],
     "/query": ["token_ids", "model_name", "routing_group", "lora_name", "cache_salt"],
     "/query_by_hash": ["block_hashes", "model_name", "routing_group", "cache_salt"],
     "/register": ["instance_id", "model_name", "endpoint", "block_size", "routing_group",

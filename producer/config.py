@@ -69,6 +69,9 @@ class PublisherConfig:
     # A topic missing at start-up is created with this many partitions, as `kvledger relay`
     # and `simulate` create it (0: not created; needs the check above).
     create_partitions: int = DEFAULT_PARTITIONS
+    # The vLLM release whose offloading events the publisher's tracker turns into events:
+    # its rules (0.33's or 0.34's; another is refused when the publisher is made).
+    vllm_version: str = "0.33.0"
 
     def producer_settings(self) -> dict[str, object]:
         settings = dict(PRODUCER_DEFAULTS)

@@ -85,7 +85,10 @@ class KVEventPublisher:
         epoch: int | None = None,
     ) -> None:
         self.config = config
-        self.tracker = tracker if tracker is not None else OffloadingEventsTracker()
+        self.tracker = (
+            tracker if tracker is not None
+            else OffloadingEventsTracker(vllm_version=config.vllm_version)
+        )  # fmt: skip
         self.codec = codec if codec is not None else Codec()
         self._deliveries = Deliveries(config.topic)
         self._lock = threading.Lock()

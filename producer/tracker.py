@@ -183,7 +183,7 @@ class _ChunkPayload:
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
     token_ids: tuple[int, ...]
-    token_start: int
+    token_start: int | None
     block_size: int
     partial: bool
     lora_id: int | None
@@ -193,8 +193,27 @@ class _ChunkPayload:
     residencies: set[Residency]
 
 
+# The vLLM releases whose tracker rules this one follows, by minor version.
+RULES = ("0.33", "0.34")
+RECURRENT_KIND = "mamba"
+
+
+def rules_for(vllm_version: str) -> str:
+    """The tracker rules of a vLLM release (``0.34.0`` -> ``0.34``); an engine version
+    whose rules the tracker does not know raises ``ValueError`` saying which it knows."""
+    parts = vllm_version.split(".")
+    rules = ".".join(parts[:2])
+    if len(parts) < 2 or rules not in RULES:
+        raise ValueError(
+            f"vLLM {vllm_version!r}: the offloading events tracker follows the rules of "
+            f"vLLM {' and '.join(RULES)} only"
+        )
+    return rules
+
+
 class OffloadingEventsTracker:
-    """Tracks offloaded chunks' event payloads from store to eviction (vLLM 0.33.0 semantics).
+    """Tracks offloaded chunks' event payloads from store to eviction, by the rules of the
+    vLLM release it serves (``vllm_version``; 0.33.0's by default).
 
     The scheduler calls :meth:`record_store` when it schedules a chunk's store and
     :meth:`record_lookup` for primary-tier hits, while it still has the request; the
@@ -206,6 +225,11 @@ class OffloadingEventsTracker:
     both on; disabled, every event is a legacy placeholder. ``group_specs`` classify groups
     for placeholders and survive :meth:`reset`.
 
+    Under 0.34's rules a recurrent group (``mamba``) is recorded too, and each of its chunks
+    is announced as a *state checkpoint*: the chunk's last hash only, chained to the hash
+    before it, its block size, no tokens and no position (the state is valid there and
+    nowhere else in the chunk). Windowed attention groups keep the placeholder under both.
+
     Not thread-safe: one scheduler thread drives it.
     """
 
@@ -213,15 +237,35 @@ class OffloadingEventsTracker:
         self,
         enabled: bool = True,
         group_specs: dict[int, OffloadingEventGroupSpec] | None = None,
+        vllm_version: str = "0.33.0",
     ) -> None:
+        self.rules = rules_for(vllm_version)
         self.enabled = enabled
         self._group_specs: dict[int, OffloadingEventGroupSpec] = dict(group_specs or {})
         self._payloads: dict[OffloadKey, _ChunkPayload] = {}
 
     # ------------------------------------------------------------------ recording
     def _records(self, group_config: GroupConfigLike) -> bool:
-        """Sliding-window, chunked-local and Mamba groups keep placeholder payloads."""
-        return self.enabled and group_config.sliding_window_size_in_chunks is None
+        """Sliding-window and chunked-local groups keep placeholder payloads, and so do
+        Mamba groups under 0.33's rules."""
+        if not self.enabled:
+            return False
+        return group_config.sliding_window_size_in_chunks is None or self._recurrent(group_config)
+
+    def _recurrent(self, cfg: GroupConfigLike) -> bool:
+        """Whether ``cfg``'s chunks are state checkpoints (0.34's recurrent groups)."""
+        return self.rules != "0.33" and cfg.kv_event_group_spec.kv_cache_spec_kind == RECURRENT_KIND
+
+    def _checkpoint(self, cfg: GroupConfigLike, payload: _ChunkPayload) -> _ChunkPayload:
+        """``payload`` reduced to the state checkpoint it holds, in a recurrent group."""
+        if not self._recurrent(cfg):
+            return payload
+        if len(payload.block_hashes) > 1:
+            payload.parent_block_hash = payload.block_hashes[-2]
+        payload.block_hashes = payload.block_hashes[-1:]
+        payload.token_ids = ()
+        payload.token_start = None
+        return payload
 
     def record_store(
         self,
@@ -234,7 +278,7 @@ class OffloadingEventsTracker:
         if not self._records(group_config):
             return
         payload = self._full_chunk_payload(req, group_config, chunk_idx)
-        self._put_merging(offload_key, payload)
+        self._put_merging(offload_key, self._checkpoint(group_config, payload))
 
     def record_lookup(
         self,
@@ -249,7 +293,7 @@ class OffloadingEventsTracker:
         payload = self._payloads.get(offload_key)
         if payload is None:
             payload = self._full_chunk_payload(req, group_config, chunk_idx)
-            self._payloads[offload_key] = payload
+            payload = self._payloads[offload_key] = self._checkpoint(group_config, payload)
         payload.residencies.add(_PRIMARY_RESIDENCY)
 
     def record_partial_store(
@@ -263,7 +307,7 @@ class OffloadingEventsTracker:
         if not self._records(group_config):
             return
         payload = self._partial_tail_payload(req, group_config, boundary_tokens)
-        self._put_merging(offload_key, payload)
+        self._put_merging(offload_key, self._checkpoint(group_config, payload))
 
     def record_partial_lookup(
         self,
@@ -276,9 +320,8 @@ class OffloadingEventsTracker:
         if not self._records(group_config):
             return
         if offload_key not in self._payloads:
-            self._payloads[offload_key] = self._partial_tail_payload(
-                req, group_config, boundary_tokens
-            )
+            payload = self._partial_tail_payload(req, group_config, boundary_tokens)
+            self._payloads[offload_key] = self._checkpoint(group_config, payload)
 
     def set_group_spec(self, group_idx: int, spec: OffloadingEventGroupSpec) -> None:
         """Classify a group for placeholders (kept across :meth:`reset`)."""

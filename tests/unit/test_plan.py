@@ -537,3 +537,38 @@ def test_a_state_checkpoint_that_cannot_be_one_is_rejected_saying_why(
     assert rejected(store) == [reason]
     [detail] = [r.detail for r, _ in store.rejected.values()]
     assert names in detail, detail
+
+
+def test_the_034_trackers_checkpoints_are_indexed_as_announced(s: Stream) -> None:
+    """kvledger's own tracker under vLLM 0.34's rules, into the core: accepted as they are."""
+    from kvledger.producer.tracker import (
+        GroupOffloadConfig,
+        Medium,
+        OffloadingEvent,
+        OffloadingEventGroupSpec,
+        OffloadingEventsTracker,
+        make_offload_key,
+    )
+
+    class Req:
+        block_hashes = [h(i) for i in range(16)]
+        all_token_ids = list(range(64))
+        lora_request = None
+
+    tracker = OffloadingEventsTracker(vllm_version="0.34.0")
+    config = GroupOffloadConfig(1, 8, 16, 4, OffloadingEventGroupSpec("mamba", None), 1)
+    keys = [make_offload_key(h(4 * c + 3), 1) for c in range(4)]
+    for c, key in enumerate(keys):
+        tracker.record_store(Req(), config, c, key)
+    tracker.record_partial_store(Req(), config, 56, make_offload_key(h(13), 1))
+    events = tracker.take_events(
+        [OffloadingEvent([*keys, make_offload_key(h(13), 1)], Medium.CPU, removed=False)]
+    )
+    s.send(A, spec(1, "mamba", 8, 4))
+    for event in events:
+        s.send(A, event)
+    store, _ = run(s.messages)
+    assert rejected(store) == []
+    held = sorted(k.block_hash for k in store.residencies if k.group_idx == 1)
+    assert held == [h(3), h(7), h(11), h(13), h(15)]
+    assert store.blocks[BlockKey(MODEL, 1, h(7))].parent_hash == h(5)

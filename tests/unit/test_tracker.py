@@ -454,3 +454,73 @@ def test_a_placeholder_is_said_once_and_not_as_a_warning(caplog: pytest.LogCaptu
             tracker_module._warn_once("store", "no payload: a placeholder (expected)")
     said = [r for r in caplog.records if "placeholder" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO]
+
+
+# ---------------------------------------------------------------- vLLM 0.34's rules
+MAMBA = OffloadingEventGroupSpec("mamba", None)
+
+
+def test_034_announces_a_recurrent_chunk_as_its_state_checkpoint() -> None:
+    t = OffloadingEventsTracker(vllm_version="0.34.0")
+    req = request(256, 16)
+    c = cfg(tokens_per_block=32, tokens_per_chunk=128, hashes_per_chunk=8, group_idx=1,
+            spec=MAMBA, window=1)  # fmt: skip
+    key = chunk_key(req, c, 1)  # raw hashes 8..15, blocks ending at raw 9, 11, 13, 15
+    t.record_store(req, c, 1, key)
+    ev = only(t.take_events([store(key)]))
+    assert ev == BlockStored(
+        block_hashes=(raw(15),),  # the state, valid at the chunk's last hash only
+        parent_block_hash=raw(13),  # the block before it
+        token_ids=(),
+        block_size=32,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=1,
+        kv_cache_spec_kind="mamba",
+        token_start=None,
+        partial=False,
+    )
+    assert isinstance(ev, BlockStored) and ev.is_state_checkpoint and not ev.is_placeholder
+    assert only(t.take_events([remove([key])])) == BlockRemoved((raw(15),), "CPU", group_idx=1)
+    assert t.tracked_keys() == 0
+
+
+def test_034_a_recurrent_chunk_of_one_block_keeps_its_parent() -> None:
+    t = OffloadingEventsTracker(vllm_version="0.34.1")
+    req = request(64, 16)
+    c = cfg(64, 64, 4, group_idx=1, spec=MAMBA, window=1)
+    key = chunk_key(req, c, 0)
+    t.record_lookup(req, c, 0, key)  # a lookup hit records it too
+    ev = only(t.take_events([store(key)]))
+    assert isinstance(ev, BlockStored)
+    assert (ev.block_hashes, ev.parent_block_hash, ev.block_size) == ((raw(3),), None, 64)
+
+
+def test_034_a_recurrent_partial_tail_is_a_checkpoint_of_the_hash_size() -> None:
+    t = OffloadingEventsTracker(vllm_version="0.34.0")
+    req = request(128, 16)
+    c = cfg(64, 64, 4, group_idx=1, spec=MAMBA, window=1)
+    key = make_offload_key(raw(5), 1)
+    t.record_partial_store(req, c, 96, key)  # the chunk from 64, hashes 4 and 5
+    ev = only(t.take_events([store(key)]))
+    assert isinstance(ev, BlockStored)
+    assert (ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.partial) == (
+        (raw(5),), raw(4), (), 16, True,
+    )  # fmt: skip
+
+
+def test_033_keeps_placeholders_for_recurrent_groups_and_034_for_windows() -> None:
+    req = request(64, 16)
+    for version, spec, recorded in (("0.33.0", MAMBA, 0), ("0.34.0", SLIDING, 0),
+                                    ("0.34.0", MAMBA, 1), ("0.34.0", FULL, 1)):  # fmt: skip
+        t = OffloadingEventsTracker(vllm_version=version)
+        c = cfg(16, 64, 4, spec=spec, window=None if spec is FULL else 2)
+        t.record_store(req, c, 0, chunk_key(req, c, 0))
+        assert t.tracked_keys() == recorded, (version, spec)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.35.0", "1.0", "latest", ""])
+def test_an_engine_version_without_known_rules_is_refused(version: str) -> None:
+    with pytest.raises(ValueError, match=r"0\.33 and 0\.34 only"):
+        OffloadingEventsTracker(vllm_version=version)

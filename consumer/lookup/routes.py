@@ -247,8 +247,6 @@ class Lookups:
     def decide(self, raw: bytes) -> Answer:
         """POST /v1/decisions: a router sent a prompt to an instance; held as a provisional
         holder of the prompt's blocks (and shared with the other replicas)."""
-        from kvledger.consumer.router import provisional as pv
-
         if self.provisional is None or self.router is None:
             raise BadRequestError(
                 "decisions are held by the memory-backed service (kvledger serve --memory)"

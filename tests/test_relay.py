@@ -177,6 +177,15 @@ def wait_relayed(relay: Relay, engines: Sequence[ZmqEngine], timeout: float = 60
     raise AssertionError(f"not relayed (committed, published): {where}")
 
 
+def wait_committed(relay: Relay, last: int, timeout: float = 60) -> None:
+    """Until the relay's rank 0 has committed engine batch ``last``."""
+    deadline = time.monotonic() + timeout
+    while relay.ranks[0].committed_seq != last:
+        assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, last)
+        assert not relay.errors, relay.errors
+        time.sleep(0.05)
+
+
 def run_relay(config: RelayConfig) -> Relay:
     relay = Relay(config)
     relay.start()
@@ -460,10 +469,7 @@ def test_vllms_own_publisher_feeds_the_index(
             )
             publisher.publish(batch)
             sent.append((len(sent), batch.ts, list(events)))
-            deadline = time.monotonic() + 60
-            while relay.ranks[0].committed_seq != len(sent) - 1:
-                assert time.monotonic() < deadline, (relay.ranks[0].committed_seq, len(sent))
-                time.sleep(0.05)
+            wait_committed(relay, len(sent) - 1)
         finally:
             relay.stop()
     finally:
@@ -764,10 +770,7 @@ def test_a_hybrid_engines_state_checkpoints_reach_the_index(
             publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
         relay = run_relay(config)
         try:
-            deadline = time.monotonic() + 60
-            while relay.ranks[0].committed_seq != len(batches) - 1:
-                assert time.monotonic() < deadline, relay.ranks[0].committed_seq
-                time.sleep(0.05)
+            wait_committed(relay, len(batches) - 1)
         finally:
             relay.stop()
     finally:

@@ -181,6 +181,9 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
                 time.sleep(gap_ms / 1000)
             time.sleep(1)
         finally:
+            if relay is not None:  # first: a child process must not outlive a failed run
+                relay.terminate()
+                relay.wait(30)
             watch.stop.set()
             for t in threads:
                 if t.ident is not None:  # started
@@ -191,9 +194,6 @@ def main(batches: int = 200, gap_ms: float = 40.0, blocks: int = 40) -> dict[str
                 router.stop()
             for log in logs:
                 log.stop()
-            if relay is not None:
-                relay.terminate()
-                relay.wait(30)
             publisher.shutdown()
             admin.delete_topics([topic, f"{topic}.decisions"])
     figures: dict[str, Any] = {"batches": batches, "gap_ms": gap_ms, "blocks": blocks}

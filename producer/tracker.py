@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
-from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
+from kvledger.schemas.events import RECURRENT_KINDS, BlockRemoved, BlockStored, GroupSpec
 
 logger = logging.getLogger(__name__)
 # Placeholder warnings are expected for some groups: say each once per process, as vLLM does.
@@ -195,7 +195,6 @@ class _ChunkPayload:
 
 # The vLLM releases whose tracker rules this one follows, by minor version.
 RULES = ("0.33", "0.34")
-RECURRENT_KIND = "mamba"
 
 
 def rules_for(vllm_version: str) -> str:
@@ -254,7 +253,8 @@ class OffloadingEventsTracker:
 
     def _recurrent(self, cfg: GroupConfigLike) -> bool:
         """Whether ``cfg``'s chunks are state checkpoints (0.34's recurrent groups)."""
-        return self.rules != "0.33" and cfg.kv_event_group_spec.kv_cache_spec_kind == RECURRENT_KIND
+        kind = cfg.kv_event_group_spec.kv_cache_spec_kind
+        return self.rules != "0.33" and kind in RECURRENT_KINDS
 
     def _checkpoint(self, cfg: GroupConfigLike, payload: _ChunkPayload) -> _ChunkPayload:
         """``payload`` reduced to the state checkpoint it holds, in a recurrent group."""

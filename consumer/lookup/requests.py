@@ -129,8 +129,9 @@ def not_text(raw: bytes, data: object) -> bool:
     return False
 
 
-def parse_match(data: Mapping[str, Any]) -> MatchRequest:
-    unknown = sorted(set(data) - FIELDS)
+def _model_and_group(data: Mapping[str, Any], fields: frozenset[str]) -> tuple[str, int]:
+    """A body's model and group, once it names no field outside ``fields``."""
+    unknown = sorted(set(data) - fields)
     if unknown:
         raise BadRequestError(f"unknown field(s): {', '.join(map(str, unknown))[:200]}")
     model = data.get("model")
@@ -140,6 +141,25 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     _name("model", model)
     if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < 2**31:
         raise BadRequestError("group_idx must be an integer in 0..2^31-1")
+    return model, group
+
+
+def _prompt(data: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The body's hashes and token ids, exactly one of them given (not checked further)."""
+    hashes, tokens = data.get("hashes"), data.get("token_ids")
+    if (hashes is None) == (tokens is None):
+        raise BadRequestError("give exactly one of hashes or token_ids")
+    return hashes, tokens
+
+
+def _hashes(hashes: object) -> list[bytes]:
+    if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
+        raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
+    return [parse_hash(h) for h in hashes]
+
+
+def parse_match(data: Mapping[str, Any]) -> MatchRequest:
+    model, group = _model_and_group(data, FIELDS)
     weights = data.get("weights", dict(DEFAULT_TIER_WEIGHTS))
     if not isinstance(weights, dict) or not all(
         isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
@@ -147,9 +167,7 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         for k, v in weights.items()
     ):  # fmt: skip
         raise BadRequestError("weights must map medium to a finite number")
-    hashes, tokens = data.get("hashes"), data.get("token_ids")
-    if (hashes is None) == (tokens is None):
-        raise BadRequestError("give exactly one of hashes or token_ids")
+    hashes, tokens = _prompt(data)
     include_silent = data.get("include_silent", False)
     if not isinstance(include_silent, bool):
         raise BadRequestError("include_silent must be true or false")
@@ -171,8 +189,7 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         )  # fmt: skip
     if data.get("cache_salt") is not None:
         raise BadRequestError("cache_salt applies to token_ids (a hash already includes it)")
-    if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
-        raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
+    prompt = _hashes(hashes)
     state_group = data.get("state_group")
     if state_group is not None:
         if type(state_group) is not int or not 0 <= state_group < 2**31:
@@ -180,7 +197,7 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         if granularity != "block" or data.get("at") is not None:
             raise BadRequestError("state_group applies to block hashes, for now")
     return MatchRequest(
-        model, group, weights, [parse_hash(h) for h in hashes], granularity, _at(data.get("at")),
+        model, group, weights, prompt, granularity, _at(data.get("at")),
         include_silent=include_silent, silent_after=silent_after, state_group=state_group,
     )  # fmt: skip
 
@@ -261,24 +278,13 @@ class DecisionRequest:
 
 
 def parse_decision(data: Mapping[str, Any]) -> DecisionRequest:
-    unknown = sorted(set(data) - DECISION_FIELDS)
-    if unknown:
-        raise BadRequestError(f"unknown field(s): {', '.join(map(str, unknown))[:200]}")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequestError("model (string) is required")
-    _name("model", model)
-    group = data.get("group_idx", 0)
-    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < 2**31:
-        raise BadRequestError("group_idx must be an integer in 0..2^31-1")
+    model, group = _model_and_group(data, DECISION_FIELDS)
     instance = data.get("instance")
     if not isinstance(instance, str) or not instance:
         raise BadRequestError("instance (string) is required: the instance the prompt went to")
     _name("instance", instance)
     request_id = _text(data, "request_id")
-    hashes, tokens = data.get("hashes"), data.get("token_ids")
-    if (hashes is None) == (tokens is None):
-        raise BadRequestError("give exactly one of hashes or token_ids")
+    hashes, tokens = _prompt(data)
     if tokens is not None:
         return DecisionRequest(
             model, group, instance, token_ids=_tokens(tokens), lora_name=_lora(data),
@@ -287,8 +293,4 @@ def parse_decision(data: Mapping[str, Any]) -> DecisionRequest:
     for name in ("lora_name", "cache_salt"):
         if data.get(name) is not None:
             raise BadRequestError(f"{name} applies to token_ids (a hash already includes it)")
-    if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_HASHES:
-        raise BadRequestError(f"hashes must be a list of 1..{MAX_HASHES}")
-    return DecisionRequest(
-        model, group, instance, hashes=[parse_hash(h) for h in hashes], request_id=request_id
-    )
+    return DecisionRequest(model, group, instance, hashes=_hashes(hashes), request_id=request_id)

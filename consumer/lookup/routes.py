@@ -40,6 +40,7 @@ from kvledger.consumer.lookup.requests import (
 )
 from kvledger.consumer.roles import WriterRoleError, ensure_read_only
 from kvledger.consumer.router import provisional as pv
+from kvledger.consumer.router.match import holder_order
 from kvledger.schemas.lookup import Holder
 from kvledger.schemas.redact import redact
 
@@ -193,9 +194,7 @@ class Lookups:
             states = None
             if req.state_group is not None:
                 assert req.hashes is not None
-                upto: dict[str, int] = {}
-                for h in holders:
-                    upto[h.instance] = max(upto.get(h.instance, 0), h.matched_blocks)
+                upto = _blocks_by_instance(holders)
                 states = idx.state_checkpoints(req.model, req.state_group, req.hashes, upto)
         if self.provisional is not None and req.at is None and req.granularity == "block":
             holders = self._with_provisional(req, holders)
@@ -230,9 +229,7 @@ class Lookups:
         else:
             assert req.hashes is not None
             keys = pv.hash_keys(req.hashes)
-        real: dict[str, int] = {}
-        for h in holders:
-            real[h.instance] = max(real.get(h.instance, 0), h.matched_blocks)
+        real = _blocks_by_instance(holders)
         depths = self.provisional.depths(req.model, req.group_idx, kind, keys, real)
         if not depths:
             return holders
@@ -241,8 +238,7 @@ class Lookups:
             Holder(instance, "GPU", "", n, n * block_size, states[instance], provisional=True)
             for instance, n in depths.items()
         ]
-        return sorted([*holders, *extra], key=lambda h: (
-            -h.matched_tokens, -h.matched_blocks, h.instance, h.medium, h.ownership))  # fmt: skip
+        return sorted([*holders, *extra], key=holder_order)
 
     def decide(self, raw: bytes) -> Answer:
         """POST /v1/decisions: a router sent a prompt to an instance; held as a provisional
@@ -325,6 +321,14 @@ class _MemoryLookups:
 
     def knows_group(self, model: str, group_idx: int) -> bool:
         return self.router.knows_group(model, group_idx)
+
+
+def _blocks_by_instance(holders: list[Holder]) -> dict[str, int]:
+    """Each instance's longest match in blocks, over its tiers."""
+    out: dict[str, int] = {}
+    for h in holders:
+        out[h.instance] = max(out.get(h.instance, 0), h.matched_blocks)
+    return out
 
 
 def _configure(conn: psycopg.Connection, statement_timeout_ms: int) -> None:

@@ -86,7 +86,11 @@ def answer(
         state = state_of(store.lives.get(instance), now, window)
         if include_silent or state == "live":
             out.append(Holder(instance, medium, ownership, blocks, tokens, state))
-    out.sort(
-        key=lambda h: (-h.matched_tokens, -h.matched_blocks, h.instance, h.medium, h.ownership)
-    )
+    out.sort(key=holder_order)
     return out
+
+
+def holder_order(h: Holder) -> tuple[int, int, str, str, str]:
+    """The lookup API's order of holders (the SQL functions' ORDER BY): the longest match
+    first, then by name."""
+    return (-h.matched_tokens, -h.matched_blocks, h.instance, h.medium, h.ownership)

@@ -125,6 +125,42 @@ class OffloadingEvent:
     removal_expected: bool = False
     # A failed allocation: release metadata without announcing a public eviction.
     metadata_only: bool = False
+    # 0.34: the originating request's context (see OffloadingEventsTracker.on_new_request),
+    # from which a complete chunk's store is described when nothing was recorded for it.
+    req_context: ReqContextLike | None = None
+
+
+class ReqContextLike(Protocol):
+    """vLLM 0.34's per-request offloading context (``ReqContext``): typed scratch state and
+    the end-token position the scheduler recorded for each offload key of the request."""
+
+    def set_state(self, val: Any) -> None: ...
+
+    def get_state(self, cls: type[Any]) -> Any: ...
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None: ...
+
+
+class RequestContext:
+    """A :class:`ReqContextLike` for engines and simulations without vLLM's own."""
+
+    __slots__ = ("_positions", "_state")
+
+    def __init__(self) -> None:
+        self._state: dict[type, Any] = {}
+        self._positions: dict[OffloadKey, int] = {}
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[Any]) -> Any:
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        self._positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        return self._positions.get(key)
 
 
 class TrackerInputError(ValueError):
@@ -191,6 +227,20 @@ class _ChunkPayload:
     group_idx: int
     spec: OffloadingEventGroupSpec
     residencies: set[Residency]
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What a complete chunk's store needs of its request (0.34's request-context path);
+    the lists are the request's own, so they grow with it."""
+
+    block_hashes: Sequence[bytes | None]
+    all_token_ids: Sequence[int]
+    lora_request: Any
+    resumable: bool
+    kv_transfer_params: dict[str, Any] | None
+    group_configs: dict[int, GroupConfigLike]
 
 
 # The vLLM releases whose tracker rules this one follows, by minor version.
@@ -229,6 +279,10 @@ class OffloadingEventsTracker:
     before it, its block size, no tokens and no position (the state is valid there and
     nowhere else in the chunk). Windowed attention groups keep the placeholder under both.
 
+    0.34 also describes a complete chunk's store from its request's context
+    (:meth:`on_new_request`, then ``OffloadingEvent.req_context``) when nothing was recorded
+    for it, and can carry ``num_hash_lookahead_tokens`` tokens after each block.
+
     Not thread-safe: one scheduler thread drives it.
     """
 
@@ -237,8 +291,15 @@ class OffloadingEventsTracker:
         enabled: bool = True,
         group_specs: dict[int, OffloadingEventGroupSpec] | None = None,
         vllm_version: str = "0.33.0",
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self.rules = rules_for(vllm_version)
+        if num_hash_lookahead_tokens < 0 or (num_hash_lookahead_tokens and self.rules == "0.33"):
+            raise ValueError(
+                f"num_hash_lookahead_tokens {num_hash_lookahead_tokens}: a count from 0, and "
+                "only under vLLM 0.34's rules (0.33's events carry no lookahead tokens)"
+            )
+        self.lookahead = num_hash_lookahead_tokens
         self.enabled = enabled
         self._group_specs: dict[int, OffloadingEventGroupSpec] = dict(group_specs or {})
         self._payloads: dict[OffloadKey, _ChunkPayload] = {}
@@ -266,6 +327,43 @@ class OffloadingEventsTracker:
         payload.token_ids = ()
         payload.token_start = None
         return payload
+
+    def on_new_request(
+        self,
+        req_context: ReqContextLike,
+        request: RequestLike,
+        group_configs: Iterable[GroupConfigLike],
+    ) -> None:
+        """0.34: keep in ``req_context`` what a complete chunk's store of ``request`` needs, so
+        that a store event carrying the context is described without a recorded payload. A
+        resumable request, or one whose prefill side was truncated, is never described so."""
+        if not self.enabled or self.rules == "0.33":
+            return
+        req_context.set_state(
+            _RequestState(
+                block_hashes=request.block_hashes,
+                all_token_ids=request.all_token_ids,
+                lora_request=request.lora_request,
+                resumable=bool(getattr(request, "resumable", False)),
+                kv_transfer_params=getattr(request, "kv_transfer_params", None),
+                group_configs={cfg.group_idx: cfg for cfg in group_configs},
+            )
+        )
+
+    def _from_context(self, req_context: ReqContextLike, key: OffloadKey) -> _ChunkPayload | None:
+        """A complete chunk's payload from its request's context; None when the context does
+        not describe ``key`` (no state, an unknown or windowed group, no chunk-aligned end)."""
+        state = req_context.get_state(_RequestState)
+        if state is None:
+            return None
+        cfg = state.group_configs.get(offload_key_group(key))
+        end = req_context.get_offload_key_position(key)
+        if cfg is None or not self._records(cfg) or end is None or end % cfg.tokens_per_chunk:
+            return None
+        if state.resumable or (state.kv_transfer_params or {}).get("_p_side_truncated"):
+            return None
+        payload = self._full_chunk_payload(state, cfg, end // cfg.tokens_per_chunk - 1)
+        return self._checkpoint(cfg, payload)
 
     def record_store(
         self,
@@ -367,6 +465,12 @@ class OffloadingEventsTracker:
         medium = event.medium.value
         for key in event.keys:
             payload = self._payloads.get(key)
+            if payload is None and self.enabled and event.req_context is not None:
+                payload = self._from_context(event.req_context, key)
+                if payload is not None and event.removal_expected:
+                    # Kept, for removals to expand; its residencies are this store's alone.
+                    payload.residencies.clear()
+                    self._payloads[key] = payload
             if payload is None:
                 if self.enabled:
                     _warn_once(
@@ -394,6 +498,7 @@ class OffloadingEventsTracker:
                 ownership=event.ownership,
                 token_start=payload.token_start,
                 partial=payload.partial,
+                lookahead_token_ids=payload.lookahead_token_ids,
             )
 
     def _removed(self, event: OffloadingEvent) -> Iterable[BlockRemoved]:
@@ -499,6 +604,23 @@ class OffloadingEventsTracker:
             group_idx=cfg.group_idx,
             spec=cfg.kv_event_group_spec,
             residencies={_PRIMARY_RESIDENCY},
+            lookahead_token_ids=self._lookahead(tokens, tok_start, tok_end, cfg.tokens_per_block),
+        )
+
+    def _lookahead(
+        self, tokens: Sequence[int], start: int, end: int, block_size: int
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """The ``lookahead`` tokens after each block ending in (start, end], or None."""
+        if not self.lookahead:
+            return None
+        if end + self.lookahead > len(tokens):
+            raise TrackerInputError(
+                f"lookahead of {self.lookahead} tokens after token {end} is past the "
+                f"request's {len(tokens)} tokens"
+            )
+        return tuple(
+            tuple(tokens[i : i + self.lookahead])
+            for i in range(start + block_size, end + 1, block_size)
         )
 
     def _partial_tail_payload(
@@ -542,6 +664,9 @@ class OffloadingEventsTracker:
             group_idx=cfg.group_idx,
             spec=cfg.kv_event_group_spec,
             residencies={_PRIMARY_RESIDENCY},
+            lookahead_token_ids=self._lookahead(
+                tokens, chunk_start, boundary_tokens, tokens_per_hash
+            ),
         )
 
     @staticmethod

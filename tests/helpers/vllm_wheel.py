@@ -94,24 +94,30 @@ def wheel_root(
     they import that the tests do not run; the wheel is downloaded once into the cache."""
     root = CACHE / f"{package}-{version}-modules"
     if not all((root / m).exists() for m in modules):
-        wheels = CACHE / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
-        if not found:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                 "--dest", str(wheels), f"{package}=={version}"],
-                check=True, timeout=900,
-            )  # fmt: skip
-            found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+        found = wheel_file(package, version)
         for rel, source in standins.items():
             path = root / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(source.lstrip())
-        with zipfile.ZipFile(found[0]) as wheel:
+        with zipfile.ZipFile(found) as wheel:
             for rel in modules:
                 (root / rel).write_text(wheel.read(rel).decode("utf-8"))
     return root
+
+
+def wheel_file(package: str, version: str) -> Path:
+    """The released wheel of ``package`` ``version``, downloaded once into the cache."""
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+    if not found:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--dest", str(wheels), f"{package}=={version}"],
+            check=True, timeout=900,
+        )  # fmt: skip
+        found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+    return found[0]
 
 
 @contextlib.contextmanager

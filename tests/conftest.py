@@ -261,9 +261,10 @@ def fresh_database(database_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def vllm_kv_events() -> Iterator[Any]:
-    """vLLM 0.33.0's kv_events module from its wheel (see tests/helpers/vllm_wheel.py)."""
-    from tests.helpers.vllm_wheel import vllm_module
+def vllm_kv_events(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """vLLM's kv_events module from its wheel (see tests/helpers/vllm_wheel.py): 0.33.0's,
+    or the version a test names (``parametrize("vllm_kv_events", [...], indirect=True)``)."""
+    from tests.helpers.vllm_wheel import VERSION, vllm_module
 
-    with vllm_module("vllm.distributed.kv_events") as module:
+    with vllm_module("vllm.distributed.kv_events", getattr(request, "param", VERSION)) as module:
         yield module

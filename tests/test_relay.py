@@ -413,6 +413,7 @@ def test_kafka_outage_pauses_the_relay_and_replay_fills_in(
 
 
 # ---------------------------------------------------------------------- vLLM's own publisher
+@pytest.mark.parametrize("vllm_kv_events", ["0.33.0", "0.34.0"], indirect=True)
 def test_vllms_own_publisher_feeds_the_index(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
     vllm_kv_events: ModuleType,

@@ -51,6 +51,7 @@ def plugged(
     return registry["zmq"]
 
 
+@pytest.mark.parametrize("vllm_kv_events", ["0.33.0", "0.34.0"], indirect=True)
 def test_the_engines_zmq_publisher_also_feeds_the_index(
     kafka_bootstrap, make_topic, group_id, vllm_kv_events, monkeypatch
 ) -> None:

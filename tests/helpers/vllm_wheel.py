@@ -72,17 +72,17 @@ def split_zmq_path(path):
 }
 
 
-def vllm_root() -> Path:
-    """A folder whose ``vllm`` package holds vLLM's kv_events module and the stand-ins;
-    downloads the wheel on first use (raises when the registry cannot be reached)."""
-    return wheel_root("vllm", VERSION, _MODULES, _STANDINS)
+def vllm_root(version: str = VERSION) -> Path:
+    """A folder whose ``vllm`` package holds vLLM ``version``'s kv_events module and the
+    stand-ins; downloads the wheel on first use (raises when the registry cannot be reached)."""
+    return wheel_root("vllm", version, _MODULES, _STANDINS)
 
 
 @contextlib.contextmanager
-def vllm_module(name: str) -> Iterator[ModuleType]:
-    """One of vLLM's modules, imported from the wheel (the import system restored after);
-    skipped when the wheel cannot be had, unless CI is set."""
-    with wheel_module("vllm", vllm_root, name) as module:
+def vllm_module(name: str, version: str = VERSION) -> Iterator[ModuleType]:
+    """One of vLLM ``version``'s modules, imported from the wheel (the import system
+    restored after); skipped when the wheel cannot be had, unless CI is set."""
+    with wheel_module("vllm", lambda: vllm_root(version), name) as module:
         yield module
 
 

@@ -18,13 +18,14 @@ venv: $(VENV)/.installed
 # from the venv after a dependency change in pyproject.toml. The install builds the compiled
 # core (rust/) with the machine's cargo; under CI=true a core that does not build is an error.
 CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs rust/src/*/*.rs)
-$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES)
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES) scripts/vendor-ui
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing kvledger into $(VENV) and building its compiled core (rust/):" \
 		"a minute or two the first time, seconds after"
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	@$(if $(filter true,$(CI)),KVLEDGER_REQUIRE_CORE=1) $(PY) -m pip install -q \
 		--disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@$(PY) scripts/vendor-ui
 	@touch $@
 
 lock: venv
@@ -69,6 +70,7 @@ unit: venv
 	@$(PY) -m pytest -m "not integration and not downloads" $(PYTEST_ARGS)
 
 test: lint services
+	@scripts/browser
 	@$(with_env) $(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/containers
 	@$(MAKE) --no-print-directory fuzz
 	@if [ -z "$(SKIP_CONTAINERS)" ]; then $(MAKE) --no-print-directory test-containers; fi

@@ -1,7 +1,8 @@
 """Bounded storage: time partitions made ahead, old ones dropped, dead blocks deleted.
 
-History (``residency_history``) and the audit log (``events``, ``rejected_events``) are
-partitioned by the time the index wrote or closed each row (migration 0014). A pass:
+History (``residency_history``), the audit log (``events``, ``rejected_events``) and routing
+decisions (``decisions``, kept as long as the audit log) are partitioned by the time the
+index wrote or closed each row (migrations 0014, 0018). A pass:
 
 1. makes the partitions from now to some way ahead (three intervals, or up to ten minutes'
    worth of at most 30);
@@ -85,7 +86,8 @@ class RetentionStatus:
 def status(conn: psycopg.Connection) -> RetentionStatus:
     rows = conn.execute(
         "SELECT p.parent, count(t.partition), min(t.lo), max(t.hi) "
-        "FROM unnest(ARRAY['residency_history', 'events', 'rejected_events']) AS p(parent) "
+        "FROM unnest(ARRAY['residency_history', 'events', 'rejected_events', 'decisions']) "
+        "AS p(parent) "
         "LEFT JOIN kvledger.time_partitions t ON t.parent = p.parent GROUP BY p.parent "
         "ORDER BY p.parent"
     ).fetchall()

@@ -234,7 +234,8 @@ def verify(
             targets = stored_offsets(live, group, topic)
             others = [str(t) for (t,) in live.execute(
                 "SELECT DISTINCT kafka_topic FROM kvledger.consumer_offsets "
-                "WHERE kafka_topic <> %s ORDER BY 1", (topic,),
+                "WHERE kafka_topic <> %s AND consumer_group NOT LIKE %s ORDER BY 1",
+                (topic, DECISIONS_GROUP),
             ).fetchall()]  # fmt: skip
         summary = _replay_log(
             bootstrap,
@@ -343,8 +344,12 @@ def _refuse_unsafe(
         )
 
 
-# The live index's own bookkeeping of its partitions and retention (not rebuilt from the log).
-_KEPT_ON_SWAP = ("time_partitions", "retention_settings", "retained_windows")
+# The offsets of a decisions topic are kept under '<group>:decisions'.
+DECISIONS_GROUP = "%:decisions"
+# The live index's own bookkeeping of its partitions and retention, and the routing
+# decisions recorded from their own topic: not rebuilt from the events topic.
+_KEPT_ON_SWAP = ("time_partitions", "retention_settings", "retained_windows", "decisions",
+                 "rejected_decisions")  # fmt: skip
 
 
 def _swap_in(
@@ -362,6 +367,12 @@ def _swap_in(
             (list(_KEPT_ON_SWAP),),
         )
     ]
+    # The decisions topic's offsets (consumer/decision_records.py) stay the live's, as the
+    # decisions themselves do.
+    other_offsets = live.execute(
+        "SELECT consumer_group, kafka_topic, kafka_partition, next_offset "
+        "FROM kvledger.consumer_offsets WHERE consumer_group LIKE %s", (DECISIONS_GROUP,),
+    ).fetchall()  # fmt: skip
     with live.transaction():
         # One TRUNCATE takes every table's lock before anything changes (readers wait for
         # the swap, then see the new index).
@@ -374,6 +385,10 @@ def _swap_in(
             with source as out, target as inp:
                 for chunk in out:
                     inp.write(chunk)
+        live.cursor().executemany(
+            "INSERT INTO kvledger.consumer_offsets (consumer_group, kafka_topic, "
+            "kafka_partition, next_offset) VALUES (%s, %s, %s, %s)", other_offsets,
+        )  # fmt: skip
         # The rebuild's offsets are the live group's from now on.
         live.execute(
             "UPDATE kvledger.consumer_offsets SET consumer_group = %s WHERE consumer_group LIKE %s",

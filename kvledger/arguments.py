@@ -129,7 +129,8 @@ def add_lookup(subparsers: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument(
         "--token-file",
-        help="require `Authorization: Bearer <token>` on every route but /healthz, the token "
+        help="require `Authorization: Bearer <token>` on every route but /healthz and the "
+        "dashboard's page (/ui: its data, /v1/dashboard, needs the token), the token "
         f"read from this file (or from ${ENV_LOOKUP_TOKEN})",
     )
     p.add_argument("--port", type=PORT, default=8080, help="port to listen on")

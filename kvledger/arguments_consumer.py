@@ -64,6 +64,12 @@ def add_consumer(subparsers: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--batch-size", type=COUNT, default=5000, help="messages per transaction")
     p.add_argument(
+        "--decisions-topic", metavar="TOPIC",
+        help="also record the routing decisions `serve --memory --decisions-topic` writes "
+        "there into the index (kvledger.decisions: the funnel of available, captured and "
+        "delivered reuse)",
+    )  # fmt: skip
+    p.add_argument(
         "--batch-timeout", type=SECONDS, default=0.5,
         help="seconds a batch may wait to fill up to --batch-size before it is applied",
     )  # fmt: skip

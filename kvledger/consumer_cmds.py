@@ -151,8 +151,20 @@ def consume(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    recorder = None
+    if getattr(args, "decisions_topic", None):
+        from kvledger.consumer.decision_records import DecisionRecorder
+
+        recorder = DecisionRecorder(config.database_url, config.bootstrap_servers,
+                                    args.decisions_topic, config.group_id,
+                                    kafka=dict(config.kafka or {}))  # fmt: skip
+        recorder.start()
     freeze_startup_objects()
-    summary = service.run()
+    try:
+        summary = service.run()
+    finally:
+        if recorder is not None:
+            recorder.stop()
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     print(

@@ -115,9 +115,25 @@ def test_verify_detects_tampering_and_rebuild_repairs(
     assert f"the index was also fed from {other} " in capsys.readouterr().out
     with connect(fresh_database, autocommit=True) as conn:
         conn.execute("DELETE FROM kvledger.consumer_offsets WHERE kafka_topic = %s", (other,))
+        # Recorded routing decisions come from a topic of their own: a rebuild keeps them.
+        conn.execute(
+            "INSERT INTO kvledger.decisions (decision_id, decided_at, model, group_idx, origin, "
+            "chosen, chosen_state, block_size, prompt_blocks, available_blocks, "
+            "captured_blocks, offered, kafka_topic, kafka_partition, kafka_offset) VALUES "
+            "(gen_random_uuid(), now(), 'm', 0, 'o', 'e', 'live', 4, 1, 1, 1, '[]', 'd', 0, 0)"
+        )  # fmt: skip
+        conn.execute(
+            "INSERT INTO kvledger.consumer_offsets (consumer_group, kafka_topic, "
+            "kafka_partition, next_offset) VALUES (%s, 'd', 0, 1)", (f"{group_id}:decisions",),
+        )  # fmt: skip
     assert cli(["rebuild", *args]) == 2  # needs --yes
     assert cli(["rebuild", *args, "--yes"]) == 0
-    assert cli(["verify", *args]) == 0
+    assert cli(["verify", *args]) == 0  # the decisions topic is no other feed of the index
+    with connect(fresh_database, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM kvledger.decisions").fetchone() == (1,)
+        assert conn.execute(
+            "SELECT next_offset FROM kvledger.consumer_offsets WHERE kafka_topic = 'd'"
+        ).fetchone() == (1,)  # fmt: skip
 
 
 def test_twenty_kills_under_steady_load(

@@ -105,7 +105,13 @@ def test_retention_drops_whole_partitions_and_never_a_live_residency(
     assert _count(fresh_database, "events") == 0
     assert _count(fresh_database, "residency_history", "removed_at IS NOT NULL") == 0
     assert [(x.instance, x.matched_blocks) for x in now] == [("engine-0", 2)]
-    assert set(report.windows) == {"events", "rejected_events", "residency_history", "blocks"}
+    assert set(report.windows) == {
+        "events",
+        "rejected_events",
+        "decisions",
+        "residency_history",
+        "blocks",
+    }
     assert all(since > applied - 2 * SECOND for since in report.windows.values())
 
     result = verify(kafka_bootstrap, fresh_database, topic, group_id)

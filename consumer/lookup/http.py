@@ -50,6 +50,7 @@ from kvledger.consumer.lookup.routes import Answer, Lookups, answer
 from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
 
 if TYPE_CHECKING:
+    from kvledger.consumer.router.decisions import Record
     from kvledger.consumer.router.index import RouterIndex
     from kvledger.consumer.router.provisional import Decision, Provisional
 
@@ -82,7 +83,7 @@ def create_app(
     dynamo_api: bool = False,
     dynamo_router: RouterIndex | None = None,
     provisional: Provisional | None = None,
-    share: Callable[[Decision], None] | None = None,
+    share: Callable[[Decision, Record | None], None] | None = None,
 ) -> ASGIApp:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
@@ -135,6 +136,16 @@ def create_app(
             return JSONResponse(payload, status, headers)
 
         return handler
+
+    async def dashboard_data(request: Request) -> Response:
+        start = time.perf_counter()
+        if not allowed(request.headers.get("authorization", "")):
+            result = refused()
+        else:
+            params = dict(request.query_params)
+            result = await run_in_threadpool(answer, "dashboard", lookups.dashboard, params)
+        status, payload, headers = counted("dashboard", start, result)
+        return JSONResponse(payload, status, headers)
 
     def match_refusal(authorization: str, length: str | None) -> Reply | None:
         if not allowed(authorization):
@@ -189,6 +200,10 @@ def create_app(
         Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", lambda _: JSONResponse(openapi), methods=["GET"]),
+        Route("/v1/dashboard", dashboard_data, methods=["GET"]),
+        Route("/ui", _ui_file("index.html"), methods=["GET"]),
+        Route("/ui/dashboard.js", _ui_file("dashboard.js"), methods=["GET"]),
+        Route("/ui/chart.umd.min.js", _ui_file("vendor/chart.umd.min.js"), methods=["GET"]),
     ]
     # GET /: what this service is and what it answers (no token needed, as /openapi.json).
     index = {
@@ -204,6 +219,34 @@ def create_app(
         exception_handlers={HTTPException: _http_error},
     )
     return HotPath(app, hot) if hot else app
+
+
+# The dashboard's page and scripts: no data in them (that is /v1/dashboard's, behind the
+# token), and no script but these files may run on the page.
+_UI_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+_UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+def _ui_file(name: str) -> Callable[[Request], Response]:
+    from kvledger.consumer.lookup.dashboard import UI
+
+    path = UI / name
+
+    def serve(_: Request) -> Response:
+        try:
+            body = path.read_bytes()
+        except FileNotFoundError:
+            why = (f"the dashboard's {name} is not installed here: `make venv` (or "
+                   "scripts/vendor-ui) vendors the chart library into the package")  # fmt: skip
+            return JSONResponse({"error": why}, 503)
+        return Response(body, media_type=_UI_TYPES[path.suffix], headers=_UI_HEADERS)
+
+    return serve
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

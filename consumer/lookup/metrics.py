@@ -76,5 +76,21 @@ class _Provisional:
             yield shared
 
 
+# Decisions recorded (POST /v1/decisions with --decisions-topic): blocks of each kind, and
+# per decision the fraction of the available reuse the router captured.
+DECISION_BLOCKS = Counter(
+    "kvledger_decision_blocks",
+    "Blocks of the prompts routers reported decisions for: prompt, available (the most any "
+    "live holder had), captured (what the chosen instance had)",
+    ["kind"],
+    registry=REGISTRY,
+)
+CAPTURED_FRACTION = Histogram(
+    "kvledger_decision_captured_fraction",
+    "Per decision with reuse available, captured blocks over available blocks",
+    buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+    registry=REGISTRY,
+)
+
 PROVISIONAL = _Provisional()
 REGISTRY.register(PROVISIONAL)

@@ -23,6 +23,7 @@ from kvledger.consumer.db import (
     SchemaMissingError,
     conninfo,
 )
+from kvledger.consumer.lookup import dashboard
 from kvledger.consumer.lookup.api import (
     NotRetainedError,
     PrefixIndex,
@@ -30,6 +31,8 @@ from kvledger.consumer.lookup.api import (
     split_live,
     unknown_group,
 )
+from kvledger.consumer.lookup.metrics import CAPTURED_FRACTION, DECISION_BLOCKS
+from kvledger.consumer.lookup.offer import offer_record
 from kvledger.consumer.lookup.requests import (
     BadRequestError,
     MatchRequest,
@@ -45,6 +48,7 @@ from kvledger.schemas.lookup import Holder
 from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:
+    from kvledger.consumer.router.decisions import Record
     from kvledger.consumer.router.index import RouterIndex
     from kvledger.consumer.router.provisional import Decision, Provisional
 
@@ -109,7 +113,7 @@ class Lookups:
         pool_timeout_s: float,
         allow_writer: bool,
         provisional: Provisional | None = None,
-        share: Callable[[Decision], None] | None = None,
+        share: Callable[[Decision, Record | None], None] | None = None,
     ) -> None:
         if database_url is None and router is None:
             raise ValueError("create_app needs a database URL or a router")
@@ -266,10 +270,24 @@ class Lookups:
         decision = pv.Decision(req.model, req.group_idx, req.instance, kind, tuple(keys),
                                request_id=req.request_id)  # fmt: skip
         held = self.provisional.add(decision)
-        if held and self.share is not None:
-            self.share(decision)
+        if self.share is not None:  # the other replicas, and the record for the funnel
+            record = offer_record(self.router, req, block_size, state, self.silent_after)
+            self.share(decision, record)
+            DECISION_BLOCKS.labels("prompt").inc(record.prompt_blocks)
+            DECISION_BLOCKS.labels("available").inc(record.available_blocks)
+            DECISION_BLOCKS.labels("captured").inc(record.captured_blocks)
+            if record.available_blocks:
+                CAPTURED_FRACTION.observe(record.captured_blocks / record.available_blocks)
         return 202, {"instance": req.instance, "provisional_blocks": held,
                      "expires_in_s": self.provisional.ttl_s}, {}  # fmt: skip
+
+    def dashboard(self, params: dict[str, str]) -> Answer:
+        """GET /v1/dashboard: the fleet at a glance (consumer/lookup/dashboard.py)."""
+        minutes = dashboard.minutes_of(params)
+        if self.router is not None:
+            return 200, dashboard.from_memory(self.router, minutes, self.silent_after), {}
+        with self.index() as idx:
+            return 200, dashboard.from_database(idx.conn, minutes), {}
 
     def block(self, params: dict[str, Any]) -> Answer:
         """GET /v1/blocks/{hash}: the block rows of a hash and their holders."""

@@ -9,7 +9,10 @@ read as a decision is skipped, counted and logged with its partition and offset.
 
 The wire form is JSON: ``{"v": 1, "model", "group_idx", "instance", "kind": "tokens" |
 "hashes", "keys": [u64...], "origin", "request_id"?}``; the keys are the prompt's chained
-block keys (:func:`.provisional.token_keys`), never its tokens.
+block keys (:func:`.provisional.token_keys`), never its tokens. Version 2 adds ``record``
+(:class:`Record`): what the index offered when the decision was taken, which the consumer
+keeps in PostgreSQL (consumer/decision_records.py) for the funnel of available, captured
+and delivered reuse. Replicas read both versions.
 """
 
 from __future__ import annotations
@@ -31,13 +34,51 @@ from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings, ensure_to
 
 logger = logging.getLogger(__name__)
 
-RETENTION_MS = 3600 * 1000  # an hour: decisions matter for seconds
+# A day: hints matter for seconds, the records until the consumer has written them.
+RETENTION_MS = 24 * 3600 * 1000
 MAX_RECORD_BYTES = 512 * 1024
 _U64 = (1 << 64) - 1
 
 
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+_Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+_Hex = Annotated[str, msgspec.Meta(min_length=2, max_length=128, pattern="^([0-9a-f]{2})+$")]
+
+
+class Offer(msgspec.Struct, forbid_unknown_fields=True):
+    """One holder the index answered for the prompt: its leading blocks on one tier."""
+
+    instance: _Name
+    medium: Annotated[str, msgspec.Meta(max_length=64)]
+    ownership: Annotated[str, msgspec.Meta(max_length=512)]
+    blocks: _Count
+    state: Annotated[str, msgspec.Meta(max_length=16)]
+
+
+class Record(msgspec.Struct, forbid_unknown_fields=True):
+    """A decision as data: its id and time, the prompt's identity (its length in blocks and,
+    when it was reported by block hashes, the hashes), what the index offered and what the
+    chosen instance had. *Available*: the most leading blocks any live holder had;
+    *captured*: what the chosen instance had (on its best tier)."""
+
+    id: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+    at: Annotated[float, msgspec.Meta(ge=0, lt=1e11)]  # seconds since the epoch
+    chosen_state: Annotated[str, msgspec.Meta(max_length=16)]
+    block_size: Annotated[int, msgspec.Meta(gt=0, lt=1 << 31)]
+    prompt_blocks: _Count
+    available_blocks: _Count
+    captured_blocks: _Count
+    silent_blocks: _Count
+    offered: Annotated[list[Offer], msgspec.Meta(max_length=1024)]
+    available_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    captured_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    captured_hashes: Annotated[list[_Hex], msgspec.Meta(max_length=65_536)] | None = None
+    first_hash: _Hex | None = None  # the prompt's, when reported by hashes
+    last_hash: _Hex | None = None
+
+
 class _Wire(msgspec.Struct, forbid_unknown_fields=True):
-    v: Literal[1]
+    v: Literal[1, 2]
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
     group_idx: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
     instance: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -45,29 +86,39 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True):
     keys: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=65_536)]
     origin: Annotated[str, msgspec.Meta(max_length=64)]
     request_id: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    record: Record | None = None
 
 
 _decode = msgspec.json.Decoder(_Wire).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def encode(d: Decision) -> bytes:
-    return _encode(_Wire(1, d.model, d.group_idx, d.instance, d.kind, list(d.keys), d.origin,
-                         d.request_id))  # fmt: skip
+def encode(d: Decision, record: Record | None = None) -> bytes:
+    return _encode(_Wire(1 if record is None else 2, d.model, d.group_idx, d.instance, d.kind,
+                         list(d.keys), d.origin, d.request_id, record))  # fmt: skip
 
 
 def decode(raw: bytes) -> Decision:
     """A record's decision; ``ValueError`` saying why it is not one."""
+    return decode_record(raw)[0]
+
+
+def decode_record(raw: bytes) -> tuple[Decision, Record | None]:
+    """A record's decision and, from version 2, what was offered; ``ValueError`` saying why
+    it is not one."""
     if len(raw) > MAX_RECORD_BYTES:
         raise ValueError(f"record of {len(raw)} bytes, over {MAX_RECORD_BYTES}")
     try:
         w = _decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(str(exc)) from None
+    if (w.v == 2) != (w.record is not None):
+        raise ValueError(f"v {w.v} with{'out' if w.record is None else ''} a record")
     if w.keys and max(w.keys) > _U64:
         raise ValueError("a key over 2^64-1")
-    return Decision(w.model, w.group_idx, w.instance, w.kind, tuple(w.keys), w.origin,
-                    w.request_id)  # fmt: skip
+    decision = Decision(w.model, w.group_idx, w.instance, w.kind, tuple(w.keys), w.origin,
+                        w.request_id)  # fmt: skip
+    return decision, w.record
 
 
 class DecisionLog:
@@ -125,12 +176,13 @@ class DecisionLog:
                                         daemon=True)  # fmt: skip
         self._thread.start()
 
-    def publish(self, decision: Decision) -> None:
-        """Write ``decision`` for the other replicas; never waits (a full queue drops it,
-        counted and logged)."""
+    def publish(self, decision: Decision, record: Record | None = None) -> None:
+        """Write ``decision`` (and what was offered) for the other replicas and the
+        consumer; never waits (a full queue drops it, counted and logged)."""
         assert self._producer is not None
         try:
-            self._producer.produce(self.topic, encode(replace(decision, origin=self.origin)))
+            wire = encode(replace(decision, origin=self.origin), record)
+            self._producer.produce(self.topic, wire)
         except BufferError:
             self.dropped += 1
             self._warn("decisions topic %s: the producer's queue is full; %d decisions not "

@@ -410,6 +410,17 @@ class RouterIndex:
         with self.lock:
             return {i: m.state_of(self.store.lives.get(i), now, window) for i in instances}
 
+    def footprint(self) -> dict[tuple[str, str], dict[str, int]]:
+        """Blocks held per (instance, model) and tier (the dashboard's fleet in memory)."""
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        with self.lock:
+            for key, g in self.store.groups.items():
+                for hid, (instance, medium, _) in enumerate(self.store.holders):
+                    if n := len(g.held_by(hid)):
+                        tiers = out.setdefault((instance, key[0]), {})
+                        tiers[medium] = tiers.get(medium, 0) + n
+        return out
+
     def knows_group(self, model: str, group_idx: int) -> bool:
         """As :meth:`PrefixIndex.knows_group`, from memory."""
         with self.lock:

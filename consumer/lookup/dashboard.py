@@ -1,0 +1,138 @@
+"""The dashboard (``GET /ui``, read-only): one page (ui/index.html, with the vendored Chart.js
+that scripts/vendor-ui puts in ui/vendor/) that asks ``GET /v1/dashboard`` for the fleet
+at a glance and draws it, refreshing every few seconds.
+
+The page itself holds no data and needs no token; ``/v1/dashboard`` sits behind the same
+bearer token as every other route (the page asks for it once and keeps it for the tab).
+Every name it shows (an engine, a model) is set as text, never as markup.
+
+``/v1/dashboard?minutes=N`` (1..1440, 60 by default) answers, from the database:
+
+- ``fleet``: each source now (kvledger.source_status): its state, epoch, last event, restarts,
+  gaps, losses and blocks held per tier;
+- ``occupancy``: per minute of the window, the blocks each instance held on each tier at the
+  minute's end (from residency history);
+- ``funnel``: per minute, the decisions recorded and their available, captured and
+  delivered blocks, and the count of each outcome (kvledger.decision_funnel);
+- ``prefixes``: the ten prefixes held by the most instances (kvledger.hottest_prefixes);
+- ``timeline``: restarts, closings and lost log ranges in the window.
+
+From memory (``serve --memory``) only ``fleet`` is answered (the rest is the database's).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvledger.consumer.lookup.requests import BadRequestError
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from kvledger.consumer.router.index import RouterIndex
+
+UI = Path(__file__).resolve().parent / "ui"
+VENDOR = UI / "vendor"
+MAX_MINUTES = 1440
+OUTCOMES = ("no_holder", "holder_silent", "chosen_elsewhere", "lower_tier_only",
+            "evicted_before_arrival", "captured")  # fmt: skip
+
+_FLEET = """
+SELECT source, model, state, epoch, last_seen, restarts, gaps, lost_gaps, lost_batches,
+       held_gpu, held_cpu, held_storage
+FROM kvledger.source_status ORDER BY source, model
+"""
+_OCCUPANCY = """
+WITH m AS (
+    SELECT generate_series(date_trunc('minute', %(since)s::timestamptz),
+                           date_trunc('minute', %(until)s::timestamptz),
+                           interval '1 minute') + interval '1 minute' AS t
+)
+SELECT m.t, h.instance, h.medium, count(*)
+FROM m JOIN kvledger.residency_history h
+  ON h.stored_at <= m.t AND (h.removed_at IS NULL OR h.removed_at > m.t)
+WHERE coalesce(h.closed_at, 'infinity'::timestamptz) > %(since)s
+GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+"""
+_FUNNEL = f"""
+SELECT minute, sum(decisions), sum(prompt_blocks), sum(available_blocks),
+       sum(captured_blocks), sum(delivered_blocks), sum(delivered_known),
+       {", ".join(f"sum({o})" for o in OUTCOMES)}
+FROM kvledger.decision_funnel WHERE minute >= date_trunc('minute', %(since)s::timestamptz)
+GROUP BY minute ORDER BY minute
+"""
+_PREFIXES = """
+SELECT model, group_idx, encode(block_hash, 'hex'), token_start, token_end, instances,
+       residencies
+FROM kvledger.hottest_prefixes ORDER BY instances DESC, token_end DESC NULLS LAST LIMIT 10
+"""
+_TIMELINE = """
+SELECT event_time, source, kind FROM kvledger.lifecycle_events WHERE event_time >= %(since)s
+UNION ALL
+SELECT detected_at, kafka_topic || '/' || kafka_partition, 'log_loss'
+FROM kvledger.log_losses WHERE detected_at >= %(since)s
+ORDER BY 1 LIMIT 500
+"""
+
+
+def minutes_of(params: dict[str, str]) -> int:
+    """The window asked for (``minutes``: 1..1440, 60 when absent); 400 otherwise."""
+    raw = params.get("minutes", "60")
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_MINUTES:
+        raise BadRequestError(f"minutes: a whole number from 1 to {MAX_MINUTES}, not {raw!r}")
+    return int(raw)
+
+
+def from_database(conn: psycopg.Connection, minutes: int) -> dict[str, Any]:
+    until = datetime.now(UTC)
+    window = {"since": until - timedelta(minutes=minutes), "until": until}
+    fleet = [
+        {"source": s, "model": m, "state": st, "epoch": e, "last_seen": _iso(seen),
+         "restarts": r, "gaps": g, "lost_gaps": lg, "lost_batches": lb,
+         "held": {"GPU": gpu, "CPU": cpu, "STORAGE": sto}}
+        for s, m, st, e, seen, r, g, lg, lb, gpu, cpu, sto in conn.execute(_FLEET).fetchall()
+    ]  # fmt: skip
+    occupancy = [
+        {"t": _iso(t), "instance": i, "medium": md, "blocks": n}
+        for t, i, md, n in conn.execute(_OCCUPANCY, window).fetchall()
+    ]
+    funnel = []
+    for row in conn.execute(_FUNNEL, window).fetchall():
+        minute, decisions, prompt, available, captured, delivered, known, *outcomes = row
+        funnel.append({
+            "t": _iso(minute), "decisions": int(decisions), "prompt_blocks": int(prompt),
+            "available_blocks": int(available), "captured_blocks": int(captured),
+            "delivered_blocks": int(delivered or 0), "delivered_known": int(known),
+            "outcomes": {o: int(n) for o, n in zip(OUTCOMES, outcomes, strict=True)},
+        })  # fmt: skip
+    prefixes = [
+        {"model": m, "group_idx": g, "block_hash": h, "token_start": s, "token_end": e,
+         "instances": n, "residencies": r}
+        for m, g, h, s, e, n, r in conn.execute(_PREFIXES).fetchall()
+    ]  # fmt: skip
+    timeline = [
+        {"t": _iso(t), "what": what, "kind": kind}
+        for t, what, kind in conn.execute(_TIMELINE, window).fetchall()
+    ]
+    return {"mode": "sql", "minutes": minutes, "now": _iso(until), "fleet": fleet,
+            "occupancy": occupancy, "funnel": funnel, "prefixes": prefixes,
+            "timeline": timeline}  # fmt: skip
+
+
+def from_memory(
+    router: RouterIndex, minutes: int, silent_after: timedelta | None
+) -> dict[str, Any]:
+    """The fleet now from the router's index; the history series are the database's."""
+    fleet = []
+    for (source, model), held in sorted(router.footprint().items()):
+        state = router.states([source], silent_after)[source]
+        fleet.append({"source": source, "model": model, "state": state, "held": held})
+    return {"mode": "memory", "minutes": minutes, "now": _iso(datetime.now(UTC)),
+            "fleet": fleet, "occupancy": [], "funnel": [], "prefixes": [],
+            "timeline": []}  # fmt: skip
+
+
+def _iso(t: datetime | None) -> str | None:
+    return None if t is None else t.astimezone(UTC).isoformat()

@@ -1,0 +1,224 @@
+"""Routing decisions as data, through real Kafka and PostgreSQL: routers report decisions to
+`kvledger serve --memory --decisions-topic`, which records what the index offered; the
+consumer's recorder writes the records into kvledger.decisions exactly once; and the
+funnel's views (kvledger.decision_outcomes, kvledger.decision_funnel) equal a brute-force
+recomputation from the decisions and the index's own residency history."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from confluent_kafka import Producer
+
+from kvledger.consumer.db import connect
+from kvledger.consumer.decision_records import DecisionRecorder
+from kvledger.producer.config import PublisherConfig
+from kvledger.producer.publisher import KVEventPublisher
+from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
+from tests.helpers.consuming import consume
+from tests.helpers.procs import first_answer, free_port, spawn
+
+pytestmark = pytest.mark.integration
+
+MODEL, BLOCK = "m-decisions", 4
+
+
+def chain(tag: int, n: int) -> list[bytes]:
+    return [(tag * 1000 + j).to_bytes(8, "big") for j in range(n)]
+
+
+P, R, Q = chain(1, 8), chain(2, 3), chain(3, 4)  # prompts by their hashes
+P_TOKENS = list(range(100, 132))
+
+
+def stored(hashes: list[bytes], start: int = 0, medium: str = "GPU",
+           tokens: list[int] | None = None) -> BlockStored:  # fmt: skip
+    parent = P[start - 1] if start else None
+    toks = tokens or list(range(7000, 7000 + BLOCK * len(hashes)))
+    return BlockStored(tuple(hashes), parent, tuple(toks), BLOCK, None, medium, None,
+                       group_idx=0, token_start=start * BLOCK)  # fmt: skip
+
+
+def engine(bootstrap: str, topic: str, name: str) -> KVEventPublisher:
+    pub = KVEventPublisher(PublisherConfig(bootstrap, name, MODEL, topic=topic,
+                                           heartbeat_interval_s=0))  # fmt: skip
+    pub.announce_group_spec(GroupSpec(MODEL, 0, "full_attention", BLOCK, BLOCK))
+    return pub
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+    return got
+
+
+def decide(url: str, instance: str, hashes: list[bytes] | None = None, **body: Any) -> None:
+    if hashes is not None:
+        body["hashes"] = [h.hex() for h in hashes]
+    r = httpx.post(f"{url}/v1/decisions", json={"model": MODEL, "instance": instance, **body},
+                   timeout=10)  # fmt: skip
+    assert r.status_code == 202, r.text
+
+
+def recorded(recorder: DecisionRecorder, n: int) -> None:
+    until(f"{n} decisions recorded",
+          lambda: recorder.run_batch(0.2) >= 0 and recorder.recorded >= n)  # fmt: skip
+
+
+def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id, tmp_path
+) -> None:
+    topic = make_topic("decided")
+    decisions = make_topic("decisions", partitions=2)
+    a, b, c = (engine(kafka_bootstrap, topic, f"engine-{x}") for x in "abc")
+    a.publish_events([stored(P, tokens=P_TOKENS)])  # a: all of P
+    b.publish_events([stored(P[:4], tokens=P_TOKENS[:16])])  # b: P's first half
+    c.publish_events([BlockStored(tuple(R), None, tuple(range(9000, 9012)), BLOCK, None,
+                                  "CPU", None, group_idx=0, token_start=0)])  # fmt: skip
+    for e in (a, b, c):
+        e.flush()
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the child writes it
+    spawn([sys.executable, "-m", "kvledger", "serve", "--memory", "--database-url",
+           as_reader(fresh_database), "--bootstrap", kafka_bootstrap, "--topic", topic,
+           "--consumer-group", group_id, "--port", str(port), "--decisions-topic", decisions,
+           "--silent-after", "3600"], stdout=log, stderr=log)  # fmt: skip
+    first_answer(f"{url}/healthz", "kvledger serve", timeout=60)
+    until(
+        "the index",
+        lambda: len(
+            httpx.post(
+                f"{url}/v1/match", json={"model": MODEL, "hashes": [h.hex() for h in R]}
+            ).json()["holders"]
+        ),
+    )
+
+    decide(url, "engine-a", P, request_id="d1")  # all of it: then evicted before arrival
+    decide(url, "engine-b", P, request_id="d2")  # half: chosen elsewhere
+    decide(url, "engine-c", R, request_id="d3")  # all of R, on the CPU only
+    decide(url, "engine-a", Q, request_id="d4")  # no holder
+    decide(url, "engine-a", token_ids=P_TOKENS, request_id="d5")  # by tokens: no delivered
+    time.sleep(0.05)
+    a.publish_events([BlockRemoved(tuple(P[5:]), "GPU", group_idx=0)])
+    a.publish_events([stored(P[5:], start=5, tokens=P_TOKENS[20:])])  # stored again
+    a.flush()
+    until("the store again", lambda: httpx.post(f"{url}/v1/match", json={
+        "model": MODEL, "hashes": [h.hex() for h in P]},
+    ).json()["holders"][0]["matched_blocks"] == 8)  # fmt: skip
+    time.sleep(0.05)
+    decide(url, "engine-a", P, request_id="d6")  # after it: all delivered
+
+    consume(kafka_bootstrap, fresh_database, topic, group_id)  # the index's history
+    recorder = DecisionRecorder(fresh_database, kafka_bootstrap, decisions, group_id)
+    assert recorder.open()
+    recorded(recorder, 6)
+    # Not a decision: kept with its bytes and why, and nothing else changes.
+    garbage = Producer({"bootstrap.servers": kafka_bootstrap})
+    garbage.produce(decisions, b'{"v": 2, "model": 7}', partition=0)
+    garbage.flush(10)
+    until("the rejected record", lambda: recorder.run_batch(0.2) >= 0 and recorder.rejected)
+    recorder.close()
+
+    # Exactly once: a recorder started again reads on from the stored offsets.
+    again = DecisionRecorder(fresh_database, kafka_bootstrap, decisions, group_id)
+    assert again.open()
+    assert again.run_batch(1.0) == 0
+    # and only one writes at a time
+    other = DecisionRecorder(fresh_database, kafka_bootstrap, decisions, group_id)
+    assert not other.open()
+    again.close()
+
+    with connect(fresh_database, autocommit=True) as conn:
+        outcomes = {r[0]: r[1:] for r in conn.execute(
+            "SELECT request_id, outcome, available_blocks, captured_blocks, delivered_blocks, "
+            "captured_tier FROM kvledger.decision_outcomes").fetchall()}  # fmt: skip
+        assert outcomes == {
+            "d1": ("evicted_before_arrival", 8, 8, 5, "GPU"),
+            "d2": ("chosen_elsewhere", 8, 4, 4, "GPU"),
+            "d3": ("lower_tier_only", 3, 3, 3, "CPU"),
+            "d4": ("no_holder", 0, 0, 0, None),
+            "d5": ("captured", 8, 8, None, "GPU"),
+            "d6": ("captured", 8, 8, 8, "GPU"),
+        }
+        raw, why = conn.execute("SELECT raw, reason FROM kvledger.rejected_decisions").fetchone()
+        assert bytes(raw) == b'{"v": 2, "model": 7}' and "model" in why
+        # A silent holder's decision, written as the recorder would.
+        conn.execute(
+            "INSERT INTO kvledger.decisions (decision_id, decided_at, model, group_idx, origin, "
+            "chosen, chosen_state, block_size, prompt_blocks, available_blocks, "
+            "captured_blocks, silent_blocks, offered, kafka_topic, kafka_partition, "
+            "kafka_offset) VALUES (%s, now(), %s, 0, 'x', 'engine-b', 'live', 4, 8, 0, 0, 3, "
+            "'[]', %s, 0, 99)", (uuid.uuid4(), MODEL, decisions),
+        )  # fmt: skip
+        assert_recount(conn)
+
+
+def assert_recount(conn: psycopg.Connection) -> None:
+    """decision_outcomes and decision_funnel against a recount in Python from the rows of
+    kvledger.decisions and kvledger.residency_history."""
+    history = conn.execute(
+        "SELECT model, group_idx, instance, block_hash, stored_at FROM kvledger.residency_history "
+        "WHERE medium = 'GPU' AND ownership = ''").fetchall()  # fmt: skip
+    stores: dict[tuple[str, int, str, bytes], list[Any]] = defaultdict(list)
+    for model, group, instance, h, at in history:
+        stores[(model, group, instance, bytes(h))].append(at)
+    expected = {}
+    for row in conn.execute(
+        "SELECT decision_id, decided_at, model, group_idx, chosen, captured_hashes, "
+        "available_blocks, captured_blocks, captured_tier, silent_blocks, prompt_blocks "
+        "FROM kvledger.decisions"
+    ).fetchall():
+        did, at, model, group, chosen, hashes, available, captured, tier, silent, _ = row
+        delivered = None
+        if hashes is not None:
+            again = [i for i, h in enumerate(hashes)
+                     if any(at < t <= at + timedelta(minutes=1)
+                            for t in stores[(model, group, chosen, bytes(h))])]  # fmt: skip
+            delivered = min(again) if again else captured
+        if available == 0:
+            outcome = "holder_silent" if silent else "no_holder"
+        elif captured < available:
+            outcome = "chosen_elsewhere"
+        elif tier != "GPU":
+            outcome = "lower_tier_only"
+        elif delivered is not None and delivered < captured:
+            outcome = "evicted_before_arrival"
+        else:
+            outcome = "captured"
+        expected[did] = (delivered, outcome)
+    outcomes = "SELECT decision_id, delivered_blocks, outcome FROM kvledger.decision_outcomes"
+    got = {r[0]: (r[1], r[2]) for r in conn.execute(outcomes)}
+    assert got == expected
+    assert {o for _, o in expected.values()} >= {"holder_silent", "no_holder", "captured",
+                                                "chosen_elsewhere", "lower_tier_only",
+                                                "evicted_before_arrival"}  # fmt: skip
+    # The funnel: the same decisions summed per minute, model and chosen instance.
+    sums: dict[tuple[Any, ...], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    for did, at, model, chosen, available, captured, prompt in conn.execute(
+        "SELECT decision_id, date_trunc('minute', decided_at), model, chosen, "
+        "available_blocks, captured_blocks, prompt_blocks FROM kvledger.decisions"
+    ).fetchall():
+        s = sums[(at, model, chosen)]
+        delivered = expected[did][0]
+        s[0] += 1
+        s[1] += prompt
+        s[2] += available
+        s[3] += captured
+        s[4] += delivered or 0
+    funnel = {(m, model, i): [n, p, a, c, d or 0] for m, model, i, n, p, a, c, d in conn.execute(
+        "SELECT minute, model, instance, decisions, prompt_blocks, available_blocks, "
+        "captured_blocks, delivered_blocks FROM kvledger.decision_funnel").fetchall()}  # fmt: skip
+    assert funnel == dict(sums)

@@ -1,0 +1,105 @@
+"""The dashboard's routes from memory and the decision record's arithmetic (no services):
+the page and its scripts are served with a content policy and no data, the memory fleet
+counts every block the router holds, a bad window is a 400, and a record says what was
+available, captured and silent on which tier."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvledger.consumer.lookup.dashboard import VENDOR
+from kvledger.consumer.lookup.http import create_app
+from kvledger.consumer.lookup.offer import MAX_CAPTURED_HASHES, build_record
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router.decisions import decode_record, encode
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.router.provisional import Decision
+from kvledger.fleet import FleetConfig
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.lookup import Holder
+from tests.helpers.streams import fleet_stream
+
+
+@pytest.fixture(scope="module")
+def router() -> RouterIndex:
+    router = RouterIndex("127.0.0.1:9", "t", "g")  # never started: filled here
+    messages = fleet_stream(FleetConfig(instances=3, requests=40, seed=11)).messages
+    for i in range(0, len(messages), 200):
+        run_batch(messages[i : i + 200], Codec(), router.store, "g")
+    return router
+
+
+def test_the_page_holds_no_data_and_runs_only_its_own_scripts(router: RouterIndex) -> None:
+    client = TestClient(create_app(router=router, token="t0k"))
+    page = client.get("/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert "<script>" not in page.text  # no inline script: the policy would refuse one
+    script = client.get("/ui/dashboard.js")
+    assert script.status_code == 200 and "textContent" in script.text
+    assert "innerHTML" not in script.text
+    chart = client.get("/ui/chart.umd.min.js")
+    if (VENDOR / "chart.umd.min.js").exists():
+        assert chart.status_code == 200 and len(chart.content) > 100_000
+    else:
+        assert chart.status_code == 503 and "vendor-ui" in chart.json()["error"]
+    assert client.get("/v1/dashboard").status_code == 401
+
+
+def test_the_memory_fleet_counts_every_block(router: RouterIndex) -> None:
+    client = TestClient(create_app(router=router, silent_after=timedelta(days=9999)))
+    body = client.get("/v1/dashboard?minutes=5").json()
+    assert body["mode"] == "memory" and body["minutes"] == 5
+    total = 0
+    with router.lock:
+        for g in router.store.groups.values():
+            total += sum(len(g.held_by(hid)) for hid in range(len(router.store.holders)))
+    assert sum(sum(s["held"].values()) for s in body["fleet"]) == total > 0
+    assert {s["state"] for s in body["fleet"]} == {"live"}
+    for bad in ("0", "1441", "x", "\u0661"):
+        r = client.get(f"/v1/dashboard?minutes={bad}")
+        assert r.status_code == 400 and "minutes" in r.json()["error"], bad
+
+
+def test_a_record_says_what_was_available_captured_and_silent() -> None:
+    holders = [
+        Holder("a", "CPU", "", 6, 24),
+        Holder("b", "GPU", "", 6, 24),
+        Holder("a", "GPU", "", 4, 16),
+        Holder("s", "GPU", "", 7, 28, source_state="silent"),
+    ]
+    hashes = [bytes([i]) * 8 for i in range(8)]
+    rec = build_record(holders, "a", "live", 4, 8, hashes)
+    assert (rec.available_blocks, rec.available_tier) == (6, "GPU")  # b's, the faster tier
+    assert (rec.captured_blocks, rec.captured_tier) == (6, "CPU")  # a's most, on its CPU
+    assert rec.silent_blocks == 7
+    assert rec.captured_hashes == [h.hex() for h in hashes[:6]]
+    assert (rec.first_hash, rec.last_hash) == (hashes[0].hex(), hashes[-1].hex())
+    assert [o.instance for o in rec.offered] == ["a", "b", "a", "s"]
+    nobody = build_record([], "c", "live", 4, 3, None)
+    assert (nobody.available_blocks, nobody.captured_blocks, nobody.captured_tier) == (0, 0, None)
+    assert nobody.captured_hashes is None
+    # On the wire and back, beside the hint the replicas read.
+    decision = Decision("m", 0, "a", "hashes", (1, 2), "o", "r1")
+    back, again = decode_record(encode(decision, rec))
+    assert back == decision and again == rec
+    assert decode_record(encode(decision)) == (decision, None)
+    long = build_record([Holder("a", "GPU", "", 9000, 36000)], "a", "live", 4, 9000,
+                        [i.to_bytes(8, "big") for i in range(9000)])  # fmt: skip
+    assert len(long.captured_hashes or ()) == MAX_CAPTURED_HASHES
+
+
+@pytest.mark.parametrize("field", ["id", "at", "captured_hashes", "offered"])
+def test_a_malformed_record_is_not_a_decision(field: str) -> None:
+    rec = build_record([Holder("a", "GPU", "", 1, 4)], "a", "live", 4, 1, [b"\x01" * 8])
+    raw = encode(Decision("m", 0, "a", "hashes", (1,), "o"), rec)
+    import json
+
+    wire = json.loads(raw)
+    wire["record"][field] = {"id": "nope", "at": -1, "captured_hashes": ["zz"],
+                             "offered": [{"instance": ""}]}[field]  # fmt: skip
+    with pytest.raises(ValueError, match=field):
+        decode_record(json.dumps(wire).encode())

@@ -23,7 +23,7 @@ BEGIN
         parent := v_row.parent; partition := v_row.partition; lo := v_row.lo; hi := v_row.hi;
         RETURN NEXT;
     END LOOP;
-    FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP
+    FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events', 'decisions'] LOOP
         v_cut := CASE v_parent WHEN 'residency_history' THEN p_history ELSE p_audit END;
         EXECUTE format('DELETE FROM kvledger.%I WHERE %s < $1', v_parent || '_default',
                        kvledger.partition_key(v_parent)) USING v_cut;

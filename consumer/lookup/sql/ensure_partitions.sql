@@ -20,7 +20,7 @@ BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     SELECT partition_interval INTO STRICT v_iv FROM kvledger.retention_settings;
     v_step := extract(epoch FROM v_iv);
-    FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP
+    FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events', 'decisions'] LOOP
         v_key := kvledger.partition_key(v_parent);
         v_lo := to_timestamp(floor(extract(epoch FROM p_from) / v_step) * v_step);
         SELECT greatest(v_lo, max(t.hi)) INTO v_lo

@@ -9,5 +9,6 @@ AS $function$
         WHEN 'residency_history' THEN 'coalesce(closed_at, ''infinity''::timestamptz)'
         WHEN 'events' THEN 'applied_at'
         WHEN 'rejected_events' THEN 'first_seen'
+        WHEN 'decisions' THEN 'recorded_at'
     END
 $function$

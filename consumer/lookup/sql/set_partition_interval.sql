@@ -15,7 +15,7 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(hashtext('kvledger.time_partitions'));
     UPDATE kvledger.retention_settings SET partition_interval = p_interval, updated_at = now();
-    FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events'] LOOP
+    FOREACH v_parent IN ARRAY ARRAY['residency_history', 'events', 'rejected_events', 'decisions'] LOOP
         FOR v_row IN
             SELECT t.partition FROM kvledger.time_partitions t
             WHERE t.parent = v_parent ORDER BY t.lo DESC

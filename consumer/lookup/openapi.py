@@ -335,6 +335,30 @@ DOCUMENT: dict[str, Any] = {
                 },
             }
         },
+        "/v1/dashboard": {
+            "get": {
+                "operationId": "dashboard",
+                "summary": "The fleet at a glance, as the dashboard (GET /ui) draws it: "
+                "sources now, occupancy, the reuse funnel, restarts and losses, shared "
+                "prefixes (from memory: the sources only)",
+                "parameters": [
+                    {
+                        "name": "minutes",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 1440, "default": 60},
+                        "description": "The window of the series, in minutes",
+                    }
+                ],
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "required": ["mode", "minutes", "fleet"]},
+                        "The window's figures (docs/operations.md)",
+                    ),
+                    **_ERRORS,
+                },
+            }
+        },
         "/healthz": {
             "get": {
                 "operationId": "healthz",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from kvledger import settings
 from kvledger.consumer.admin import dlq_summary, list_sources
 from kvledger.consumer.db import connect
+from kvledger.consumer.decision_records import summary as decision_summary
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Status:
     consumer_group: str | None = None
     behind: int | None = None  # messages the group has not applied (None: not asked)
     partitions: int | None = None
+    # Routing decisions recorded in the last hour (kvledger.decision_funnel's sums).
+    decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def attention(self) -> list[str]:
@@ -64,6 +67,10 @@ def gather(args: argparse.Namespace) -> Status:
             for tier, n in s.held.items():
                 status.held[tier] = status.held.get(tier, 0) + n
         status.model_changes = [s.source for s in sources if s.previous_model is not None]
+        found = conn.execute("SELECT to_regclass('kvledger.decision_funnel')").fetchone()
+        if found is not None and found[0] is not None:
+            since = datetime.now(UTC) - timedelta(hours=1)
+            status.decisions = decision_summary(conn, since)
         for reason, pending, *_ in dlq_summary(conn):
             if int(str(pending)):
                 status.rejected_pending[str(reason)] = int(str(pending))
@@ -79,6 +86,17 @@ def gather(args: argparse.Namespace) -> Status:
             status.partitions = len(ends)
             status.behind = sum(max(0, end - stored.get(p, 0)) for p, end in ends.items())
     return status
+
+
+def _funnel(d: dict[str, int]) -> str:
+    """Of the reuse available, what routing captured and the engines delivered."""
+    available = d["available_blocks"]
+    if not available:
+        return "no reuse was available"
+    captured = f"captured {d['captured_blocks'] / available:.0%} of {available:,} blocks available"
+    if not d["delivered_known"]:
+        return captured
+    return f"{captured}, delivered {d['delivered_blocks']:,} (where the prompt's hashes are known)"
 
 
 def _log_ends(args: argparse.Namespace) -> dict[int, int]:
@@ -110,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         pending = sum(status.rejected_pending.values())
         reasons = ", ".join(f"{r} {n}" for r, n in sorted(status.rejected_pending.items()))
         print(f"rejected   {pending} pending" + (f" ({reasons})" if reasons else ""))
+        if n := status.decisions.get("decisions"):
+            print(f"routing    {n:,} decision(s) in the last hour: {_funnel(status.decisions)}")
     if status.behind is not None:
         print(f"consumer   group {status.consumer_group} on {status.topic} "
               f"({status.partitions} partitions): {status.behind:,} message(s) behind")  # fmt: skip

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
+from kvledger.cli import main as cli
 from kvledger.consumer.db import connect
 from kvledger.consumer.decision_records import DecisionRecorder
 from kvledger.producer.config import PublisherConfig
@@ -77,7 +78,7 @@ def recorded(recorder: DecisionRecorder, n: int) -> None:
 
 
 def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
-    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id, tmp_path
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id, tmp_path, capsys
 ) -> None:
     topic = make_topic("decided")
     decisions = make_topic("decisions", partitions=2)
@@ -164,6 +165,11 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
             "'[]', %s, 0, 99)", (uuid.uuid4(), MODEL, decisions),
         )  # fmt: skip
         assert_recount(conn)
+    # `kvledger status` says the last hour's funnel.
+    assert cli(["status", "--database-url", fresh_database]) == 0
+    out = capsys.readouterr().out
+    assert "routing    7 decision(s) in the last hour: captured 89% of 35 blocks available" in out
+    assert "delivered 20 " in out  # d1 5, d2 4, d3 3, d4 0, d6 8 (d5's and the silent unknown)
 
 
 def assert_recount(conn: psycopg.Connection) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -45,6 +46,7 @@ from kvledger.consumer.lookup.hot import HotPath, HotRoute, Reply
 from kvledger.consumer.lookup.metrics import LATENCY, PROVISIONAL, REQUESTS
 from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
 from kvledger.consumer.lookup.openapi import document
+from kvledger.consumer.lookup.ratelimit import RateLimit
 from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
 from kvledger.consumer.lookup.routes import Answer, Lookups, answer
 from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
@@ -69,6 +71,10 @@ class _KvledgerMetrics:
 
 
 _CONSUMER_ONLY = _KvledgerMetrics(CONSUMER_REGISTRY)
+
+
+# Decision reports a second per client address (and as many at once), each client's own.
+DECISIONS_PER_CLIENT_S = 2000
 
 
 def create_app(
@@ -103,6 +109,12 @@ def create_app(
     if provisional is not None:
         PROVISIONAL.stores.add(provisional)
     expected = f"Bearer {token}".encode() if token else None
+    reports = RateLimit(DECISIONS_PER_CLIENT_S, DECISIONS_PER_CLIENT_S)
+
+    def _over_rate(request: Request) -> int:
+        """Whole seconds the client must wait (0: its report is taken)."""
+        ok, wait = reports.allow(request.client.host if request.client else "")
+        return 0 if ok else max(1, math.ceil(wait))
 
     def allowed(authorization: str) -> bool:
         return expected is None or hmac.compare_digest(authorization.encode(), expected)
@@ -120,6 +132,9 @@ def create_app(
             start = time.perf_counter()
             if route != "healthz" and not allowed(request.headers.get("authorization", "")):
                 result = refused()
+            elif route == "decisions" and (wait := _over_rate(request)):
+                result = 429, {"error": f"over {DECISIONS_PER_CLIENT_S} decision reports a "
+                               "second from this client"}, {"Retry-After": str(wait)}  # fmt: skip
             elif with_body and (bad := length_error(request.headers.get("content-length"))):
                 result = 400, {"error": bad}, {}
             else:

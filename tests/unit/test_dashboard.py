@@ -103,3 +103,36 @@ def test_a_malformed_record_is_not_a_decision(field: str) -> None:
                              "offered": [{"instance": ""}]}[field]  # fmt: skip
     with pytest.raises(ValueError, match=field):
         decode_record(json.dumps(wire).encode())
+
+
+def test_a_rate_limit_per_client_refills_and_stays_bounded() -> None:
+    from kvledger.consumer.lookup.ratelimit import RateLimit
+
+    now = [0.0]
+    limit = RateLimit(rate=2, burst=3, max_clients=2, clock=lambda: now[0])
+    assert [limit.allow("a")[0] for _ in range(4)] == [True, True, True, False]
+    assert limit.allow("a") == (False, 0.5)  # a token in half a second
+    assert limit.allow("b")[0]  # each client its own bucket
+    now[0] = 0.5
+    assert limit.allow("a")[0] and not limit.allow("a")[0]
+    limit.allow("c")
+    assert len(limit) == 2  # the least recently seen client's bucket went
+    with pytest.raises(ValueError):
+        RateLimit(rate=0, burst=1)
+
+
+def test_decision_reports_over_the_rate_are_429(
+    router: RouterIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvledger.consumer.lookup import http
+    from kvledger.consumer.router.provisional import Provisional
+
+    monkeypatch.setattr(http, "DECISIONS_PER_CLIENT_S", 3)
+    client = TestClient(create_app(router=router, provisional=Provisional(5)))
+    codes = [client.post("/v1/decisions", json={"model": "nope", "instance": "x",
+                                                "hashes": ["00"]}).status_code
+             for _ in range(4)]  # fmt: skip
+    assert codes == [400, 400, 400, 429]
+    r = client.post("/v1/decisions", json={})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert "decision reports a second" in r.json()["error"]

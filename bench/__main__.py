@@ -14,6 +14,7 @@ import logging
 from bench import (
     cli_start,
     consume,
+    dashboard,
     dynamo_api,
     flood,
     freshness,
@@ -50,6 +51,7 @@ def main() -> None:
     freshness.main()  # an engine's batch to each reader, beside a raw ZMQ subscriber
     republish.main()  # a restarted subscriber's whole view from `kvledger republish`
     consume.main()
+    dashboard.main()  # the dashboard's data on a large index; the apply rate beside it
     previous.main()  # the apply rate beside the release before the core split
     scale.main()  # 1, 2 and 3 consumers in one group, side by side
     retention.main()  # 10 minutes: the schema's size with retention beside without

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,18 @@ def check(browser: Any, url: str, fresh_database: str) -> None:
     bad = httpx.get(f"{url}/v1/dashboard?minutes=0", headers=auth)
     assert bad.status_code == 400 and "minutes" in bad.json()["error"]
     data = httpx.get(f"{url}/v1/dashboard", headers=auth).json()
+    with connect(fresh_database, autocommit=True) as conn:  # occupancy, counted directly
+        direct = conn.execute(
+            "WITH m AS (SELECT generate_series(date_trunc('minute', %(now)s::timestamptz - "
+            "interval '60 minutes'), date_trunc('minute', %(now)s::timestamptz), "
+            "interval '1 minute') + interval '1 minute' AS t) "
+            "SELECT m.t, h.instance, h.medium, count(*) FROM m JOIN kvledger.residency_history h "
+            "ON h.stored_at <= m.t AND (h.removed_at IS NULL OR h.removed_at > m.t) "
+            "GROUP BY 1, 2, 3", {"now": data["now"]},
+        ).fetchall()  # fmt: skip
+    assert {(o["t"], o["instance"], o["medium"]): o["blocks"] for o in data["occupancy"]} == {
+        (t.astimezone(UTC).isoformat(), i, m): n for t, i, m, n in direct
+    }
 
     browser.get(f"{url}/ui")
     form = until("the token form", lambda: browser.find_element("id", "token-form"))

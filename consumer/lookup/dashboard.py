@@ -44,17 +44,23 @@ SELECT source, model, state, epoch, last_seen, restarts, gaps, lost_gaps, lost_b
        held_gpu, held_cpu, held_storage
 FROM kvledger.source_status ORDER BY source, model
 """
-_OCCUPANCY = """
-WITH m AS (
-    SELECT generate_series(date_trunc('minute', %(since)s::timestamptz),
-                           date_trunc('minute', %(until)s::timestamptz),
-                           interval '1 minute') + interval '1 minute' AS t
-)
-SELECT m.t, h.instance, h.medium, count(*)
-FROM m JOIN kvledger.residency_history h
-  ON h.stored_at <= m.t AND (h.removed_at IS NULL OR h.removed_at > m.t)
-WHERE coalesce(h.closed_at, 'infinity'::timestamptz) > %(since)s
-GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+# Occupancy, walked back from now: the intervals open now, less the stores and plus the
+# removals after each minute's end (one grouped pass over the window's history, where a
+# join of every minute with history would be one pass per minute).
+_HELD_NOW = """
+SELECT instance, medium, count(*) FROM kvledger.residency_history
+WHERE closed_at IS NULL GROUP BY 1, 2
+"""
+_MOVES = """
+SELECT instance, medium, 'stored', date_trunc('minute', stored_at), count(*)
+FROM kvledger.residency_history WHERE stored_at >= %(since)s
+  AND coalesce(closed_at, 'infinity'::timestamptz) >= %(since)s
+GROUP BY 1, 2, 3, 4
+UNION ALL
+SELECT instance, medium, 'removed', date_trunc('minute', removed_at), count(*)
+FROM kvledger.residency_history WHERE removed_at >= %(since)s
+  AND coalesce(closed_at, 'infinity'::timestamptz) >= %(since)s
+GROUP BY 1, 2, 3, 4
 """
 _FUNNEL = f"""
 SELECT minute, sum(decisions), sum(prompt_blocks), sum(available_blocks),
@@ -94,10 +100,7 @@ def from_database(conn: psycopg.Connection, minutes: int) -> dict[str, Any]:
          "held": {"GPU": gpu, "CPU": cpu, "STORAGE": sto}}
         for s, m, st, e, seen, r, g, lg, lb, gpu, cpu, sto in conn.execute(_FLEET).fetchall()
     ]  # fmt: skip
-    occupancy = [
-        {"t": _iso(t), "instance": i, "medium": md, "blocks": n}
-        for t, i, md, n in conn.execute(_OCCUPANCY, window).fetchall()
-    ]
+    occupancy = _occupancy(conn, window["since"], until)
     funnel = []
     for row in conn.execute(_FUNNEL, window).fetchall():
         minute, decisions, prompt, available, captured, delivered, known, *outcomes = row
@@ -119,6 +122,33 @@ def from_database(conn: psycopg.Connection, minutes: int) -> dict[str, Any]:
     return {"mode": "sql", "minutes": minutes, "now": _iso(until), "fleet": fleet,
             "occupancy": occupancy, "funnel": funnel, "prefixes": prefixes,
             "timeline": timeline}  # fmt: skip
+
+
+def _occupancy(conn: psycopg.Connection, since: datetime, until: datetime) -> list[dict[str, Any]]:
+    """Blocks each instance held on each tier at the end of every minute from ``since``'s
+    to ``until``'s (a minute's stores and removals count at its end)."""
+    held = {(i, m): int(n) for i, m, n in conn.execute(_HELD_NOW).fetchall()}
+    # Per holder and minute start: the stores and removals in that minute.
+    moves: dict[tuple[str, str], dict[datetime, int]] = {}
+    for instance, medium, what, minute, n in conn.execute(_MOVES, {"since": since}).fetchall():
+        by_minute = moves.setdefault((instance, medium), {})
+        by_minute[minute] = by_minute.get(minute, 0) + (int(n) if what == "stored" else -int(n))
+    first = since.replace(second=0, microsecond=0)
+    minutes = int((until - first).total_seconds() // 60) + 1
+    ends = [first + timedelta(minutes=k + 1) for k in range(minutes)]
+    out = []
+    for key in sorted(set(held) | set(moves)):
+        count, by_minute = held.get(key, 0), moves.get(key, {})
+        series = []
+        for end in reversed(ends):  # from now back: undo each minute's moves
+            series.append(count)
+            count -= by_minute.get(end - timedelta(minutes=1), 0)
+        for end, n in zip(ends, reversed(series), strict=True):
+            if n:
+                out.append({"t": _iso(end), "instance": key[0], "medium": key[1],
+                            "blocks": n})  # fmt: skip
+    out.sort(key=lambda o: (o["t"], o["instance"], o["medium"]))
+    return out
 
 
 def from_memory(

@@ -1,0 +1,134 @@
+"""The dashboard on a large index: how long its data takes, and what its polling costs the
+consumer.
+
+1. An index built by the apply path from a simulated fleet (8 instances; ``--requests``
+   sets its size: 7,000 make about a million block rows and two million history rows).
+2. ``GET /v1/dashboard`` through `kvledger serve` (the page's one data request; the page
+   and its scripts are static files), p50 and worst of 5, beside a full count of the
+   history table on the same server (the baseline: one scan of it).
+3. The apply rate of the stream's last fifth (the index is built from the rest), in four
+   parts taken in turn quiet and while `kvledger serve` is asked for the dashboard's data
+   every second (five open tabs' worth), and the ratio polled / quiet.
+
+`python -m bench.dashboard` runs it alone (bench/results/dashboard/); `make bench` runs it
+with the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import httpx
+
+from bench.common import PUBLISHED, lookup_service, publish, reader_args, record, settle
+from bench.consume import _database, _messages
+from kvledger.consumer.db import connect, drop_database
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.fleet import FleetConfig
+from kvledger.process import freeze_startup_objects
+from kvledger.schemas.codec import Codec
+
+NAME = "kvledger_bench_dashboard"
+
+
+def _apply(url: str, messages: list[tuple[bytes, bytes]], source: str, first: int = 0) -> int:
+    """Apply ``messages`` in batches of 5,000; the block events applied."""
+    inbound = [Inbound(source, 0, first + i, k, v) for i, (k, v) in enumerate(messages)]
+    events = 0
+    with connect(url, autocommit=True) as conn:
+        store = PostgresStore(conn)
+        for i in range(0, len(inbound), 5000):
+            events += run_batch(inbound[i : i + 5000], Codec(), store, "bench").plan.block_events
+    return events
+
+
+def run(server: str, requests: int) -> dict[str, float]:
+    url = _database(server, NAME)
+    try:
+        freeze_startup_objects()
+        messages = _messages(FleetConfig(instances=8, requests=requests, seed=5))
+        built = len(messages) * 4 // 5  # the rest: the apply beside the dashboard
+        _apply(url, messages[:built], "bench")
+        with connect(url, autocommit=True) as conn:
+            blocks = conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone()
+            history = conn.execute("SELECT count(*) FROM kvledger.residency_history").fetchone()
+            assert blocks is not None and history is not None
+            scans = []
+            for _ in range(5):
+                start = time.perf_counter()
+                conn.execute("SELECT count(*) FROM kvledger.residency_history").fetchone()
+                scans.append(time.perf_counter() - start)
+        settle(url)
+        figures: dict[str, float] = {"blocks": float(blocks[0]), "history rows": float(history[0])}
+        with lookup_service(reader_args(url)) as base:
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                r = httpx.get(f"{base}/v1/dashboard", timeout=60)
+                times.append(time.perf_counter() - start)
+                assert r.status_code == 200, r.text
+            figures["GET /v1/dashboard s, p50 of 5"] = statistics.median(times)
+            figures["GET /v1/dashboard s, worst of 5"] = max(times)
+            figures["baseline: count(*) of the history, s, p50 of 5"] = statistics.median(scans)
+            figures.update(_apply_beside_polling(url, base, messages[built:], built))
+        return figures
+    finally:
+        drop_database(server, NAME)
+
+
+def _apply_beside_polling(
+    url: str, base: str, messages: list[tuple[bytes, bytes]], first: int
+) -> dict[str, float]:
+    """The stream's last messages applied in four parts, in turn quiet and polled."""
+    quarter = len(messages) // 4
+    parts = [messages[i * quarter : (i + 1) * quarter] for i in range(4)]
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    polls = [0]
+    for k, part in enumerate(parts):
+        polled = k % 2 == 1
+        stop = threading.Event()
+
+        def poll(stop: threading.Event = stop) -> None:
+            while not stop.wait(1.0):  # the service answers in its own process, as deployed
+                httpx.get(f"{base}/v1/dashboard", timeout=60).raise_for_status()
+                polls[0] += 1
+
+        thread = threading.Thread(target=poll, daemon=True) if polled else None
+        if thread is not None:
+            thread.start()
+        start = time.perf_counter()
+        events = _apply(url, part, "bench", first=first + k * quarter)
+        rates[polled].append(events / (time.perf_counter() - start))
+        stop.set()
+        if thread is not None:
+            thread.join()
+    quiet, polled_rate = statistics.mean(rates[False]), statistics.mean(rates[True])
+    return {
+        "apply block-events/s, quiet": quiet,
+        "apply block-events/s, dashboard asked every second": polled_rate,
+        "ratio polled / quiet": polled_rate / quiet,
+        "dashboard answers during the polled parts": float(polls[0]),
+    }
+
+
+def main(requests: int = 7000) -> dict[str, float]:
+    server = os.environ["KVLEDGER_DATABASE_URL"]
+    settle(server)
+    figures = run(server, requests)
+    record("dashboard", figures)
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__)
+    parser.add_argument("--requests", type=int, default=7000)
+    args = parser.parse_args()
+    written = publish({"dashboard": main(args.requests)}, PUBLISHED / "dashboard",
+                      command="python -m bench.dashboard")  # fmt: skip
+    print(f"wrote {', '.join(str(p) for p in written)}")

@@ -100,7 +100,7 @@ class DecisionRecorder:
                 if self._consumer is None and not self.open(wait_s=1.0):
                     continue
                 self.run_batch(timeout_s=0.5)
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:  # the recorder outlives any one fault: it starts again
                 logger.warning("decision records: %s; starting again in 2 s", exc)
                 self.close()
                 self._stop.wait(2.0)

@@ -256,8 +256,8 @@ def _ui_file(name: str) -> Callable[[Request], Response]:
         try:
             body = path.read_bytes()
         except FileNotFoundError:
-            why = (f"the dashboard's {name} is not installed here: `make venv` (or "
-                   "scripts/vendor-ui) vendors the chart library into the package")  # fmt: skip
+            why = (f"the dashboard's {name} is not installed here: scripts/vendor-ui "
+                   "(which make venv runs, given npm) vendors the chart library")  # fmt: skip
             return JSONResponse({"error": why}, 503)
         return Response(body, media_type=_UI_TYPES[path.suffix], headers=_UI_HEADERS)
 

@@ -27,6 +27,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Top
 
 from kvledger.consumer.db import connect
 from kvledger.consumer.router.decisions import decode_record
+from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S
 
@@ -115,12 +116,8 @@ class DecisionRecorder:
             conn.close()
             self._stop.wait(wait_s)
             return False
+        stored = PostgresStore(conn).stored_offsets(self.group_id, self.topic)
         conn.autocommit = False
-        stored: dict[int, int] = dict(conn.execute(
-            "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
-            "WHERE consumer_group = %s AND kafka_topic = %s", (self.group_id, self.topic),
-        ).fetchall())  # fmt: skip
-        conn.commit()
         consumer = Consumer(client_logging({
             **self.settings, "group.id": f"{self.group_id}-records",
             "enable.auto.commit": False, "enable.auto.offset.store": False,

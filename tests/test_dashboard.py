@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockStored, GroupSpec
 from tests.helpers.consuming import consume
-from tests.helpers.procs import first_answer, free_port, spawn
+from tests.helpers.procs import first_answer, free_port, spawn, until
 
 pytestmark = pytest.mark.integration
 
@@ -63,14 +62,6 @@ def browser() -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
-
-
-def until(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.1)
-    return got
 
 
 def severe(driver: Any) -> list[str]:

@@ -10,7 +10,6 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +25,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
 from tests.helpers.consuming import consume
-from tests.helpers.procs import first_answer, free_port, spawn
+from tests.helpers.procs import first_answer, free_port, spawn, until
 
 pytestmark = pytest.mark.integration
 
@@ -54,14 +53,6 @@ def engine(bootstrap: str, topic: str, name: str) -> KVEventPublisher:
                                            heartbeat_interval_s=0))  # fmt: skip
     pub.announce_group_spec(GroupSpec(MODEL, 0, "full_attention", BLOCK, BLOCK))
     return pub
-
-
-def until(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-    return got
 
 
 def decide(url: str, instance: str, hashes: list[bytes] | None = None, **body: Any) -> None:

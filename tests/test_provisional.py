@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockStored, GroupSpec
 from tests.helpers.consuming import consume
-from tests.helpers.procs import first_answer, free_port, spawn
+from tests.helpers.procs import first_answer, free_port, spawn, until
 
 pytestmark = pytest.mark.integration
 
@@ -42,16 +41,6 @@ def engine(bootstrap: str, topic: str, name: str) -> KVEventPublisher:
                                            heartbeat_interval_s=0))  # fmt: skip
     pub.announce_group_spec(GroupSpec(MODEL, 0, "full_attention", BLOCK, BLOCK))
     return pub
-
-
-def until(what: str, check: Callable[[], Any], timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.02)
 
 
 def match(url: str, tokens: list[int]) -> dict[str, Any]:

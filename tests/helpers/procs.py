@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import socket
 import subprocess
+import time
+from collections.abc import Callable
 from typing import Any
 
 _children: list[subprocess.Popen[Any]] = []
@@ -82,3 +84,13 @@ def require_dynamo() -> None:
 
     if os.environ.get("CI") != "true":
         pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the dev extra)")
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = 20) -> Any:
+    """The first true answer of ``check()``, asked every 20 ms; fails the test, saying
+    ``what``, when none came within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.02)
+    return got

@@ -34,6 +34,8 @@ from kvledger.producer.tracker import (
     make_offload_key,
 )
 from tests.helpers.vllm_tracker import VERSIONS, vllm_tracker
+from tests.unit.test_tracker import Lora
+from tests.unit.test_tracker import Req as TrackerReq
 
 pytestmark = pytest.mark.downloads  # the vLLM wheels, once, from the package index
 
@@ -50,16 +52,9 @@ TIERS = [("CPU", None, None), ("STORAGE", "disk", "LOCAL"), ("STORAGE", "remote"
 
 
 @dataclass
-class Lora:
-    adapter_id: int
-    name: str
+class Req(TrackerReq):
+    """The tracker tests' request, with what vLLM 0.34 also reads of one."""
 
-
-@dataclass
-class Req:
-    block_hashes: list[bytes]
-    all_token_ids: list[int]
-    lora_request: Lora | None = None
     resumable: bool = False
     kv_transfer_params: dict[str, Any] | None = None
 

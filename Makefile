@@ -18,7 +18,14 @@ venv: $(VENV)/.installed
 # from the venv after a dependency change in pyproject.toml. The install builds the compiled
 # core (rust/) with the machine's cargo; under CI=true a core that does not build is an error.
 CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs rust/src/*/*.rs)
-$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES) scripts/vendor-ui
+# The editable install links each file of the package (setup.py says why), so a file added
+# or removed brings the install again: $(PACKAGE_FILES) changes only when the list does.
+PACKAGE_FILES := $(VENV)/.package-files
+$(shell mkdir -p $(VENV) && find -L kvledger -type f ! -path '*/__pycache__/*' ! -name '*.so' \
+	| LC_ALL=C sort > $(PACKAGE_FILES).now && { cmp -s $(PACKAGE_FILES).now $(PACKAGE_FILES) \
+	|| mv $(PACKAGE_FILES).now $(PACKAGE_FILES); }; rm -f $(PACKAGE_FILES).now)
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES) scripts/vendor-ui \
+		$(PACKAGE_FILES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing kvledger into $(VENV) and building its compiled core (rust/):" \
 		"a minute or two the first time, seconds after"

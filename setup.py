@@ -6,14 +6,58 @@ It is built for CPython's stable ABI (abi3, 3.11 and later: one build serves eve
 version). Where no Rust toolchain is found the build goes on without it (set
 KVLEDGER_REQUIRE_CORE=1 to make that an error, as CI does): the router then uses its
 pure-Python mask table and the codec fastavro, which answer identically; `kvledger
---version` says which is in use."""
+--version` says which is in use.
+
+`pip install -e .` is a strict editable install: setuptools links each of the package's
+files into build/__editable__.*/ and puts that folder on sys.path. Its default instead
+adds an import hook that Python consults only after the path, so a folder named kvledger
+in the working directory (the clone itself, seen from the folder that holds it) would be
+imported in its place as an empty namespace package. A module added or removed needs the
+install again (`make venv` does it when the package's list of files changes)."""
 
 import os
+from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.editable_wheel import editable_wheel
 from setuptools_rust import Binding, RustExtension
 
+
+class StrictEditable(editable_wheel):
+    """An editable install on the path, which nothing earlier on the path can shadow;
+    `--config-settings editable_mode=...` still chooses another."""
+
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        self.mode = "strict"
+
+
+class BuildExt(build_ext):
+    """Names the core built in place among the build's outputs (the protocol setuptools
+    asks of build steps), so that a strict editable install links it too."""
+
+    def get_outputs(self) -> list[str]:
+        return [*super().get_outputs(), *self._core_in_place()]
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return {**super().get_output_mapping(), **self._core_in_place()}
+
+    def _core_in_place(self) -> dict[str, str]:
+        if not self.inplace:
+            return {}
+        rust = self.get_finalized_command("build_rust")
+        linked = {}
+        for ext in self.distribution.rust_extensions:
+            built = Path(rust.get_dylib_ext_path(ext, ext.name))
+            if built.is_file():  # an optional core that did not build is simply absent
+                package = ext.name.split(".")[:-1]
+                linked[str(Path(self.build_lib, *package, built.name))] = str(built.resolve())
+        return linked
+
+
 setup(
+    cmdclass={"build_ext": BuildExt, "editable_wheel": StrictEditable},
     rust_extensions=[
         RustExtension(
             "kvledger._core",

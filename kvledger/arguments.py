@@ -53,6 +53,11 @@ def add_simulate(subparsers: Subparsers) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
     p.add_argument("--rate", type=SECONDS, help="pace publishing to this many messages per second")
     p.add_argument(
+        "--gpu-blocks", type=NON_NEGATIVE, default=256, metavar="N",
+        help="each engine's GPU block pool, in blocks, published as vLLM's pool does (least "
+        "recently used evicted); 0: engines that publish their CPU and storage tiers only",
+    )  # fmt: skip
+    p.add_argument(
         "--misconfigured-source",
         action="store_true",
         help="add a source whose block_size disagrees with its announced group spec",

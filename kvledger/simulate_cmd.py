@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model=args.model,
         misconfigured_source=args.misconfigured_source,
+        gpu_capacity_blocks=args.gpu_blocks,
     )
     result = run_simulation(
         settings.kafka_bootstrap(args), args.topic, fleet, args.partitions,

@@ -8,6 +8,7 @@ registered with it, scores and selects on them as kvledger's /query says."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from typing import Any
@@ -205,3 +206,40 @@ def compare(
     assert hits > 150 and lower > 50 and selected >= 30
     workers = httpx.get(f"{kvledger}/workers").json()
     assert {w["kvledger_source"] for w in workers} >= {f"engine-{i}" for i in range(4)}
+
+
+def test_the_first_steps_fleet_scores_on_dynamos_query(
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id, tmp_path
+) -> None:
+    """`simulate` as the README's first steps run it publishes a GPU tier, as engines do:
+    Dynamo's `/query` (GPU scores) names the holders of the prompt it wrote. Before, the
+    simulated engines had CPU and storage tiers only and `/query` answered `{}`."""
+    topic = make_topic("first-steps-dynamo", partitions=3)
+    prompt_file = tmp_path / "prompt.txt"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvledger", "simulate", "--bootstrap", kafka_bootstrap,
+         "--topic", topic, "--partitions", "3", "--instances", "2", "--requests", "20",
+         "--prompt-out", str(prompt_file)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BlockStored" in done.stdout
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    port = free_port()
+    kvledger = f"http://127.0.0.1:{port}"
+    spawn(
+        [sys.executable, "-m", "kvledger", "serve", "--memory", "--dynamo-api",
+         "--database-url", as_reader(fresh_database), "--bootstrap", kafka_bootstrap,
+         "--topic", topic, "--consumer-group", group_id, "--port", str(port),
+         "--silent-after", "86400"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    first_answer(f"{kvledger}/healthz", "kvledger serve", timeout=60)
+    body = {
+        "model_name": "sim-llama-8b",
+        "token_ids": [int(t) for t in prompt_file.read_text().split()],
+    }
+    ready(f"{kvledger}/query", body, "kvledger")
+    answer = post(f"{kvledger}/query", body)
+    assert answer["scores"], answer
+    assert all(s > 0 for ranks in answer["scores"].values() for s in ranks.values())

@@ -189,6 +189,34 @@ def test_the_block_runs(block: Located, readme_env: dict[str, str], tmp_path: Pa
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, f"{block.where}\n{done.stdout}\n{done.stderr}"
-    if "kvledger lookup" in block.code:  # first steps end in a hit, not a miss
+    if "kvledger lookup" in block.code or "LookupClient(" in block.code:
+        # First steps and the client's example end in a hit, not a miss.
         assert "route to" in done.stdout, f"{block.where}: no hit\n{done.stdout}"
+    if "kvledger lookup" in block.code:  # the simulated fleet has a GPU tier, as engines do
+        assert re.search(r"\bGPU\b", done.stdout), f"{block.where}: no GPU\n{done.stdout}"
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_sql_page_lists_the_schema(readme_env: dict[str, str]) -> None:
+    """docs/sql.md names every function, view and table of a migrated schema, and nothing
+    the schema lacks (a partition is its table's; an overload is one name)."""
+    from kvledger.consumer.db import connect
+
+    with connect(readme_env["KVLEDGER_DATABASE_URL"], autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname = 'kvledger'"
+            " UNION SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'kvledger' AND c.relkind IN ('r', 'p', 'v', 'm')"
+            " AND NOT c.relispartition"
+        ).fetchall()
+    schema = {name for (name,) in rows}
+    page = (ROOT / "docs" / "sql.md").read_text()
+    # The first cell of each table row: one name, or several (`a` / `b`, `a`, `b`).
+    listed = {
+        name
+        for cell in re.findall(r"^\| (`[^|]+) \|", page, re.M)
+        for name in re.findall(r"`(\w+)(?:\(|`)", cell)
+    }
+    assert listed == schema, (f"missing: {sorted(schema - listed)}, "
+                              f"not in the schema: {sorted(listed - schema)}")  # fmt: skip

@@ -19,6 +19,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
 _ERRORS = {
     "400": _json(_ERROR, "The request is malformed; `error` says how"),
     "401": _json(_ERROR, "A bearer token is required (the service runs with --token-file)"),
@@ -28,7 +29,7 @@ _ERRORS = {
             "The database is busy or unavailable, a lookup ran past its timeout, or the "
             "index schema is missing (run `kvledger migrate`)",
         ),
-        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
+        "headers": _RETRY_AFTER,
     },
 }
 
@@ -306,6 +307,10 @@ DOCUMENT: dict[str, Any] = {
                 "responses": {
                     "202": _json({"$ref": "#/components/schemas/DecisionAnswer"}, "Held"),
                     **_ERRORS,
+                    "429": {
+                        **_json(_ERROR, "This client reported over 2,000 decisions a second"),
+                        "headers": _RETRY_AFTER,
+                    },
                 },
             }
         },

@@ -136,3 +136,5 @@ def test_decision_reports_over_the_rate_are_429(
     r = client.post("/v1/decisions", json={})
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert "decision reports a second" in r.json()["error"]
+    documented = client.get("/openapi.json").json()["paths"]["/v1/decisions"]["post"]
+    assert "Retry-After" in documented["responses"]["429"]["headers"]  # the answer is described

@@ -5,8 +5,8 @@
     ─▶ dead-letter the rejections, acknowledged ─▶ commit ─▶ (caller) offsets hint to Kafka
 
 :func:`run_batch` is that wiring; :mod:`.service` only keeps the Kafka client alive around
-it (assignment, polling, error triage, retries), and :func:`replay_batch` re-applies
-rejected messages through the same core.
+it (assignment, retries; the reading and its error triage are :mod:`.loop`'s), and
+:func:`replay_batch` re-applies rejected messages through the same core.
 """
 
 from __future__ import annotations

@@ -20,13 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import psycopg
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    TopicPartition,
-)
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from prometheus_client import start_http_server
 
@@ -34,17 +28,17 @@ from kvledger.consumer import metrics
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
 from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
-from kvledger.consumer.inbound import Inbound, from_kafka
+from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.log_loss import act_on_losses, below_start
+from kvledger.consumer.loop import LogLoop, Polled
 from kvledger.consumer.pipeline import BatchResult, run_batch
 from kvledger.consumer.retention import Retainer, ensure_partitions
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
-from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.kafka_log import client_logging
-from kvledger.schemas.topics import admin_settings, partition_offsets, refused
+from kvledger.schemas.topics import admin_settings, partition_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -96,74 +90,35 @@ class IndexConsumer:
 
     # ------------------------------------------------------------------ the pipeline
     def run(self) -> RunSummary:
+        """Open what a run needs, follow the topic (:class:`~kvledger.consumer.loop.LogLoop`,
+        this consumer its client's owner and its sink) until stopped, caught up or at
+        ``stop_at``, then close it all."""
         cfg = self.config
         if cfg.metrics_port:
             start_http_server(cfg.metrics_port, addr=cfg.metrics_host, registry=metrics.REGISTRY)
         started = time.monotonic()
         self._conn = self._connect()
-        if cfg.dead_letter_topic:
-            self._dlq = DeadLetterProducer(
-                cfg.bootstrap_servers, cfg.dead_letter_topic, settings=cfg.kafka,
-                replication_factor=cfg.dlq_replication_factor, topic_config=cfg.dlq_topic_config,
-                derived=cfg.dlq_topic == "",
-            )  # fmt: skip
-        self._consumer = self._new_consumer()
         retainer = None
-        if cfg.retention is not None:  # its first pass makes the partitions ahead
-            retainer = Retainer(cfg.database_url, cfg.retention, cfg.retention_every_s)
-            retainer.start()
-        else:
-            ensure_partitions(self._conn)
         try:
-            while not self._stop.is_set():
-                consumer = self._consumer
-                assert consumer is not None
-                # Batches are filled (each is a PostgreSQL transaction): a busy topic's stay
-                # large. The router's tail takes promptly instead (consumer/polling.py).
-                messages = consumer.consume(cfg.batch_size, timeout=cfg.batch_timeout_s)
-                batch: list[Inbound] = []
-                fatal = None
-                reset: set[int] = set()
-                for m in messages:
-                    err = m.error()
-                    if err is not None and err.code() == KafkaError._AUTO_OFFSET_RESET:
-                        where = m.partition()
-                        if where is not None and where >= 0:
-                            reset.add(where)
-                        continue
-                    if err is not None:
-                        if refused(err):  # no retry changes who we are or what we may do
-                            raise NotAuthorizedError(
-                                f"the broker refused the consumer ({err.name()}: {err.str()}): "
-                                f"it needs READ and DESCRIBE on topic {cfg.topic!r} and READ "
-                                f"on group {cfg.group_id!r}"
-                            )
-                        if err.fatal() or err.code() == KafkaError._FATAL:
-                            fatal = err
-                        elif err.code() != KafkaError._PARTITION_EOF:
-                            logger.warning("consumer error: %s", err)
-                        continue
-                    message = from_kafka(m)
-                    if cfg.stop_at is not None and message.offset >= cfg.stop_at.get(
-                        message.partition, 0
-                    ):
-                        continue
-                    batch.append(message)
-                if fatal is not None:
-                    # The client cannot go on (e.g. a static member fenced after a broker
-                    # restart). The offsets live in PostgreSQL: a new client resumes exactly.
-                    logger.error("fatal consumer error, starting a new client: %s", fatal)
-                    self._recreate_consumer()
-                    continue
-                if batch:
-                    self._apply(batch)
-                if reset:
-                    self._on_reset(reset)
-                self._note_positions(consumer)  # all it read is applied now
-                if cfg.stop_at is not None and self._reached(cfg.stop_at):
-                    break
-                if cfg.until_caught_up and len(messages) < cfg.batch_size and self._caught_up():
-                    break
+            if cfg.dead_letter_topic:
+                self._dlq = DeadLetterProducer(
+                    cfg.bootstrap_servers, cfg.dead_letter_topic, settings=cfg.kafka,
+                    replication_factor=cfg.dlq_replication_factor,
+                    topic_config=cfg.dlq_topic_config, derived=cfg.dlq_topic == "",
+                )  # fmt: skip
+            self._consumer = self._new_consumer()
+            if cfg.retention is not None:  # its first pass makes the partitions ahead
+                retainer = Retainer(cfg.database_url, cfg.retention, cfg.retention_every_s)
+                retainer.start()
+            else:
+                ensure_partitions(self._conn)
+            # Batches are filled (each is a PostgreSQL transaction): a busy topic's stay
+            # large. The router's loop takes promptly instead (consumer/loop.py).
+            LogLoop(
+                cfg.topic, f"the consumer of group {cfg.group_id!r}", self,
+                lambda client: client.consume(cfg.batch_size, timeout=cfg.batch_timeout_s),
+                self, self._stop, cfg.stop_at, needs=f" and READ on group {cfg.group_id!r}",
+            ).run()  # fmt: skip
         finally:
             self.summary.seconds = time.monotonic() - started
             if retainer is not None:
@@ -174,6 +129,28 @@ class IndexConsumer:
                 self._dlq.close()
             self._conn.close()
         return self.summary
+
+    # The loop's client owner and sink (consumer/loop.py's Client and Sink).
+    @property
+    def client(self) -> Consumer:
+        assert self._consumer is not None
+        return self._consumer
+
+    def renew(self) -> None:
+        self._recreate_consumer()
+
+    def apply(self, batch: list[Inbound]) -> None:
+        self._apply(batch)
+
+    def lost(self, partitions: set[int]) -> None:
+        self._on_reset(partitions)
+
+    def turned(self, client: Consumer, polled: Polled) -> bool:
+        cfg = self.config
+        self._note_positions(client)  # all it read is applied now
+        if cfg.stop_at is not None and self._reached(cfg.stop_at):
+            return True
+        return bool(cfg.until_caught_up and polled.received < cfg.batch_size and self._caught_up())
 
     def _new_consumer(self) -> Consumer:
         cfg = self.config

@@ -15,6 +15,7 @@ Any number of routers can run: each is an independent reader of the log.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -27,16 +28,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 import psycopg
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from kvledger.consumer import metrics
 from kvledger.consumer.core.model import (
     GroupKey,
 )
-from kvledger.consumer.inbound import Inbound, from_kafka
+from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.lookup.api import Granularity, deepest_states
-from kvledger.consumer.polling import take
+from kvledger.consumer.loop import LogLoop, Polled, StopLoop, take
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.consumer.router import match as m
 from kvledger.consumer.router.lane import LaneObserver, run_router_batch
@@ -44,6 +45,7 @@ from kvledger.consumer.router.snapshot import load_snapshot
 from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import FencedError
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.lookup import Holder
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, partition_offsets
@@ -105,6 +107,57 @@ class ApplyObserver(LaneObserver, Protocol):
     lock, so it reads the store as the chunk left it)."""
 
     def applied(self) -> None: ...
+
+
+class _Tail:
+    """The router's side of the log loop (consumer/loop.py's Client and Sink): the index's
+    own client, and the index as the sink. A batch out of place (cannot happen on its own
+    assignment) re-seeks; records lost before they were read, or a bug, stop the tail and
+    say why in :meth:`RouterIndex.position`."""
+
+    def __init__(self, index: RouterIndex) -> None:
+        self.index = index
+
+    @property
+    def client(self) -> Consumer:
+        assert self.index._consumer is not None
+        return self.index._consumer
+
+    def renew(self) -> None:
+        index = self.index
+        if index._consumer is not None:
+            with contextlib.suppress(KafkaException):
+                index._consumer.close()
+        index._consumer = index._new_client()
+
+    def apply(self, batch: list[Inbound]) -> None:
+        index = self.index
+        try:
+            index.apply(batch)
+        except FencedError as exc:
+            logger.warning("router batch out of place (%s); re-seeking", exc)
+            index._reseek()
+            return
+        except Exception as exc:  # a bug: stop following, and say so in position()
+            logger.exception("router stopped following the topic")
+            index.error = f"{type(exc).__name__}: {exc}"
+            raise StopLoop from exc
+        stamps = [x.timestamp_ms for x in batch if x.timestamp_ms is not None]
+        if stamps:
+            newest = index._newest_ms
+            index._newest_ms = max(stamps + ([newest] if newest else []))
+
+    def lost(self, partitions: set[int]) -> None:
+        index = self.index
+        index.error = _LOST.format(topic=index.topic, partition=min(partitions))
+        logger.error("router stopped following the topic: %s", index.error)
+        raise StopLoop
+
+    def turned(self, client: Consumer, polled: Polled) -> bool:
+        if not polled.batch:  # idle: everything read is applied
+            self.index._note_read_to(client)
+            self.index.expire()
+        return False
 
 
 class RouterIndex:
@@ -169,7 +222,15 @@ class RouterIndex:
 
     # ------------------------------------------------------------------ tailing
     def start(self) -> None:
-        """Tail the topic from the bootstrapped offsets in a background thread."""
+        """Tail the topic from the bootstrapped offsets in a background thread: the same
+        loop as the consumer's (:class:`~kvledger.consumer.loop.LogLoop`), this index its
+        sink, reading promptly."""
+        self._consumer = self._new_client()
+        self._thread = threading.Thread(target=self._tail, name="kvledger-router", daemon=True)
+        self._thread.start()
+
+    def _new_client(self) -> Consumer:
+        """A client of its own assignment of every partition, at the stored offsets."""
         settings: dict[str, object] = {
             "bootstrap.servers": self.bootstrap_servers,
             "group.id": f"kvledger-router-{uuid.uuid4().hex[:12]}",  # never joins a group
@@ -187,9 +248,7 @@ class RouterIndex:
         consumer.assign(
             [TopicPartition(self.topic, p, stored.get(p, OFFSET_BEGINNING)) for p in partitions]
         )
-        self._consumer = consumer
-        self._thread = threading.Thread(target=self._tail, name="kvledger-router", daemon=True)
-        self._thread.start()
+        return consumer
 
     def stop(self) -> None:
         self._stop.set()
@@ -199,39 +258,16 @@ class RouterIndex:
             self._consumer.close()
 
     def _tail(self) -> None:
-        consumer = self._consumer
-        assert consumer is not None
-        while not self._stop.is_set():
-            messages = take(consumer, self.batch_size, 0.2)
-            batch = []
-            for msg in messages:
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._AUTO_OFFSET_RESET:
-                        self.error = _LOST.format(topic=self.topic, partition=msg.partition())
-                        logger.error("router stopped following the topic: %s", self.error)
-                        return
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        logger.warning("router consumer: %s", err)
-                    continue
-                batch.append(from_kafka(msg))
-            if not batch:
-                self._note_read_to(consumer)
-                self.expire()
-                continue
-            try:
-                self.apply(batch)
-            except FencedError as exc:  # cannot happen on its own assignment; re-seek
-                logger.warning("router batch out of place (%s); re-seeking", exc)
-                self._reseek()
-                continue
-            except Exception as exc:  # a bug: stop following, and say so in position()
-                logger.exception("router stopped following the topic")
-                self.error = f"{type(exc).__name__}: {exc}"
-                return
-            stamps = [x.timestamp_ms for x in batch if x.timestamp_ms is not None]
-            if stamps:
-                self._newest_ms = max(stamps + ([self._newest_ms] if self._newest_ms else []))
+        tail = _Tail(self)
+        loop = LogLoop(
+            self.topic, "the router", tail,
+            lambda client: take(client, self.batch_size, 0.2), tail, self._stop,
+        )  # fmt: skip
+        try:
+            loop.run()
+        except NotAuthorizedError as exc:  # say why in position(), as for any other stop
+            self.error = str(exc)
+            logger.error("router stopped following the topic: %s", exc)
 
     def apply(self, batch: Sequence[Inbound]) -> None:
         """Apply consumed messages, in log order, through the pipeline into the store.

@@ -32,7 +32,7 @@ def _retention_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def add_consumer(subparsers: Subparsers) -> None:
+def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one statement per option
     extra = "consumer"
     p = add(subparsers, "migrate", extra, "create or upgrade the index schema (alembic)")
     db_arg(p)

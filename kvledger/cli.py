@@ -140,18 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvledger: the config file: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        JsonFormatter()
-        if args.log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
-    if not args.verbose:
-        # Libraries that log each step at INFO: a migration's, or each HTTP request (the
-        # TensorRT-LLM relay polls every 0.2 s: 18,000 lines an hour).
-        for name in ("alembic", "httpx", "httpcore"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    _configure_logging(args)
     if args.command is None:
         parser.print_help()
         return 2
@@ -173,34 +162,57 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # The usual failures (a database or broker that does not answer, a refused operation)
         # in one line; -v shows the traceback.
-        from confluent_kafka import KafkaException
-
-        what = "Kafka" if isinstance(exc, KafkaException) else (
-            "error" if isinstance(exc, KvledgerError) else "database"
-        )  # fmt: skip
-        first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-        if isinstance(exc, KafkaException) and exc.args and hasattr(exc.args[0], "str"):
-            first = redact(str(exc.args[0].str()))  # its words, not KafkaError{code=…}
-        if what == "database" and not isinstance(exc, sys.modules["psycopg"].OperationalError):
-            from kvledger.consumer.db import SCHEMA_MISSING
-
-            first = SCHEMA_MISSING
-        if isinstance(exc, KafkaException) and exc.args and hasattr(exc.args[0], "name"):
-            name = exc.args[0].name()
-            if name.endswith("_AUTHORIZATION_FAILED") or name.endswith("AUTHENTICATION"):
-                first = (
-                    f"{name}: the principal of the Kafka settings (--kafka-config) is refused; "
-                    "it needs an ACL for this operation (docs/security.md)"
-                )
-            elif name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
-                first = (
-                    f"no broker answered ({first}): check --bootstrap (or "
-                    "$KVLEDGER_KAFKA_BOOTSTRAP), that the broker runs, and the Kafka settings' "
-                    "TLS CA, SASL mechanism and credentials"
-                )
+        what, first = _one_line(exc)
         print(f"kvledger {args.command}: {what}: {first}", file=sys.stderr)
         return 1
     return result
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter()
+        if args.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
+    if not args.verbose:
+        # Libraries that log each step at INFO: a migration's, or each HTTP request (the
+        # TensorRT-LLM relay polls every 0.2 s: 18,000 lines an hour).
+        for name in ("alembic", "httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _one_line(exc: BaseException) -> tuple[str, str]:
+    """A usual failure as (what failed, the one line that says so and what to check)."""
+    from confluent_kafka import KafkaException
+
+    what = "Kafka" if isinstance(exc, KafkaException) else (
+        "error" if isinstance(exc, KvledgerError) else "database"
+    )  # fmt: skip
+    first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+    if what == "database" and not isinstance(exc, sys.modules["psycopg"].OperationalError):
+        from kvledger.consumer.db import SCHEMA_MISSING
+
+        return what, SCHEMA_MISSING
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    if error is None:
+        return what, first
+    if hasattr(error, "str"):
+        first = redact(str(error.str()))  # its words, not KafkaError{code=…}
+    name = error.name() if hasattr(error, "name") else ""
+    if name.endswith("_AUTHORIZATION_FAILED") or name.endswith("AUTHENTICATION"):
+        first = (
+            f"{name}: the principal of the Kafka settings (--kafka-config) is refused; "
+            "it needs an ACL for this operation (docs/security.md)"
+        )
+    elif name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
+        first = (
+            f"no broker answered ({first}): check --bootstrap (or "
+            "$KVLEDGER_KAFKA_BOOTSTRAP), that the broker runs, and the Kafka settings' "
+            "TLS CA, SASL mechanism and credentials"
+        )
+    return what, first
 
 
 def _interrupted(args: argparse.Namespace) -> int:

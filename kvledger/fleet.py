@@ -180,7 +180,7 @@ class SimulatedEngine:
             events.append(BlockRemoved(tuple(evicted), "GPU", self.full.group_idx))
         return events
 
-    def step(self, summary: FleetSummary) -> None:
+    def step(self, summary: FleetSummary) -> None:  # noqa: C901, PLR0912, PLR0915 - one request's life, in order
         """Serve one request: lookups, stores, partial tail, sliding window, evictions."""
         cfg = self.config
         prompt = self.prompts[self.rng.randrange(len(self.prompts))]

@@ -25,6 +25,39 @@ logger = logging.getLogger(__name__)
 def run(args: argparse.Namespace) -> int:
     bootstrap = settings.kafka_bootstrap(args)
     kafka = settings.kafka_settings(args)
+    config = _config(args, bootstrap, kafka)
+    stopping = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    # Before anything waits on the broker: a signal stops the relay at any moment.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if not _topic_checked(args, bootstrap, kafka, stopping):
+        logger.info("stopped before relaying")
+        return 0
+    metrics = RelayMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    relay = Relay(config, metrics)
+    relay.start()
+    logger.info(
+        "relaying %s (%d rank(s)) from %s to %s on %s",
+        args.source, args.dp_size, args.endpoint, args.topic, bootstrap,
+    )  # fmt: skip
+    while not stopping.wait(0.5):
+        if not relay.alive():
+            break
+    relay.stop()
+    if relay.errors:
+        logger.error("relay stopped on an error: %s", relay.errors[0])
+        return 1
+    return 0
+
+
+def _config(args: argparse.Namespace, bootstrap: str, kafka: dict[str, str]) -> RelayConfig:
+    """The relay's configuration, every part checked before anything starts."""
     try:
         groups = [parse_group(g, args.model) for g in args.group]
     except ValueError as exc:
@@ -35,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         args.surviving_media
     ) else None  # fmt: skip
     try:
-        config = RelayConfig(
+        return RelayConfig(
             endpoint=args.endpoint,
             replay_endpoint=args.replay_endpoint,
             source=args.source,
@@ -55,14 +88,13 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"kvledger relay: {exc}") from None
-    stopping = threading.Event()
 
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
 
-    # Before anything waits on the broker: a signal stops the relay at any moment.
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+def _topic_checked(
+    args: argparse.Namespace, bootstrap: str, kafka: dict[str, str], stopping: threading.Event
+) -> bool:
+    """Make the topic if it is missing (a broker that does not answer yet is the relay's to
+    wait for); False when a signal came first."""
 
     def check_topic() -> None:
         try:
@@ -85,23 +117,4 @@ def run(args: argparse.Namespace) -> int:
     checker.start()
     while checker.is_alive() and not stopping.wait(0.1):
         pass
-    if stopping.is_set():
-        logger.info("stopped before relaying")
-        return 0
-    metrics = RelayMetrics()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
-    relay = Relay(config, metrics)
-    relay.start()
-    logger.info(
-        "relaying %s (%d rank(s)) from %s to %s on %s",
-        args.source, args.dp_size, args.endpoint, args.topic, bootstrap,
-    )  # fmt: skip
-    while not stopping.wait(0.5):
-        if not relay.alive():
-            break
-    relay.stop()
-    if relay.errors:
-        logger.error("relay stopped on an error: %s", relay.errors[0])
-        return 1
-    return 0
+    return not stopping.is_set()

@@ -26,7 +26,7 @@ from kvledger.schemas.events import (
 )
 
 
-def needs(batch: Sequence[Decoded], check_sequence: bool = True, keys: bool = True) -> Needs:
+def needs(batch: Sequence[Decoded], check_sequence: bool = True, keys: bool = True) -> Needs:  # noqa: C901 - one pass per message, a branch per event kind
     """What ``batch`` touches: the block rows, residencies, whole holders and sources.
 
     ``keys=False``: only a replay's stores (``Needs.replayed``), for a store that holds the

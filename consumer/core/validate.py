@@ -169,7 +169,7 @@ def _check_medium(medium: str | None) -> Invalid | None:
     return None
 
 
-def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:
+def check_stored(event: BlockStored, held: HeldSpec | None) -> Invalid | None:  # noqa: C901 - a table of refusals
     """Shape checks of a BlockStored against its group spec (no index state needed)."""
     if held is None:
         return _unknown_group(event)

@@ -77,6 +77,134 @@ _CONSUMER_ONLY = _KvledgerMetrics(CONSUMER_REGISTRY)
 DECISIONS_PER_CLIENT_S = 2000
 
 
+class _Gate:
+    """What every route checks and counts: the bearer token, the rate of decision reports
+    per client, and each answer's latency and status."""
+
+    def __init__(self, token: str | None) -> None:
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.reports = RateLimit(DECISIONS_PER_CLIENT_S, DECISIONS_PER_CLIENT_S)
+
+    def allowed(self, authorization: str) -> bool:
+        return self.expected is None or hmac.compare_digest(authorization.encode(), self.expected)
+
+    def admits(self, request: Request) -> bool:
+        return self.allowed(request.headers.get("authorization", ""))
+
+    @staticmethod
+    def refused() -> Answer:
+        return 401, {"error": "a bearer token is required"}, {"WWW-Authenticate": "Bearer"}
+
+    def over_rate(self, request: Request) -> Answer | None:
+        """A 429 when this client reports decisions faster than it may."""
+        ok, wait = self.reports.allow(request.client.host if request.client else "")
+        if ok:
+            return None
+        return 429, {"error": f"over {DECISIONS_PER_CLIENT_S} decision reports a second from "
+                     "this client"}, {"Retry-After": str(max(1, math.ceil(wait)))}  # fmt: skip
+
+    @staticmethod
+    def counted(route: str, start: float, result: Answer) -> Answer:
+        LATENCY.labels(route).observe(time.perf_counter() - start)
+        REQUESTS.labels(route, str(result[0])).inc()
+        return result
+
+
+def _handler(gate: _Gate, route: str, fn: Any, with_body: bool, on_loop: bool) -> Any:
+    """A route's handler: the gate's checks, then ``fn`` with the body or path parameters.
+    ``on_loop``: answered on the event loop (from memory a lookup takes microseconds, less
+    than a hop to a worker thread); the rest waits on the database or, for the router's
+    /healthz, on the broker (the log end): in the thread pool, never blocking the loop."""
+
+    async def handler(request: Request) -> Response:
+        start = time.perf_counter()
+        if route != "healthz" and not gate.admits(request):
+            result = gate.refused()
+        elif route == "decisions" and (limited := gate.over_rate(request)):
+            result = limited
+        elif with_body and (bad := length_error(request.headers.get("content-length"))):
+            result = 400, {"error": bad}, {}
+        else:
+            arg = (await request.body()) if with_body else request.path_params
+            result = (
+                answer(route, fn, arg) if on_loop
+                else await run_in_threadpool(answer, route, fn, arg)
+            )  # fmt: skip
+        status, payload, headers = gate.counted(route, start, result)
+        return JSONResponse(payload, status, headers)
+
+    return handler
+
+
+def _routes(gate: _Gate, lookups: Lookups, in_memory: bool, openapi: Any) -> list[Route]:
+    """The service's own routes (``/v1/*``, health, metrics, the document, the dashboard)."""
+
+    def timed(route: str, fn: Any, with_body: bool = False) -> Any:
+        return _handler(gate, route, fn, with_body, in_memory and route in _ON_LOOP)
+
+    async def dashboard_data(request: Request) -> Response:
+        start = time.perf_counter()
+        if not gate.admits(request):
+            result = gate.refused()
+        else:
+            params = dict(request.query_params)
+            result = await run_in_threadpool(answer, "dashboard", lookups.dashboard, params)
+        status, payload, headers = gate.counted("dashboard", start, result)
+        return JSONResponse(payload, status, headers)
+
+    def metrics(request: Request) -> Response:
+        if not gate.admits(request):
+            status, payload, headers = gate.refused()
+            return JSONResponse(payload, status, headers)
+        body = generate_latest(LOOKUP_REGISTRY)
+        if in_memory:  # the router's tail counts what it applies as a consumer does
+            body += generate_latest(_CONSUMER_ONLY)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return [
+        Route("/v1/match", timed("match", lookups.match, with_body=True), methods=["POST"]),
+        Route("/v1/blocks/{block_hash}", timed("blocks", lookups.block), methods=["GET"]),
+        Route("/v1/decisions", timed("decisions", lookups.decide, True), methods=["POST"]),
+        Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", lambda _: JSONResponse(openapi), methods=["GET"]),
+        Route("/v1/dashboard", dashboard_data, methods=["GET"]),
+        Route("/ui", _ui_file("index.html"), methods=["GET"]),
+        Route("/ui/dashboard.js", _ui_file("dashboard.js"), methods=["GET"]),
+        Route("/ui/chart.umd.min.js", _ui_file("vendor/chart.umd.min.js"), methods=["GET"]),
+    ]
+
+
+def _hot_match(gate: _Gate, lookups: Lookups) -> HotRoute:
+    """POST /v1/match from memory, answered inside the HTTP parser (:mod:`.hot`)."""
+
+    def refusal(authorization: str, length: str | None) -> Reply | None:
+        if not gate.allowed(authorization):
+            return _reply(gate.counted("match", time.perf_counter(), gate.refused()))
+        if bad := length_error(length):
+            return _reply(gate.counted("match", time.perf_counter(), (400, {"error": bad}, {})))
+        return None
+
+    def reply(raw: bytes, started: float) -> Reply:
+        return _reply(gate.counted("match", started, answer("match", lookups.match, raw)))
+
+    return HotRoute(refusal, reply)
+
+
+def _dynamo(
+    gate: _Gate, source: RouterIndex, silent_after: timedelta | None,
+    provisional: Provisional | None,
+) -> tuple[list[Route], dict[str, HotRoute]]:  # fmt: skip
+    """NVIDIA Dynamo's KV-indexer routes over ``source`` (:mod:`.dynamo`)."""
+    from kvledger.consumer.lookup import dynamo, dynamo_http
+
+    def refusal(request: Request) -> tuple[int, Any] | None:
+        return None if gate.admits(request) else gate.refused()[:2]
+
+    api = dynamo.DynamoApi(source, silent_after, provisional)
+    return dynamo_http.routes(api, refusal), dynamo_http.hot_routes(api, gate.allowed)
+
+
 def create_app(
     database_url: str | None = None,
     pool_size: int = 8,
@@ -108,78 +236,7 @@ def create_app(
     )  # fmt: skip
     if provisional is not None:
         PROVISIONAL.stores.add(provisional)
-    expected = f"Bearer {token}".encode() if token else None
-    reports = RateLimit(DECISIONS_PER_CLIENT_S, DECISIONS_PER_CLIENT_S)
-
-    def _over_rate(request: Request) -> int:
-        """Whole seconds the client must wait (0: its report is taken)."""
-        ok, wait = reports.allow(request.client.host if request.client else "")
-        return 0 if ok else max(1, math.ceil(wait))
-
-    def allowed(authorization: str) -> bool:
-        return expected is None or hmac.compare_digest(authorization.encode(), expected)
-
-    def refused() -> Answer:
-        return 401, {"error": "a bearer token is required"}, {"WWW-Authenticate": "Bearer"}
-
-    def counted(route: str, start: float, result: Answer) -> Answer:
-        LATENCY.labels(route).observe(time.perf_counter() - start)
-        REQUESTS.labels(route, str(result[0])).inc()
-        return result
-
-    def timed(route: str, fn: Any, with_body: bool = False) -> Any:
-        async def handler(request: Request) -> Response:
-            start = time.perf_counter()
-            if route != "healthz" and not allowed(request.headers.get("authorization", "")):
-                result = refused()
-            elif route == "decisions" and (wait := _over_rate(request)):
-                result = 429, {"error": f"over {DECISIONS_PER_CLIENT_S} decision reports a "
-                               "second from this client"}, {"Retry-After": str(wait)}  # fmt: skip
-            elif with_body and (bad := length_error(request.headers.get("content-length"))):
-                result = 400, {"error": bad}, {}
-            else:
-                arg = (await request.body()) if with_body else request.path_params
-                # From memory a lookup takes microseconds: answered on the event loop (a
-                # hop to a worker thread would cost more than the lookup). The rest waits
-                # on the database or, for the router's /healthz, on the broker (the log
-                # end): in the thread pool, never blocking the loop.
-                result = (
-                    answer(route, fn, arg) if router is not None and route in _ON_LOOP
-                    else await run_in_threadpool(answer, route, fn, arg)
-                )  # fmt: skip
-            status, payload, headers = counted(route, start, result)
-            return JSONResponse(payload, status, headers)
-
-        return handler
-
-    async def dashboard_data(request: Request) -> Response:
-        start = time.perf_counter()
-        if not allowed(request.headers.get("authorization", "")):
-            result = refused()
-        else:
-            params = dict(request.query_params)
-            result = await run_in_threadpool(answer, "dashboard", lookups.dashboard, params)
-        status, payload, headers = counted("dashboard", start, result)
-        return JSONResponse(payload, status, headers)
-
-    def match_refusal(authorization: str, length: str | None) -> Reply | None:
-        if not allowed(authorization):
-            return _reply(counted("match", time.perf_counter(), refused()))
-        if bad := length_error(length):
-            return _reply(counted("match", time.perf_counter(), (400, {"error": bad}, {})))
-        return None
-
-    def match_reply(raw: bytes, started: float) -> Reply:
-        return _reply(counted("match", started, answer("match", lookups.match, raw)))
-
-    def metrics(request: Request) -> Response:
-        if not allowed(request.headers.get("authorization", "")):
-            status, payload, headers = refused()
-            return JSONResponse(payload, status, headers)
-        body = generate_latest(LOOKUP_REGISTRY)
-        if router is not None:  # the router's tail counts what it applies as a consumer does
-            body += generate_latest(_CONSUMER_ONLY)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+    gate = _Gate(token)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -189,37 +246,17 @@ def create_app(
         finally:
             lookups.close()
 
-    extra: list[Route] = []
-    hot = {"/v1/match": HotRoute(match_refusal, match_reply)} if router is not None else {}
+    routes = _routes(gate, lookups, router is not None, document(dynamo_api))
+    hot = {"/v1/match": _hot_match(gate, lookups)} if router is not None else {}
     if dynamo_api:
-        from kvledger.consumer.lookup import dynamo, dynamo_http
-
         source = dynamo_router or router
         if source is None:
             raise ValueError("Dynamo's API is served from memory: it needs a router")
-
-        def refusal(request: Request) -> tuple[int, Any] | None:
-            return None if allowed(request.headers.get("authorization", "")) else refused()[:2]
-
-        dynamo_api_ = dynamo.DynamoApi(
-            source, silent_after, provisional if source is router else None
+        dynamo_routes, dynamo_hot = _dynamo(
+            gate, source, silent_after, provisional if source is router else None
         )
-        extra = dynamo_http.routes(dynamo_api_, refusal)
-        hot.update(dynamo_http.hot_routes(dynamo_api_, allowed))
-    openapi = document(dynamo_api)
-    routes = [
-        *extra,
-        Route("/v1/match", timed("match", lookups.match, with_body=True), methods=["POST"]),
-        Route("/v1/blocks/{block_hash}", timed("blocks", lookups.block), methods=["GET"]),
-        Route("/v1/decisions", timed("decisions", lookups.decide, True), methods=["POST"]),
-        Route("/healthz", timed("healthz", lookups.healthz), methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/openapi.json", lambda _: JSONResponse(openapi), methods=["GET"]),
-        Route("/v1/dashboard", dashboard_data, methods=["GET"]),
-        Route("/ui", _ui_file("index.html"), methods=["GET"]),
-        Route("/ui/dashboard.js", _ui_file("dashboard.js"), methods=["GET"]),
-        Route("/ui/chart.umd.min.js", _ui_file("vendor/chart.umd.min.js"), methods=["GET"]),
-    ]
+        routes = [*dynamo_routes, *routes]
+        hot.update(dynamo_hot)
     # GET /: what this service is and what it answers (no token needed, as /openapi.json).
     index = {
         "service": "kvledger lookup service", "version": __version__,

@@ -254,33 +254,25 @@ class Publisher:
         """Subscriptions (each asks a snapshot) and replay requests (returned)."""
         now = time.monotonic()
         for source, pub in self._pubs.items():
-            if pub in ready:
-                for message in _recv_some(pub):
-                    if message[:1] == b"\x01":
-                        self._ask_snapshot(source, now)
+            if pub in ready and any(m[:1] == b"\x01" for m in _recv_some(pub)):
+                self._ask_snapshot(source, now)
         if self._mux is not None and self._mux in ready:
             for message in _recv_some(self._mux):
                 if message[:1] == b"\x01":
-                    prefix = message[1:]
-                    with self.index.lock:
-                        known = self.feed.known()
-                    for source in known:
-                        if self._outlet(source).mux_topic.startswith(prefix):
-                            self._ask_snapshot(source, now)
+                    self._subscribed_to_mux(message[1:], now)
         requests = []
         for replay, source in self._replays.items():
-            if replay not in ready:
-                continue
-            for _ in range(REQUESTS_PER_TURN):
-                try:
-                    frames = replay.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                    metrics.REPUBLISH_REPLAYS.labels("malformed").inc()
-                    continue  # as vLLM: no answer
-                requests.append((source, frames[0], int.from_bytes(frames[2], "big")))
+            if replay in ready:
+                requests += [(source, *r) for r in _replay_requests(replay)]
         return requests
+
+    def _subscribed_to_mux(self, prefix: bytes, now: float) -> None:
+        """A subscription to the multiplexed PUB: a snapshot of each source it covers."""
+        with self.index.lock:
+            known = self.feed.known()
+        for source in known:
+            if self._outlet(source).mux_topic.startswith(prefix):
+                self._ask_snapshot(source, now)
 
     def _ask_snapshot(self, source: str, now: float) -> None:
         outlet = self._outlet(source)
@@ -349,6 +341,22 @@ class Publisher:
                 start = outlet.ring[0][0] if outlet.ring else outlet.next_seq
             for peer in self._parked.pop(source):
                 self._answer(source, peer, start)
+
+
+def _replay_requests(replay: zmq.Socket[bytes]) -> list[tuple[bytes, int]]:
+    """(peer, start sequence) of the replay requests waiting, at most REQUESTS_PER_TURN; a
+    malformed one is counted and gets no answer, as vLLM's."""
+    requests = []
+    for _ in range(REQUESTS_PER_TURN):
+        try:
+            frames = replay.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            metrics.REPUBLISH_REPLAYS.labels("malformed").inc()
+            continue
+        requests.append((frames[0], int.from_bytes(frames[2], "big")))
+    return requests
 
 
 def _recv_some(sock: zmq.Socket[bytes]) -> list[bytes]:

@@ -146,7 +146,7 @@ class _Lane:
         self.tally.messages += plan.messages
         self.tally.block_events += plan.block_events
 
-    def _apply(self, d: Decoded, env: Envelope) -> bool:
+    def _apply(self, d: Decoded, env: Envelope) -> bool:  # noqa: C901 - see the docstring
         """Apply a store or removal in the fast lane; False (nothing changed) when it is
         not one the lane takes (see the module doc). The store's keys are NamedTuples,
         found here by the plain tuples they equal and hash as (no NamedTuple made)."""

@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -233,15 +233,8 @@ class Provisional:
                     held = at.get(instance) if at is not None else None
                     if held is not None:
                         if j == 0:
-                            for each in (held, *held.shadowed):
-                                whole = min(len(each.decision.keys), self.max_prompt_blocks)
-                                if (
-                                    not each.settled
-                                    and real.get(instance, 0) >= whole
-                                    # this prompt is the one it sent (keys chain)
-                                    and keys[whole - 1 : whole] == [each.decision.keys[whole - 1]]
-                                ):
-                                    confirmed[id(each)] = each
+                            for each in self._covered(held, keys, real.get(instance, 0)):
+                                confirmed[id(each)] = each
                         continue
                     if j < real.get(instance, 0):
                         continue
@@ -253,13 +246,33 @@ class Provisional:
                     break
             for instance in running:
                 depth[instance] = len(keys)
-            for held in confirmed.values():  # the engine's events hold it: the claim goes
-                self._settle(held)
-                self.stats.confirmed += 1
-                self._release(space, held)
-            if not space:
-                del self._spaces[(model, group_idx, kind)]
+            self._confirm(confirmed.values(), (model, group_idx, kind))
             return {i: n for i, n in depth.items() if n > real.get(i, 0)}
+
+    def _confirm(self, held: Iterable[_Held], where: tuple[str, int, str]) -> None:
+        """The engine's events hold these decisions' prompts: the claims go."""
+        space = self._spaces[where]
+        for each in held:
+            self._settle(each)
+            self.stats.confirmed += 1
+            self._release(space, each)
+        if not space:
+            del self._spaces[where]
+
+    def _covered(self, held: _Held, keys: Sequence[int], really: int) -> list[_Held]:
+        """The unsettled decisions of this instance at the prompt's first block whose whole
+        prompt the index now shows it holding (``really`` leading blocks): confirmed."""
+        covered = []
+        for each in (held, *held.shadowed):
+            whole = min(len(each.decision.keys), self.max_prompt_blocks)
+            if (
+                not each.settled
+                and really >= whole
+                # this prompt is the one it sent (keys chain)
+                and keys[whole - 1 : whole] == [each.decision.keys[whole - 1]]
+            ):
+                covered.append(each)
+        return covered
 
     def in_flight(self) -> dict[str, int]:
         """Decisions per instance still held and not confirmed: what was routed there in the

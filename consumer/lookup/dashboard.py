@@ -18,10 +18,18 @@ Every name it shows (an engine, a model) is set as text, never as markup.
 - ``timeline``: restarts, closings and lost log ranges in the window.
 
 From memory (``serve --memory``) only ``fleet`` is answered (the rest is the database's).
+
+The database's answer for a window is computed at most once every :data:`SHARED_FOR_S`
+(the page's refresh), whatever the number of viewers (:class:`SharedAnswers`): it is read
+from the history, which the consumer writes meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +44,7 @@ if TYPE_CHECKING:
 UI = Path(__file__).resolve().parent / "ui"
 VENDOR = UI / "vendor"
 MAX_MINUTES = 1440
+SHARED_FOR_S = 5.0  # the page refreshes every 5 s (ui/dashboard.js REFRESH_MS)
 OUTCOMES = ("no_holder", "holder_silent", "chosen_elsewhere", "lower_tier_only",
             "evicted_before_arrival", "captured")  # fmt: skip
 
@@ -166,3 +175,47 @@ def from_memory(
 
 def _iso(t: datetime | None) -> str | None:
     return None if t is None else t.astimezone(UTC).isoformat()
+
+
+class SharedAnswers:
+    """Answers per window shared by every viewer for ``ttl_s``: computed once meanwhile,
+    a viewer that asks while one is being computed waits for it rather than computing it
+    again. At most ``keep`` windows are kept (the least recently asked go). A computation
+    that fails is not kept."""
+
+    def __init__(
+        self, ttl_s: float = SHARED_FOR_S, keep: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.ttl_s, self.keep, self.clock = ttl_s, keep, clock
+        self.computed = 0  # answers computed (the rest were shared)
+        self._lock = threading.Lock()
+        self._answers: OrderedDict[int, tuple[float, dict[str, Any]]] = OrderedDict()
+        self._computing: dict[int, threading.Lock] = {}
+
+    def _fresh(self, minutes: int) -> dict[str, Any] | None:
+        hit = self._answers.get(minutes)
+        if hit is None or self.clock() - hit[0] >= self.ttl_s:
+            return None
+        self._answers.move_to_end(minutes)
+        return hit[1]
+
+    def get(self, minutes: int, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        with self._lock:
+            if (answer := self._fresh(minutes)) is not None:
+                return answer
+            gate = self._computing.setdefault(minutes, threading.Lock())
+        with gate:  # one computation per window at a time
+            with self._lock:
+                if (answer := self._fresh(minutes)) is not None:
+                    return answer  # computed while this viewer waited
+            answer = compute()
+            with self._lock:
+                self.computed += 1
+                self._answers[minutes] = (self.clock(), answer)
+                self._answers.move_to_end(minutes)
+                while len(self._answers) > self.keep:
+                    self._answers.popitem(last=False)
+                if self._computing.get(minutes) is gate:
+                    del self._computing[minutes]
+            return answer

@@ -124,6 +124,7 @@ class Lookups:
         self.share = share  # the other replicas are told (a DecisionLog's publish)
         self.silent_after = silent_after
         self.pool_timeout_s = pool_timeout_s
+        self.dashboards = dashboard.SharedAnswers()  # computed once per refresh, not per tab
         self.database_url = database_url
         self.pool = (
             ConnectionPool(
@@ -286,8 +287,12 @@ class Lookups:
         minutes = dashboard.minutes_of(params)
         if self.router is not None:
             return 200, dashboard.from_memory(self.router, minutes, self.silent_after), {}
-        with self.index() as idx:
-            return 200, dashboard.from_database(idx.conn, minutes), {}
+
+        def compute() -> dict[str, Any]:
+            with self.index() as idx:
+                return dashboard.from_database(idx.conn, minutes)
+
+        return 200, self.dashboards.get(minutes, compute), {}
 
     def block(self, params: dict[str, Any]) -> Answer:
         """GET /v1/blocks/{hash}: the block rows of a hash and their holders."""

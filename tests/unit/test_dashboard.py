@@ -138,3 +138,56 @@ def test_decision_reports_over_the_rate_are_429(
     assert "decision reports a second" in r.json()["error"]
     documented = client.get("/openapi.json").json()["paths"]["/v1/decisions"]["post"]
     assert "Retry-After" in documented["responses"]["429"]["headers"]  # the answer is described
+
+
+def test_dashboard_answers_are_shared_for_a_refresh() -> None:
+    """Five tabs polling every second cost one computation per refresh, not five a second
+    (what the dashboard's polling cost the consumer: bench/dashboard.py)."""
+    import threading
+    import time
+
+    from kvledger.consumer.lookup.dashboard import SharedAnswers
+
+    now = [0.0]
+    shared = SharedAnswers(ttl_s=5.0, keep=2, clock=lambda: now[0])
+    made: list[int] = []
+
+    def compute(minutes: int) -> dict[str, object]:
+        made.append(minutes)
+        return {"minutes": minutes, "n": len(made)}
+
+    assert shared.get(60, lambda: compute(60)) == {"minutes": 60, "n": 1}
+    now[0] = 4.9
+    assert shared.get(60, lambda: compute(60))["n"] == 1  # shared
+    assert shared.get(30, lambda: compute(30))["n"] == 2  # each window its own
+    now[0] = 5.0
+    assert shared.get(60, lambda: compute(60))["n"] == 3  # stale: computed again
+    shared.get(10, lambda: compute(10))
+    assert shared.get(30, lambda: compute(30))["n"] == 5  # only two windows are kept
+    with pytest.raises(RuntimeError):
+        shared.get(5, lambda: (_ for _ in ()).throw(RuntimeError("database down")))
+    assert shared.get(5, lambda: compute(5))["minutes"] == 5  # a failure is not kept
+
+    # Viewers asking while it is computed wait for that computation, not one each.
+    slow = SharedAnswers(ttl_s=5.0, clock=lambda: now[0])
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def blocking() -> dict[str, object]:
+        calls.append(1)
+        started.set()
+        release.wait(10)
+        return {"n": len(calls)}
+
+    answers: list[dict[str, object]] = []
+    first = threading.Thread(target=lambda: answers.append(slow.get(60, blocking)))
+    first.start()
+    assert started.wait(10)
+    others = [threading.Thread(target=lambda: answers.append(slow.get(60, blocking)))
+              for _ in range(4)]  # fmt: skip
+    for t in others:
+        t.start()
+    time.sleep(0.3)  # they are waiting by now
+    release.set()
+    for t in [first, *others]:
+        t.join(10)
+    assert calls == [1] and answers == [{"n": 1}] * 5 and slow.computed == 1

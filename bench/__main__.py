@@ -15,6 +15,7 @@ from bench import (
     cli_start,
     consume,
     dashboard,
+    decisions,
     dynamo_api,
     flood,
     freshness,
@@ -46,6 +47,7 @@ def main() -> None:
     router.main()  # on the lookup benchmark's index, beside SQL
     peers.main()  # the same index as events, into kvledger's core and Dynamo's RadixTree
     dynamo_api.main()  # Dynamo's POST /query from kvledger beside Dynamo's own indexer
+    decisions.main()  # no services: POST /v1/decisions beside the lookup before it
     produce.main()
     relay.main()
     freshness.main()  # an engine's batch to each reader, beside a raw ZMQ subscriber

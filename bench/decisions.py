@@ -1,0 +1,101 @@
+"""What a routing decision costs the lookup service, beside the lookup that preceded it.
+
+A router asks ``POST /v1/match`` for a prompt, sends the prompt to the best holder, then
+reports ``POST /v1/decisions`` (the instance becomes a provisional holder, and the record of
+what was offered and captured is written for the other replicas and the consumer). Both
+routes run on the service's event loop in memory mode, so a decision's cost is taken from
+the lookups' time.
+
+One in-memory router index holds a simulated fleet (8 engines, GPU and CPU tiers); each of
+``--prompts`` prompts (a system prompt cut anywhere, then fresh tokens) is looked up, then
+reported as sent to the lookup's best holder (or the first engine where none holds it),
+through the service's own app in this process (Starlette's test client: the handler and
+the framework, without sockets). The decision's record is encoded as the decisions topic
+carries it; producing it is the Kafka client's queue put, not timed here. The per-client
+rate limit is lifted: the handler's cost is measured, not the limit. Figures: p50 and p99
+of each, and the ratio decision / lookup.
+
+`python -m bench.decisions` runs it alone (bench/results/decisions/); `make bench` with the
+rest. No services.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+from starlette.testclient import TestClient
+
+from bench.common import PUBLISHED, publish, record
+from kvledger.consumer.lookup import http
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router.decisions import encode
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.router.provisional import Provisional
+from kvledger.fleet import FleetConfig
+from kvledger.schemas.codec import Codec
+from tests.helpers.streams import fleet_prompts, fleet_stream
+
+FLEET = FleetConfig(instances=8, requests=200, seed=29, gpu_capacity_blocks=256)
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(prompts: int = 3000) -> dict[str, Any]:
+    router = RouterIndex("127.0.0.1:9", "t", "g")  # never started: filled here
+    messages = fleet_stream(FLEET).messages
+    for i in range(0, len(messages), 500):
+        run_batch(messages[i : i + 500], Codec(), router.store, "g")
+    written: list[bytes] = []
+    http.DECISIONS_PER_CLIENT_S = 10**9  # the limit lifted (see the module docstring)
+    app = http.create_app(
+        router=router, provisional=Provisional(5.0),
+        silent_after=timedelta(days=36500),  # the simulated engines stopped long ago
+        share=lambda d, r: written.append(encode(d, r)),
+    )  # fmt: skip
+    bodies = [
+        {"model": FLEET.model, "token_ids": p} for p in fleet_prompts(FLEET, prompts, 7) if p
+    ]  # (a prompt cut to nothing is no prompt)
+    match_s, decide_s, held = [], [], 0
+    with TestClient(app) as client:
+        for body in bodies[:200]:  # warm
+            client.post("/v1/match", json=body)
+        for body in bodies:
+            start = time.perf_counter()
+            answer = client.post("/v1/match", json=body)
+            match_s.append(time.perf_counter() - start)
+            assert answer.status_code == 200, answer.text
+            ranked = answer.json()["ranked"]
+            instance = ranked[0]["instance"] if ranked else "engine-0"
+            start = time.perf_counter()
+            reported = client.post("/v1/decisions", json={**body, "instance": instance})
+            decide_s.append(time.perf_counter() - start)
+            assert reported.status_code == 202, reported.text
+            held += bool(ranked)
+    figures = {
+        "prompts": float(len(bodies)),
+        "prompts with a holder": float(held),
+        "records written": float(len(written)),
+        "POST /v1/match ms, p50": statistics.median(match_s) * 1e3,
+        "POST /v1/match ms, p99": _percentile(match_s, 0.99) * 1e3,
+        "POST /v1/decisions ms, p50": statistics.median(decide_s) * 1e3,
+        "POST /v1/decisions ms, p99": _percentile(decide_s, 0.99) * 1e3,
+        "ratio decision / lookup, p50": statistics.median(decide_s) / statistics.median(match_s),
+    }
+    record("decisions", figures)
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.decisions", description=__doc__)
+    parser.add_argument("--prompts", type=int, default=3000)
+    args = parser.parse_args()
+    out = publish({"decisions": main(args.prompts)}, PUBLISHED / "decisions",
+                  command="python -m bench.decisions")  # fmt: skip
+    print(f"wrote {', '.join(str(p) for p in out)}")

@@ -4,9 +4,10 @@ rust/README.md for what lives where and why.
 
 It is built for CPython's stable ABI (abi3, 3.11 and later: one build serves every later
 version). Where no Rust toolchain is found the build goes on without it (set
-KVLEDGER_REQUIRE_CORE=1 to make that an error, as CI does): the router then uses its
-pure-Python mask table and the codec fastavro, which answer identically; `kvledger
---version` says which is in use.
+KVLEDGER_REQUIRE_CORE=1 to make that an error, as CI does): what an engine needs to
+publish still works (the codec is then fastavro's, with the same bytes), and the router
+index, the core's alone, says in one line that it needs it; `kvledger --version` says
+which parts are in use.
 
 `pip install -e .` is a strict editable install: setuptools links each of the package's
 files into build/__editable__.*/ and puts that folder on sys.path. Its default instead

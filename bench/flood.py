@@ -13,7 +13,7 @@ import random
 import time
 
 from bench.common import record
-from kvledger.consumer.router.groups import COMPILED, Group
+from kvledger.consumer.router.groups import Group
 
 KEYS = 20_000
 _M = (1 << 64) - 1
@@ -73,7 +73,6 @@ def main() -> None:
             got = _timed(keys)
             best[name] = (min(best[name][0], got[0]), min(best[name][1], got[1]))
     record("masks_flood", {
-        "compiled_group": COMPILED,
         "keys": KEYS,
         "insert_random_ms": best["random"][0] * 1e3,
         "insert_crafted_ms": best["crafted"][0] * 1e3,

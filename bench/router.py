@@ -35,13 +35,12 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import groups
-from kvledger.consumer.router.groups import PureGroup
 from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex, collector_paused
 from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.topics import ensure_topic
+from tests.helpers.pure_router.group import PureGroup
 
 WIDE = timedelta(days=1)  # the generated instances publish nothing
 
@@ -171,7 +170,6 @@ def main(lookups: int = 2000) -> dict[str, float]:
     _timed(in_memory, prompts[:200])
     p50, p99, rate = _timed(in_memory, prompts)
     figures |= {"memory p50 us": p50, "memory p99 us": p99, "memory lookups/s": rate}
-    figures["memory: compiled group"] = float(groups.COMPILED)
     # The same chains asked by their tokens (what Dynamo's and llm-d's routers send): block
     # i of chain c holds 16 tokens c, so a prompt of chain c is its id 2,048 times.
     rng = random.Random(1)

@@ -69,13 +69,16 @@ def _describe(parser: argparse.ArgumentParser) -> None:
 
 
 def compiled_parts() -> dict[str, bool]:
-    """Which parts of the compiled core (kvledger._core, rust/) are in use: a part whose
-    core was not built, or turned off by its KVLEDGER_PURE_* variable, runs as pure Python
-    with the same answers."""
-    from kvledger.consumer.router import groups
+    """Which parts of the compiled core (kvledger._core, rust/) are in use. The router index
+    is the core's alone (an install without it cannot serve from memory, and says so); the
+    Avro codec without it, or with KVLEDGER_PURE_AVRO=1, is fastavro's, with the same
+    answers."""
+    import importlib.util
+
     from kvledger.schemas.codec import Codec
 
-    return {"router index": groups.COMPILED, "Avro codec": Codec()._compiled is not None}
+    core = importlib.util.find_spec("kvledger._core") is not None
+    return {"router index": core, "Avro codec": Codec()._compiled is not None}
 
 
 class _Version(argparse.Action):
@@ -84,7 +87,8 @@ class _Version(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
         parts = ", ".join(
-            f"{name} {'compiled' if on else 'pure Python'}" for name, on in compiled_parts().items()
+            f"{name} {'compiled' if on else 'missing' if name == 'router index' else 'pure Python'}"
+            for name, on in compiled_parts().items()
         )
         print(f"kvledger {__version__} ({parts})")
         parser.exit()

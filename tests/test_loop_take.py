@@ -1,4 +1,4 @@
-"""consumer/polling.py's take() on a real broker: a message is handed over when it arrives,
+"""consumer/loop.py's take() on a real broker: a message is handed over when it arrives,
 not when the batch fills or the wait runs out (``Consumer.consume(n, timeout)`` waited out
 its whole timeout for fewer than n messages, so every event of a light stream reached the
 router's index 0.2 s late)."""
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from kvledger.consumer.polling import take
+from kvledger.consumer.loop import take
 
 pytestmark = pytest.mark.integration
 

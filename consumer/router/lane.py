@@ -7,7 +7,7 @@ cost, not the index, bounds how fast a router keeps up. So :func:`run_router_bat
 batch in order and takes each store or removal event whose rules come down to "add these
 blocks' rows and references" or "take these references away" straight to its group
 (``store_run`` / ``release_run``: rust/src/group/events.rs, pure twin
-:mod:`.event_runs`). That is an event that:
+tests/helpers/pure_router/event_runs.py). That is an event that:
 
 - is valid as :func:`~kvledger.consumer.core.validate.check_envelope` and
   ``check_stored`` / ``check_removed`` say, with no extra keys;

@@ -36,7 +36,13 @@ from kvledger.consumer.core.model import (
     new_tuple,
 )
 from kvledger.consumer.core.validate import upgrades
-from kvledger.consumer.router.groups import BlockGroup, Group, PureGroup, SlotTable, dynamo_slots
+from kvledger.consumer.router.groups import (
+    BlockGroup,
+    Group,
+    SlotTable,
+    copies_hashes,
+    dynamo_slots,
+)
 from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
@@ -122,8 +128,8 @@ class RouterStore(StagedStore):
 
     def copies_hashes(self) -> bool:
         """Whether its groups copy the hash objects they are given (the compiled core's
-        do; the pure ones keep them)."""
-        return Group is not PureGroup
+        do; the pure twin keeps them)."""
+        return copies_hashes(Group)
 
     def set_clock(self, now: int) -> None:
         """The time (whole seconds) that stores and holders from now on stamp on the blocks

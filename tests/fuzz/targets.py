@@ -29,7 +29,6 @@ import atheris
 with atheris.instrument_imports():
     from kvledger import _core
     from kvledger.consumer.router import groups as store
-    from kvledger.consumer.router.groups import PureGroup
     from kvledger.producer.prepared import WireForm
     from kvledger.producer.relay import sglang
     from kvledger.producer.relay.trtllm import TrtllmReader
@@ -39,6 +38,7 @@ with atheris.instrument_imports():
     from kvledger.schemas.errors import DecodeError
     from kvledger.schemas.events import GroupSpec
     from tests.helpers.codecs import pure_codec
+    from tests.helpers.pure_router.group import PureGroup
 
 
 CODEC, PURE = Codec(), pure_codec()
@@ -104,7 +104,7 @@ KEYS = [bytes([i]) * n for i in range(6) for n in (8, 32)] + [b""]
 
 def group(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
-    groups = [store._CompiledGroup(), PureGroup()] if store._CompiledGroup else [PureGroup()]
+    groups = [store.Group(), PureGroup()]
 
     def key() -> bytes:
         if fdp.ConsumeBool():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.consumer.router import groups
 from kvledger.consumer.router import store as store_module
+from tests.helpers.pure_router.group import PureGroup
 
 KINDS = ["compiled", "pure"]
 
@@ -14,6 +14,4 @@ def use_group_kind(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the router's stores build groups of ``kind`` ("compiled": the core's, skipped
     where it is not in use; "pure": PureGroup) for the rest of the test."""
     if kind == "pure":
-        monkeypatch.setattr(store_module, "Group", groups.PureGroup)
-    elif not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
+        monkeypatch.setattr(store_module, "Group", PureGroup)

@@ -26,6 +26,7 @@ from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.dynamo import dynamo_seed
 from tests.helpers.group_kinds import KINDS, use_group_kind
+from tests.helpers.pure_router.group import PureGroup
 from tests.helpers.streams import fleet_prompts, fleet_stream
 
 if os.environ.get("CI") == "true":  # CI installs the dev extra: no skipping there
@@ -146,7 +147,7 @@ def test_every_block_keeps_dynamos_local_hash(router: RouterIndex) -> None:
 
 
 def test_lora_blocks_hash_with_their_adapter() -> None:
-    for kind in (groups.PureGroup, *([groups.Group] if groups.COMPILED else [])):
+    for kind in (PureGroup, groups.Group):
         g = kind()
         g.enable_dynamo()
         g.add_row(b"\x01" * 8, None, 0, [5, 6, 7, 8], 4, False, "adapter-x", True)
@@ -172,7 +173,7 @@ def test_runs_go_on_down_the_tiers_per_slot_in_both_twins() -> None:
     locals_ = dynamo.compute_block_hash_for_seq(tokens, 4)
     held = {0: [0, 1], 1: [0, 2, 3], 2: [4], 3: [1, 2, 3, 4], 4: [0], 5: [0]}
     answers = []
-    for kind in (groups.PureGroup, *([groups.Group] if groups.COMPILED else [])):
+    for kind in (PureGroup, groups.Group):
         g = kind()
         g.enable_dynamo()
         parent = None
@@ -221,7 +222,7 @@ def test_answers_sum_a_workers_ranks_alike_in_both_twins() -> None:
     import random
 
     rng = random.Random(5)
-    kinds = [groups.PureGroup, *([groups.Group] if groups.COMPILED else [])]
+    kinds = [PureGroup, groups.Group]
     for _ in range(200):
         workers = [(rng.randrange(4), rng.randrange(3), rng.choice([None, 5, 10]))
                    for _ in range(rng.randrange(1, 9))]  # fmt: skip

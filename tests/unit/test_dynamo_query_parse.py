@@ -11,14 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.consumer.lookup import dynamo_requests as api
-from kvledger.consumer.router import groups
-from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed, packed_block_hashes
-
-if not groups.COMPILED:
-    pytest.skip("the compiled core is not in use here", allow_module_level=True)
-
 from kvledger._core import dynamo_packed_hashes, dynamo_token_query
+from kvledger.consumer.lookup import dynamo_requests as api
+from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed, packed_block_hashes
 
 _ints = st.one_of(
     st.integers(0, 2**32 - 1), st.integers(-(2**70), 2**70), st.booleans(), st.floats(),

@@ -4,7 +4,6 @@ every lookup alike (by hashes, at hash granularity, by tokens)."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -16,13 +15,9 @@ from hypothesis import strategies as st
 
 from bench.flood import crafted_keys
 from kvledger.consumer.router import groups as store
-from kvledger.consumer.router.groups import PureGroup
+from tests.helpers.pure_router.group import PureGroup
 
-Compiled = store._CompiledGroup
-compiled = pytest.mark.skipif(
-    Compiled is None and os.environ.get("CI") != "true",
-    reason="the compiled core was not built (no Rust toolchain); CI requires it",
-)
+Compiled = store.Group  # the router's groups are the compiled core's (its import says so)
 
 # Few distinct keys of several lengths (8-byte int64 forms, 32-byte digests, odd sizes), so
 # that operations meet the same keys again; holder ids across word boundaries (0..199, and
@@ -93,7 +88,6 @@ def apply(group: object, operations: list[tuple]) -> list[int]:  # type: ignore[
     return dropped
 
 
-@compiled
 @settings(max_examples=300, deadline=None)
 @given(ops, PROMPTS, TOKENS, st.integers(1, 4), st.sampled_from([(2, 2), (4, 2), (2, 1), (4, 4)]),
        st.sampled_from(LORAS), st.sampled_from(SALTS))  # fmt: skip
@@ -122,7 +116,6 @@ def test_the_compiled_group_answers_as_the_pure_one(
     )
 
 
-@compiled
 def test_a_long_chain_is_walked_by_tokens_as_the_pure_group_walks_it() -> None:
     """A thousand-block prompt (chains that branch, holders at several depths, a partial
     tail): the same runs from both groups, and from a walk by the chain's hashes."""
@@ -156,7 +149,6 @@ def test_a_long_chain_is_walked_by_tokens_as_the_pure_group_walks_it() -> None:
     assert sorted(fast.runs(chain)) == sorted(pure.runs(chain))
 
 
-@compiled
 @pytest.mark.parametrize("twin_first", [True, False])
 def test_a_walk_down_consecutive_rows_finds_every_row_of_a_shared_content(
     twin_first: bool,
@@ -187,7 +179,6 @@ def test_a_walk_down_consecutive_rows_finds_every_row_of_a_shared_content(
         assert sorted(fast.match_tokens(prompt, 2, 2, None)) == want
 
 
-@compiled
 @pytest.mark.parametrize("moved_next_to_parent", [True, False])
 def test_a_block_stored_again_under_a_twin_parent_is_still_walked(
     moved_next_to_parent: bool,
@@ -214,7 +205,6 @@ def test_a_block_stored_again_under_a_twin_parent_is_still_walked(
     assert sorted(fast.match_tokens([1, 2, 3, 4], 2, 2, None)) == want
 
 
-@compiled
 def test_rows_without_content_come_and_go_as_they_are_held() -> None:
     """A hash held before its store (or named only as a parent) is a row without content:
     no block in the views, gone when nothing holds or names it; many such rows, removed in
@@ -237,7 +227,6 @@ def test_rows_without_content_come_and_go_as_they_are_held() -> None:
     assert fast.runs(keys[15_000:15_003]) == pure.runs(keys[15_000:15_003])
 
 
-@compiled
 def test_the_compiled_group_refuses_what_is_not_a_hash() -> None:
     assert Compiled is not None
     g = Compiled()
@@ -252,16 +241,24 @@ def test_the_compiled_group_refuses_what_is_not_a_hash() -> None:
     assert g.row(b"k") is None and g.match_tokens([1, 2], 0, 0, None) == []
 
 
-def test_ci_builds_the_compiled_group() -> None:
-    if os.environ.get("CI") == "true":
-        assert store.COMPILED, "CI must build the compiled core (rust/: is cargo there?)"
-    else:
-        assert (
-            Compiled is not None and os.environ.get("KVLEDGER_PURE_ROUTER", "") in ("", "0")
-        ) == store.COMPILED
+def test_an_install_without_the_core_says_the_router_needs_it() -> None:
+    """The router index is the compiled core's alone: without it, importing the router
+    fails with one sentence saying what to install, not an ImportError of a private name."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['kvledger._core'] = None\n"
+        "try:\n    import kvledger.consumer.router.groups\n"
+        "except ImportError as e:\n    print(type(e).__name__, e)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60)  # fmt: skip
+    assert done.stdout.startswith("MissingCoreError the router index needs kvledger's "
+                                  "compiled core"), done.stdout  # fmt: skip
+    assert "Rust toolchain (cargo)" in done.stdout
 
 
-@compiled
 def test_the_groups_hash_is_keyed_per_group_and_process() -> None:
     """Where a key lands depends on a secret seed of each group, not on the key alone: the
     same key hashes differently in two groups of one process and in two processes, and keys
@@ -280,7 +277,6 @@ def test_the_groups_hash_is_keyed_per_group_and_process() -> None:
     assert len(buckets) > 4000  # 4,096 keys in 2**24 buckets: a collision or two at most
 
 
-@compiled
 def test_a_cycle_of_parents_is_walked_as_the_pure_group_walks_it() -> None:
     """Parent links that loop (a block re-stored under its own child, or under itself) once
     made the compiled group's content keys chase each other for ever (found by fuzzing):
@@ -307,7 +303,7 @@ def test_a_cycle_of_parents_is_walked_as_the_pure_group_walks_it() -> None:
     assert fast.match_tokens([1, 2, 3, 4], 2, 2, None) == [(0, 2, 4)]
 
 
-@pytest.mark.parametrize("make", [PureGroup, pytest.param(Compiled, marks=compiled)])
+@pytest.mark.parametrize("make", [PureGroup, Compiled])
 def test_a_salted_prompt_is_walked_from_its_salted_first_block(make: type) -> None:
     """A first block whose only extra key is a cache salt starts the walk of that salt; its
     children are reached through it; the same tokens unsalted are another walk."""
@@ -325,7 +321,6 @@ def test_a_salted_prompt_is_walked_from_its_salted_first_block(make: type) -> No
     assert g.dynamo_local(b"s0") is None and g.dynamo_local(b"p0") is not None
 
 
-@compiled
 def test_token_ids_of_every_width_are_kept_and_matched_exactly() -> None:
     """The core packs a block's ids at 2, 3 or 4 bytes each (the fewest its largest needs):
     rows come back as stored, and an id that only agrees in the bytes a narrower block
@@ -352,7 +347,6 @@ def test_token_ids_of_every_width_are_kept_and_matched_exactly() -> None:
         )
 
 
-@compiled
 def test_token_ids_in_an_int32_buffer_are_taken_as_a_list_of_them_is() -> None:
     """A prompt's ids may come packed (array('i'), a NumPy int32 array, a strided view):
     the compiled group copies them whole, and answers and stores as from a list, as the

@@ -1,11 +1,11 @@
-"""The pure holder-mask table (consumer.router.masks.MaskDict) and the run walk; the
+"""The pure holder-mask table (tests/helpers/pure_router/masks.py's MaskDict) and the run walk; the
 compiled core's groups are held to the pure ones in tests/unit/test_group.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvledger.consumer.router.masks import MaskDict, runs
+from tests.helpers.pure_router.masks import MaskDict, runs
 
 
 def test_runs() -> None:

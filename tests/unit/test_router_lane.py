@@ -10,13 +10,15 @@ import pytest
 
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import event_runs, groups
+from kvledger.consumer.router import groups
 from kvledger.consumer.router.lane import run_router_batch
 from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import GroupSpec
 from tests.helpers.group_kinds import KINDS, use_group_kind
+from tests.helpers.pure_router import event_runs
+from tests.helpers.pure_router.group import PureGroup
 from tests.helpers.streams import (
     Stream,
     cleared,
@@ -119,11 +121,9 @@ def _group_state(g: Any) -> tuple[Any, ...]:
 
 
 def test_store_run_and_release_run_agree_compiled_and_pure() -> None:
-    if not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
     for seed in range(40):
         rng = random.Random(seed)
-        compiled, pure = groups.Group(), groups.PureGroup()
+        compiled, pure = groups.Group(), PureGroup()
         for _ in range(120):
             hid, reports = rng.randrange(3), rng.random() < 0.3
             if rng.random() < 0.65:
@@ -137,7 +137,7 @@ def test_store_run_and_release_run_agree_compiled_and_pure() -> None:
 
 
 def test_store_run_declines_what_the_rules_decide() -> None:
-    g = groups.PureGroup()
+    g = PureGroup()
     one = (1).to_bytes(8, "big")
     assert event_runs.store_run(g, [one], None, 0, [1, 2], 2, False, None, 0, False) == 0
     # the same content again, by another holder: applied
@@ -160,9 +160,7 @@ def test_store_run_declines_what_the_rules_decide() -> None:
 def test_store_run_declines_a_store_naming_its_parent_among_its_hashes(compiled: bool) -> None:
     """A block would be its own ancestor: the rules decide it (declined, nothing changed),
     wherever among the hashes the parent is, compiled and pure alike."""
-    if compiled and not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
-    g = groups.Group() if compiled else groups.PureGroup()
+    g = groups.Group() if compiled else PureGroup()
     keys = [k.to_bytes(8, "big") for k in range(1, 40)]
     for at in (0, 5, 38):
         assert g.store_run(keys, keys[at], None, list(range(78)), 2, False, None, 0, False) is None
@@ -174,11 +172,9 @@ def test_store_run_declines_a_store_naming_its_parent_among_its_hashes(compiled:
 def test_a_placeholder_keeps_a_size_zero_rows_tokens_compiled_and_pure() -> None:
     """Found by fuzzing: a placeholder store over a row of block size 0 that has tokens
     stores the row again as it is, tokens included, in both twins."""
-    if not groups.COMPILED:
-        pytest.skip("the compiled core is not in use here")
     one = (1).to_bytes(8, "big")
     states = []
-    for g in (groups.Group(), groups.PureGroup()):
+    for g in (groups.Group(), PureGroup()):
         g.add_row(one, None, 2, [3, 1, 2], 0, True, None, True)
         assert g.store_run([one], None, None, [], 0, False, None, 5, False) == 0
         states.append(_group_state(g))

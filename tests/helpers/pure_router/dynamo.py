@@ -1,6 +1,6 @@
 """The pure twin of the compiled core's Dynamo view of a group (rust/src/group/dynamo.rs,
 rust/src/dynamo_answer.rs): :class:`DynamoWalk`, the Dynamo methods of
-:class:`~kvledger.consumer.router.groups.PureGroup` (each block's Dynamo local hash, a walk
+:class:`~tests.helpers.pure_router.group.PureGroup` (each block's Dynamo local hash, a walk
 by those hashes, and a /query answer from it), and :class:`PureDynamoSlots`, what such an
 answer needs beside the walk. They answer as the core does (tests/unit/test_dynamo_api.py).
 """
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvledger.consumer.router.masks import MaskDict, bits
 from kvledger.schemas.dynamo import dynamo_block_hashes, packed_block_hashes
+from tests.helpers.pure_router.masks import MaskDict, bits
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.groups import Row
+    from tests.helpers.pure_router.group import Row
 
 Run = tuple[int, int, int, int]  # (slot, blocks on GPU, through CPU, through storage)
 

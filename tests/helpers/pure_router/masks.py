@@ -1,7 +1,7 @@
 """The pure router's holder masks: block hash -> a bitmask of holder ids, probed a prompt at a
 time, and beside each held hash its block's token end (so that a block-granularity walk
 reports matched tokens without a second probe per holder). ``MaskDict`` is what
-:class:`~kvledger.consumer.router.groups.PureGroup` keeps; the compiled core's groups hold
+:class:`~tests.helpers.pure_router.group.PureGroup` keeps; the compiled core's groups hold
 the same masks natively (rust/src/group.rs, rust/src/masks.rs).
 """
 

@@ -1,5 +1,5 @@
 """A whole store or removal event applied to one group in one call (the pure twin of
-rust/src/group/events.rs), for the router's fast lane (:mod:`.lane`).
+rust/src/group/events.rs), for the router's fast lane (consumer/router/lane.py).
 
 Most events a fleet sends store blocks that are new to the group or that another holder
 stored already with the same content, or remove blocks a holder holds. For those the index
@@ -10,9 +10,9 @@ whatever their rows hold), and declines, changing nothing, an event where a rule
 more: a block already stored with other content or position, a hash twice. The caller then
 plans that event with the rules.
 
-Written with the methods every :class:`~.groups.BlockGroup` has, so it is the rules' own
-reading; the compiled group's ``store_run`` must agree with it on every input
-(tests/unit/test_router_lane.py).
+Written with the methods every :class:`~kvledger.consumer.router.groups.BlockGroup` has, so
+it is the rules' own reading; the compiled group's ``store_run`` must agree with it on every
+input (tests/unit/test_router_lane.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The router's pure-Python reference implementations (see group.py)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
+from typing import TypeGuard
 
 from kvledger.consumer.core.model import ModelChange, SourceLife
 from kvledger.consumer.inbound import Inbound
@@ -78,18 +79,13 @@ class Lives:
         if self.last_ms.get(source, -1) < ms:
             self.last_ms[source] = ms
         life = self.changed.get(source) or self.snap.get(source)
-        if (
-            life is None
-            or env.epoch > life.epoch
-            or life.closed_at is not None
-            or env.model != life.model
-            or isinstance(env.event, Heartbeat | Goodbye)
-        ):
-            self.changed[source] = seen(life, env, utc(ms))
-            if life is not None and env.model != life.model:
-                self.model_changes.append(ModelChange(source, life.model, env.model, utc(ms)))
-        elif source not in self.changed:
-            self.changed[source] = life
+        if leaves_life(life, env):
+            if source not in self.changed:
+                self.changed[source] = life
+            return
+        self.changed[source] = seen(life, env, utc(ms))
+        if life is not None and env.model != life.model:
+            self.model_changes.append(ModelChange(source, life.model, env.model, utc(ms)))
 
     def result(self) -> dict[str, SourceLife]:
         out = {}
@@ -97,6 +93,19 @@ class Lives:
             last = utc(self.last_ms[source])
             out[source] = replace(life, last_seen=last) if last > life.last_seen else life
         return out
+
+
+def leaves_life(life: SourceLife | None, env: Envelope) -> TypeGuard[SourceLife]:
+    """Whether a message leaves its source's life as it is, but for when it was last seen:
+    a known source, not closed, of the same model, no newer epoch, and neither a heartbeat
+    nor a goodbye (the router's fast lane takes only such messages)."""
+    return (
+        life is not None
+        and env.epoch <= life.epoch
+        and life.closed_at is None
+        and env.model == life.model
+        and not isinstance(env.event, Heartbeat | Goodbye)
+    )
 
 
 def utc(ms: int) -> datetime:

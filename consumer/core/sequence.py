@@ -46,6 +46,12 @@ def advance(
             first.gap_count, first.missing_events = 1, seq
             return Verdict.GAP, first
         return Verdict.OK, first
+    if in_step(state, epoch, seq):  # the usual case: the stream only moves on
+        nxt = state if in_place else state.copy()
+        verdict = Verdict.GAP if forward(nxt, seq) else Verdict.OK
+        last = nxt.last_event_time
+        nxt.last_event_time = when if last is None else max(last, when)
+        return verdict, nxt
     if epoch < state.epoch:
         return Verdict.STALE, None
     if epoch == state.epoch and seq > state.last_seq + MAX_JUMP:
@@ -68,6 +74,17 @@ def advance(
     last = nxt.last_event_time
     nxt.last_event_time = when if last is None else max(last, when)
     return verdict, nxt
+
+
+def in_step(state: SourceState | None, epoch: int, seq: int) -> bool:
+    """Whether a message only moves its stream on: the stream's current epoch, past its
+    last number, within ``MAX_JUMP`` (``advance`` then does :func:`forward` and no more; the
+    router's fast lane takes such a message straight to its group)."""
+    return (
+        state is not None
+        and epoch == state.epoch
+        and state.last_seq < seq <= state.last_seq + MAX_JUMP
+    )
 
 
 def forward(state: SourceState, seq: int) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from kvledger.consumer.core.lifecycle import utc
+from kvledger.consumer.core.lifecycle import leaves_life, utc
 from kvledger.consumer.core.model import (
     PRIMARY_OWNERSHIP,
     Plan,
@@ -39,7 +39,7 @@ from kvledger.consumer.core.model import (
 )
 from kvledger.consumer.core.needs import needs
 from kvledger.consumer.core.plan import make_plan
-from kvledger.consumer.core.sequence import MAX_JUMP, forward
+from kvledger.consumer.core.sequence import forward, in_step
 from kvledger.consumer.core.validate import check_envelope, check_removed, check_stored
 from kvledger.consumer.inbound import Decoded, Inbound, decode
 from kvledger.consumer.pipeline import fence_points, warn_model_changes
@@ -146,7 +146,7 @@ class _Lane:
         self.tally.messages += plan.messages
         self.tally.block_events += plan.block_events
 
-    def _apply(self, d: Decoded, env: Envelope) -> bool:  # noqa: C901 - see the docstring
+    def _apply(self, d: Decoded, env: Envelope) -> bool:
         """Apply a store or removal in the fast lane; False (nothing changed) when it is
         not one the lane takes (see the module doc). The store's keys are NamedTuples,
         found here by the plain tuples they equal and hash as (no NamedTuple made)."""
@@ -158,17 +158,11 @@ class _Lane:
         group = ev.group_idx if ev.group_idx is not None else DEFAULT_GROUP_IDX
         stream = (source, model, group)
         state = store.sources.get(stream)  # type: ignore[call-overload]
-        if (
-            state is None
-            or env.epoch != state.epoch
-            or not state.last_seq < seq <= state.last_seq + MAX_JUMP
-        ):
+        # The rules' own predicates (consumer/core): only a message that moves its stream on
+        # and says nothing new of its source's life is taken here.
+        if not in_step(state, env.epoch, seq) or not leaves_life(store.lives.get(source), env):
             return False
-        life = store.lives.get(source)
-        if life is None or life.epoch < env.epoch or life.closed_at is not None:
-            return False
-        if life.model != model:
-            return False
+        assert state is not None
         g = store.groups.get((model, group))  # type: ignore[call-overload]
         medium = ev.medium if ev.medium is not None else DEFAULT_MEDIUM
         hid = store.holder_ids.get((source, medium, ev.ownership or PRIMARY_OWNERSHIP))

@@ -265,9 +265,11 @@ class RouterIndex:
         )  # fmt: skip
         try:
             loop.run()
-        except NotAuthorizedError as exc:  # say why in position(), as for any other stop
-            self.error = str(exc)
-            logger.error("router stopped following the topic: %s", exc)
+        except Exception as exc:  # a refusal, or no new client after a fatal error
+            self.error = str(exc) if isinstance(exc, NotAuthorizedError) else (
+                f"{type(exc).__name__}: {exc}"
+            )  # fmt: skip
+            logger.error("router stopped following the topic: %s", self.error)
 
     def apply(self, batch: Sequence[Inbound]) -> None:
         """Apply consumed messages, in log order, through the pipeline into the store.

@@ -114,3 +114,25 @@ def test_a_sink_or_the_stop_event_ends_the_loop() -> None:
     script = Script([[msg(0, 1)]])
     run(script, stopped)
     assert script.calls == []
+
+
+def test_a_router_whose_loop_fails_says_why_in_its_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refusal, or a client that cannot be made again after a fatal error, ends the
+    router's tail: its position says why (a stopped router answers /healthz 503)."""
+    from kvledger.consumer import loop
+    from kvledger.consumer.router.index import RouterIndex
+
+    for raised, said in (
+        (NotAuthorizedError("the broker refused the router"), "the broker refused the router"),
+        (RuntimeError("no broker"), "RuntimeError: no broker"),
+    ):
+        router = RouterIndex("127.0.0.1:9", "t", "g")  # never started
+
+        def fail(_self: object, exc: Exception = raised) -> None:
+            raise exc
+
+        monkeypatch.setattr(loop.LogLoop, "run", fail)
+        router._tail()
+        assert router.error == said  # what position() reports

@@ -10,7 +10,7 @@ SERVICES := scripts/services
 # then no local service is started.
 USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 
-.PHONY: lock venv services services-down demo test test-containers containers lint unit fuzz bench lab clean
+.PHONY: relink lock venv services services-down demo test test-containers containers lint unit fuzz bench lab clean
 
 venv: $(VENV)/.installed
 
@@ -24,16 +24,22 @@ PACKAGE_FILES := $(VENV)/.package-files
 $(shell mkdir -p $(VENV) && find -L kvledger -type f ! -path '*/__pycache__/*' ! -name '*.so' \
 	| LC_ALL=C sort > $(PACKAGE_FILES).now && { cmp -s $(PACKAGE_FILES).now $(PACKAGE_FILES) \
 	|| mv $(PACKAGE_FILES).now $(PACKAGE_FILES); }; rm -f $(PACKAGE_FILES).now)
+# The strict install's folder of links gone (build/ cleaned): installed again.
+LINKED := $(wildcard build/__editable__.kvledger-*)
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES) scripts/vendor-ui \
-		$(PACKAGE_FILES)
+		$(PACKAGE_FILES) $(if $(LINKED),,relink)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing kvledger into $(VENV) and building its compiled core (rust/):" \
 		"a minute or two the first time, seconds after"
 	@$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	@$(if $(filter true,$(CI)),KVLEDGER_REQUIRE_CORE=1) $(PY) -m pip install -q \
-		--disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@# (setuptools' banner about the strict install's folder of links is silenced: setup.py
+	@# says why the install is strict, and this target makes the folder again when it is gone.)
+	@$(if $(filter true,$(CI)),KVLEDGER_REQUIRE_CORE=1) PYTHONWARNINGS="ignore:Editable installation" \
+		$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@$(PY) scripts/vendor-ui
 	@touch $@
+
+relink:
 
 lock: venv
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'

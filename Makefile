@@ -21,9 +21,11 @@ CORE_SOURCES := rust/Cargo.toml rust/Cargo.lock $(wildcard rust/src/*.rs rust/sr
 # The editable install links each file of the package (setup.py says why), so a file added
 # or removed brings the install again: $(PACKAGE_FILES) changes only when the list does.
 PACKAGE_FILES := $(VENV)/.package-files
-$(shell mkdir -p $(VENV) && find -L kvledger -type f ! -path '*/__pycache__/*' ! -name '*.so' \
-	| LC_ALL=C sort > $(PACKAGE_FILES).now && { cmp -s $(PACKAGE_FILES).now $(PACKAGE_FILES) \
-	|| mv $(PACKAGE_FILES).now $(PACKAGE_FILES); }; rm -f $(PACKAGE_FILES).now)
+# (Not the vendored chart library: the dashboard reads it through the links' targets.)
+$(shell mkdir -p $(VENV) && find -L kvledger -type f ! -path '*/__pycache__/*' \
+	! -path '*/ui/vendor/*' ! -name '*.so' | LC_ALL=C sort > $(PACKAGE_FILES).now \
+	&& { cmp -s $(PACKAGE_FILES).now $(PACKAGE_FILES) || mv $(PACKAGE_FILES).now $(PACKAGE_FILES); }; \
+	rm -f $(PACKAGE_FILES).now)
 # The strict install's folder of links gone (build/ cleaned): installed again.
 LINKED := $(wildcard build/__editable__.kvledger-*)
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(CORE_SOURCES) scripts/vendor-ui \

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvledger.consumer.retention_policy import duration_arg
 from kvledger.options import add_registry_args, db_arg, log_args
 from kvledger.parsers import COUNT, NON_NEGATIVE, PORT_OR_OFF, SECONDS, add, command
-from kvledger.schemas.events import SPEC_KINDS
+from kvledger.schemas.kinds import SPEC_KINDS
 
 if TYPE_CHECKING:
     from kvledger.parsers import Subparsers

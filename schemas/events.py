@@ -15,6 +15,9 @@ from dataclasses import dataclass, replace
 
 from kvledger.schemas.hashing import to_int64_bytes
 
+# vLLM's KV cache spec kinds (a module of their own: the command line reads them).
+from kvledger.schemas.kinds import SPEC_KINDS
+
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
@@ -31,21 +34,6 @@ DEFAULT_MEDIUM = MEDIUM_GPU
 
 LOCALITIES = ("LOCAL", "REMOTE")
 
-# vLLM's KV cache spec kinds. Placeholders (block_size 0) are legitimate only for the kinds
-# whose offloaded chunks carry no self-describing payload.
-FULL_ATTENTION_KINDS = frozenset(
-    {
-        "full_attention",
-        "mla_attention",
-        "sink_full_attention",
-        "encoder_only_attention",
-        "cross_attention",
-    }
-)
-PLACEHOLDER_KINDS = frozenset(
-    {"sliding_window", "sliding_window_mla", "mamba", "chunked_local_attention"}
-)
-SPEC_KINDS = FULL_ATTENTION_KINDS | PLACEHOLDER_KINDS | {"unknown"}
 # Recurrent state groups (Mamba, linear attention): from vLLM 0.34 their offloaded chunks
 # are announced as state checkpoints (see BlockStored.is_state_checkpoint).
 RECURRENT_KINDS = frozenset({"mamba"})

@@ -12,7 +12,6 @@ from enum import StrEnum
 
 from kvledger.consumer.core.model import BlockRow, HeldSpec, new_tuple
 from kvledger.schemas.events import (
-    FULL_ATTENTION_KINDS,
     MEDIUMS,
     RECURRENT_KINDS,
     AllBlocksCleared,
@@ -24,6 +23,7 @@ from kvledger.schemas.events import (
     Heartbeat,
     group_of,
 )
+from kvledger.schemas.kinds import FULL_ATTENTION_KINDS
 from kvledger.schemas.topics import message_key
 
 # Bounds that keep one message from exhausting the consumer (a 1 MiB Kafka message cannot

@@ -11,25 +11,26 @@ from typing import Any
 
 from kvledger.consumer.lookup.requests import MAX_HASHES, MAX_NAME_CHARS, MAX_TOKENS
 
-_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
-_ERROR = {"$ref": "#/components/schemas/Error"}
+NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
+ERROR_REF = {"$ref": "#/components/schemas/Error"}
 
 
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+def response(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """A JSON response of ``schema``."""
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
-_ERRORS = {
-    "400": _json(_ERROR, "The request is malformed; `error` says how"),
-    "401": _json(_ERROR, "A bearer token is required (the service runs with --token-file)"),
+RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
+ERRORS = {
+    "400": response(ERROR_REF, "The request is malformed; `error` says how"),
+    "401": response(ERROR_REF, "A bearer token is required (the service runs with --token-file)"),
     "503": {
-        **_json(
-            _ERROR,
+        **response(
+            ERROR_REF,
             "The database is busy or unavailable, a lookup ran past its timeout, or the "
             "index schema is missing (run `kvledger migrate`)",
         ),
-        "headers": _RETRY_AFTER,
+        "headers": RETRY_AFTER,
     },
 }
 
@@ -45,7 +46,7 @@ SCHEMAS: dict[str, Any] = {
         "required": ["model"],
         "description": "Exactly one of `hashes` and `token_ids`.",
         "properties": {
-            "model": _NAME,
+            "model": NAME,
             "group_idx": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1, "default": 0},
             "hashes": {
                 "type": "array",
@@ -78,9 +79,9 @@ SCHEMAS: dict[str, Any] = {
                 "description": "With hashes: the answer as of this time (with a time zone), "
                 "within the retained history (else a 410)",
             },
-            "lora_name": {**_NAME, "description": "With token_ids: only this adapter's blocks"},
+            "lora_name": {**NAME, "description": "With token_ids: only this adapter's blocks"},
             "cache_salt": {
-                **_NAME,
+                **NAME,
                 "description": "With token_ids: the cache salt the engine hashed the prompt "
                 "with (the walk starts at the first blocks of that salt)",
             },
@@ -281,10 +282,10 @@ DOCUMENT: dict[str, Any] = {
                     },
                 },
                 "responses": {
-                    "200": _json({"$ref": "#/components/schemas/MatchAnswer"}, "The match"),
-                    **_ERRORS,
-                    "410": _json(
-                        _ERROR,
+                    "200": response({"$ref": "#/components/schemas/MatchAnswer"}, "The match"),
+                    **ERRORS,
+                    "410": response(
+                        ERROR_REF,
                         "`at` is before the retained history (retention dropped it); `error` "
                         "says where the retained history starts",
                     ),
@@ -305,11 +306,11 @@ DOCUMENT: dict[str, Any] = {
                     },
                 },
                 "responses": {
-                    "202": _json({"$ref": "#/components/schemas/DecisionAnswer"}, "Held"),
-                    **_ERRORS,
+                    "202": response({"$ref": "#/components/schemas/DecisionAnswer"}, "Held"),
+                    **ERRORS,
                     "429": {
-                        **_json(_ERROR, "This client reported over 2,000 decisions a second"),
-                        "headers": _RETRY_AFTER,
+                        **response(ERROR_REF, "This client reported over 2,000 decisions a second"),
+                        "headers": RETRY_AFTER,
                     },
                 },
             }
@@ -331,12 +332,12 @@ DOCUMENT: dict[str, Any] = {
                     }
                 ],
                 "responses": {
-                    "200": _json(
+                    "200": response(
                         {"type": "array", "items": {"$ref": "#/components/schemas/Block"}},
                         "Its rows (one per model and group)",
                     ),
-                    "404": _json(_ERROR, "Unknown block hash"),
-                    **_ERRORS,
+                    "404": response(ERROR_REF, "Unknown block hash"),
+                    **ERRORS,
                 },
             }
         },
@@ -356,11 +357,11 @@ DOCUMENT: dict[str, Any] = {
                     }
                 ],
                 "responses": {
-                    "200": _json(
+                    "200": response(
                         {"type": "object", "required": ["mode", "minutes", "fleet"]},
                         "The window's figures (docs/operations.md)",
                     ),
-                    **_ERRORS,
+                    **ERRORS,
                 },
             }
         },
@@ -370,8 +371,8 @@ DOCUMENT: dict[str, Any] = {
                 "summary": "The service answers (no token needed)",
                 "security": [{}],
                 "responses": {
-                    "200": _json({"$ref": "#/components/schemas/Health"}, "Healthy"),
-                    "503": _json({"$ref": "#/components/schemas/Health"}, "Not serving"),
+                    "200": response({"$ref": "#/components/schemas/Health"}, "Healthy"),
+                    "503": response({"$ref": "#/components/schemas/Health"}, "Not serving"),
                 },
             }
         },
@@ -384,7 +385,7 @@ DOCUMENT: dict[str, Any] = {
                         "description": "Metrics",
                         "content": {"text/plain": {"schema": {"type": "string"}}},
                     },
-                    "401": _ERRORS["401"],
+                    "401": ERRORS["401"],
                 },
             }
         },
@@ -394,7 +395,7 @@ DOCUMENT: dict[str, Any] = {
                 "summary": "What this service is, its mode and its routes (no token needed)",
                 "security": [{}],
                 "responses": {
-                    "200": _json(
+                    "200": response(
                         {
                             "type": "object",
                             "required": ["service", "version", "mode", "routes", "openapi"],
@@ -417,161 +418,19 @@ DOCUMENT: dict[str, Any] = {
                 "operationId": "openapi",
                 "summary": "This document (no token needed)",
                 "security": [{}],
-                "responses": {"200": _json({"type": "object"}, "The OpenAPI document")},
+                "responses": {"200": response({"type": "object"}, "The OpenAPI document")},
             }
         },
     },
 }
 
 
-# ---------------------------------------------------------------------- Dynamo's API
-# With `serve --dynamo-api`: NVIDIA Dynamo's KV-indexer routes, with Dynamo's JSON and status
-# codes (consumer/lookup/dynamo.py says how kvledger answers them).
-_DYNAMO_ERRORS = {
-    "400": _json(_ERROR, "The body is not JSON (or not valid text)"),
-    "401": _ERRORS["401"],
-    "413": _json(_ERROR, "The body, or a list in it, is over its bound"),
-    "422": _json(_ERROR, "A field is missing or of the wrong type (all of them are named)"),
-}
-_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
-_ROUTING = {"type": "string", "default": "default",
-            "description": "`default` is kvledger's group 0; digits N are group N"}  # fmt: skip
-DYNAMO_SCHEMAS: dict[str, Any] = {
-    "DynamoQuery": {
-        "type": "object",
-        "required": ["token_ids", "model_name"],
-        "properties": {
-            "token_ids": _TOKENS,
-            "model_name": {"type": "string"},
-            "routing_group": _ROUTING,
-            "lora_name": {"type": ["string", "null"]},
-        },
-    },
-    "DynamoQueryByHash": {
-        "type": "object",
-        "required": ["block_hashes", "model_name"],
-        "properties": {
-            "block_hashes": {
-                "type": "array",
-                "items": {"type": "integer"},
-                "description": "Dynamo's local block hashes (i64 or u64)",
-            },
-            "model_name": {"type": "string"},
-            "routing_group": _ROUTING,
-        },
-    },
-    "DynamoScores": {
-        "type": "object",
-        "required": ["scores", "frequencies", "instances"],
-        "properties": {
-            "scores": {
-                "type": "object",
-                "description": "worker id -> data-parallel rank -> tokens matched on GPU",
-                "additionalProperties": {
-                    "type": "object",
-                    "additionalProperties": {"type": "integer"},
-                },
-            },
-            "frequencies": {"type": "array", "items": {"type": "integer"}},
-            "instances": {
-                "type": "object",
-                "description": "worker id -> tokens matched per tier, each lower tier "
-                "continuing from where the tier above ended",
-                "additionalProperties": {"type": "object"},
-            },
-        },
-    },
-    "DynamoRegistration": {
-        "type": "object",
-        "required": ["instance_id", "model_name", "endpoint", "block_size"],
-        "properties": {
-            "instance_id": {"type": "integer", "minimum": 0},
-            "model_name": {"type": "string", "maxLength": 256},
-            "endpoint": {"type": "string", "maxLength": 2048},
-            "block_size": {"type": "integer", "minimum": 1},
-            "routing_group": _ROUTING,
-            "source": {
-                "type": "string",
-                "maxLength": 256,
-                "description": "kvledger's: the source this worker id names (only one "
-                "not seen yet, or the id it has)",
-            },
-        },
-    },
-    "DynamoWorker": {
-        "type": "object",
-        "required": ["instance_id", "status", "model_name", "routing_group", "block_size"],
-        "properties": {
-            "instance_id": {"type": "integer"},
-            "source": {"type": "string"},
-            "status": {"enum": ["pending", "active", "paused"]},
-            "model_name": {"type": "string"},
-            "routing_group": {"type": "string"},
-            "block_size": {"type": "integer"},
-            "endpoints": {"type": "object"},
-            "listeners": {"type": "object"},
-            "kvledger_source": {"type": ["string", "null"]},
-        },
-    },
-    "DynamoStatus": {
-        "type": "object",
-        "required": ["status"],
-        "properties": {"status": {"type": "string"}},
-    },
-}
-
-
-def _dynamo_post(operation: str, summary: str, schema: str, answer: str,
-                 status: str = "200") -> dict[str, Any]:  # fmt: skip
-    ref = {"$ref": f"#/components/schemas/{schema}"}
-    return {"post": {
-        "operationId": operation, "summary": summary, "tags": ["dynamo"],
-        "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-        "responses": {status: _json({"$ref": f"#/components/schemas/{answer}"}, "Done"),
-                      **_DYNAMO_ERRORS},
-    }}  # fmt: skip
-
-
-DYNAMO_PATHS: dict[str, Any] = {
-    "/query": _dynamo_post("dynamo_query", "Dynamo: each worker's match of a prompt's tokens",
-                           "DynamoQuery", "DynamoScores"),
-    "/query_by_hash": _dynamo_post("dynamo_query_by_hash", "Dynamo: each worker's match of "
-                                   "a prompt's local block hashes", "DynamoQueryByHash",
-                                   "DynamoScores"),
-    "/register": _dynamo_post("dynamo_register", "Dynamo: register a worker",
-                              "DynamoRegistration", "DynamoStatus", "201"),
-    "/unregister": _dynamo_post("dynamo_unregister", "Dynamo: unregister a worker's "
-                                "registrations", "DynamoRegistration", "DynamoStatus"),
-    "/workers": {"get": {
-        "operationId": "dynamo_workers", "summary": "Dynamo: the workers (kvledger's sources)",
-        "tags": ["dynamo"],
-        "parameters": [{"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
-                       for n in ("model_name", "routing_group")],
-        "responses": {"200": _json({"type": "array",
-                                    "items": {"$ref": "#/components/schemas/DynamoWorker"}},
-                                   "The workers"), "401": _ERRORS["401"]},
-    }},
-    "/dump": {"get": {
-        "operationId": "dynamo_dump", "summary": "Dynamo: every live worker's blocks as "
-        "Dynamo's stored events, per model:routing_group", "tags": ["dynamo"],
-        "responses": {"200": _json({"type": "object"}, "The events"), "401": _ERRORS["401"]},
-    }},
-    "/health": {"get": {"operationId": "dynamo_health", "summary": "Dynamo: 200",
-                        "tags": ["dynamo"], "security": [{}],
-                        "responses": {"200": {"description": "Up"}}}},
-}  # fmt: skip
-# /unregister needs the id and the model alone.
-DYNAMO_PATHS["/unregister"]["post"]["requestBody"]["content"]["application/json"]["schema"] = {
-    "type": "object", "required": ["instance_id", "model_name"],
-    "properties": {"instance_id": {"type": "integer"}, "model_name": {"type": "string"},
-                   "routing_group": _ROUTING},
-}  # fmt: skip
-
-
 def document(dynamo_api: bool) -> dict[str, Any]:
     """The service's OpenAPI document: with Dynamo's routes where it serves them."""
     if not dynamo_api:
         return DOCUMENT
+    from kvledger.consumer.lookup.openapi_dynamo import DYNAMO_PATHS, DYNAMO_SCHEMAS
+
     return {
         **DOCUMENT,
         "components": {**DOCUMENT["components"],

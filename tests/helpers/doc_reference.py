@@ -77,7 +77,8 @@ def metrics_section() -> str:
 
 def http_section() -> str:
     """A row per route of the OpenAPI document (Dynamo's with `--dynamo-api`)."""
-    from kvledger.consumer.lookup.openapi import DYNAMO_PATHS, document
+    from kvledger.consumer.lookup.openapi import document
+    from kvledger.consumer.lookup.openapi_dynamo import DYNAMO_PATHS
 
     rows = ["| route | what it answers | statuses | token |", "| --- | --- | --- | --- |"]
     for path, operations in document(dynamo_api=True)["paths"].items():

@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from kvledger.consumer.core.model import SourceLife
 from kvledger.consumer.lookup import dynamo as api
 from kvledger.consumer.lookup import dynamo_requests as requests
+from kvledger.consumer.lookup import dynamo_workers
 from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router import groups
@@ -368,25 +369,25 @@ def test_the_stores_lives_note_every_change_for_the_slot_table() -> None:
 
 
 def test_worker_ids_are_stable_and_distinct() -> None:
-    w = api.Workers()
+    w = dynamo_workers.Workers()
     w.see(["b-7", "a-7", "plain", "9"])
     assert w.id_of("a-7") == 7 and w.id_of("9") == 9
-    assert w.id_of("b-7") == api.hashed_worker_id("b-7") != 7  # 7 was claimed first
-    assert w.id_of("plain") == api.hashed_worker_id("plain") < 1 << 63
+    assert w.id_of("b-7") == dynamo_workers.hashed_worker_id("b-7") != 7  # 7 was claimed first
+    assert w.id_of("plain") == dynamo_workers.hashed_worker_id("plain") < 1 << 63
     assert w.pin("plain", 7) is not None  # neither re-keyed nor given another's id
     assert w.pin("new", 7) is not None and w.pin("a-7", 7) is None  # its own: kept
     assert w.pin("new", 70) is None and w.id_of("new") == 70
     w.unpin("new")
-    assert w.id_of("new") == api.hashed_worker_id("new")  # its own again
+    assert w.id_of("new") == dynamo_workers.hashed_worker_id("new")  # its own again
     assert len(set(w.ids.values())) == len(w.ids) == len(w.names)
 
 
 def test_a_relays_data_parallel_ranks_are_one_worker() -> None:
-    w = api.Workers()
+    w = dynamo_workers.Workers()
     w.see_sources(["engine-3-dp0", "engine-3-dp1", "engine-4"])
     assert w.worker_of("engine-3-dp1") == (3, 1) and w.worker_of("engine-3-dp0") == (3, 0)
     assert w.worker_of("engine-4") == (4, 0)
-    assert w.worker_of("plain-dp2") == (api.hashed_worker_id("plain"), 2)
+    assert w.worker_of("plain-dp2") == (dynamo_workers.hashed_worker_id("plain"), 2)
 
 
 def test_no_registration_can_bloat_break_or_re_key_the_service(client: TestClient) -> None:

@@ -47,6 +47,7 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
     from kvledger.consumer.pipeline import run_batch
     from kvledger.consumer.router.index import RouterIndex
     from kvledger.fleet import FleetConfig
+    from kvledger.process import freeze_startup_objects
     from kvledger.schemas.codec import Codec
     from tests.helpers.streams import fleet_stream
 
@@ -60,6 +61,7 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
     http: Any = "httptools"
     if protocol_name == "kvledger":
         http = protocol(app.routes, HttpLimits())  # type: ignore[attr-defined]
+    freeze_startup_objects()  # as `kvledger serve` does before it serves (both protocols)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="critical",
                             access_log=False, proxy_headers=False, lifespan="off",
                             backlog=4096)  # fmt: skip

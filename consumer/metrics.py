@@ -34,12 +34,14 @@ def process_registry() -> CollectorRegistry:
 
 class _CompiledCore(Collector):
     """kvledger_compiled_core{part}: 1 where the compiled core (rust/) runs that part of the
-    process, 0 where its pure-Python twin does (as `kvledger --version` says)."""
+    process, 0 where it does not (the Avro codec is then fastavro's; the router index, the
+    core's alone, cannot run): as `kvledger --version` says."""
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "kvledger_compiled_core",
-            "1 where the compiled core runs this part, 0 where its pure-Python twin does",
+            "1 where the compiled core runs this part, 0 where it does not (the Avro codec: "
+            "fastavro's then; the router index: missing)",
             labels=["part"],
         )
         for part, compiled in _parts().items():

@@ -47,7 +47,7 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
     from kvledger.consumer.pipeline import run_batch
     from kvledger.consumer.router.index import RouterIndex
     from kvledger.fleet import FleetConfig
-    from kvledger.process import freeze_startup_objects
+    from kvledger.process import collect_less_often, freeze_startup_objects
     from kvledger.schemas.codec import Codec
     from tests.helpers.streams import fleet_stream
 
@@ -62,6 +62,7 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
     if protocol_name == "kvledger":
         http = protocol(app.routes, HttpLimits())  # type: ignore[attr-defined]
     freeze_startup_objects()  # as `kvledger serve` does before it serves (both protocols)
+    collect_less_often()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="critical",
                             access_log=False, proxy_headers=False, lifespan="off",
                             backlog=4096)  # fmt: skip

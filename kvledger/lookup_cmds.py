@@ -18,7 +18,7 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.lookup import PrefixIndex, rank
 from kvledger.consumer.lookup.api import split_live, tied, unknown_group
 from kvledger.options import ENV_LOOKUP_TOKEN
-from kvledger.process import freeze_startup_objects
+from kvledger.process import collect_less_often, freeze_startup_objects
 from kvledger.schemas.lookup import Holder, Ranked
 from kvledger.tables import print_table
 
@@ -90,6 +90,7 @@ def serve(args: argparse.Namespace) -> int:
         server["http"] = protocol(routes, HttpLimits(max_connections=args.max_connections))
         _raise_open_files(args.max_connections)
         freeze_startup_objects()
+        collect_less_often()
         uvicorn.run(app, **server)
     finally:
         if decisions is not None:

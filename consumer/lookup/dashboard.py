@@ -19,9 +19,10 @@ Every name it shows (an engine, a model) is set as text, never as markup.
 
 From memory (``serve --memory``) only ``fleet`` is answered (the rest is the database's).
 
-The database's answer for a window is computed at most once every :data:`SHARED_FOR_S`
-(the page's refresh), whatever the number of viewers (:class:`SharedAnswers`): it is read
-from the history, which the consumer writes meanwhile.
+An answer for a window is computed at most once every :data:`SHARED_FOR_S` (the page's
+refresh), whatever the number of viewers (:class:`SharedAnswers`): from the database it is
+read from the history the consumer writes meanwhile, from memory it walks every holder's
+blocks under the lookups' lock.
 """
 
 from __future__ import annotations
@@ -53,11 +54,10 @@ SELECT source, model, state, epoch, last_seen, restarts, gaps, lost_gaps, lost_b
        held_gpu, held_cpu, held_storage
 FROM kvledger.source_status ORDER BY source, model
 """
-# Occupancy, walked back from now: the intervals open now, less the stores and plus the
+# Occupancy, walked back from now: what is held now, less the stores and plus the
 # removals after each minute's end (one grouped pass over the window's history, where a
-# join of every minute with history would be one pass per minute).
-# What is held now: the live residencies (the history's open intervals, one each; read here
-# from the small table, not the history's open partition).
+# join of every minute with history would be one pass per minute). What is held now: the
+# live residencies (the history's open intervals, one each, read from the small table).
 _HELD_NOW = """
 SELECT instance, medium, count(*) FROM kvledger.residencies GROUP BY 1, 2
 """

@@ -285,10 +285,10 @@ class Lookups:
     def dashboard(self, params: dict[str, str]) -> Answer:
         """GET /v1/dashboard: the fleet at a glance (consumer/lookup/dashboard.py)."""
         minutes = dashboard.minutes_of(params)
-        if self.router is not None:
-            return 200, dashboard.from_memory(self.router, minutes, self.silent_after), {}
 
         def compute() -> dict[str, Any]:
+            if self.router is not None:
+                return dashboard.from_memory(self.router, minutes, self.silent_after)
             with self.index() as idx:
                 return dashboard.from_database(idx.conn, minutes)
 

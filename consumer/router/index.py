@@ -183,7 +183,6 @@ class RouterIndex:
         self.store = RouterStore(dynamo)
         self.codec = codec or Codec()
         self.lock = threading.RLock()
-        self._footprint: tuple[float, dict[tuple[str, str], dict[str, int]]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
@@ -449,14 +448,11 @@ class RouterIndex:
         with self.lock:
             return {i: m.state_of(self.store.lives.get(i), now, window) for i in instances}
 
-    def footprint(self, max_age_s: float = 5.0) -> dict[tuple[str, str], dict[str, int]]:
-        """Blocks held per (instance, model) and tier (the dashboard's fleet in memory), at
-        most ``max_age_s`` old. The count walks every holder's blocks, so the lock is taken
-        per group and holder (a lookup waits for one holder's list at most), and an answer
-        serves every caller for a while (tabs do not add up)."""
-        cached = self._footprint
-        if cached is not None and time.monotonic() - cached[0] < max_age_s:
-            return cached[1]
+    def footprint(self) -> dict[tuple[str, str], dict[str, int]]:
+        """Blocks held per (instance, model) and tier (the dashboard's fleet in memory). The
+        count walks every holder's blocks, so the lock is taken per group and holder (a
+        lookup waits for one holder's list at most); the dashboard shares each answer
+        between its viewers (consumer/lookup/dashboard.py's SharedAnswers)."""
         out: dict[tuple[str, str], dict[str, int]] = {}
         with self.lock:
             groups, holders = list(self.store.groups.items()), list(self.store.holders)
@@ -467,7 +463,6 @@ class RouterIndex:
                 if n:
                     tiers = out.setdefault((instance, key[0]), {})
                     tiers[medium] = tiers.get(medium, 0) + n
-        self._footprint = (time.monotonic(), out)
         return out
 
     def knows_group(self, model: str, group_idx: int) -> bool:

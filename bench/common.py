@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -161,6 +162,15 @@ def lookup_services(many: list[list[str]], start_timeout_s: float = 30.0) -> Ite
             server.terminate()
         for server in servers:
             server.wait(30)
+
+
+def percentiles_ms(samples: list[float]) -> tuple[float, float]:
+    """p50 and p99 of ``samples`` (seconds), in milliseconds."""
+    ordered = sorted(samples)
+    return (
+        statistics.median(ordered) * 1000,
+        ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000,
+    )
 
 
 def post_times(base: str, bodies: list[dict[str, Any]], warm: int = 200) -> list[float]:

@@ -22,14 +22,13 @@ rest. No services.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from datetime import timedelta
 from typing import Any
 
 from starlette.testclient import TestClient
 
-from bench.common import PUBLISHED, publish, record
+from bench.common import PUBLISHED, percentiles_ms, publish, record
 from kvledger.consumer.lookup import http
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router.decisions import encode
@@ -40,11 +39,6 @@ from kvledger.schemas.codec import Codec
 from tests.helpers.streams import fleet_prompts, fleet_stream
 
 FLEET = FleetConfig(instances=8, requests=200, seed=29, gpu_capacity_blocks=256)
-
-
-def _percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main(prompts: int = 3000) -> dict[str, Any]:
@@ -78,15 +72,16 @@ def main(prompts: int = 3000) -> dict[str, Any]:
             decide_s.append(time.perf_counter() - start)
             assert reported.status_code == 202, reported.text
             held += bool(ranked)
+    (match_p50, match_p99), (decide_p50, decide_p99) = map(percentiles_ms, (match_s, decide_s))
     figures = {
         "prompts": float(len(bodies)),
         "prompts with a holder": float(held),
         "records written": float(len(written)),
-        "POST /v1/match ms, p50": statistics.median(match_s) * 1e3,
-        "POST /v1/match ms, p99": _percentile(match_s, 0.99) * 1e3,
-        "POST /v1/decisions ms, p50": statistics.median(decide_s) * 1e3,
-        "POST /v1/decisions ms, p99": _percentile(decide_s, 0.99) * 1e3,
-        "ratio decision / lookup, p50": statistics.median(decide_s) / statistics.median(match_s),
+        "POST /v1/match ms, p50": match_p50,
+        "POST /v1/match ms, p99": match_p99,
+        "POST /v1/decisions ms, p50": decide_p50,
+        "POST /v1/decisions ms, p99": decide_p99,
+        "ratio decision / lookup, p50": decide_p50 / match_p50,
     }
     record("decisions", figures)
     return figures

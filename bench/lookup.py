@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import statistics
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ import time
 import httpx
 import sqlalchemy as sa
 
-from bench.common import lookup_service, post_times, reader_args, record, settle
+from bench.common import lookup_service, percentiles_ms, post_times, reader_args, record, settle
 from kvledger.consumer.db import connect, migrate
 from kvledger.consumer.lookup import PrefixIndex
 
@@ -104,14 +103,6 @@ def _prompt(rng: random.Random) -> list[bytes]:
     return [hashlib.md5(f"{c}/{i}".encode()).digest()[:8] for i in range(LENGTH)]
 
 
-def _percentiles(samples: list[float]) -> tuple[float, float]:
-    samples = sorted(samples)
-    return (
-        statistics.median(samples) * 1000,
-        samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1000,
-    )
-
-
 def main(lookups: int = 2000) -> dict[str, float]:
     url = _database(os.environ["KVLEDGER_DATABASE_URL"])
     blocks = populate(url)
@@ -156,15 +147,15 @@ def main(lookups: int = 2000) -> dict[str, float]:
             start = time.perf_counter()
             index.match("bench", 0, hashes)
             api_times.append(time.perf_counter() - start)
-    figures["SQL p50 ms"], figures["SQL p99 ms"] = _percentiles(sql_times)
-    figures["SQL without liveness p50 ms"], figures["SQL without liveness p99 ms"] = _percentiles(
+    figures["SQL p50 ms"], figures["SQL p99 ms"] = percentiles_ms(sql_times)
+    figures["SQL without liveness p50 ms"], figures["SQL without liveness p99 ms"] = percentiles_ms(
         held_times
     )
-    figures["Python API p50 ms"], figures["Python API p99 ms"] = _percentiles(api_times)
+    figures["Python API p50 ms"], figures["Python API p99 ms"] = percentiles_ms(api_times)
 
     bodies = [{"model": "bench", "hashes": [h.hex() for h in p]} for p in prompts]
     with lookup_service([*reader_args(url), "--pool-size", "8"]) as base:
-        figures["HTTP p50 ms"], figures["HTTP p99 ms"] = _percentiles(post_times(base, bodies))
+        figures["HTTP p50 ms"], figures["HTTP p99 ms"] = percentiles_ms(post_times(base, bodies))
         done = [0]
         lock = threading.Lock()
 

@@ -25,6 +25,7 @@ from bench.common import (
     client_times,
     lookup_service,
     lookup_services,
+    percentiles_ms,
     post_times,
     record,
     settle,
@@ -61,7 +62,7 @@ def _timed(fn: object, prompts: list[list[bytes]]) -> tuple[float, float, float]
         fn(p)  # type: ignore[operator]
         times.append(time.perf_counter() - t)
     total = time.perf_counter() - start
-    p50, p99 = lookup._percentiles(times)
+    p50, p99 = percentiles_ms(times)
     return p50 * 1000, p99 * 1000, len(prompts) / total  # µs, µs, lookups/s
 
 
@@ -239,11 +240,11 @@ def _http(url: str, bootstrap: str, topic: str, prompts: list[list[bytes]]) -> d
         figures["one replica: up in s"] = time.perf_counter() - start
         times = client_times(base, prompts)
         figures["one replica: HTTP lookups/s (one client)"] = len(times) / sum(times)
-        p50, p99 = lookup._percentiles(times)
+        p50, p99 = percentiles_ms(times)
         figures |= {"HTTP from memory p50 ms": p50, "HTTP from memory p99 ms": p99}
         # The same requests from httpx (the client the earlier figures were taken with; it
         # adds ~0.2 ms of its own per request).
-        p50, p99 = lookup._percentiles(post_times(base, bodies))
+        p50, p99 = percentiles_ms(post_times(base, bodies))
         figures |= {
             "HTTP from memory, httpx client: p50 ms": p50,
             "HTTP from memory, httpx client: p99 ms": p99,
@@ -265,7 +266,7 @@ def _http(url: str, bootstrap: str, topic: str, prompts: list[list[bytes]]) -> d
         len(r) / sum(r) for r in results
     )
     for i, name in enumerate("ab"):
-        p50, p99 = lookup._percentiles(results[i])
+        p50, p99 = percentiles_ms(results[i])
         figures[f"two replicas: {name} p50 ms"] = p50
         figures[f"two replicas: {name} p99 ms"] = p99
     return figures

@@ -173,6 +173,14 @@ REPUBLISH_REPLAYS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+REPUBLISH_RESENT = Counter(
+    "kvledger_republish_resent_batches_total",
+    "Retained batches sent again on replay, per source: what subscribers missed and asked "
+    "for (a PUB drops a slow subscriber's batches past its high-water mark without telling "
+    "the sender; the subscriber sees the gap in the sequence numbers). Snapshots not counted",
+    ["source"],
+    registry=REGISTRY,
+)
 RETAINED_SINCE = Gauge(
     "kvledger_retained_since_seconds",
     "Unix time where each table's retained rows start (absent: never trimmed)",

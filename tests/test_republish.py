@@ -26,6 +26,7 @@ import pytest
 import zmq
 
 from kvledger.consumer.db import connect
+from kvledger.consumer.metrics import REGISTRY
 from kvledger.consumer.republish.publisher import END_SEQ, Endpoint, Publisher
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.wire import decode_batch
@@ -240,8 +241,16 @@ def test_replay_answers_from_retained_batches_or_a_snapshot(
                     return out
                 out.append((int.from_bytes(frames[2], "big"), decode_batch(frames[3]).events))
 
+        def resent() -> float:
+            value = REGISTRY.get_sample_value(
+                "kvledger_republish_resent_batches_total", {"source": "engine-0"}
+            )
+            return value or 0.0
+
+        before = resent()
         assert replay(seqs[-1]) == [heard[-1]]  # retained: as it was published
         assert replay(seqs[-1] + 1) == []  # nothing yet
+        assert resent() == before + 1  # what a subscriber missed, counted
         dealer.send_multipart([b"", b"bad"])  # malformed: no answer, nothing stops
         for frames in ([b"x" * 100_000], [b"", b"", b""], [b"\xff" * 8]):
             dealer.send_multipart(frames)
@@ -267,6 +276,7 @@ def test_replay_answers_from_retained_batches_or_a_snapshot(
                 follow(held, events)
         old = replay(0)  # before anything this run sent: a snapshot
         assert isinstance(old[0][1][0], AllBlocksCleared)
+        assert resent() == before + 1  # a snapshot is not a resend
         restated: set[bytes] = set()
         for _, events in old:
             follow(restated, events)

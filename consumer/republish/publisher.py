@@ -15,8 +15,9 @@ last ``buffer_steps`` batches (and ``buffer_bytes``); a request older than that 
 from the source's newest snapshot (its holdings restated: :mod:`.feed`), made then if none
 is retained. The PUB sockets are XPUBs: a new subscription (Dynamo's indexer has no replay
 of its own worth the name) is answered with a snapshot, at most one per source per
-``snapshot_interval_s``. A slow subscriber loses what its high-water mark cannot hold (and
-can ask replay); a replay answer it cannot take is cut short and counted. Nothing a
+``snapshot_interval_s``. A slow subscriber loses what its high-water mark cannot hold (a
+PUB does not tell the sender); it sees the gap and asks replay, and what is sent again is
+counted per source. A replay answer it cannot take is cut short and counted. Nothing a
 subscriber sends blocks the others or the index.
 """
 
@@ -312,8 +313,11 @@ class Publisher:
                 self._mux.send_multipart([outlet.mux_topic, seq, payload])
             metrics.REPUBLISH_BATCHES.inc()
 
-    def _answer(self, source: str, peer: bytes, start: int) -> None:
+    def _answer(self, source: str, peer: bytes, start: int, asked: bool = True) -> None:
+        """Answer a replay from ``start``; ``asked``: the subscriber's own start (batches it
+        missed are counted resent), not a snapshot's a parked request is given."""
         outlet = self._outlet(source)
+        missed = asked and start >= (outlet.ring[0][0] if outlet.ring else outlet.next_seq)
         batches = outlet.replay(start)
         if batches is None:  # older than retained, no snapshot kept: make one first
             self._parked.setdefault(source, []).append(peer)
@@ -326,6 +330,8 @@ class Publisher:
                 replay.send_multipart([peer, b"", outlet.topic, seq.to_bytes(8, "big"), payload])
             replay.send_multipart([peer, b"", b"", END_SEQ, b""])
             metrics.REPUBLISH_REPLAYS.labels("answered").inc()
+            if missed and batches:
+                metrics.REPUBLISH_RESENT.labels(source).inc(len(batches))
         except zmq.ZMQError:  # the peer is gone or cannot take more: its answer is cut
             metrics.REPUBLISH_REPLAYS.labels("cut").inc()
 
@@ -340,7 +346,7 @@ class Publisher:
             if start is None:
                 start = outlet.ring[0][0] if outlet.ring else outlet.next_seq
             for peer in self._parked.pop(source):
-                self._answer(source, peer, start)
+                self._answer(source, peer, start, asked=False)
 
 
 def _replay_requests(replay: zmq.Socket[bytes]) -> list[tuple[bytes, int]]:

@@ -266,6 +266,12 @@ def add_relay(subparsers: Subparsers) -> None:
         "--heartbeat-interval", type=SECONDS_OR_OFF, default=5.0,
         help="seconds of engine silence before probing it and sending a heartbeat (0: never)",
     )  # fmt: skip
+    p.add_argument(
+        "--health-url", default=None, metavar="URL",
+        help="the engine's HTTP health route (vLLM: http://HOST:PORT/health): the engine is "
+        "said to be there (start-up, a new life, heartbeats) only once it answers 200, so a "
+        "starting engine is not routed to before it serves; without it, the replay socket decides",
+    )  # fmt: skip
     p.set_defaults(run=command("relay_cmd:run"))
 
 

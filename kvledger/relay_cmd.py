@@ -83,6 +83,7 @@ def _config(args: argparse.Namespace, bootstrap: str, kafka: dict[str, str]) -> 
             reports_reuse=args.report_mode == "full",
             engine=args.engine,
             poll_interval_s=args.poll_interval,
+            health_url=args.health_url,
             kafka=dict(kafka),
             codec=settings.codec(args, args.topic, writer=True),
         )

@@ -727,6 +727,81 @@ def test_a_relay_says_its_engine_is_there_as_it_starts(
     assert beats == 1  # long before the 600 s interval
 
 
+def test_a_relay_with_a_health_url_is_silent_until_the_engine_serves(
+    kafka_bootstrap: str, topic: str, engines: list[ZmqEngine]
+) -> None:
+    """An engine's replay socket answers seconds before its HTTP server: a relay that took
+    that as the engine being there made a starting engine live to routers that could not
+    reach it yet (the lab's requests sent to a restarting engine). With ``health_url`` the
+    relay says nothing (no resync, no heartbeat) until the route answers 200, and an idle
+    probe while it does not is skipped."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from confluent_kafka import Consumer
+
+    from kvledger.schemas.codec import Codec
+
+    status = {"code": 503}
+
+    class Health(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(status["code"])
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = engine_pair(engines)
+    config = dataclasses.replace(
+        relay_config(engine, kafka_bootstrap, topic, "starting"), heartbeat_interval_s=0.3,
+        health_url=f"http://127.0.0.1:{server.server_port}/health",
+    )  # fmt: skip
+    relay = Relay(config)
+    reader = Consumer({
+        "bootstrap.servers": kafka_bootstrap, "group.id": f"health-{time.time_ns()}",
+        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+    })  # fmt: skip
+    reader.subscribe([topic])
+    codec = Codec()
+
+    def kinds_for(seconds: float) -> list[str]:
+        out, deadline = [], time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            msg = reader.poll(0.2)
+            if msg is not None and msg.error() is None:
+                out.append(type(codec.decode(msg.value()).event).__name__)
+        return out
+
+    def unhealthy() -> float:
+        return relay.metrics.unhealthy.labels("starting")._value.get()
+
+    relay.start()
+    try:
+        assert kinds_for(2.5) == []  # the replay socket answers; the engine is not serving
+        assert not relay.ready(0) and unhealthy() >= 2
+        status["code"] = 200
+        assert relay.ready(30)
+        assert "Heartbeat" in kinds_for(2.0)  # there once it serves, and while it is
+        status["code"] = 503  # its HTTP server goes (the engine is stopping)
+        time.sleep(0.5)  # a heartbeat already on its way
+        kinds_for(0.5)
+        before = unhealthy()
+        assert kinds_for(2.0) == []  # idle probes skipped: silence
+        assert unhealthy() > before
+        status["code"] = 200
+        assert "Heartbeat" in kinds_for(2.0)
+    finally:
+        relay.stop()
+        reader.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_hybrid_engines_state_checkpoints_reach_the_index(
     kafka_bootstrap: str, fresh_database: str, topic: str, group_id: str,
     vllm_kv_events: ModuleType,

@@ -49,6 +49,10 @@ class RelayConfig:
     reports_reuse: bool = False
     engine: str = "vllm"  # whose wire the payloads are: ENGINES
     poll_interval_s: float = 0.2  # trtllm: seconds between polls of its HTTP endpoint
+    # The engine's HTTP health route (vLLM's /health): the relay says the engine is there
+    # (its start-up resync, a new life, heartbeats) only once this answers 200.
+    health_url: str | None = None
+    health_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -67,6 +71,8 @@ class RelayConfig:
             raise ValueError(
                 f"a TensorRT-LLM endpoint is http(s)://HOST:PORT, not {self.endpoint!r}"
             )
+        if self.health_url is not None and not self.health_url.startswith(("http://", "https://")):
+            raise ValueError(f"--health-url {self.health_url!r}: expected http(s)://HOST:PORT/PATH")
         if self.engine != "trtllm":
             for flag, endpoint in (("--endpoint", self.endpoint),
                                    ("--replay-endpoint", self.replay_endpoint)):  # fmt: skip

@@ -65,6 +65,12 @@ class RelayMetrics:
             "Engine restarts seen (batch numbers going back): each starts a new epoch",
             ["source"], registry=r,
         )  # fmt: skip
+        self.unhealthy = Counter(
+            "kvledger_relay_engine_unhealthy_total",
+            "Times the engine's --health-url did not answer 200 where the relay would have "
+            "said the engine is there (start-up, an idle probe): it stayed silent instead",
+            ["source"], registry=r,
+        )  # fmt: skip
         self.behind = Gauge(
             "kvledger_relay_behind_seconds",
             "Seconds between the engine's time of the last batch relayed and its relaying",
@@ -81,7 +87,7 @@ class RelayMetrics:
         for metric in (
             self.batches_received, self.events_relayed, self.gaps, self.replays,
             self.unrecoverable, self.lost_batches, self.undecodable, self.engine_restarts,
-            self.behind, self.kafka_paused,
+            self.unhealthy, self.behind, self.kafka_paused,
         ):  # fmt: skip
             metric.labels(source)
 

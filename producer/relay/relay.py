@@ -28,6 +28,11 @@ thread). Its loop:
    the engine's replay socket; an answer (which would also bring any missed batch) is
    published as a Heartbeat, silence is left silent. Stopping the relay is not the engine's
    goodbye: none is sent.
+6. With ``health_url`` (the engine's HTTP health route), the relay says the engine is there
+   only once that answers 200: its start-up resync waits for it, and an idle probe without
+   it is skipped (silence). An engine's replay socket answers seconds before its HTTP
+   server does; without the gate a starting engine's new life makes it live to routers
+   that cannot reach it yet.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 from confluent_kafka import KafkaException
@@ -112,6 +118,14 @@ class RankRelay:
             )
         try:
             self.txn.connect()
+            if not self._healthy():  # a starting engine is not there yet
+                logger.warning(
+                    "relay %s: waiting for the engine's health route %s to answer 200",
+                    self.source, cfg.health_url,
+                )  # fmt: skip
+                while not self._healthy():
+                    if self._stop.wait(max(cfg.heartbeat_interval_s, 0.2)):
+                        return
             answered = self._resync_at_start()
             if answered and cfg.heartbeat_interval_s > 0:
                 # Say at once that the engine is there (its replay socket just answered): a
@@ -319,10 +333,27 @@ class RankRelay:
         self.sequence.skip_to(last)
         self.txn.in_txn += 1
 
+    def _healthy(self) -> bool:
+        """The engine's health route answers 200 (always true without one)."""
+        url = self.config.health_url
+        if url is None:
+            return True
+        try:
+            with urllib.request.urlopen(url, timeout=self.config.health_timeout_s) as answer:
+                if answer.status == 200:
+                    return True
+        except (OSError, ValueError):  # refused, timed out, an HTTP error status
+            pass
+        self.metrics.unhealthy.labels(self.source).inc()
+        return False
+
     def _probe(self) -> None:
         """Idle: is the engine there? Its answer also brings any batch the SUB missed."""
         since = self._last_activity
         self._last_activity = time.monotonic()
+        if not self._healthy():
+            self._commit()
+            return
         last = self.sequence.last
         link = self._link
         if isinstance(link, trtllm.TrtllmLink):  # polled: a good poll since is the answer

@@ -19,6 +19,13 @@ STORED = stored(
 )  # fmt: skip
 
 
+def test_a_health_url_is_http() -> None:
+    for bad in ("127.0.0.1:8000/health", "tcp://127.0.0.1:8000"):
+        with pytest.raises(ValueError, match=r"--health-url .*expected http"):
+            RelayConfig("tcp://127.0.0.1:5557", "s", "m", "b:9092", health_url=bad)
+    RelayConfig("tcp://127.0.0.1:5557", "s", "m", "b:9092", health_url="http://e:8000/health")
+
+
 @pytest.mark.parametrize("positional", [False, True], ids=["tagged maps", "positional arrays"])
 def test_both_encodings_decode_to_the_same_events(positional: bool) -> None:
     payload = encode_batch(12.5, [STORED, removed([5], "CPU", group_idx=1), cleared()], 3,

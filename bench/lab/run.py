@@ -139,6 +139,7 @@ class Lab:
         self.indexer_port = base + 92
         self.oracle: Oracle | None = None
         self.pending: list[threading.Thread] = []
+        self.replaced_at: dict[int, float] = {}  # a killed engine's replacement: ready when
 
     # ------------------------------------------------------------------ engines
     def start_engines(self, which: list[int]) -> None:
@@ -163,6 +164,23 @@ class Lab:
         thread.start()
         self.pending.append(thread)
 
+    def replace_engine_later(self, i: int) -> None:
+        """Start a killed engine's replacement at once, for the next run: an engine takes
+        longer to start (30-60 s here) than the rest of a run lasts, so it is not live to
+        this one (:meth:`run` checks that it was not ready before its stream ended)."""
+        self.engines[i].start()
+
+        def wait() -> None:
+            try:
+                self.engines[i].wait_ready()
+                self.replaced_at[i] = time.monotonic()
+            except LabError as error:
+                print(f"lab: {error}", file=sys.stderr, flush=True)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        self.pending.append(thread)
+
     def kill_engine(self, i: int) -> None:
         self.live[i] = False
         self.engines[i].kill()
@@ -174,7 +192,10 @@ class Lab:
         for thread in self.pending:
             thread.join(timeout=400)
         self.pending.clear()
-        self.start_engines([i for i, e in enumerate(self.engines) if not e.alive()])
+        self.replaced_at.clear()
+        self.start_engines(
+            [i for i, e in enumerate(self.engines) if not e.alive() or not self.live[i]]
+        )
         for engine in self.engines:
             engine.reset_prefix_cache()
         time.sleep(2.0)  # the resets' AllBlocksCleared reach the oracle and kvledger
@@ -189,6 +210,7 @@ class Lab:
             self.restart_engine_later(1)
         elif name == "engine_kill" and len(self.engines) > 2:
             self.kill_engine(2)
+            self.replace_engine_later(2)
         elif name == "router_restart":
             router.restart()
         elif name == "relay_restart":
@@ -278,7 +300,12 @@ class Lab:
             for request in self.requests:
                 time.sleep(max(0.0, request.at - (time.monotonic() - began)))
                 futures.append(pool.submit(self.send, router, request, began, load))
+            sent = time.monotonic()
             records = [f.result() for f in futures]
+        early = {i: at - began for i, at in self.replaced_at.items() if at < sent}
+        if early:
+            errors.append(LabError(f"a killed engine's replacement was ready {early} s into "
+                                   "the run, before its stream ended"))  # fmt: skip
         injector.join()
         counters.close()
         router.stop()

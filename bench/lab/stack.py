@@ -121,6 +121,9 @@ class Kvledger:
                     self.topic,
                     "--heartbeat-interval",
                     "1",
+                    # A restarting engine is live to routers once it serves, not before.
+                    "--health-url",
+                    f"{spec.url}/health",
                 ).start()
             )
         self.consumer = self._cli(

@@ -287,8 +287,8 @@ class KvledgerIndex(IndexPolicy):
             try:
                 workers = stack.get_json(f"{self.query_url}/workers")
                 live = [int(w["instance_id"]) for w in workers if w.get("status") == "active"]
-            except OSError:
-                live = list(range(len(self.specs)))
+            except OSError:  # kvledger restarting: the last view it gave, as a router keeps
+                live = self._live[1] if self._live[0] else list(range(len(self.specs)))
             self._live = (now, live)
         return [e for e in self._live[1] if e not in exclude and e < len(self.specs)]
 

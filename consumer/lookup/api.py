@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import psycopg
 
@@ -63,8 +63,41 @@ def unknown_group(model: str, group_idx: int) -> str:
     )
 
 
+class PrefixLookups(Protocol):
+    """What the service asks of an index, whichever holds it: :class:`PrefixIndex` (SQL)
+    and the router's memory (the service's adapter over a RouterIndex). Answers are the
+    same for the same index (tests/test_conformance.py holds every implementation to one
+    brute-force oracle); a question an implementation cannot answer (memory keeps no
+    history and no block rows) raises the service's BadRequestError, a 400."""
+
+    def match(
+        self, model: str, group_idx: int, hashes: Sequence[bytes],
+        granularity: Granularity = "block", include_silent: bool = False,
+        silent_after: timedelta | None = None,
+    ) -> list[Holder]: ...  # fmt: skip
+
+    def match_tokens(
+        self, model: str, group_idx: int, token_ids: Sequence[int],
+        lora_name: str | None = None, include_silent: bool = False,
+        silent_after: timedelta | None = None, cache_salt: str | None = None,
+    ) -> list[Holder]: ...  # fmt: skip
+
+    def match_at(
+        self, model: str, group_idx: int, hashes: Sequence[bytes], at: datetime,
+        granularity: Granularity = "block",
+    ) -> list[Holder]: ...  # fmt: skip
+
+    def state_checkpoints(
+        self, model: str, group_idx: int, hashes: Sequence[bytes], upto: Mapping[str, int]
+    ) -> dict[str, int]: ...
+
+    def knows_group(self, model: str, group_idx: int) -> bool: ...
+
+    def blocks(self, block_hash: bytes) -> list[Block]: ...
+
+
 class PrefixIndex:
-    """Prefix lookups on one database connection."""
+    """Prefix lookups on one database connection (:class:`PrefixLookups` over SQL)."""
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn

@@ -27,6 +27,7 @@ from kvledger.consumer.lookup import dashboard
 from kvledger.consumer.lookup.api import (
     NotRetainedError,
     PrefixIndex,
+    PrefixLookups,
     rank,
     split_live,
     unknown_group,
@@ -44,7 +45,7 @@ from kvledger.consumer.lookup.requests import (
 from kvledger.consumer.roles import WriterRoleError, ensure_read_only
 from kvledger.consumer.router import provisional as pv
 from kvledger.consumer.router.match import holder_order
-from kvledger.schemas.lookup import Holder
+from kvledger.schemas.lookup import Block, Holder
 from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:
@@ -160,11 +161,17 @@ class Lookups:
             self.role_unchecked = False
 
     @contextmanager
-    def index(self) -> Iterator[Any]:
+    def index(self) -> Iterator[PrefixLookups]:
         """The lookup API: over the router, or a PrefixIndex on a pooled connection."""
         if self.router is not None:
             yield _MemoryLookups(self.router)
             return
+        with self.sql() as idx:
+            yield idx
+
+    @contextmanager
+    def sql(self) -> Iterator[PrefixIndex]:
+        """A PrefixIndex on a pooled connection (the SQL service's own questions)."""
         assert self.pool is not None
         self._check_role()
         with self.pool.connection(timeout=self.pool_timeout_s) as conn:
@@ -289,7 +296,7 @@ class Lookups:
         def compute() -> dict[str, Any]:
             if self.router is not None:
                 return dashboard.from_memory(self.router, minutes, self.silent_after)
-            with self.index() as idx:
+            with self.sql() as idx:
                 return dashboard.from_database(idx.conn, minutes)
 
         return 200, self.dashboards.get(minutes, compute), {}
@@ -313,7 +320,7 @@ class Lookups:
             status = "ok" if position.error is None else "stopped"
             body = {"status": status, "mode": "memory", "position": asdict(position)}
             return (200 if position.error is None else 503), body, {}
-        with self.index() as idx:
+        with self.sql() as idx:
             idx.conn.execute("SELECT 1 FROM kvledger.group_specs LIMIT 1")
             row = idx.conn.execute(_STANDBY).fetchone()
         if row is None or not row[0]:
@@ -328,22 +335,20 @@ class Lookups:
 
 
 class _MemoryLookups:
-    """The lookup API's shape over a RouterIndex (no history, no block rows)."""
+    """:class:`PrefixLookups` over a RouterIndex (no history, no block rows: a 400 each)."""
 
     def __init__(self, router: RouterIndex) -> None:
         self.router = router
         self.match = router.match
         self.match_tokens = router.match_tokens
         self.state_checkpoints = router.state_checkpoints
+        self.knows_group = router.knows_group
 
-    def match_at(self, *args: object) -> list[Holder]:
+    def match_at(self, *args: object, **kwargs: object) -> list[Holder]:
         raise BadRequestError("as-of lookups are served by the SQL-backed service")
 
-    def blocks(self, block_hash: bytes) -> list[Any]:
+    def blocks(self, block_hash: bytes) -> list[Block]:
         raise BadRequestError("block rows are served by the SQL-backed service")
-
-    def knows_group(self, model: str, group_idx: int) -> bool:
-        return self.router.knows_group(model, group_idx)
 
 
 def _blocks_by_instance(holders: list[Holder]) -> dict[str, int]:

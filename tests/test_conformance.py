@@ -1,0 +1,234 @@
+"""One suite per interface, every implementation one parameter: a new implementation joins
+by adding itself to ``STORES`` or ``LOOKUPS``.
+
+**Stores** (what the consumer applies into): the memory store, the PostgreSQL store (a real
+server) and the router index (the compiled groups, as `serve --memory` and `republish`
+apply a topic). Each takes the differential streams (every rule's edge cases, a simulated
+fleet, random messy streams) in batches of its own size and must end holding exactly what
+the oracle holds: the memory store fed each stream whole, itself held to the independent
+reference model of the index on the fleet (:func:`test_the_oracle_is_the_reference_model`).
+Stores that keep history, rejections and lives (memory, PostgreSQL) must equal the oracle
+table by table.
+
+**Prefix lookups** (:class:`~kvledger.consumer.lookup.api.PrefixLookups`, what the service
+asks): SQL, the router bootstrapped from that database (as `serve --memory` starts), and
+the router that applied the stream itself. Each answers every prompt as the brute-force
+walks of the reference model do: by block hashes, by the engine's hashes, by token content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from kvledger.consumer.db import connect, create_database, drop_database, migrate
+from kvledger.consumer.lookup import PrefixIndex
+from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.consumer.store.memory import MemoryStore
+from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.consumer.verify import diff
+from kvledger.consumer.verify import dump as dump_postgres
+from kvledger.fleet import FleetConfig, prompt_hashes
+from tests.helpers.brute_force import (
+    BLOCK,
+    MODEL,
+    brute_force,
+    brute_force_hashes,
+    chain_by_tokens,
+    held_now,
+    prompts,
+)
+from tests.helpers.reference_index import Reference, build
+from tests.helpers.streams import Stream, edge_stream, fleet_stream, messy_stream
+
+pytestmark = pytest.mark.integration
+
+Held = dict[tuple[object, ...], int]  # (model, group, hash, instance, medium, ownership) -> copies
+Tables = dict[str, Counter[tuple[object, ...]]]
+FLEET = FleetConfig(instances=4, requests=60, seed=11, misconfigured_source=True)
+STREAMS: dict[str, Callable[[], Stream]] = {
+    "edge cases": edge_stream,
+    "simulated fleet": lambda: fleet_stream(FLEET, partitions=3),
+    **{f"messy {seed}": (lambda seed=seed: messy_stream(seed)) for seed in range(3)},
+}
+
+
+def reference_of(stream: Stream) -> Reference:
+    """The reference model of a stream (it reads partition by partition)."""
+    by_partition: dict[int, list[bytes]] = defaultdict(list)
+    for m in sorted(stream.messages, key=lambda m: (m.partition, m.offset)):
+        by_partition[m.partition].append(m.value)
+    return build(by_partition)
+
+
+@contextlib.contextmanager
+def new_database(admin_url: str) -> Iterator[str]:
+    """A migrated database of the test's own, dropped afterwards."""
+    name = f"kvl_conf_{uuid.uuid4().hex[:12]}"
+    url = create_database(admin_url, name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        drop_database(admin_url, name)
+
+
+def held_of(tables: Tables) -> Held:
+    """The live residencies of a table dump, with their copy counts."""
+    return {row[:6]: row[-1] for row in tables["residencies"]}  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------- stores
+def apply_memory(stream: Stream, batch: int, _: str) -> tuple[Held, Tables | None]:
+    store = MemoryStore()
+    for i in range(0, len(stream.messages), batch):
+        run_batch(stream.messages[i : i + batch], stream.codec, store, "g")
+    tables = store.dump()
+    return held_of(tables), tables
+
+
+def apply_postgres(stream: Stream, batch: int, admin_url: str) -> tuple[Held, Tables | None]:
+    with new_database(admin_url) as database, connect(database, autocommit=True) as conn:
+        store = PostgresStore(conn)
+        for i in range(0, len(stream.messages), batch):
+            run_batch(stream.messages[i : i + batch], stream.codec, store, "g")  # type: ignore[arg-type]
+        tables = dump_postgres(conn)
+    return held_of(tables), tables
+
+
+def apply_router(stream: Stream, batch: int, _: str) -> tuple[Held, Tables | None]:
+    router = RouterIndex("127.0.0.1:9", stream.topic, "g")  # never started: fed here
+    for i in range(0, len(stream.messages), batch):
+        router.apply(stream.messages[i : i + batch])
+    store, held = router.store, {}
+    for (model, group), g in store.groups.items():
+        for h, hid, count in g.residencies():
+            held[(model, group, h, *store.holders[hid])] = count
+    return held, None  # the router keeps what lookups need: no history, no rejections
+
+
+STORES: dict[str, Callable[[Stream, int, str], tuple[Held, Tables | None]]] = {
+    "memory": apply_memory,
+    "postgres": apply_postgres,
+    "router": apply_router,
+}
+
+
+@pytest.mark.parametrize("stream_name", list(STREAMS))
+@pytest.mark.parametrize("store", list(STORES))
+def test_a_store_holds_what_the_oracle_holds(
+    store: str, stream_name: str, request: pytest.FixtureRequest
+) -> None:
+    stream = STREAMS[stream_name]()
+    admin_url = request.getfixturevalue("database_url") if store == "postgres" else ""
+    want_held, want_tables = apply_memory(stream, len(stream.messages), "")
+    for batch in (7, 500):
+        held, tables = STORES[store](stream, batch, admin_url)
+        assert held == want_held, {
+            "only here": sorted(set(held.items()) - set(want_held.items()))[:5],
+            "only in the oracle": sorted(set(want_held.items()) - set(held.items()))[:5],
+        }
+        if tables is not None:
+            assert want_tables is not None
+            differences = diff(tables, want_tables)
+            assert not differences, [
+                (d.table, d.only_live[:2], d.only_rebuilt[:2]) for d in differences
+            ]
+    assert want_held  # every stream leaves something held
+
+
+def test_the_oracle_is_the_reference_model() -> None:
+    """The memory store, fed the fleet whole, is what the independent reference model
+    computes from the events alone (the fleet uses only rules the model states)."""
+    stream = STREAMS["simulated fleet"]()
+    ref = reference_of(stream)
+    held, tables = apply_memory(stream, len(stream.messages), "")
+    assert tables is not None
+    assert held == ref.residencies()
+    rejected = Counter(row[5] for row in tables["rejected_events"])
+    assert rejected == ref.rejected and sum(rejected.values()) > 0
+    history = Counter((*row[:6], row[7], row[8]) for row in tables["residency_history"])
+    assert history == ref.history_multiset()  # closed and open intervals alike
+
+
+# ---------------------------------------------------------------------- lookups
+LOOKUP_FLEET = FleetConfig(instances=5, requests=80, seed=31)
+WIDE = timedelta(days=36_500)  # the stream's sources went silent long ago: left in
+
+
+@pytest.fixture(scope="module")
+def filled(database_url: str) -> Iterator[tuple[Stream, Reference, str]]:
+    """The lookup fleet applied to a database of its own, and the reference model of it."""
+    stream = fleet_stream(LOOKUP_FLEET, partitions=3)
+    with new_database(database_url) as database:
+        with connect(database, autocommit=True) as conn:
+            store = PostgresStore(conn)
+            for i in range(0, len(stream.messages), 500):
+                run_batch(stream.messages[i : i + 500], stream.codec, store, "g")  # type: ignore[arg-type]
+        yield stream, reference_of(stream), database
+
+
+def sql_lookups(stream: Stream, database: str) -> Iterator[Any]:
+    with connect(database, autocommit=True) as conn:
+        yield PrefixIndex(conn)
+
+
+def bootstrapped_lookups(stream: Stream, database: str) -> Iterator[Any]:
+    router = RouterIndex("127.0.0.1:9", stream.topic, "g")
+    with connect(database) as conn:
+        router.bootstrap(conn)
+    yield router
+
+
+def applied_lookups(stream: Stream, database: str) -> Iterator[Any]:
+    router = RouterIndex("127.0.0.1:9", stream.topic, "g")
+    router.apply(stream.messages)
+    yield router
+
+
+LOOKUPS: dict[str, Callable[[Stream, str], Iterator[Any]]] = {
+    "sql": sql_lookups,
+    "memory, bootstrapped": bootstrapped_lookups,
+    "memory, applied": applied_lookups,
+}
+
+
+def _found(holders: list[Any]) -> set[tuple[str, str, str, int, int]]:
+    return {(h.instance, h.medium, h.ownership, h.matched_blocks, h.matched_tokens)
+            for h in holders}  # fmt: skip
+
+
+@pytest.mark.parametrize("lookups", list(LOOKUPS))
+def test_lookups_answer_as_the_brute_force_walks(
+    lookups: str, filled: tuple[Stream, Reference, str]
+) -> None:
+    stream, ref, database = filled
+    held = held_now(ref)
+    asked = partial = 0
+    for idx in LOOKUPS[lookups](stream, database):
+        for tokens in prompts(ref, LOOKUP_FLEET, random.Random(99)):
+            hashes = prompt_hashes(tokens, LOOKUP_FLEET, int64=False)  # the stream's own
+            want = brute_force(ref, hashes, held)
+            got = idx.match(MODEL, 0, hashes, "block", True, WIDE)
+            assert _found(got) == _found(list(want)), tokens[:8]
+            raw = prompt_hashes(tokens, LOOKUP_FLEET, int64=False, per_hash=True)
+            by_hash = idx.match(MODEL, 0, raw, "hash", True, WIDE)
+            assert _found(by_hash) == _found(list(brute_force_hashes(raw, held)))
+            chain, full = chain_by_tokens(ref, tokens)
+            by_tokens = idx.match_tokens(MODEL, 0, tokens, None, True, WIDE)
+            assert _found(by_tokens) == {
+                (h.instance, h.medium, h.ownership, min(h.matched_blocks, full),
+                 h.matched_tokens)
+                for h in brute_force(ref, chain, held)
+            }  # fmt: skip
+            asked += bool(want)
+            partial += any(h.matched_tokens % BLOCK for h in by_tokens)
+    assert asked >= 20 and partial >= 3  # the prompts reached holders and partial tails

@@ -186,6 +186,19 @@ def wait_committed(relay: Relay, last: int, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def committed_reader(bootstrap: str, topic: str) -> Any:
+    """A read_committed reader of ``topic`` from its start, committing nothing."""
+    from confluent_kafka import Consumer
+
+    reader = Consumer({
+        "bootstrap.servers": bootstrap, "group.id": f"reader-{time.time_ns()}",
+        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+    })  # fmt: skip
+    reader.subscribe([topic])
+    return reader
+
+
 def run_relay(config: RelayConfig) -> Relay:
     relay = Relay(config)
     relay.start()
@@ -698,7 +711,6 @@ def test_a_relay_says_its_engine_is_there_as_it_starts(
     """A relay restarted after the index's liveness window left its live engine silent
     until its first heartbeat interval passed (the lab's relay restart: the engine dropped
     from answers). It heartbeats once resynchronised."""
-    from confluent_kafka import Consumer
 
     from kvledger.schemas.codec import Codec
     from kvledger.schemas.events import Heartbeat
@@ -709,12 +721,7 @@ def test_a_relay_says_its_engine_is_there_as_it_starts(
     )
     relay = run_relay(config)
     try:
-        reader = Consumer({
-            "bootstrap.servers": kafka_bootstrap, "group.id": f"hb-{time.time_ns()}",
-            "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-        })  # fmt: skip
-        reader.subscribe([topic])
+        reader = committed_reader(kafka_bootstrap, topic)
         codec, beats = Codec(), 0
         deadline = time.monotonic() + 20
         while not beats and time.monotonic() < deadline:
@@ -738,8 +745,6 @@ def test_a_relay_with_a_health_url_is_silent_until_the_engine_serves(
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from confluent_kafka import Consumer
-
     from kvledger.schemas.codec import Codec
 
     status = {"code": 503}
@@ -761,12 +766,7 @@ def test_a_relay_with_a_health_url_is_silent_until_the_engine_serves(
         health_url=f"http://127.0.0.1:{server.server_port}/health",
     )  # fmt: skip
     relay = Relay(config)
-    reader = Consumer({
-        "bootstrap.servers": kafka_bootstrap, "group.id": f"health-{time.time_ns()}",
-        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-        "enable.auto.commit": False,
-    })  # fmt: skip
-    reader.subscribe([topic])
+    reader = committed_reader(kafka_bootstrap, topic)
     codec = Codec()
 
     def kinds_for(seconds: float) -> list[str]:

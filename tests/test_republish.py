@@ -39,6 +39,7 @@ from tests.helpers.scripted_engines import (
     MODEL,
     TOKENS,
     Engine,
+    lose_removals,
     prompts,
     relay,
     start_dynamo_indexer,
@@ -137,16 +138,7 @@ def test_dynamos_indexer_fed_by_kvledger_stays_exact(
 
         # Engine 2's removals fall past its replay buffer while its relay is down: the
         # index records the loss and clears the engine, then holds what was replayed.
-        for c in range(CHAINS):
-            engines[2].store(c, LENGTH)
-        settle(engines[2])
-        relays[2].stop()
-        for c in range(CHAINS):
-            engines[2].evict(c, 0)
-        for c in range(4):
-            engines[2].store(c, 3)
-        relays[2] = relay(engines[2], kafka_bootstrap, topic)
-        settle(engines[2])
+        lose_removals(engines, relays, 2, kafka_bootstrap, topic, settle)
         exact("after a lost gap")
 
         # Dynamo's indexer restarts: registered again, it holds the whole fleet from

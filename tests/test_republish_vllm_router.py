@@ -34,7 +34,16 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.republish.publisher import Endpoint, Publisher
 from kvledger.consumer.router.index import RouterIndex
 from tests.helpers.procs import free_port, spawn
-from tests.helpers.scripted_engines import BLOCK, CHAINS, LENGTH, MODEL, TOKENS, Engine, relay
+from tests.helpers.scripted_engines import (
+    BLOCK,
+    CHAINS,
+    LENGTH,
+    MODEL,
+    TOKENS,
+    Engine,
+    lose_removals,
+    relay,
+)
 from tests.helpers.stand_in_workers import Worker, prompt_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.downloads]
@@ -212,16 +221,7 @@ def test_vllm_router_fed_by_kvledger_routes_as_the_truth(
         check("after an engine restart")
 
         # kvledger's relay of engine 2 is down while its removals fall past its buffer.
-        for c in range(CHAINS):
-            engines[2].store(c, LENGTH)
-        settle(engines[2])
-        relays[2].stop()
-        for c in range(CHAINS):
-            engines[2].evict(c, 0)
-        for c in range(3):
-            engines[2].store(c, 6)
-        relays[2] = relay(engines[2], kafka_bootstrap, topic)
-        settle(engines[2])
+        lose_removals(engines, relays, 2, kafka_bootstrap, topic, settle)
         check("after kvledger's relay lost a gap")
 
         # Engine 2 moves on (its last stores now older than its 4-batch buffer); both

@@ -124,6 +124,27 @@ def relay(engine: Engine, bootstrap: str, topic: str) -> Relay:
     return r
 
 
+def lose_removals(
+    engines: list[Engine], relays: list[Relay], i: int, bootstrap: str, topic: str,
+    settle: Any,
+) -> None:  # fmt: skip
+    """Engine ``i`` holds every chain whole; its relay goes down while it evicts them all
+    and stores four chains to 3 blocks (more batches than a buffer of 4 holds), then comes
+    back: kvledger records the loss, clears the engine, and holds what was replayed.
+    ``settle(engine)`` waits until the listener under test shows the engine's latest."""
+    e = engines[i]
+    for c in range(CHAINS):
+        e.store(c, LENGTH)
+    settle(e)
+    relays[i].stop()
+    for c in range(CHAINS):
+        e.evict(c, 0)
+    for c in range(4):
+        e.store(c, 3)
+    relays[i] = relay(e, bootstrap, topic)
+    settle(e)
+
+
 def start_dynamo_indexer(
     log_dir: Path, name: str = "dynamo", port: int | None = None
 ) -> tuple[str, subprocess.Popen[Any]]:

@@ -314,8 +314,9 @@ class Publisher:
             metrics.REPUBLISH_BATCHES.inc()
 
     def _answer(self, source: str, peer: bytes, start: int, asked: bool = True) -> None:
-        """Answer a replay from ``start``; ``asked``: the subscriber's own start (batches it
-        missed are counted resent), not a snapshot's a parked request is given."""
+        """Answer a replay from ``start``. ``asked``: the start is the subscriber's own, so
+        the retained batches from it are what it missed (counted resent); false for a
+        parked request given the snapshot made for it (a snapshot is not a resend)."""
         outlet = self._outlet(source)
         missed = asked and start >= (outlet.ring[0][0] if outlet.ring else outlet.next_seq)
         batches = outlet.replay(start)

@@ -8,7 +8,7 @@ fleet, random messy streams) in batches of its own size and must end holding exa
 the oracle holds: the memory store fed each stream whole, itself held to the independent
 reference model of the index on the fleet (:func:`test_the_oracle_is_the_reference_model`).
 Stores that keep history, rejections and lives (memory, PostgreSQL) must equal the oracle
-table by table.
+table by table, and again after a group declared late and their dead letters replayed.
 
 **Prefix lookups** (:class:`~kvledger.consumer.lookup.api.PrefixLookups`, what the service
 asks): SQL, the router bootstrapped from that database (as `serve --memory` starts), and
@@ -28,9 +28,12 @@ from typing import Any
 
 import pytest
 
+from kvledger.consumer.admin import declare_group
+from kvledger.consumer.admin import replay as replay_postgres
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
+from kvledger.consumer.inbound import decode
 from kvledger.consumer.lookup import PrefixIndex
-from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.pipeline import replay_batch, run_batch
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.consumer.store.postgres import PostgresStore
@@ -47,7 +50,7 @@ from tests.helpers.brute_force import (
     prompts,
 )
 from tests.helpers.reference_index import Reference, build
-from tests.helpers.streams import Stream, edge_stream, fleet_stream, messy_stream
+from tests.helpers.streams import Stream, edge_stream, fleet_stream, messy_stream, spec
 
 pytestmark = pytest.mark.integration
 
@@ -157,6 +160,65 @@ def test_the_oracle_is_the_reference_model() -> None:
     assert rejected == ref.rejected and sum(rejected.values()) > 0
     history = Counter((*row[:6], row[7], row[8]) for row in tables["residency_history"])
     assert history == ref.history_multiset()  # closed and open intervals alike
+
+
+# ---------------------------------------------------------------------- dead letters
+LATE_GROUP = spec(7)  # the edge stream's events for it are rejected until it is declared
+
+
+def replay_memory(stream: Stream, batch: int, _: str) -> Tables:
+    """The memory store after the stream, the late group's declaration and what ``kvledger
+    dlq replay`` does: pending rejections in log order, stale epochs left out."""
+    store = MemoryStore()
+    for i in range(0, len(stream.messages), batch):
+        run_batch(stream.messages[i : i + batch], stream.codec, store, "g")
+    store.declare(LATE_GROUP)
+    pending = sorted(
+        (r.message for r, replayed in store.rejected.values()
+         if not replayed and r.reason != "stale_epoch"),
+        key=lambda m: (m.topic, m.partition, m.offset),
+    )  # fmt: skip
+    replay_batch([decode(m, stream.codec) for m in pending if m.value], store)
+    return store.dump()
+
+
+def replay_in_postgres(stream: Stream, batch: int, admin_url: str) -> Tables:
+    with new_database(admin_url) as database, connect(database, autocommit=True) as conn:
+        store = PostgresStore(conn)
+        for i in range(0, len(stream.messages), batch):
+            run_batch(stream.messages[i : i + batch], stream.codec, store, "g")  # type: ignore[arg-type]
+        declare_group(conn, LATE_GROUP)
+        replay_postgres(conn)
+        return dump_postgres(conn)
+
+
+REPLAYING: dict[str, Callable[[Stream, int, str], Tables]] = {
+    "memory": replay_memory,
+    "postgres": replay_in_postgres,
+}
+
+
+@pytest.mark.parametrize("stream_name", ["edge cases", "simulated fleet"])
+@pytest.mark.parametrize("store", list(REPLAYING))
+def test_a_store_replays_its_dead_letters_as_the_oracle_does(
+    store: str, stream_name: str, request: pytest.FixtureRequest
+) -> None:
+    stream = STREAMS[stream_name]()
+    admin_url = request.getfixturevalue("database_url") if store == "postgres" else ""
+    want = replay_memory(stream, len(stream.messages), "")
+    differences = diff(REPLAYING[store](stream, 7, admin_url), want)
+    assert not differences, [(d.table, d.only_live[:2], d.only_rebuilt[:2]) for d in differences]
+    # The streams exercise what they should.
+    assert len(want["residencies"]) >= 6 and len(want["residency_history"]) >= 8
+    assert len(want["rejected_events"]) >= (8 if stream_name == "edge cases" else 1)
+    if stream_name == "edge cases":
+        assert {(row[0], row[3]) for row in want["lifecycle_events"]} == {
+            ("engine-c", "restart"), ("engine-b", "closed"), ("engine-a", "restart"),
+            ("engine-c", "lost"),
+        }  # fmt: skip
+        assert len(want["sources"]) == 4
+        assert ("reported_reuse", 2) in {(row[14], row[12]) for row in want["events"]}
+        assert {row[13] for row in want["events"]} == {"applied", "rejected", "duplicate"}
 
 
 # ---------------------------------------------------------------------- lookups

@@ -90,19 +90,22 @@ def held_of(tables: Tables) -> Held:
 
 
 # ---------------------------------------------------------------------- stores
-def apply_memory(stream: Stream, batch: int, _: str) -> tuple[Held, Tables | None]:
-    store = MemoryStore()
+def feed(store: Any, stream: Stream, batch: int) -> None:
+    """The stream through the consumer's pipeline into ``store``, ``batch`` at a time."""
     for i in range(0, len(stream.messages), batch):
         run_batch(stream.messages[i : i + batch], stream.codec, store, "g")
+
+
+def apply_memory(stream: Stream, batch: int, _: str) -> tuple[Held, Tables | None]:
+    store = MemoryStore()
+    feed(store, stream, batch)
     tables = store.dump()
     return held_of(tables), tables
 
 
 def apply_postgres(stream: Stream, batch: int, admin_url: str) -> tuple[Held, Tables | None]:
     with new_database(admin_url) as database, connect(database, autocommit=True) as conn:
-        store = PostgresStore(conn)
-        for i in range(0, len(stream.messages), batch):
-            run_batch(stream.messages[i : i + batch], stream.codec, store, "g")  # type: ignore[arg-type]
+        feed(PostgresStore(conn), stream, batch)
         tables = dump_postgres(conn)
     return held_of(tables), tables
 
@@ -170,8 +173,7 @@ def replay_memory(stream: Stream, batch: int, _: str) -> Tables:
     """The memory store after the stream, the late group's declaration and what ``kvledger
     dlq replay`` does: pending rejections in log order, stale epochs left out."""
     store = MemoryStore()
-    for i in range(0, len(stream.messages), batch):
-        run_batch(stream.messages[i : i + batch], stream.codec, store, "g")
+    feed(store, stream, batch)
     store.declare(LATE_GROUP)
     pending = sorted(
         (r.message for r, replayed in store.rejected.values()
@@ -184,9 +186,7 @@ def replay_memory(stream: Stream, batch: int, _: str) -> Tables:
 
 def replay_in_postgres(stream: Stream, batch: int, admin_url: str) -> Tables:
     with new_database(admin_url) as database, connect(database, autocommit=True) as conn:
-        store = PostgresStore(conn)
-        for i in range(0, len(stream.messages), batch):
-            run_batch(stream.messages[i : i + batch], stream.codec, store, "g")  # type: ignore[arg-type]
+        feed(PostgresStore(conn), stream, batch)
         declare_group(conn, LATE_GROUP)
         replay_postgres(conn)
         return dump_postgres(conn)
@@ -232,9 +232,7 @@ def filled(database_url: str) -> Iterator[tuple[Stream, Reference, str]]:
     stream = fleet_stream(LOOKUP_FLEET, partitions=3)
     with new_database(database_url) as database:
         with connect(database, autocommit=True) as conn:
-            store = PostgresStore(conn)
-            for i in range(0, len(stream.messages), 500):
-                run_batch(stream.messages[i : i + 500], stream.codec, store, "g")  # type: ignore[arg-type]
+            feed(PostgresStore(conn), stream, 500)
         yield stream, reference_of(stream), database
 
 

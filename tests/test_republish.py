@@ -18,7 +18,6 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -42,23 +41,16 @@ from tests.helpers.scripted_engines import (
     lose_removals,
     prompts,
     relay,
+    republished_fleet,
     start_dynamo_indexer,
     truth,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
 require_dynamo()
 
 SILENT_S = 4.0  # the liveness window (the relays heartbeat every second)
-
-
-def wait_until(what: str, ok: Callable[[], bool], timeout: float = 60) -> float:
-    """Seconds until ``ok()`` held (polled every 0.1 s)."""
-    start = time.monotonic()
-    while not ok():
-        assert time.monotonic() - start < timeout, f"never: {what}"
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def register(dynamo: str, engine: Engine, endpoint: Endpoint) -> None:
@@ -83,21 +75,10 @@ def wrong(dynamo: str, engines: list[Engine]) -> list[tuple[int, int]]:
 def test_dynamos_indexer_fed_by_kvledger_stays_exact(
     kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events, tmp_path
 ) -> None:
-    kv = vllm_kv_events
     topic = make_topic("republish", partitions=3)
-    engines = [Engine(kv, 0), Engine(kv, 1), Engine(kv, 2, buffer_steps=4)]
-    relays = [relay(e, kafka_bootstrap, topic) for e in engines]
-    router = RouterIndex(kafka_bootstrap, topic, group_id)
-    with connect(fresh_database) as conn:
-        router.bootstrap(conn)
-    router.start()
-    endpoints = [
-        Endpoint(f"engine-{e.index}", f"tcp://127.0.0.1:{free_port()}",
-                 f"tcp://127.0.0.1:{free_port()}")
-        for e in engines
-    ]  # fmt: skip
-    publisher = Publisher(router, endpoints, silent_after_s=SILENT_S)
-    publisher.start()
+    fleet = republished_fleet(vllm_kv_events, kafka_bootstrap, fresh_database, topic,
+                              group_id, SILENT_S)  # fmt: skip
+    engines, relays, endpoints = fleet.engines, fleet.relays, fleet.endpoints
     dynamo, proc = start_dynamo_indexer(tmp_path)
     for e, endpoint in zip(engines, endpoints, strict=True):
         register(dynamo, e, endpoint)
@@ -160,12 +141,7 @@ def test_dynamos_indexer_fed_by_kvledger_stays_exact(
                           lambda: wrong(dynamo, engines) == [], timeout=SILENT_S + 30)  # fmt: skip
         print(f"a dead engine left Dynamo's answers {took:.1f} s after it died")
     finally:
-        publisher.stop()
-        router.stop()
-        for r in relays:
-            r.stop()
-        for e in engines:
-            e.publisher.shutdown()
+        fleet.stop()
 
 
 def follow(held: set[bytes], events: list[Any]) -> None:

@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from kvledger.consumer.db import connect
-from kvledger.consumer.republish.publisher import Endpoint, Publisher
-from kvledger.consumer.router.index import RouterIndex
 from tests.helpers.procs import free_port, spawn
 from tests.helpers.scripted_engines import (
     BLOCK,
@@ -42,7 +38,8 @@ from tests.helpers.scripted_engines import (
     TOKENS,
     Engine,
     lose_removals,
-    relay,
+    republished_fleet,
+    wait_until,
 )
 from tests.helpers.stand_in_workers import Worker, prompt_text
 
@@ -140,33 +137,14 @@ def misrouted(router: KvAware, engines: list[Engine]) -> list[tuple[int, int, in
     return out
 
 
-def wait_until(what: str, ok: Callable[[], bool], timeout: float) -> float:
-    start = time.monotonic()
-    while not ok():
-        assert time.monotonic() - start < timeout, f"never: {what}"
-        time.sleep(0.2)
-    return time.monotonic() - start
-
-
 def test_vllm_router_fed_by_kvledger_routes_as_the_truth(
     kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events, tmp_path
 ) -> None:
-    kv = vllm_kv_events
     topic = make_topic("republish-vllm-router", partitions=3)
-    engines = [Engine(kv, 0), Engine(kv, 1), Engine(kv, 2, buffer_steps=4)]
+    fleet = republished_fleet(vllm_kv_events, kafka_bootstrap, fresh_database, topic,
+                              group_id, SILENT_S)  # fmt: skip
+    engines, relays, endpoints = fleet.engines, fleet.relays, fleet.endpoints
     workers = [Worker(MODEL) for _ in engines]
-    relays = [relay(e, kafka_bootstrap, topic) for e in engines]
-    index = RouterIndex(kafka_bootstrap, topic, group_id)
-    with connect(fresh_database) as conn:
-        index.bootstrap(conn)
-    index.start()
-    endpoints = [
-        Endpoint(f"engine-{e.index}", f"tcp://127.0.0.1:{free_port()}",
-                 f"tcp://127.0.0.1:{free_port()}")
-        for e in engines
-    ]  # fmt: skip
-    publisher = Publisher(index, endpoints, silent_after_s=SILENT_S)
-    publisher.start()
     direct = KvAware("direct", workers, [(e.endpoint, e.replay_endpoint) for e in engines],
                      tmp_path)  # fmt: skip
     ours = KvAware("via-kvledger", workers, [(p.pub, str(p.replay)) for p in endpoints],
@@ -250,11 +228,6 @@ def test_vllm_router_fed_by_kvledger_routes_as_the_truth(
         for r in (direct, ours):
             if r.proc is not None:
                 r.proc.kill()
-        publisher.stop()
-        index.stop()
-        for r in relays:
-            r.stop()
-        for e in engines:
-            e.publisher.shutdown()
+        fleet.stop()
         for w in workers[1:]:
             w.close()

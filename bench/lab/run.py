@@ -151,32 +151,23 @@ class Lab:
             self.live[i] = True
             print(f"lab: {self.specs[i].name} ready in {took:.0f} s", flush=True)
 
-    def restart_engine_later(self, i: int) -> None:
-        def wait() -> None:
-            try:
-                self.engines[i].wait_ready()
-                self.live[i] = True
-            except LabError as error:
-                print(f"lab: {error}", file=sys.stderr, flush=True)
-
-        self.engines[i].start()
-        thread = threading.Thread(target=wait, daemon=True)
-        thread.start()
-        self.pending.append(thread)
-
-    def replace_engine_later(self, i: int) -> None:
-        """Start a killed engine's replacement at once, for the next run: an engine takes
-        longer to start (30-60 s here) than the rest of a run lasts, so it is not live to
-        this one (:meth:`run` checks that it was not ready before its stream ended)."""
-        self.engines[i].start()
+    def restart_engine_later(self, i: int, for_next_run: bool = False) -> None:
+        """Start engine ``i`` again; it is live once it answers. ``for_next_run``: a killed
+        engine's replacement, started at once for the next run (an engine takes longer to
+        start, 30-60 s here, than the rest of a run lasts), so not live to this one
+        (:meth:`run` checks that it was not ready before its stream ended)."""
 
         def wait() -> None:
             try:
                 self.engines[i].wait_ready()
-                self.replaced_at[i] = time.monotonic()
+                if for_next_run:
+                    self.replaced_at[i] = time.monotonic()
+                else:
+                    self.live[i] = True
             except LabError as error:
                 print(f"lab: {error}", file=sys.stderr, flush=True)
 
+        self.engines[i].start()
         thread = threading.Thread(target=wait, daemon=True)
         thread.start()
         self.pending.append(thread)
@@ -210,7 +201,7 @@ class Lab:
             self.restart_engine_later(1)
         elif name == "engine_kill" and len(self.engines) > 2:
             self.kill_engine(2)
-            self.replace_engine_later(2)
+            self.restart_engine_later(2, for_next_run=True)
         elif name == "router_restart":
             router.restart()
         elif name == "relay_restart":

@@ -10,12 +10,17 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import httpx
 
+from kvledger.consumer.db import connect
+from kvledger.consumer.republish.publisher import Endpoint, Publisher
+from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
 from tests.helpers.procs import free_port, spawn
@@ -122,6 +127,55 @@ def relay(engine: Engine, bootstrap: str, topic: str) -> Relay:
     r.start()
     assert r.ready(60), "the relay did not resynchronise with its engine"
     return r
+
+
+def wait_until(what: str, ok: Callable[[], bool], timeout: float = 60) -> float:
+    """Seconds until ``ok()`` held (polled every 0.1 s)."""
+    start = time.monotonic()
+    while not ok():
+        assert time.monotonic() - start < timeout, f"never: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@dataclass
+class RepublishedFleet:
+    """Three engines (the third with a replay buffer of 4 batches), a relay each into the
+    topic, a router index following it, and `kvledger republish`'s sockets per engine."""
+
+    engines: list[Engine]
+    relays: list[Relay]
+    index: RouterIndex
+    endpoints: list[Endpoint]
+    publisher: Publisher
+
+    def stop(self) -> None:
+        self.publisher.stop()
+        self.index.stop()
+        for r in self.relays:
+            r.stop()
+        for e in self.engines:
+            e.publisher.shutdown()
+
+
+def republished_fleet(
+    kv: ModuleType, bootstrap: str, database: str, topic: str, group_id: str,
+    silent_after_s: float,
+) -> RepublishedFleet:  # fmt: skip
+    engines = [Engine(kv, 0), Engine(kv, 1), Engine(kv, 2, buffer_steps=4)]
+    relays = [relay(e, bootstrap, topic) for e in engines]
+    index = RouterIndex(bootstrap, topic, group_id)
+    with connect(database) as conn:
+        index.bootstrap(conn)
+    index.start()
+    endpoints = [
+        Endpoint(f"engine-{e.index}", f"tcp://127.0.0.1:{free_port()}",
+                 f"tcp://127.0.0.1:{free_port()}")
+        for e in engines
+    ]  # fmt: skip
+    publisher = Publisher(index, endpoints, silent_after_s=silent_after_s)
+    publisher.start()
+    return RepublishedFleet(engines, relays, index, endpoints, publisher)
 
 
 def lose_removals(

@@ -225,10 +225,16 @@ def capture_produced(publisher: Any, captured: list[tuple[bytes, bytes]]) -> Non
 
 
 def raw_produce(
-    bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], warm: bool = False
+    bootstrap: str,
+    topic: str,
+    messages: list[tuple[bytes, bytes]],
+    warm: bool = False,
+    partition_of: Callable[[bytes], int] | None = None,
 ) -> float:
     """Seconds for one producer with the publisher's settings to produce ``messages``
     (key, value) to ``topic`` and have every one acknowledged (the raw baseline).
+
+    ``partition_of``: each key's partition (else the publisher's partitioner places it).
 
     ``warm``: the producer starts before the clock does (one message produced and
     acknowledged: metadata fetched, the idempotent producer's id granted, ~0.5 s here), as
@@ -246,7 +252,10 @@ def raw_produce(
     for key, value in messages:
         while True:
             try:
-                producer.produce(topic, value=value, key=key)
+                if partition_of is None:
+                    producer.produce(topic, value=value, key=key)
+                else:
+                    producer.produce(topic, value=value, key=key, partition=partition_of(key))
                 break
             except BufferError:
                 producer.poll(0.05)

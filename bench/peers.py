@@ -15,27 +15,42 @@ tokens (``compute_block_hash_for_seq``), which the events carry.
 
 Figures: apply rate (Dynamo: one ``apply_event`` per stored event, its JSON encoded
 beforehand; kvledger: one ``add_row`` and one ``hold`` per block, the calls the router's
-store makes), resident memory per held block, lookup p50/p99 by hashes and by tokens (each
+store makes), resident memory per held block (each index built alone in a process of its
+own: see :func:`alone`), lookup p50/p99 by hashes and by tokens (each
 side's tokens-to-hashes work included), and whether the answers agree: for 200 prompts,
-each worker's matched blocks. Natively, kvledger's apply is also timed by whole events
-(``store_run``, the router lane's call, as Dynamo applies whole events), and each apply
-figure is the best of three builds made in turn.
+each worker's matched blocks.
+
+The router as a user runs it is measured too ("router, public path"): the same stored
+events as Avro envelopes (one source per instance, its group announced first) through
+``RouterIndex.apply``, the call its tail makes, and lookups through ``RouterIndex.match`` and
+``match_tokens``, the calls its HTTP routes make: memory, apply and lookups of the whole
+router (its holders, lives and sequence state as well as the compiled groups) beside
+Dynamo's binding, with the same answers checked; its memory, like that of each index, is
+read from a process that builds that index alone. Natively, kvledger's apply is also timed
+by whole events (``store_run``, the router lane's call, as Dynamo applies whole events),
+and each apply figure is the best of three builds made in turn.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hashlib
 import json
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import record
+from bench.common import PUBLISHED, publish, record
 from bench.lookup import CHAINS, INSTANCES, LENGTH
-from bench.router import _rss, _timed
+from bench.router import WIDE, _rss, _timed
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.router.index import RouterIndex
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
 
 BLOCK = 16
 NATIVE = Path(__file__).parent / "native" / "Cargo.toml"
@@ -74,6 +89,150 @@ def _kvledger(chains: list[list[bytes]]) -> tuple[object, float, int]:
     return g, time.perf_counter() - start, blocks
 
 
+class _Topic:
+    """The workload as the topic would carry it: each holder's stored run as one BlockStored
+    envelope of its instance (a source), after that instance's group announcement."""
+
+    def __init__(self, chains: list[list[bytes]]) -> None:
+        self.chains = chains
+        self.codec = Codec()
+        self.seqs: dict[str, int] = {}  # per source: its next sequence number
+        self.offset = 0
+        self.now = int(time.time() * 1000)
+
+    def messages(self, first: int, last: int) -> list[Inbound]:
+        """Chains ``first`` to ``last`` (exclusive), encoded, in publish order."""
+        out: list[Inbound] = []
+        for c in range(first, last):
+            for worker, n in _holders(c):
+                instance, storage = divmod(worker, 2)
+                source = f"engine-{instance}"
+                if source not in self.seqs:
+                    out.append(self._message(source, GroupSpec(MODEL, 0, "full_attention",
+                                                               BLOCK, BLOCK)))  # fmt: skip
+                medium = "STORAGE" if storage else "CPU"
+                run = tuple(self.chains[c][:n])
+                stored = BlockStored(run, None, (c,) * (BLOCK * n), BLOCK, None, medium, None,
+                                     token_start=0)  # fmt: skip
+                out.append(self._message(source, stored))
+        return out
+
+    def _message(self, source: str, event: GroupSpec | BlockStored) -> Inbound:
+        seq = self.seqs.get(source, 0)
+        self.seqs[source] = seq + 1
+        self.offset += 1
+        value = self.codec.encode(Envelope(source, MODEL, 0, 1, seq, self.now, event))
+        return Inbound("peers", 0, self.offset - 1, f"{source}/0".encode(), value)
+
+
+MODEL = "bench"
+
+
+def _router(chains: list[list[bytes]], dynamo: bool = False) -> tuple[RouterIndex, float, int]:
+    """The router fed the workload through its public path; (router, apply seconds, blocks
+    applied). Encoding is done in chunks between the timed applies, so the encoded messages
+    neither count in the apply time nor sit in memory beside the index."""
+    router = RouterIndex("unused:9092", "peers", "bench-peers", dynamo=dynamo,
+                         block_retention=None)  # fmt: skip
+    topic = _Topic(chains)
+    seconds = 0.0
+    for first in range(0, len(chains), 200):
+        batch = topic.messages(first, min(first + 200, len(chains)))
+        start = time.perf_counter()
+        router.apply(batch)
+        seconds += time.perf_counter() - start
+    return router, seconds, router.block_events
+
+
+def _public_path(
+    chains: list[list[bytes]], tree: object, local: dict[int, int], picked: list[int]
+) -> dict[str, float]:
+    from dynamo._core import compute_block_hash_for_seq
+
+    router, seconds, blocks = _router(chains)
+    figures = {
+        "router, public path: stored blocks applied": float(blocks),
+        "router, public path: apply, block events/s (Avro envelopes, RouterIndex.apply)":
+            blocks / seconds,
+    }  # fmt: skip
+    by_hash = [chains[c] for c in picked]
+    tokens = [[c] * (LENGTH * BLOCK) for c in picked]
+
+    def kv_hash(h: list[bytes]) -> object:
+        return router.match(MODEL, 0, h, "block", False, WIDE)
+
+    def kv_tokens(t: list[int]) -> object:
+        return router.match_tokens(MODEL, 0, t, None, False, WIDE)
+
+    def dyn_tokens(t: list[int]) -> object:
+        return tree.find_matches(compute_block_hash_for_seq(t, BLOCK))  # type: ignore[attr-defined]
+
+    gc.freeze()
+    for name, kv, kv_in in (("by hashes", kv_hash, by_hash), ("by tokens", kv_tokens, tokens)):
+        _timed(kv, kv_in[:200])
+        p50, p99, _ = _timed(kv, kv_in)
+        figures |= {
+            f"router, public path: lookup {name}: p50 us": p50,
+            f"router, public path: lookup {name}: p99 us": p99,
+        }
+    _timed(dyn_tokens, tokens[:200])
+    figures["router, public path: Dynamo binding by tokens (same run): p50 us"] = _timed(
+        dyn_tokens, tokens
+    )[0]
+    gc.unfreeze()
+
+    def worker(instance: str, medium: str) -> int:
+        return int(instance.removeprefix("engine-")) * 2 + (medium == "STORAGE")
+
+    same = all(
+        {worker(h.instance, h.medium): h.matched_blocks for h in kv_tokens(t)}  # type: ignore[attr-defined]
+        == {w: n for (w, _), n in dyn_tokens(t).scores.items()}  # type: ignore[attr-defined]
+        for t in tokens[:200]
+    )
+    figures["router, public path: same answers as Dynamo (200 prompts)"] = float(same)
+    return figures
+
+
+def alone(kind: str) -> float:
+    """Resident bytes per held block of one index built alone in this process: ``group``
+    (the compiled group), ``router`` (the router through its public path) or ``dynamo``
+    (Dynamo's binding). In a process of its own, no other index's freed memory is reused
+    and counted as nothing; memory freed while building (events made for the build) goes
+    back to the system before the reading, so it counts for no one."""
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+    chains = [_hashes(c) for c in range(CHAINS)]
+    build: dict[str, Callable[[list[list[bytes]]], tuple[object, float, object]]] = {
+        "group": _kvledger, "router": _router, "dynamo": _dynamo,
+        "router-dynamo-api": lambda chains: _router(chains, dynamo=True),
+    }  # fmt: skip
+    gc.collect()
+    trim(0)
+    before = _rss()
+    index = build[kind](chains)
+    gc.collect()
+    trim(0)
+    grown = _rss() - before
+    del index
+    return grown / sum(n for c in range(CHAINS) for _, n in _holders(c))
+
+
+def _alone_figures() -> dict[str, float]:
+    out = {}
+    for kind, name in (("group", "kvledger's compiled group"), ("router", "router, public path"),
+                       ("router-dynamo-api", "router, public path, with --dynamo-api"),
+                       ("dynamo", "Dynamo's binding")):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.peers", "--alone", kind],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        out[f"bytes per held block, built alone: {name}"] = float(done.stdout.split()[-1])
+    out["bytes per held block, built alone: router public path / Dynamo's binding"] = (
+        out["bytes per held block, built alone: router, public path"]
+        / out["bytes per held block, built alone: Dynamo's binding"]
+    )
+    return out
+
+
 def _dynamo(chains: list[list[bytes]]) -> tuple[object, float, dict[int, int]]:
     from dynamo._core import RadixTree, compute_block_hash_for_seq
 
@@ -99,15 +258,8 @@ def main(lookups: int = 2000) -> dict[str, float]:
     except ImportError as exc:  # the bench extra is not installed
         raise SystemExit(f"bench.peers needs ai-dynamo-runtime (the bench extra): {exc}") from exc
     chains = [_hashes(c) for c in range(CHAINS)]
-    gc.collect()
-    before = _rss()
     group, kv_s, blocks = _kvledger(chains)
-    gc.collect()
-    kv_bytes = _rss() - before
-    before = _rss()
     tree, dyn_s, local = _dynamo(chains)
-    gc.collect()
-    dyn_bytes = _rss() - before
 
     rng = random.Random(1)
     picked = [rng.randrange(CHAINS) for _ in range(lookups)]
@@ -128,8 +280,6 @@ def main(lookups: int = 2000) -> dict[str, float]:
         "stored blocks": float(blocks),
         "kvledger apply, block events/s (add_row + hold per block)": blocks / kv_s,
         "Dynamo apply, block events/s (apply_event per stored event)": blocks / dyn_s,
-        "kvledger bytes per held block": kv_bytes / blocks,
-        "Dynamo bytes per held block": dyn_bytes / blocks,
     }
     gc.freeze()
     for name, kv, dyn, kv_in, dyn_in in (
@@ -154,6 +304,16 @@ def main(lookups: int = 2000) -> dict[str, float]:
         for h, lh in zip(by_hash[:200], locals_, strict=False)
     )
     figures["same answers (200 prompts, each worker's matched blocks)"] = float(same)
+    figures |= _public_path(chains, tree, local, picked)
+    figures |= _alone_figures()
+    figures["router, public path / Dynamo binding: apply rate"] = (
+        figures["router, public path: apply, block events/s (Avro envelopes, RouterIndex.apply)"]
+        / figures["Dynamo apply, block events/s (apply_event per stored event)"]
+    )
+    figures["router, public path / Dynamo binding: lookup by tokens p50"] = (
+        figures["router, public path: lookup by tokens: p50 us"]
+        / figures["router, public path: Dynamo binding by tokens (same run): p50 us"]
+    )
     figures |= native()  # its own process: its memory its own
     record("peers", figures)
     return figures
@@ -185,5 +345,8 @@ def native() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    for key, value in main().items():
-        print(f"{key:64s} {value:14,.2f}")
+    if sys.argv[1:2] == ["--alone"]:
+        print(alone(sys.argv[2]))
+        raise SystemExit(0)
+    written = publish({"peers": main()}, PUBLISHED / "peers", command="python -m bench.peers")
+    print(f"wrote {', '.join(str(w) for w in written)}")

@@ -27,13 +27,14 @@ blocks under the lookups' lock.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvledger.consumer.lookup.requests import BadRequestError
 
@@ -188,11 +189,22 @@ def _iso(t: datetime | None) -> str | None:
     return None if t is None else t.astimezone(UTC).isoformat()
 
 
-class SharedAnswers:
+T = TypeVar("T")
+
+
+def encoded(answer: dict[str, Any]) -> bytes:
+    """An answer as the JSON bytes sent, encoded once and shared with its viewers (as
+    Starlette's JSONResponse encodes: compact, UTF-8)."""
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+class SharedAnswers(Generic[T]):
     """Answers per window shared by every viewer for ``ttl_s``: computed once meanwhile,
     a viewer that asks while one is being computed waits for it rather than computing it
     again. At most ``keep`` windows are kept (the least recently asked go). A computation
-    that fails is not kept."""
+    that fails is not kept. The service keeps the encoded answer: a viewer then costs
+    neither a computation nor an encoding (on a large fleet the occupancy series alone is
+    thousands of points)."""
 
     def __init__(
         self, ttl_s: float = SHARED_FOR_S, keep: int = 16,
@@ -201,17 +213,17 @@ class SharedAnswers:
         self.ttl_s, self.keep, self.clock = ttl_s, keep, clock
         self.computed = 0  # answers computed (the rest were shared)
         self._lock = threading.Lock()
-        self._answers: OrderedDict[int, tuple[float, dict[str, Any]]] = OrderedDict()
+        self._answers: OrderedDict[int, tuple[float, T]] = OrderedDict()
         self._computing: dict[int, threading.Lock] = {}
 
-    def _fresh(self, minutes: int) -> dict[str, Any] | None:
+    def _fresh(self, minutes: int) -> T | None:
         hit = self._answers.get(minutes)
         if hit is None or self.clock() - hit[0] >= self.ttl_s:
             return None
         self._answers.move_to_end(minutes)
         return hit[1]
 
-    def get(self, minutes: int, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def get(self, minutes: int, compute: Callable[[], T]) -> T:
         with self._lock:
             if (answer := self._fresh(minutes)) is not None:
                 return answer

@@ -150,6 +150,8 @@ def _routes(gate: _Gate, lookups: Lookups, in_memory: bool, openapi: Any) -> lis
             params = dict(request.query_params)
             result = await run_in_threadpool(answer, "dashboard", lookups.dashboard, params)
         status, payload, headers = gate.counted("dashboard", start, result)
+        if isinstance(payload, bytes):  # the shared answer, encoded once
+            return Response(payload, status, headers, media_type="application/json")
         return JSONResponse(payload, status, headers)
 
     def metrics(request: Request) -> Response:

@@ -125,7 +125,8 @@ class Lookups:
         self.share = share  # the other replicas are told (a DecisionLog's publish)
         self.silent_after = silent_after
         self.pool_timeout_s = pool_timeout_s
-        self.dashboards = dashboard.SharedAnswers()  # computed once per refresh, not per tab
+        # Computed and encoded once per refresh, not per tab.
+        self.dashboards: dashboard.SharedAnswers[bytes] = dashboard.SharedAnswers()
         self.database_url = database_url
         self.pool = (
             ConnectionPool(
@@ -293,11 +294,13 @@ class Lookups:
         """GET /v1/dashboard: the fleet at a glance (consumer/lookup/dashboard.py)."""
         minutes = dashboard.minutes_of(params)
 
-        def compute() -> dict[str, Any]:
+        def compute() -> bytes:
             if self.router is not None:
-                return dashboard.from_memory(self.router, minutes, self.silent_after)
+                return dashboard.encoded(
+                    dashboard.from_memory(self.router, minutes, self.silent_after)
+                )
             with self.sql() as idx:
-                return dashboard.from_database(idx.conn, minutes)
+                return dashboard.encoded(dashboard.from_database(idx.conn, minutes))
 
         return 200, self.dashboards.get(minutes, compute), {}
 

@@ -62,6 +62,25 @@ def test_the_memory_fleet_counts_every_block(router: RouterIndex) -> None:
     for bad in ("0", "1441", "x", "\u0661"):
         r = client.get(f"/v1/dashboard?minutes={bad}")
         assert r.status_code == 400 and "minutes" in r.json()["error"], bad
+    # A second viewer within the refresh gets the same bytes, encoded once, as JSON.
+    again = client.get("/v1/dashboard?minutes=5")
+    assert again.headers["content-type"] == "application/json"
+    assert again.json() == body and again.content == client.get("/v1/dashboard?minutes=5").content
+
+
+def test_a_shared_answer_is_encoded_once_as_json_would_send_it() -> None:
+    import json
+
+    from kvledger.consumer.lookup.dashboard import SharedAnswers, encoded
+
+    answer = {"fleet": [{"source": "engine-é<b>", "held": {"GPU": 3}}], "mode": "memory"}
+    shared: SharedAnswers[bytes] = SharedAnswers()
+    made: list[bytes] = []
+    first = shared.get(5, lambda: made.append(encoded(answer)) or made[-1])
+    assert shared.get(5, lambda: made.append(b"") or made[-1]) is first and len(made) == 1
+    assert json.loads(first) == answer and b", " not in first and "é".encode() in first
+    with pytest.raises(ValueError):  # NaN is not JSON: refused, as Starlette refuses it
+        encoded({"x": float("nan")})
 
 
 def test_a_record_says_what_was_available_captured_and_silent() -> None:

@@ -189,6 +189,28 @@ def _described(admin: AdminClient, name: str, timeout: float, exists: bool = Fal
         time.sleep(0.1)
 
 
+def _until_served(admin: AdminClient, name: str, timeout: float) -> None:
+    """Return once every partition of ``name`` (just created) has a leader that answers for
+    it: the creation's answer comes before that, and a client asking the topic's offsets at
+    once (``serve --decisions-topic`` does) would be told the topic is unknown or that the
+    broker is not its leader. After ``timeout``, the last such error is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        topic = _described(admin, name, max(0.1, deadline - time.monotonic()), exists=True)
+        try:
+            if topic is not None and topic.error is not None:
+                raise KafkaException(topic.error)
+            if topic is None or not topic.partitions:
+                unknown = KafkaError(KafkaError._UNKNOWN_TOPIC, f"{name!r} has no partitions yet")
+                raise KafkaException(unknown)
+            partition_offsets(admin, name, partitions=topic.partitions, timeout=timeout)
+            return
+        except KafkaException as exc:
+            if (exc.args and refused(exc.args[0])) or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
+
+
 def _ensure_topic(
     admin: AdminClient,
     name: str,
@@ -217,6 +239,7 @@ def _ensure_topic(
         try:
             futures[name].result(timeout=timeout)
             logger.info("created topic %s with %d partitions", name, partitions)
+            _until_served(admin, name, timeout)
             return True
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:

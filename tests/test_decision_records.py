@@ -102,7 +102,9 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
     decide(url, "engine-b", P, request_id="d2")  # half: chosen elsewhere
     decide(url, "engine-c", R, request_id="d3")  # all of R, on the CPU only
     decide(url, "engine-a", Q, request_id="d4")  # no holder
-    decide(url, "engine-a", token_ids=P_TOKENS, request_id="d5")  # by tokens: no delivered
+    # By tokens: the record names the engine's hashes of what engine-a holds (P), so its
+    # delivered is known as d1's is.
+    decide(url, "engine-a", token_ids=P_TOKENS, request_id="d5")
     time.sleep(0.05)
     a.publish_events([BlockRemoved(tuple(P[5:]), "GPU", group_idx=0)])
     a.publish_events([stored(P[5:], start=5, tokens=P_TOKENS[20:])])  # stored again
@@ -142,7 +144,7 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
             "d2": ("chosen_elsewhere", 8, 4, 4, "GPU"),
             "d3": ("lower_tier_only", 3, 3, 3, "CPU"),
             "d4": ("no_holder", 0, 0, 0, None),
-            "d5": ("captured", 8, 8, None, "GPU"),
+            "d5": ("evicted_before_arrival", 8, 8, 5, "GPU"),
             "d6": ("captured", 8, 8, 8, "GPU"),
         }
         raw, why = conn.execute("SELECT raw, reason FROM kvledger.rejected_decisions").fetchone()
@@ -160,7 +162,7 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
     assert cli(["status", "--database-url", fresh_database]) == 0
     out = capsys.readouterr().out
     assert "routing    7 decision(s) in the last hour: captured 89% of 35 blocks available" in out
-    assert "delivered 20 " in out  # d1 5, d2 4, d3 3, d4 0, d6 8 (d5's and the silent unknown)
+    assert "delivered 25 " in out  # d1 5, d2 4, d3 3, d4 0, d5 5, d6 8 (the silent's unknown)
 
 
 def assert_recount(conn: psycopg.Connection) -> None:

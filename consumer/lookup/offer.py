@@ -4,9 +4,11 @@ sent it (``POST /v1/decisions``), as the record the decisions topic carries to P
 
 *Available* is the most leading blocks any live holder had, on any tier (its tier is the
 best one holding that much); *captured* is what the chosen instance had, on its best tier;
-*silent* the most any silent holder had. For a prompt reported by block hashes the record
-keeps the hashes of its captured blocks (at most :data:`MAX_CAPTURED_HASHES`), from which
-the database tells what the engine then delivered (migration 0018's decision_outcomes).
+*silent* the most any silent holder had. The record keeps the hashes of the captured
+blocks (at most :data:`MAX_CAPTURED_HASHES`), from which the database tells what the engine
+then delivered (migration 0018's decision_outcomes): for a prompt reported by block hashes,
+its own; for one reported by token ids, the engine's hashes of the blocks the chosen
+instance holds on its best tier, as the index's walk by tokens finds them.
 """
 
 from __future__ import annotations
@@ -38,16 +40,23 @@ def offer_record(
     window: timedelta | None,
 ) -> Record:
     """The record of ``req``'s decision, from the index as it is now."""
-    if req.token_ids is not None:
-        holders = router.match_tokens(req.model, req.group_idx, req.token_ids, req.lora_name,
-                                      True, window, req.cache_salt)  # fmt: skip
-        prompt_blocks = len(req.token_ids) // block_size
-    else:
+    if req.token_ids is None:
         assert req.hashes is not None
         holders = router.match(req.model, req.group_idx, req.hashes, "block", True, window)
-        prompt_blocks = len(req.hashes)
-    return build_record(holders, req.instance, chosen_state, block_size, prompt_blocks,
-                        req.hashes)  # fmt: skip
+        return build_record(holders, req.instance, chosen_state, block_size, len(req.hashes),
+                            req.hashes)  # fmt: skip
+    holders = router.match_tokens(req.model, req.group_idx, req.token_ids, req.lora_name,
+                                  True, window, req.cache_salt)  # fmt: skip
+    record = build_record(holders, req.instance, chosen_state, block_size,
+                          len(req.token_ids) // block_size, None)  # fmt: skip
+    chosen = _best_holder([h for h in holders if h.instance == req.instance])
+    if chosen is not None:  # the engine's hashes of what the chosen instance holds
+        holder = (chosen.instance, chosen.medium, chosen.ownership)
+        path = router.held_path(req.model, req.group_idx, req.token_ids, req.lora_name,
+                                req.cache_salt, holder)  # fmt: skip
+        kept = path[: min(record.captured_blocks, MAX_CAPTURED_HASHES)]
+        record.captured_hashes = [h.hex() for h in kept]
+    return record
 
 
 def build_record(
@@ -82,8 +91,15 @@ def build_record(
 
 def _best(holders: Sequence[Holder]) -> tuple[int, str | None]:
     """The most leading blocks among ``holders`` and the fastest tier holding that many."""
-    best = max((h.matched_blocks for h in holders), default=0)
-    if best == 0:
-        return 0, None
-    tiers = [h.medium for h in holders if h.matched_blocks == best]
-    return best, min(tiers, key=lambda m: _TIER_ORDER.get(m, 9))
+    best = _best_holder(holders)
+    return (0, None) if best is None else (best.matched_blocks, best.medium)
+
+
+def _best_holder(holders: Sequence[Holder]) -> Holder | None:
+    """The holder of the most leading blocks among ``holders``, on the fastest tier (None:
+    none holds any)."""
+    most = max((h.matched_blocks for h in holders), default=0)
+    if most == 0:
+        return None
+    return min((h for h in holders if h.matched_blocks == most),
+               key=lambda h: _TIER_ORDER.get(h.medium, 9))  # fmt: skip

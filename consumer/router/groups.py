@@ -50,6 +50,10 @@ class BlockGroup(Protocol):
         self, tokens: Sequence[int], block_size: int, hash_block_size: int,
         lora_name: str | None, salt: str | None = None,
     ) -> list[tuple[int, int, int]]: ...  # fmt: skip
+    def held_path(
+        self, tokens: Sequence[int], block_size: int, lora_name: str | None, hid: int,
+        salt: str | None = None,
+    ) -> list[bytes]: ...  # fmt: skip
     def enable_dynamo(self) -> None: ...
     def dynamo_local(self, key: bytes) -> int | None: ...
     def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...

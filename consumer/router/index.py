@@ -420,6 +420,16 @@ class RouterIndex:
             found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name, cache_salt)
             return m.answer(self.store, found, include_silent, silent_after, _now())
 
+    def held_path(
+        self, model: str, group_idx: int, token_ids: Sequence[int], lora_name: str | None,
+        cache_salt: str | None, holder: tuple[str, str, str],
+    ) -> list[bytes]:  # fmt: skip
+        """The block hashes of the prompt's leading blocks that ``holder`` (instance, medium,
+        ownership) holds, found by their tokens (what a decision by token ids captured)."""
+        with self.lock:
+            return m.held_path(self.store, model, group_idx, token_ids, lora_name, cache_salt,
+                               holder)  # fmt: skip
+
     def state_checkpoints(
         self, model: str, group_idx: int, hashes: Sequence[bytes], upto: Mapping[str, int]
     ) -> dict[str, int]:

@@ -56,6 +56,20 @@ def held_tokens(
     return g.match_tokens(tokens, held.spec.block_size, held.spec.hash_block_size, lora, salt)
 
 
+def held_path(
+    store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None,
+    salt: str | None, holder: tuple[str, str, str],
+) -> list[bytes]:  # fmt: skip
+    """The engine's hashes of the prompt's leading full blocks that ``holder`` (instance,
+    medium, ownership) holds, as the token walk finds them (:meth:`Group.held_path`)."""
+    held = store.specs.get(GroupKey(model, group))
+    g = store.groups.get(GroupKey(model, group))
+    hid = store.holder_ids.get(holder)
+    if held is None or g is None or hid is None:
+        return []
+    return g.held_path(tokens, held.spec.block_size, lora, hid, salt)
+
+
 def state_of(life: SourceLife | None, now: datetime, silent_after: timedelta) -> str:
     """live | silent | closed | unknown, as kvledger.source_state answers."""
     if life is None:

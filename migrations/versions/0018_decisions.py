@@ -11,8 +11,8 @@ then reused (issue: explainable hit rates).
   Delivered: of the blocks the chosen instance held (captured), those it did not store
   again on its GPU tier within a minute after the decision (a block it stored again had
   been evicted before the request arrived). Known only where the decision carries the
-  prompt's block hashes (``captured_hashes``: its first captured ones, at most 8,192);
-  NULL for a decision reported by token ids.
+  captured blocks' hashes (``captured_hashes``: at most 8,192); NULL where it does not
+  (records of token-keyed decisions written before the lookup service named them).
   Outcome, the first that applies: ``no_holder`` (no live or silent instance held any
   block), ``holder_silent`` (only silent instances did), ``chosen_elsewhere`` (the chosen
   instance held less than the best live one), ``lower_tier_only`` (it held as much, on a

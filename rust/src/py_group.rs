@@ -258,6 +258,28 @@ impl Group {
         )
     }
 
+    /// held_path(tokens, block_size, lora_name, hid, salt=None) -> [hash]: the hashes of the
+    /// blocks holder `hid` holds down the prompt's full blocks from the root (the token
+    /// walk's rows, its own where a level has several), to the first it does not hold.
+    #[pyo3(signature = (tokens, block_size, lora_name, hid, salt=None))]
+    fn held_path<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        block_size: i64,
+        lora_name: Option<&str>,
+        hid: i64,
+        salt: Option<&str>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let hid = holder_id(hid)?;
+        let Ok(bs) = usize::try_from(block_size) else {
+            return Ok(PyList::empty(py));
+        };
+        let tokens = token_list(tokens)?;
+        let path = self.core.held_path(&tokens, bs, lora_name, salt, hid);
+        PyList::new(py, path.into_iter().map(|k| PyBytes::new(py, k)))
+    }
+
     /// enable_dynamo(): keep each full block's Dynamo local hash from now on.
     fn enable_dynamo(&mut self) {
         self.core.enable_dynamo();

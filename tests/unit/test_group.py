@@ -114,6 +114,13 @@ def test_the_compiled_group_answers_as_the_pure_one(
     assert sorted(fast.match_tokens(tokens, bs, hbs, lora, salt)) == sorted(
         pure.match_tokens(tokens, bs, hbs, lora, salt)
     )
+    # Each holder's own hashes down the prompt, as far as the walk says it holds.
+    runs = {hid: blocks for hid, blocks, _ in fast.match_tokens(tokens, bs, bs, lora, salt)}
+    for hid in (0, 1, 63, 64, 130, 199, 260, 329, 500):
+        path = fast.held_path(tokens, bs, lora, hid, salt)
+        assert path == pure.held_path(tokens, bs, lora, hid, salt)
+        assert len(path) == runs.get(hid, 0)
+        assert all(fast.refcount(h, hid) > 0 for h in path)
 
 
 def test_a_long_chain_is_walked_by_tokens_as_the_pure_group_walks_it() -> None:

@@ -41,6 +41,44 @@ fn a_chain_is_found_by_its_tokens_and_by_its_hashes() {
 }
 
 #[test]
+fn a_holders_path_names_its_own_hashes_down_the_prompt() {
+    let mut g = Group::new();
+    // Two engines hashing the same content apart; a third block on the first alone.
+    let (a1, b1, c1) = (b"a1".as_slice(), b"b1".as_slice(), b"c1".as_slice());
+    let (a2, b2) = (b"a2".as_slice(), b"b2".as_slice());
+    g.add_row(a1, &content(None, 0, &[1, 2]));
+    g.add_row(b1, &content(Some(a1), 2, &[3, 4]));
+    g.add_row(c1, &content(Some(b1), 4, &[5, 6]));
+    g.add_row(a2, &content(None, 0, &[1, 2]));
+    g.add_row(b2, &content(Some(a2), 2, &[3, 4]));
+    for key in [a1, b1, c1] {
+        g.hold(key, 1, 1);
+    }
+    g.hold(a2, 2, 1);
+    g.hold(b2, 2, 1);
+    g.hold(a1, 3, 1); // holds the first block only
+    let prompt = [1, 2, 3, 4, 5, 6, 7];
+    assert_eq!(g.held_path(&prompt, 2, None, None, 1), vec![a1, b1, c1]);
+    assert_eq!(g.held_path(&prompt, 2, None, None, 2), vec![a2, b2]);
+    assert_eq!(g.held_path(&prompt, 2, None, None, 3), vec![a1]);
+    assert!(g.held_path(&prompt, 2, None, None, 4).is_empty());
+    assert!(g.held_path(&[9, 9, 3, 4], 2, None, None, 1).is_empty()); // from the root
+    assert!(g.held_path(&prompt, 2, Some("adapter"), None, 1).is_empty());
+    assert!(g.held_path(&prompt, 0, None, None, 1).is_empty());
+    // Holding both hashings of the first block, and the second under the other only.
+    g.hold(a2, 5, 1);
+    g.hold(a1, 5, 1);
+    g.hold(b2, 5, 1);
+    assert_eq!(g.held_path(&prompt, 2, None, None, 5), vec![a2, b2]);
+    // As far as the walk by tokens says it holds.
+    let runs = g.match_tokens(&prompt, 2, 2, None, None);
+    for hid in 1..6 {
+        let held = runs.iter().find(|r| r.0 == hid).map_or(0, |r| r.1);
+        assert_eq!(g.held_path(&prompt, 2, None, None, hid).len(), held);
+    }
+}
+
+#[test]
 fn rows_without_content_go_when_nothing_holds_or_names_them() {
     let mut g = Group::new();
     g.hold(b"x", 1, 1);

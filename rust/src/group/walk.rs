@@ -73,6 +73,62 @@ impl Group {
         }
     }
 
+    /// The keys of the rows holder `hid` holds down the prompt's full blocks from the root,
+    /// as the token walk finds them, to the first level where it holds none: what a prompt
+    /// reported by token ids holds on that holder, named by the engine's hashes. Where a
+    /// level has several rows it holds (one content hashed apart), the walk goes on under
+    /// each, and the path is the chain up from the first row of the deepest level.
+    pub fn held_path(
+        &self,
+        tokens: &[i32],
+        block_size: usize,
+        lora: Option<&str>,
+        salt: Option<&str>,
+        hid: usize,
+    ) -> Vec<&[u8]> {
+        let (Some(lora), Some(salt)) = (self.known_id(lora), self.known_id(salt)) else {
+            return Vec::new();
+        };
+        let Ok(size) = i32::try_from(block_size) else {
+            return Vec::new();
+        };
+        if size == 0 {
+            return Vec::new();
+        }
+        let shape = |salt| {
+            self.known_shape(Shape {
+                block_size: size,
+                lora,
+                salt,
+            })
+        };
+        let shapes = (shape(salt), shape(0));
+        let mut parents: Level = Level::from_slice(&[NONE]);
+        let mut key = self.root_key(salt);
+        let mut depth = 0;
+        for want in tokens.chunks_exact(block_size) {
+            key = self.content_key(key, size, false, lora, want);
+            let held: Level = self
+                .level(key, &self.candidates(key), &parents, want, false, shapes)
+                .into_iter()
+                .filter(|&row| self.holds(row, hid))
+                .collect();
+            if held.is_empty() {
+                break;
+            }
+            parents = held;
+            depth += 1;
+        }
+        let mut path = Vec::with_capacity(depth);
+        let mut row = parents[0];
+        for _ in 0..depth {
+            path.push(self.key(row));
+            row = self.rows[row as usize].parent;
+        }
+        path.reverse();
+        path
+    }
+
     /// `match_tokens` with the walk's holder words in `walk` (their count: the width).
     fn walk_tokens<A: AsRef<[u64]> + AsMut<[u64]>>(
         &self,

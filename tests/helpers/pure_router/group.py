@@ -223,6 +223,34 @@ class PureGroup(DynamoWalk):
             parents, pos = list(found), pos + hbs
         return [(hid, min(b, full), t) for hid, b, t in self.masks.level_runs(levels)]
 
+    def held_path(
+        self, tokens: Sequence[int], block_size: int, lora_name: str | None, hid: int,
+        salt: str | None = None,
+    ) -> list[bytes]:  # fmt: skip
+        """The hashes ``hid`` holds down the prompt's full blocks from the start, as the
+        token walk finds them, to the first level it holds none of (where a level has
+        several rows it holds, the walk goes on under each; the path is the chain up from
+        the first, in hash order, of the deepest level)."""
+        bs = block_size
+        if bs <= 0:
+            return []
+        parents: list[bytes | None] = [None]
+        depth = 0
+        for i in range(len(tokens) // bs):
+            found = self._level(parents, tokens[i * bs : (i + 1) * bs], bs, False, lora_name,
+                                salt)  # fmt: skip
+            held = [h for h in found if self.refcount(h, hid) > 0]
+            if not held:
+                break
+            parents, depth = list(held), depth + 1
+        path: list[bytes] = []
+        at = parents[0]
+        for _ in range(depth):
+            assert at is not None
+            path.append(at)
+            at = self.rows[at].parent
+        return path[::-1]
+
     def _level(
         self, parents: list[bytes | None], tokens: Sequence[int], size: int, partial: bool,
         lora: str | None, salt: str | None,

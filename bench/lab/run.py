@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.lab import install, model, routing, stack, workload
+from bench.lab import dashboard, install, model, routing, stack, workload
 from bench.lab.engines import BLOCK_SIZE, KV_CACHE_BYTES, Engine, EngineSpec, model_dir
 from bench.lab.oracle import Oracle
 from bench.lab.process import LabError
@@ -269,7 +270,7 @@ class Lab:
         counters = Counters(self.engines)
         load = routing.Load(len(self.engines))
         records: list[Record] = []
-        began = time.monotonic()
+        began, began_at = time.monotonic(), time.time()
         instants = {name: fraction * self.seconds for name, fraction in FAULTS}
 
         errors: list[BaseException] = []
@@ -303,7 +304,15 @@ class Lab:
         if errors:
             raise LabError(f"{router.name}'s run is void: a fault failed: {errors[0]}")
         self.ledger.check()
-        return summarize(router.name, records, counters, instants)
+        summary = summarize(router.name, records, counters, instants)
+        if isinstance(router, routing.KvledgerDecisions):  # its decisions, on the dashboard
+            summary["kvledger_funnel"] = self.ledger.funnel(began_at, time.time())
+            picture = self.logs / f"dashboard-{router.name.replace(' ', '').replace('+', '-')}.png"
+            why_not = dashboard.screenshot(self.ledger.dashboard_url, picture)
+            summary["dashboard_picture"] = str(picture) if why_not is None else None
+            if why_not is not None:
+                print(f"lab:   no picture of the dashboard: {why_not}", flush=True)
+        return summary
 
 
 def _rate(hit: float, total: float) -> float:
@@ -441,6 +450,7 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
                 + "; ".join(f"{r['router']} {r['all']['engine_counter_hit_rate']}" for r in runs),
             ]
         lines.append("")
+    pictures = _decisions_section(runs, out, stamp, lines)
     as_md = out / f"lab-{stamp}.md"
     as_md.write_text("\n".join(lines))
     picture = out / f"lab-{stamp}.png"
@@ -449,7 +459,47 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         [str(python), str(Path(__file__).with_name("plot.py")), str(as_json), str(picture)],
         check=True,
     )
-    return [as_json, as_md, picture]
+    return [as_json, as_md, picture, *pictures]
+
+
+def _decisions_section(
+    runs: list[dict[str, Any]], out: Path, stamp: str, lines: list[str]
+) -> list[Path]:
+    """kvledger's own account of the decision routers' runs (the dashboard's funnel, from
+    kvledger.decision_outcomes) beside the lab's, and the dashboard's pictures, copied
+    beside the results; the pictures' paths."""
+    told = [r for r in runs if "kvledger_funnel" in r]
+    if not told:
+        return []
+    lines += [
+        "## kvledger's own account of its decisions",
+        "",
+        "The decision routers' reports (`POST /v1/decisions`), as kvledger recorded them "
+        "(`kvledger.decision_outcomes`, what its dashboard's funnel draws): what the index "
+        "offered when each decision was taken, beside the lab's captured/available from the "
+        "engines' own streams, and *delivered*: of the captured blocks, those the chosen "
+        "engine did not store again within a minute (an evicted block is stored again).",
+        "",
+        "| router | decisions | available blocks | captured blocks | delivered blocks | "
+        "captured/available (kvledger's record) | captured/available (the engines' streams) "
+        "| outcomes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    pictures = []
+    for run in told:
+        f = run["kvledger_funnel"]
+        outcomes = ", ".join(f"{k} {v}" for k, v in f["outcomes"].items())
+        lines.append(
+            f"| {run['router']} | {f['decisions']} | {f['available_blocks']} | "
+            f"{f['captured_blocks']} | {f['delivered_blocks']} | {f['captured_over_available']} | "
+            f"{run['all']['captured_over_available']} | {outcomes} |"
+        )
+        if run.get("dashboard_picture"):
+            picture = out / f"lab-{stamp}-{Path(run['dashboard_picture']).name}"
+            shutil.copyfile(run["dashboard_picture"], picture)
+            pictures.append(picture)
+    lines += ["", *(f"![{p.stem}]({p.name})" for p in pictures), ""]
+    return pictures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         lab.start_engines(list(range(len(lab.engines))))
         lab.oracle = Oracle([s.pub_endpoint for s in lab.specs], BLOCK_SIZE)
         lab.ledger.start()
+        print(f"lab: kvledger's dashboard: {lab.ledger.dashboard_url}/ui", flush=True)
         for router in routers:
             print(f"lab: {router.name}: {len(lab.requests)} requests", flush=True)
             run = lab.run(router)

@@ -1,7 +1,8 @@
 """The processes the lab runs beside its engines, each in its own process group with its own
 log, stopped on every exit: kvledger as a user runs it (a relay per engine, the consumer,
-``serve --memory --dynamo-api``, ``republish``), vllm-router, and Dynamo's standalone
-indexer.
+``serve --memory --dynamo-api``, ``republish``, and the dashboard: a ``serve`` from the
+database, whose ``/ui`` shows the lab's engines and its routers' decisions while it runs),
+vllm-router, and Dynamo's standalone indexer.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def source_name(engine: int) -> str:
 
 class Kvledger:
     """kvledger in front of the engines: its own topic and database (made here, removed on
-    exit), a relay per engine, the consumer, ``serve --memory --dynamo-api``, and
-    ``republish`` (each engine's stream again, from the index, on the ports
-    :attr:`EngineSpec.republished` names)."""
+    exit), a relay per engine, the consumer (recording the routers' decisions too),
+    ``serve --memory --dynamo-api``, ``republish`` (each engine's stream again, from the
+    index, on the ports :attr:`EngineSpec.republished` names), and the dashboard (a
+    ``serve`` from the database, on :attr:`dashboard_url`)."""
 
     def __init__(
         self, specs: list[EngineSpec], port: int, logs: Path, bootstrap: str, server_url: str
@@ -71,6 +73,8 @@ class Kvledger:
         self.consumer: Process | None = None
         self.server: Process | None = None
         self.republisher: Process | None = None
+        self.dashboard: Process | None = None
+        self.dashboard_port = port + 8
         # More `serve --memory` replicas (the routers' own, sharing decisions), on the
         # ports below the first's.
         self.replica_ports = [port - 10 + k for k in range(REPLICAS - 1)]
@@ -79,6 +83,10 @@ class Kvledger:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
 
     @property
     def urls(self) -> list[str]:
@@ -96,7 +104,7 @@ class Kvledger:
     def start(self) -> None:
         from kvledger.consumer.db import create_database
 
-        require_free([self.port], "kvledger serve")
+        require_free([self.port, self.dashboard_port], "kvledger serve")
         self.database_url = create_database(self.admin_url, self.database)
         migrate = self._cli("migrate", "migrate").start()
         assert migrate.proc is not None
@@ -135,6 +143,9 @@ class Kvledger:
             self.group,
             "--dlq-topic",
             f"{self.topic}.dlq",
+            # The decision routers' records, for the dashboard's funnel and decision_funnel.
+            "--decisions-topic",
+            f"{self.topic}.decisions",
         ).start()
         self.server = self._server("serve", self.port)
         self.restart_server()
@@ -154,6 +165,10 @@ class Kvledger:
             "--metrics-port", str(self.port + 3),
         )  # fmt: skip
         self.republisher.start().wait_http(f"http://127.0.0.1:{self.port + 3}/metrics", 90)
+        self.dashboard = self._cli(
+            "dashboard", "serve", "--allow-writer", "--port", str(self.dashboard_port)
+        )
+        self.dashboard.start().wait_http(f"{self.dashboard_url}/healthz", timeout=90)
 
     def _server(self, name: str, port: int) -> Process:
         return self._cli(
@@ -174,7 +189,7 @@ class Kvledger:
         self.relays[engine].start()
 
     def processes(self) -> list[Process]:
-        others = (self.consumer, self.server, self.republisher)
+        others = (self.consumer, self.server, self.republisher, self.dashboard)
         return [*self.relays, *(p for p in others if p is not None), *self.replicas]
 
     def check(self) -> None:
@@ -182,6 +197,43 @@ class Kvledger:
         for process in self.processes():
             if not process.alive():
                 raise LabError(f"kvledger's {process.name} stopped:\n{process.log_tail()}")
+
+    def funnel(self, since: float, until: float, wait_s: float = 20.0) -> dict[str, Any]:
+        """kvledger's own account of the decisions taken between the Unix times ``since`` and
+        ``until``, from the database the dashboard reads (kvledger.decision_outcomes):
+        their count, the prompt, available, captured and delivered blocks, and each outcome's
+        count. Waits (up to ``wait_s``) for the consumer to record the last of them."""
+        from kvledger.consumer.db import connect
+
+        window = "FROM kvledger.decision_outcomes WHERE decided_at >= to_timestamp(%s) " \
+                 "AND decided_at < to_timestamp(%s)"  # fmt: skip
+        totals = (
+            "SELECT count(*), coalesce(sum(prompt_blocks), 0), "
+            "coalesce(sum(available_blocks), 0), coalesce(sum(captured_blocks), 0), "
+            f"sum(delivered_blocks), count(delivered_blocks) {window}"
+        )
+        deadline, last = time.monotonic() + wait_s, None
+        with connect(self.database_url, autocommit=True) as conn:
+            while True:
+                row = conn.execute(totals, (since, until)).fetchone()
+                assert row is not None
+                if row == last or time.monotonic() > deadline:
+                    break  # nothing more arrived in the last second
+                last = row
+                time.sleep(1.0)
+            by_outcome = f"SELECT outcome, count(*) {window} GROUP BY outcome ORDER BY outcome"
+            outcomes = conn.execute(by_outcome, (since, until)).fetchall()
+        decisions, prompt, available, captured, delivered, known = row
+        return {
+            "decisions": decisions,
+            "prompt_blocks": prompt,
+            "available_blocks": available,
+            "captured_blocks": captured,
+            "captured_over_available": round(captured / available, 4) if available else 0.0,
+            "delivered_blocks": delivered,
+            "delivered_known": known,
+            "outcomes": dict(outcomes),
+        }
 
     def close(self) -> None:
         for process in self.processes():

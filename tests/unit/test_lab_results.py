@@ -1,0 +1,51 @@
+"""The lab's report of its decision routers (no services, no engines): kvledger's own
+record of each run's decisions is tabled beside the lab's figure, and the dashboard's
+picture is copied beside the results and shown; a run without decisions adds nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.lab.run import _decisions_section
+
+
+def _run(name: str, picture: Path | None, captured_over_available: float) -> dict[str, object]:
+    run: dict[str, object] = {"router": name, "all": {"captured_over_available": 0.99}}
+    run["kvledger_funnel"] = {
+        "decisions": 120, "prompt_blocks": 2400, "available_blocks": 1500,
+        "captured_blocks": 1455, "captured_over_available": captured_over_available,
+        "delivered_blocks": 1400, "delivered_known": 120,
+        "outcomes": {"captured": 110, "chosen_elsewhere": 6, "no_holder": 4},
+    }  # fmt: skip
+    run["dashboard_picture"] = None if picture is None else str(picture)
+    return run
+
+
+def test_the_decision_routers_are_tabled_with_their_dashboard(tmp_path: Path) -> None:
+    taken = tmp_path / "logs" / "dashboard-kvledger-decisions.png"
+    taken.parent.mkdir()
+    taken.write_bytes(b"\x89PNG picture")
+    out = tmp_path / "results"
+    out.mkdir()
+    lines: list[str] = []
+    runs = [
+        {"router": "round robin", "all": {"captured_over_available": 0.75}},
+        _run("kvledger + decisions", taken, 0.97),
+        _run("kvledger + decisions x3", None, 0.95),  # no browser: no picture
+    ]
+    pictures = _decisions_section(runs, out, "2026-12-05", lines)
+
+    copied = out / "lab-2026-12-05-dashboard-kvledger-decisions.png"
+    assert pictures == [copied] and copied.read_bytes() == b"\x89PNG picture"
+    rows = [line for line in lines if line.startswith("| kvledger")]
+    assert len(rows) == 2 and not any("round robin" in line for line in lines)
+    assert rows[0].split(" | ")[1:7] == ["120", "1500", "1455", "1400", "0.97", "0.99"]
+    assert rows[1].split(" | ")[5] == "0.95"
+    assert "captured 110, chosen_elsewhere 6, no_holder 4" in rows[0]
+    assert f"![{copied.stem}]({copied.name})" in lines
+
+
+def test_a_lab_without_decision_routers_adds_no_section(tmp_path: Path) -> None:
+    lines: list[str] = []
+    runs = [{"router": "kvledger", "all": {"captured_over_available": 0.97}}]
+    assert _decisions_section(runs, tmp_path, "2026-12-05", lines) == [] and lines == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -307,7 +308,8 @@ class Lab:
         summary = summarize(router.name, records, counters, instants)
         if isinstance(router, routing.KvledgerDecisions):  # its decisions, on the dashboard
             summary["kvledger_funnel"] = self.ledger.funnel(began_at, time.time())
-            picture = self.logs / f"dashboard-{router.name.replace(' ', '').replace('+', '-')}.png"
+            slug = re.sub(r"[^a-z0-9]+", "-", router.name.lower()).strip("-")
+            picture = self.logs / f"dashboard-{slug}.png"
             why_not = dashboard.screenshot(self.ledger.dashboard_url, picture)
             summary["dashboard_picture"] = str(picture) if why_not is None else None
             if why_not is not None:

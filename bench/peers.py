@@ -306,17 +306,23 @@ def main(lookups: int = 2000) -> dict[str, float]:
     figures["same answers (200 prompts, each worker's matched blocks)"] = float(same)
     figures |= _public_path(chains, tree, local, picked)
     figures |= _alone_figures()
-    figures["router, public path / Dynamo binding: apply rate"] = (
-        figures["router, public path: apply, block events/s (Avro envelopes, RouterIndex.apply)"]
-        / figures["Dynamo apply, block events/s (apply_event per stored event)"]
-    )
-    figures["router, public path / Dynamo binding: lookup by tokens p50"] = (
-        figures["router, public path: lookup by tokens: p50 us"]
-        / figures["router, public path: Dynamo binding by tokens (same run): p50 us"]
-    )
+    _ratios(figures, {
+        "router, public path / Dynamo binding: apply rate": (
+            "router, public path: apply, block events/s (Avro envelopes, RouterIndex.apply)",
+            "Dynamo apply, block events/s (apply_event per stored event)"),
+        "router, public path / Dynamo binding: lookup by tokens p50": (
+            "router, public path: lookup by tokens: p50 us",
+            "router, public path: Dynamo binding by tokens (same run): p50 us"),
+    })  # fmt: skip
     figures |= native()  # its own process: its memory its own
     record("peers", figures)
     return figures
+
+
+def _ratios(figures: dict[str, float], ratios: dict[str, tuple[str, str]]) -> None:
+    """Each ratio named in ``ratios``: one figure over another, both already in ``figures``."""
+    for name, (over, under) in ratios.items():
+        figures[name] = figures[over] / figures[under]
 
 
 def native() -> dict[str, float]:
@@ -329,18 +335,16 @@ def native() -> dict[str, float]:
     if done.returncode != 0:
         raise RuntimeError(f"bench/native failed: {done.stderr[-2000:]}")
     figures: dict[str, float] = json.loads(done.stdout)
-    figures["native: apply ratio kvledger / Dynamo"] = (
-        figures["native: kvledger apply, block events/s"]
-        / figures["native: Dynamo apply, block events/s"]
-    )
-    figures["native: apply ratio by events (store_run) kvledger / Dynamo"] = (
-        figures["native: kvledger apply by events (store_run), block events/s"]
-        / figures["native: Dynamo apply, block events/s"]
-    )
-    figures["native: by hashes p50 ratio kvledger / Dynamo"] = (
-        figures["native: kvledger lookup by hashes: p50 us"]
-        / figures["native: Dynamo lookup by hashes: p50 us"]
-    )
+    _ratios(figures, {
+        "native: apply ratio kvledger / Dynamo": (
+            "native: kvledger apply, block events/s", "native: Dynamo apply, block events/s"),
+        "native: apply ratio by events (store_run) kvledger / Dynamo": (
+            "native: kvledger apply by events (store_run), block events/s",
+            "native: Dynamo apply, block events/s"),
+        "native: by hashes p50 ratio kvledger / Dynamo": (
+            "native: kvledger lookup by hashes: p50 us",
+            "native: Dynamo lookup by hashes: p50 us"),
+    })  # fmt: skip
     return figures
 
 

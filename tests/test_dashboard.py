@@ -8,7 +8,6 @@ test-artifacts/ (or $KVLEDGER_TEST_ARTIFACTS)."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import uuid
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from kvledger.consumer.db import connect
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockStored, GroupSpec
+from tests.helpers.browser import chromium, missing
 from tests.helpers.consuming import consume
 from tests.helpers.procs import first_answer, free_port, spawn, until
 
@@ -42,26 +42,12 @@ def stored(tag: int, n: int, medium: str = "GPU") -> BlockStored:
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
+    if (why := missing()) is not None:
         if os.environ.get("CI"):
-            raise AssertionError("chromium and chromedriver are needed: scripts/browser")
-        pytest.skip("no chromium/chromedriver here: scripts/browser installs them")
-    os.environ["SE_OFFLINE"] = "true"  # never let Selenium fetch a browser or driver
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,2200"):  # fmt: skip
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    try:
+            raise AssertionError(f"{why}: CI needs them")
+        pytest.skip(why)
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def severe(driver: Any) -> list[str]:

@@ -73,6 +73,19 @@ impl Group {
         }
     }
 
+    /// The shapes a token walk's rows of `size` tokens have: under the root (with the
+    /// walk's cache salt) and under a block (without one).
+    fn level_shapes(&self, size: i32, lora: u32, salt: u32) -> (u32, u32) {
+        let at = |salt| {
+            self.known_shape(Shape {
+                block_size: size,
+                lora,
+                salt,
+            })
+        };
+        (at(salt), at(0))
+    }
+
     /// The keys of the rows holder `hid` holds down the prompt's full blocks from the root,
     /// as the token walk finds them, to the first level where it holds none: what a prompt
     /// reported by token ids holds on that holder, named by the engine's hashes. Where a
@@ -95,14 +108,7 @@ impl Group {
         if size == 0 {
             return Vec::new();
         }
-        let shape = |salt| {
-            self.known_shape(Shape {
-                block_size: size,
-                lora,
-                salt,
-            })
-        };
-        let shapes = (shape(salt), shape(0));
+        let shapes = self.level_shapes(size, lora, salt);
         let mut parents: Level = Level::from_slice(&[NONE]);
         let mut key = self.root_key(salt);
         let mut depth = 0;
@@ -136,19 +142,10 @@ impl Group {
         (tokens, block_size, hash_block_size, lora, salt): (&[i32], usize, usize, u32, u32),
     ) -> Vec<Run> {
         let (bs, hbs) = (block_size, hash_block_size);
-        // The shapes the walk's rows have: (size, LoRA, the salt under the root, else none).
-        let shapes = |size: usize| {
-            let at = |salt| {
-                let block_size = size as i32;
-                self.known_shape(Shape {
-                    block_size,
-                    lora,
-                    salt,
-                })
-            };
-            (at(salt), at(0))
-        };
-        let (full_shapes, tail_shapes) = (shapes(bs), shapes(hbs));
+        let (full_shapes, tail_shapes) = (
+            self.level_shapes(bs as i32, lora, salt),
+            self.level_shapes(hbs as i32, lora, salt),
+        );
         let block =
             |i: usize| &tokens[(i * bs).min(tokens.len())..((i + 1) * bs).min(tokens.len())];
         let levels = (tokens.len() / bs).max(1); // the first is tried even if short

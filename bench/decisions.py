@@ -15,6 +15,12 @@ carries it; producing it is the Kafka client's queue put, not timed here. The pe
 rate limit is lifted: the handler's cost is measured, not the limit. Figures: p50 and p99
 of each, and the ratio decision / lookup.
 
+Dynamo's ``/query`` answers are recorded where decisions are: each answer is noted for the
+decision log's thread, which builds its record later. Its cost on the lookup's path is
+measured in the handler itself (``DynamoApi.query``, microseconds: the test client's own
+cost would hide it), with and without recording, alternating prompt by prompt on one index;
+then the records are built as the log's thread builds them, timed apart.
+
 `python -m bench.decisions` runs it alone (bench/results/decisions/); `make bench` with the
 rest. No services.
 """
@@ -22,6 +28,7 @@ rest. No services.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from datetime import timedelta
 from typing import Any
@@ -30,6 +37,7 @@ from starlette.testclient import TestClient
 
 from bench.common import PUBLISHED, percentiles_ms, publish, record
 from kvledger.consumer.lookup import http
+from kvledger.consumer.lookup.dynamo import DynamoApi
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router.decisions import encode
 from kvledger.consumer.router.index import RouterIndex
@@ -83,8 +91,43 @@ def main(prompts: int = 3000) -> dict[str, Any]:
         "POST /v1/decisions ms, p99": decide_p99,
         "ratio decision / lookup, p50": decide_p50 / match_p50,
     }
+    figures.update(dynamo_answers(bodies))
     record("decisions", figures)
     return figures
+
+
+def dynamo_answers(bodies: list[dict[str, Any]]) -> dict[str, float]:
+    """Dynamo's /query answered with and without recording it (see the module docstring)."""
+    router = RouterIndex("127.0.0.1:9", dynamo=True)  # never started: filled here
+    messages = fleet_stream(FLEET).messages
+    for i in range(0, len(messages), 500):
+        run_batch(messages[i : i + 500], Codec(), router.store, "g")
+    noted: list[Any] = []
+    window = timedelta(days=36500)
+    plain = DynamoApi(router, window)
+    recording = DynamoApi(router, window, record=lambda a, build: noted.append((a, build)))
+    raws = [json.dumps({"token_ids": b["token_ids"], "model_name": FLEET.model}).encode()
+            for b in bodies]  # fmt: skip
+    for raw in raws[:200]:  # warm
+        plain.query(raw, False)
+        recording.query(raw, False)
+    del noted[:]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for raw in raws:
+        for api, on in ((plain, False), (recording, True)):
+            start = time.perf_counter()
+            api.query(raw, False)
+            times[on].append(time.perf_counter() - start)
+    start = time.perf_counter()
+    built = [encode(answered, build()) for answered, build in noted]
+    build_s = time.perf_counter() - start
+    (off_p50, _), (on_p50, _) = percentiles_ms(times[False]), percentiles_ms(times[True])
+    return {
+        "Dynamo /query handler µs, p50": off_p50 * 1000,
+        "Dynamo /query handler recording its answer µs, p50": on_p50 * 1000,
+        "recording an answer, added µs, p50": (on_p50 - off_p50) * 1000,
+        "answer records built on the log's thread, µs each": build_s / len(built) * 1e6,
+    }
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ under ``<consumer group>:decisions`` and the decisions topic, which a rebuild ke
 transaction, and the reader starts from the offsets stored there. One recorder writes at a
 time: it holds a session advisory lock named after the topic, and a second one (another
 ``consume`` of the same group) waits for it. A record that is only a hint (version 1, no
-offer) is skipped; one that is not a decision at all is kept in
+offer) is skipped; an answer no choice was reported for (Dynamo's ``/query``) is kept with
+no chosen instance (migration 0019); one that is not a decision at all is kept in
 ``kvledger.rejected_decisions`` with its bytes and the reason. The lookup path never waits
 for any of this.
 """
@@ -27,6 +28,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Top
 
 from kvledger.consumer.db import connect
 from kvledger.consumer.router.decisions import decode_record
+from kvledger.consumer.router.provisional import Decision
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S
@@ -169,7 +171,8 @@ class DecisionRecorder:
                         "blocks": o.blocks, "state": o.state} for o in record.offered]  # fmt: skip
             rows.append((
                 uuid.UUID(record.id), datetime.fromtimestamp(record.at, UTC), decision.model,
-                decision.group_idx, decision.request_id, decision.origin, decision.instance,
+                decision.group_idx, decision.request_id, decision.origin,
+                decision.instance if isinstance(decision, Decision) else None,
                 record.chosen_state, record.block_size, record.prompt_blocks, first, last,
                 hashes if record.captured_hashes is not None else None,
                 record.available_blocks, record.available_tier, record.captured_blocks,
@@ -199,11 +202,13 @@ def summary(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
     row = conn.execute(
         "SELECT coalesce(sum(decisions), 0), coalesce(sum(prompt_blocks), 0), "
         "coalesce(sum(available_blocks), 0), coalesce(sum(captured_blocks), 0), "
-        "coalesce(sum(delivered_blocks), 0), coalesce(sum(delivered_known), 0) "
+        "coalesce(sum(delivered_blocks), 0), coalesce(sum(delivered_known), 0), "
+        "coalesce(sum(unreported), 0), coalesce(sum(unreported_available_blocks), 0) "
         "FROM kvledger.decision_funnel WHERE minute >= date_trunc('minute', %s::timestamptz)",
         (since,),
     ).fetchone()
     assert row is not None
     keys = ("decisions", "prompt_blocks", "available_blocks", "captured_blocks",
-            "delivered_blocks", "delivered_known")  # fmt: skip
+            "delivered_blocks", "delivered_known", "unreported",
+            "unreported_available_blocks")  # fmt: skip
     return {k: int(v) for k, v in zip(keys, row, strict=True)}

@@ -77,6 +77,7 @@ def serve(args: argparse.Namespace) -> int:
                 silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api,
                 provisional=provisional,
                 share=decisions.publish if decisions is not None else None,
+                record_answer=decisions.note_answer if decisions is not None else None,
             )  # fmt: skip
         else:
             app = create_app(

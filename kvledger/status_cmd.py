@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"rejected   {pending} pending" + (f" ({reasons})" if reasons else ""))
         if n := status.decisions.get("decisions"):
             print(f"routing    {n:,} decision(s) in the last hour: {_funnel(status.decisions)}")
+        if n := status.decisions.get("unreported"):
+            offered = status.decisions.get("unreported_available_blocks", 0)
+            print(f"answers    {n:,} with no choice reported (Dynamo's /query) in the last "
+                  f"hour, {offered:,} blocks available")  # fmt: skip
     if status.behind is not None:
         print(f"consumer   group {status.consumer_group} on {status.topic} "
               f"({status.partitions} partitions): {status.behind:,} message(s) behind")  # fmt: skip

@@ -76,6 +76,7 @@ def seed(bootstrap: str, topic: str, db: str, group: str) -> None:
         ("engine-b", 0, 0, None, 2, None),
         ("engine-b", 0, 0, None, 0, None),
         ("engine-a", 3, 3, "CPU", 0, None),
+        (None, 4, None, None, 0, None),  # a Dynamo answer: no choice reported
     ]
     with connect(db, autocommit=True) as conn:
         for k, (chosen, available, captured, tier, silent, hashes) in enumerate(rows):
@@ -85,8 +86,9 @@ def seed(bootstrap: str, topic: str, db: str, group: str) -> None:
                 "origin, chosen, chosen_state, block_size, prompt_blocks, available_blocks, "
                 "captured_blocks, captured_tier, silent_blocks, captured_hashes, offered, "
                 "kafka_topic, kafka_partition, kafka_offset) VALUES (%s, now(), %s, 0, 'seed', "
-                "%s, 'live', %s, 8, %s, %s, %s, %s, %s, '[]', 'seed', 0, %s)",
-                (uuid.uuid4(), MODEL, chosen, BLOCK, available, captured, tier, silent, kept, k),
+                "%s, %s, %s, 8, %s, %s, %s, %s, %s, '[]', 'seed', 0, %s)",
+                (uuid.uuid4(), MODEL, chosen, chosen and "live", BLOCK, available, captured,
+                 tier, silent, kept, k),
             )  # fmt: skip
 
 
@@ -162,15 +164,15 @@ def check(browser: Any, url: str, fresh_database: str) -> None:
         sums = conn.execute(
             "SELECT sum(available_blocks), sum(captured_blocks), sum(delivered_blocks), "
             "sum(captured), sum(chosen_elsewhere), sum(no_holder), sum(holder_silent), "
-            "sum(lower_tier_only) FROM kvledger.decision_funnel"
+            "sum(lower_tier_only), sum(unreported) FROM kvledger.decision_funnel"
         ).fetchone()  # fmt: skip
     funnel = charts["chart-funnel"]["datasets"]
     got = [sum(funnel["available"]), sum(funnel["captured"]), sum(funnel["delivered"])]
     assert got == [int(x) for x in sums[:3]] == [20, 18, 9]  # delivered: 4 + 5, known
     outcomes = charts["chart-outcomes"]["datasets"]
     assert [sum(outcomes[o]) for o in ("captured", "chosen_elsewhere", "no_holder",
-                                       "holder_silent", "lower_tier_only")] == [
-        int(x) for x in sums[3:]] == [2, 1, 1, 1, 1]  # fmt: skip
+                                       "holder_silent", "lower_tier_only", "unreported")] == [
+        int(x) for x in sums[3:]] == [2, 1, 1, 1, 1, 1]  # fmt: skip
     assert "restart" in charts["chart-timeline"]["datasets"]
     occupancy = charts["chart-occupancy"]["datasets"]
     assert occupancy["engine-b GPU"][-1] == 5 and occupancy["engine-a GPU"][-1] == 4

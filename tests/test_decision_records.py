@@ -2,7 +2,8 @@
 `kvledger serve --memory --decisions-topic`, which records what the index offered; the
 consumer's recorder writes the records into kvledger.decisions exactly once; and the
 funnel's views (kvledger.decision_outcomes, kvledger.decision_funnel) equal a brute-force
-recomputation from the decisions and the index's own residency history."""
+recomputation from the decisions and the index's own residency history. Dynamo's /query
+answers are recorded too, with no chosen instance."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
     spawn([sys.executable, "-m", "kvledger", "serve", "--memory", "--database-url",
            as_reader(fresh_database), "--bootstrap", kafka_bootstrap, "--topic", topic,
            "--consumer-group", group_id, "--port", str(port), "--decisions-topic", decisions,
-           "--silent-after", "3600"], stdout=log, stderr=log)  # fmt: skip
+           "--silent-after", "3600", "--dynamo-api"], stdout=log, stderr=log)  # fmt: skip
     first_answer(f"{url}/healthz", "kvledger serve", timeout=60)
     until(
         "the index",
@@ -105,6 +106,9 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
     # By tokens: the record names the engine's hashes of what engine-a holds (P), so its
     # delivered is known as d1's is.
     decide(url, "engine-a", token_ids=P_TOKENS, request_id="d5")
+    # Asked as Dynamo's indexer: the answer is recorded, no choice with it.
+    answer = httpx.post(f"{url}/query", json={"token_ids": P_TOKENS, "model_name": MODEL})
+    assert answer.status_code == 200 and answer.json()["scores"], answer.text
     time.sleep(0.05)
     a.publish_events([BlockRemoved(tuple(P[5:]), "GPU", group_idx=0)])
     a.publish_events([stored(P[5:], start=5, tokens=P_TOKENS[20:])])  # stored again
@@ -118,7 +122,7 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
     consume(kafka_bootstrap, fresh_database, topic, group_id)  # the index's history
     recorder = DecisionRecorder(fresh_database, kafka_bootstrap, decisions, group_id)
     assert recorder.open()
-    recorded(recorder, 6)
+    recorded(recorder, 7)
     # Not a decision: kept with its bytes and why, and nothing else changes.
     garbage = Producer({"bootstrap.servers": kafka_bootstrap})
     garbage.produce(decisions, b'{"v": 2, "model": 7}', partition=0)
@@ -146,7 +150,15 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
             "d4": ("no_holder", 0, 0, 0, None),
             "d5": ("evicted_before_arrival", 8, 8, 5, "GPU"),
             "d6": ("captured", 8, 8, 8, "GPU"),
+            None: ("unreported", 8, None, None, None),  # the answer: a's 8 on its GPU
         }
+        chosen, offered = conn.execute("SELECT chosen, offered FROM kvledger.decisions "
+                                       "WHERE request_id IS NULL").fetchone()  # fmt: skip
+        assert chosen is None
+        assert sorted((o["instance"], o["blocks"]) for o in offered) == [
+            ("engine-a", 8),
+            ("engine-b", 4),
+        ]
         raw, why = conn.execute("SELECT raw, reason FROM kvledger.rejected_decisions").fetchone()
         assert bytes(raw) == b'{"v": 2, "model": 7}' and "model" in why
         # A silent holder's decision, written as the recorder would.
@@ -163,6 +175,7 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
     out = capsys.readouterr().out
     assert "routing    7 decision(s) in the last hour: captured 89% of 35 blocks available" in out
     assert "delivered 25 " in out  # d1 5, d2 4, d3 3, d4 0, d5 5, d6 8 (the silent's unknown)
+    assert "answers    1 with no choice reported (Dynamo's /query) in the last hour, 8 " in out
 
 
 def assert_recount(conn: psycopg.Connection) -> None:
@@ -182,6 +195,9 @@ def assert_recount(conn: psycopg.Connection) -> None:
     ).fetchall():
         did, at, model, group, chosen, hashes, available, captured, tier, silent, _ = row
         delivered = None
+        if chosen is None:
+            expected[did] = (None, "unreported")
+            continue
         if hashes is not None:
             again = [i for i, h in enumerate(hashes)
                      if any(at < t <= at + timedelta(minutes=1)
@@ -203,21 +219,28 @@ def assert_recount(conn: psycopg.Connection) -> None:
     assert got == expected
     assert {o for _, o in expected.values()} >= {"holder_silent", "no_holder", "captured",
                                                 "chosen_elsewhere", "lower_tier_only",
-                                                "evicted_before_arrival"}  # fmt: skip
-    # The funnel: the same decisions summed per minute, model and chosen instance.
-    sums: dict[tuple[Any, ...], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+                                                "evicted_before_arrival", "unreported"}  # fmt: skip
+    # The funnel: the same decisions summed per minute, model and chosen instance; the
+    # answers with no choice counted apart.
+    sums: dict[tuple[Any, ...], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 0])
     for did, at, model, chosen, available, captured, prompt in conn.execute(
         "SELECT decision_id, date_trunc('minute', decided_at), model, chosen, "
         "available_blocks, captured_blocks, prompt_blocks FROM kvledger.decisions"
     ).fetchall():
         s = sums[(at, model, chosen)]
+        if chosen is None:
+            s[5] += 1
+            s[6] += available
+            continue
         delivered = expected[did][0]
         s[0] += 1
         s[1] += prompt
         s[2] += available
         s[3] += captured
         s[4] += delivered or 0
-    funnel = {(m, model, i): [n, p, a, c, d or 0] for m, model, i, n, p, a, c, d in conn.execute(
+    funnel = {(m, model, i): [n, p, a, c, d or 0, u, ua]
+              for m, model, i, n, p, a, c, d, u, ua in conn.execute(
         "SELECT minute, model, instance, decisions, prompt_blocks, available_blocks, "
-        "captured_blocks, delivered_blocks FROM kvledger.decision_funnel").fetchall()}  # fmt: skip
+        "captured_blocks, delivered_blocks, unreported, unreported_available_blocks "
+        "FROM kvledger.decision_funnel").fetchall()}  # fmt: skip
     assert funnel == dict(sums)

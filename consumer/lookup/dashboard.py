@@ -48,7 +48,7 @@ VENDOR = UI / "vendor"
 MAX_MINUTES = 1440
 SHARED_FOR_S = 5.0  # the page refreshes every 5 s (ui/dashboard.js REFRESH_MS)
 OUTCOMES = ("no_holder", "holder_silent", "chosen_elsewhere", "lower_tier_only",
-            "evicted_before_arrival", "captured")  # fmt: skip
+            "evicted_before_arrival", "captured", "unreported")  # fmt: skip
 
 _FLEET = """
 SELECT source, model, state, epoch, last_seen, restarts, gaps, lost_gaps, lost_batches,

@@ -27,6 +27,10 @@ indexer"):
 - kvledger's rules stay: a source that is silent (``--silent-after``) or closed is not
   scored nor dumped, restarts and lost gaps end what they end.
 
+Where decisions are recorded (``serve --memory --decisions-topic``), every /query answer is
+recorded as an answer no choice was reported for (what each worker was offered), its record
+made on the decision log's thread.
+
 Blocks are keyed by Dynamo's local hash, computed by the core from each block's tokens at
 apply time (rust/src/group/dynamo.rs); blocks with extra keys (a cache salt, multimodal
 inputs) have none: kvledger does not know how Dynamo would hash them, so it claims none.
@@ -36,8 +40,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
@@ -51,6 +56,8 @@ from kvledger.consumer.lookup.dynamo_requests import (
     parse_query,
 )
 from kvledger.consumer.lookup.dynamo_workers import Workers
+from kvledger.consumer.lookup.offer import answer_record
+from kvledger.consumer.router.decisions import Answered, Record
 from kvledger.consumer.router.groups import SlotTable
 from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, is_live, state_of
 from kvledger.consumer.router.provisional import TOKENS, Provisional, chain_keys
@@ -109,11 +116,13 @@ class DynamoApi:
         router: RouterIndex,
         silent_after: timedelta | None = None,
         provisional: Provisional | None = None,
+        record: Callable[[Answered, Callable[[], Record]], None] | None = None,
     ) -> None:
         if not router.dynamo:
             raise ValueError("Dynamo's API needs a RouterIndex(dynamo=True)")
         self.router = router
         self.provisional = provisional  # routers' decisions, answered in /query's scores
+        self.record = record  # each answer's record (a DecisionLog's note_answer)
         self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
         self.workers = Workers()
         self._window_us = self.window // _US
@@ -123,6 +132,7 @@ class DynamoApi:
         self._table: SlotTable = router.store.dynamo_slots()
         self._slot_of: dict[str, int] = {}  # instance -> its slot
         self._slot_names: list[str] = []  # slot -> its instance
+        self._worker_names: dict[int, str] = {}  # worker id -> its lowest rank's instance
         self._table_workers = -1  # the Workers.version its worker ids are from
 
     def _live(self, store: RouterStore, now: datetime) -> dict[str, bool]:
@@ -152,9 +162,12 @@ class DynamoApi:
         if added or self._table_workers != self.workers.version:
             lives.drain()
             self.workers.see_sources(names)
+            ranked: dict[int, tuple[int, str]] = {}
             for slot, name in enumerate(names):
                 wid, rank = self.workers.worker_of(name)
                 table.set_slot(slot, wid, rank, seen_us(lives.get(name)))
+                ranked[wid] = min(ranked.get(wid, (rank, name)), (rank, name))
+            self._worker_names = {wid: name for wid, (_, name) in ranked.items()}
             self._table_workers = self.workers.version
         else:
             for name in lives.drain():
@@ -181,15 +194,21 @@ class DynamoApi:
             store = self.router.store
             key = self._partition(store, q.model, q.routing_group)
             g = store.groups.get(key)
-            if g is None:
-                return 200, EMPTY_ANSWER
             block_size = store.specs[key].spec.block_size
-            body = q.answer(g, block_size, self._slots(store), cut)
+            body = EMPTY_ANSWER if g is None else q.answer(g, block_size, self._slots(store), cut)
+            names = self._worker_names  # replaced, never changed, when worker ids move
             p = self.provisional
-            if by_hash or p is None or p.empty(key.model, key.group_idx, TOKENS):
-                return 200, body
-            workers = {name: (*self.workers.worker_of(name), seen_us(store.lives.get(name)))
-                       for name in self._slot_names}  # fmt: skip
+            plain = by_hash or g is None or p is None or p.empty(key.model, key.group_idx, TOKENS)
+            if not plain:
+                workers = {name: (*self.workers.worker_of(name), seen_us(store.lives.get(name)))
+                           for name in self._slot_names}  # fmt: skip
+        if self.record is not None:  # what the index offered, without provisional marks
+            self.record(
+                Answered(key.model, key.group_idx),
+                partial(answer_record, body, names, block_size, q.blocks(block_size)),
+            )
+        if plain:
+            return 200, body
         return 200, self._with_provisional(q, key, block_size, body, workers, cut)
 
     def _with_provisional(

@@ -65,6 +65,13 @@ class Query:
             return g.dynamo_answer_packed(self.packed, block_size, seed, slots, cut)
         return g.dynamo_answer(self.hashes(block_size), block_size, slots, cut)
 
+    def blocks(self, block_size: int) -> int:
+        """How many whole blocks of ``block_size`` tokens the query's prompt has."""
+        if self.locals is not None:
+            return len(self.locals)
+        tokens = len(self.packed) // 4 if self.packed is not None else len(self.token_ids or ())
+        return tokens // block_size
+
     def hashes(self, block_size: int) -> list[int]:
         """The Dynamo local block hashes of the query, for blocks of ``block_size``
         tokens."""

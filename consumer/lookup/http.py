@@ -52,9 +52,12 @@ from kvledger.consumer.lookup.routes import Answer, Lookups, answer
 from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.decisions import Record
+    from kvledger.consumer.router.decisions import Answered, Record
     from kvledger.consumer.router.index import RouterIndex
     from kvledger.consumer.router.provisional import Decision, Provisional
+
+    # Records an answer no choice was reported for, its record built later.
+    RecordAnswer = Callable[[Answered, Callable[[], Record]], None]
 
 # Answered on the event loop in memory mode: microseconds, less than a hop to a thread.
 _ON_LOOP = frozenset({"match", "decisions"})
@@ -195,7 +198,7 @@ def _hot_match(gate: _Gate, lookups: Lookups) -> HotRoute:
 
 def _dynamo(
     gate: _Gate, source: RouterIndex, silent_after: timedelta | None,
-    provisional: Provisional | None,
+    provisional: Provisional | None, record: RecordAnswer | None,
 ) -> tuple[list[Route], dict[str, HotRoute]]:  # fmt: skip
     """NVIDIA Dynamo's KV-indexer routes over ``source`` (:mod:`.dynamo`)."""
     from kvledger.consumer.lookup import dynamo, dynamo_http
@@ -203,7 +206,7 @@ def _dynamo(
     def refusal(request: Request) -> tuple[int, Any] | None:
         return None if gate.admits(request) else gate.refused()[:2]
 
-    api = dynamo.DynamoApi(source, silent_after, provisional)
+    api = dynamo.DynamoApi(source, silent_after, provisional, record)
     return dynamo_http.routes(api, refusal), dynamo_http.hot_routes(api, gate.allowed)
 
 
@@ -220,6 +223,7 @@ def create_app(
     dynamo_router: RouterIndex | None = None,
     provisional: Provisional | None = None,
     share: Callable[[Decision, Record | None], None] | None = None,
+    record_answer: RecordAnswer | None = None,
 ) -> ASGIApp:
     """The lookup service over the database (or, given ``router``, from memory);
     ``silent_after``: the liveness window (else the database's, or 30 s in memory).
@@ -231,7 +235,9 @@ def create_app(
     (:mod:`.dynamo`), from ``dynamo_router`` or else ``router`` (built with
     ``dynamo=True``): Dynamo's routes are always answered from memory. ``provisional``
     (memory mode): POST /v1/decisions holds where routers sent prompts, and lookups answer
-    those instances as provisional holders; ``share`` tells the other replicas."""
+    those instances as provisional holders; ``share`` tells the other replicas, and
+    ``record_answer`` records Dynamo's answers from ``router`` (a DecisionLog's
+    note_answer)."""
     lookups = Lookups(
         database_url, pool_size, silent_after, router, statement_timeout_ms, pool_timeout_s,
         allow_writer, provisional, share,
@@ -254,9 +260,10 @@ def create_app(
         source = dynamo_router or router
         if source is None:
             raise ValueError("Dynamo's API is served from memory: it needs a router")
-        dynamo_routes, dynamo_hot = _dynamo(
-            gate, source, silent_after, provisional if source is router else None
-        )
+        mine = source is router  # decisions are the memory mode's
+        dynamo_routes, dynamo_hot = _dynamo(gate, source, silent_after,
+                                            provisional if mine else None,
+                                            record_answer if mine else None)  # fmt: skip
         routes = [*dynamo_routes, *routes]
         hot.update(dynamo_hot)
     # GET /: what this service is and what it answers (no token needed, as /openapi.json).

@@ -284,9 +284,10 @@ class Lookups:
             self.share(decision, record)
             DECISION_BLOCKS.labels("prompt").inc(record.prompt_blocks)
             DECISION_BLOCKS.labels("available").inc(record.available_blocks)
-            DECISION_BLOCKS.labels("captured").inc(record.captured_blocks)
+            captured = record.captured_blocks or 0  # a decision's: never None
+            DECISION_BLOCKS.labels("captured").inc(captured)
             if record.available_blocks:
-                CAPTURED_FRACTION.observe(record.captured_blocks / record.available_blocks)
+                CAPTURED_FRACTION.observe(captured / record.available_blocks)
         return 202, {"instance": req.instance, "provisional_blocks": held,
                      "expires_in_s": self.provisional.ttl_s}, {}  # fmt: skip
 

@@ -12,7 +12,9 @@ The wire form is JSON: ``{"v": 1, "model", "group_idx", "instance", "kind": "tok
 block keys (:func:`.provisional.token_keys`), never its tokens. Version 2 adds ``record``
 (:class:`Record`): what the index offered when the decision was taken, which the consumer
 keeps in PostgreSQL (consumer/decision_records.py) for the funnel of available, captured
-and delivered reuse. Replicas read both versions.
+and delivered reuse. Version 3 is an answer no router reported a choice for (Dynamo's
+``/query``): ``{"v": 3, "model", "group_idx", "origin", "record"}``, recorded for the funnel,
+never held. Replicas read every version.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import replace
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 import msgspec
@@ -37,6 +41,8 @@ logger = logging.getLogger(__name__)
 # A day: hints matter for seconds, the records until the consumer has written them.
 RETENTION_MS = 24 * 3600 * 1000
 MAX_RECORD_BYTES = 512 * 1024
+# Answers waiting for the log's thread to record them; past this, dropped and counted.
+MAX_PENDING_ANSWERS = 10_000
 _U64 = (1 << 64) - 1
 
 
@@ -63,13 +69,14 @@ class Record(msgspec.Struct, forbid_unknown_fields=True):
 
     id: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
     at: Annotated[float, msgspec.Meta(ge=0, lt=1e11)]  # seconds since the epoch
-    chosen_state: Annotated[str, msgspec.Meta(max_length=16)]
     block_size: Annotated[int, msgspec.Meta(gt=0, lt=1 << 31)]
     prompt_blocks: _Count
     available_blocks: _Count
-    captured_blocks: _Count
     silent_blocks: _Count
     offered: Annotated[list[Offer], msgspec.Meta(max_length=1024)]
+    # The chosen instance's state and blocks: None in an answer no choice was reported for.
+    chosen_state: Annotated[str, msgspec.Meta(max_length=16)] | None = None
+    captured_blocks: _Count | None = None
     available_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     captured_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     captured_hashes: Annotated[list[_Hex], msgspec.Meta(max_length=65_536)] | None = None
@@ -77,14 +84,25 @@ class Record(msgspec.Struct, forbid_unknown_fields=True):
     last_hash: _Hex | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """An answer the service gave (Dynamo's ``/query``) for which no router reported the
+    instance it chose: recorded with what was offered, never held."""
+
+    model: str
+    group_idx: int
+    origin: str = ""
+    request_id: str | None = None
+
+
 class _Wire(msgspec.Struct, forbid_unknown_fields=True):
-    v: Literal[1, 2]
+    v: Literal[1, 2, 3]
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
     group_idx: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-    kind: Literal["tokens", "hashes"]
-    keys: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=65_536)]
     origin: Annotated[str, msgspec.Meta(max_length=64)]
+    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
+    kind: Literal["tokens", "hashes"] | None = None
+    keys: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=65_536)] = []
     request_id: Annotated[str, msgspec.Meta(max_length=512)] | None = None
     record: Record | None = None
 
@@ -93,27 +111,44 @@ _decode = msgspec.json.Decoder(_Wire).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def encode(d: Decision, record: Record | None = None) -> bytes:
-    return _encode(_Wire(1 if record is None else 2, d.model, d.group_idx, d.instance, d.kind,
-                         list(d.keys), d.origin, d.request_id, record))  # fmt: skip
+def encode(d: Decision | Answered, record: Record | None = None) -> bytes:
+    if isinstance(d, Answered):
+        if record is None:
+            raise ValueError("an answer is recorded with what it offered")
+        return _encode(_Wire(3, d.model, d.group_idx, d.origin, request_id=d.request_id,
+                             record=record))  # fmt: skip
+    return _encode(_Wire(1 if record is None else 2, d.model, d.group_idx, d.origin,
+                         d.instance, d.kind, list(d.keys), d.request_id, record))  # fmt: skip
 
 
-def decode(raw: bytes) -> Decision:
-    """A record's decision; ``ValueError`` saying why it is not one."""
+def decode(raw: bytes) -> Decision | Answered:
+    """A record's decision (or answer); ``ValueError`` saying why it is neither."""
     return decode_record(raw)[0]
 
 
-def decode_record(raw: bytes) -> tuple[Decision, Record | None]:
-    """A record's decision and, from version 2, what was offered; ``ValueError`` saying why
-    it is not one."""
+def decode_record(raw: bytes) -> tuple[Decision | Answered, Record | None]:
+    """A record's decision (or, version 3, answer) and, from version 2, what was offered;
+    ``ValueError`` saying why it is not one."""
     if len(raw) > MAX_RECORD_BYTES:
         raise ValueError(f"record of {len(raw)} bytes, over {MAX_RECORD_BYTES}")
     try:
         w = _decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(str(exc)) from None
-    if (w.v == 2) != (w.record is not None):
+    if (w.v == 1) != (w.record is None):
         raise ValueError(f"v {w.v} with{'out' if w.record is None else ''} a record")
+    if w.v == 3:
+        if w.instance is not None or w.kind is not None or w.keys:
+            raise ValueError("v 3 (an answer) names no instance, kind or keys")
+        if w.record is not None and (w.record.chosen_state is not None
+                                     or w.record.captured_blocks is not None):  # fmt: skip
+            raise ValueError("v 3 (an answer) has no chosen_state or captured_blocks")
+        return Answered(w.model, w.group_idx, w.origin, w.request_id), w.record
+    if w.instance is None or w.kind is None:
+        raise ValueError(f"v {w.v} without {'instance' if w.instance is None else 'kind'}")
+    if w.record is not None and (w.record.chosen_state is None
+                                 or w.record.captured_blocks is None):  # fmt: skip
+        raise ValueError(f"v {w.v} without the record's chosen_state or captured_blocks")
     if w.keys and max(w.keys) > _U64:
         raise ValueError("a key over 2^64-1")
     decision = Decision(w.model, w.group_idx, w.instance, w.kind, tuple(w.keys), w.origin,
@@ -140,6 +175,8 @@ class DecisionLog:
         self.shared = 0  # others' decisions held
         self.rejected = 0  # records that were not decisions
         self.dropped = 0  # own decisions not written (the producer's queue was full)
+        # Answers to record, each with what builds its record (off the lookup's path).
+        self._answers: deque[tuple[Answered, Callable[[], Record]]] = deque()
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._thread: threading.Thread | None = None
@@ -176,7 +213,7 @@ class DecisionLog:
                                         daemon=True)  # fmt: skip
         self._thread.start()
 
-    def publish(self, decision: Decision, record: Record | None = None) -> None:
+    def publish(self, decision: Decision | Answered, record: Record | None = None) -> None:
         """Write ``decision`` (and what was offered) for the other replicas and the
         consumer; never waits (a full queue drops it, counted and logged)."""
         assert self._producer is not None
@@ -188,6 +225,26 @@ class DecisionLog:
             self._warn("decisions topic %s: the producer's queue is full; %d decisions not "
                        "shared", self.topic, self.dropped)  # fmt: skip
         self._producer.poll(0)
+
+    def note_answer(self, answered: Answered, build: Callable[[], Record]) -> None:
+        """Record an answer no choice was reported for: ``build`` makes its record on the
+        log's thread, so the lookup that gave it pays an append (a full queue drops it,
+        counted as a decision not written)."""
+        if len(self._answers) >= MAX_PENDING_ANSWERS:
+            self.dropped += 1
+            return
+        self._answers.append((answered, build))
+
+    def _record_answers(self) -> None:
+        while self._answers:
+            answered, build = self._answers.popleft()
+            try:
+                record = build()
+            except Exception as exc:  # one answer's record; the log goes on
+                self.dropped += 1
+                self._warn("decisions topic %s: an answer not recorded (%s)", self.topic, exc)
+                continue
+            self.publish(answered, record)
 
     def stop(self) -> None:
         self._stop.set()
@@ -202,6 +259,7 @@ class DecisionLog:
         consumer = self._consumer
         assert consumer is not None
         while not self._stop.is_set():
+            self._record_answers()
             first = consumer.poll(0.1)  # at once when one comes (consume() waits for all)
             if first is None:
                 continue
@@ -219,7 +277,7 @@ class DecisionLog:
                                "a decision (%s); skipped", self.topic, msg.partition(),
                                msg.offset(), exc)  # fmt: skip
                     continue
-                if decision.origin != self.origin:
+                if isinstance(decision, Decision) and decision.origin != self.origin:
                     self.provisional.add(decision)
                     self.shared += 1
             if self._producer is not None:

@@ -12,9 +12,9 @@ from starlette.testclient import TestClient
 
 from kvledger.consumer.lookup.dashboard import VENDOR
 from kvledger.consumer.lookup.http import create_app
-from kvledger.consumer.lookup.offer import MAX_CAPTURED_HASHES, build_record
+from kvledger.consumer.lookup.offer import MAX_CAPTURED_HASHES, answer_record, build_record
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.decisions import decode_record, encode
+from kvledger.consumer.router.decisions import Answered, decode_record, encode
 from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.router.provisional import Decision
 from kvledger.fleet import FleetConfig
@@ -109,6 +109,39 @@ def test_a_record_says_what_was_available_captured_and_silent() -> None:
     long = build_record([Holder("a", "GPU", "", 9000, 36000)], "a", "live", 4, 9000,
                         [i.to_bytes(8, "big") for i in range(9000)])  # fmt: skip
     assert len(long.captured_hashes or ()) == MAX_CAPTURED_HASHES
+
+
+def test_an_answer_is_recorded_with_what_each_worker_was_offered_and_no_choice() -> None:
+    # Dynamo's tiers count through the faster ones: worker 3 has 2 blocks on its GPU and 5
+    # through its CPU; worker 9 (no instance known by that id) 1 on its GPU only.
+    body = (b'{"scores":{"3":{"0":8},"9":{"0":4}},"frequencies":[],"instances":{'
+            b'"3":{"longest_matched":20,"gpu":8,"dp":{"0":8},"cpu":20,"disk":20},'
+            b'"9":{"longest_matched":4,"gpu":4,"dp":{"0":4},"cpu":4,"disk":4}}}')  # fmt: skip
+    rec = answer_record(body, {3: "engine-3"}, 4, 7)
+    assert [(o.instance, o.medium, o.blocks) for o in rec.offered] == [
+        ("engine-3", "GPU", 2),
+        ("engine-3", "CPU", 5),
+        ("worker 9", "GPU", 1),
+    ]
+    assert (rec.available_blocks, rec.available_tier, rec.prompt_blocks) == (5, "CPU", 7)
+    assert rec.captured_blocks is None and rec.chosen_state is None
+    assert rec.captured_hashes is None and rec.first_hash is None
+    empty = answer_record(b'{"scores":{},"frequencies":[],"instances":{}}', {}, 4, 3)
+    assert (empty.available_blocks, empty.offered) == (0, [])
+    # On the wire: version 3, never a decision to hold.
+    answered = Answered("m", 1, "o", None)
+    assert decode_record(encode(answered, rec)) == (answered, rec)
+    with pytest.raises(ValueError, match="offered"):
+        encode(answered)
+    decision = Decision("m", 0, "a", "hashes", (1,), "o")
+    chosen = build_record([Holder("a", "GPU", "", 1, 4)], "a", "live", 4, 1, None)
+    for bad in (
+        encode(answered, chosen),  # an answer with a choice's figures
+        encode(decision, rec),  # a decision without them
+        encode(answered, rec).replace(b'"instance":null', b'"instance":"a"'),
+    ):
+        with pytest.raises(ValueError):
+            decode_record(bad)
 
 
 @pytest.mark.parametrize("field", ["id", "at", "captured_hashes", "offered"])

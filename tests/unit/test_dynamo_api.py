@@ -131,6 +131,45 @@ def test_scores_agree_with_v1_match_and_lower_tiers_continue_the_gpu_match(
     assert lower > 20  # lower tiers extend matches past the GPU's
 
 
+def test_every_answer_is_recorded_with_what_each_instance_was_offered(
+    router: RouterIndex,
+) -> None:
+    noted: list[tuple[Any, Any]] = []
+    client = TestClient(
+        create_app(
+            router=router,
+            silent_after=WIDE,
+            dynamo_api=True,
+            record_answer=lambda a, build: noted.append((a, build)),
+        )
+    )
+    offered = 0
+    for tokens in prompts(40, seed=7):
+        ours = query(client, tokens)
+        locals_ = requests.local_hashes(tokens, 32, None)
+        by_hash = client.post("/query_by_hash", json={"block_hashes": locals_,
+                                                      "model_name": MODEL})  # fmt: skip
+        assert by_hash.json() == ours
+        for answered, build in noted[-2:]:
+            assert (answered.model, answered.group_idx) == (MODEL, 0)
+            rec = build()
+            assert rec.prompt_blocks == len(tokens) // 32 == len(locals_)
+            longest = max((s["longest_matched"] for s in ours["instances"].values()), default=0)
+            assert rec.available_blocks == longest // 32
+            assert rec.captured_blocks is None and rec.chosen_state is None
+            # each offer names the instance behind its worker id, its blocks the answer's
+            for o in rec.offered:
+                summary = ours["instances"][str(int(o.instance.rsplit("-", 1)[1]))]
+                field = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}[o.medium]
+                assert o.blocks * 32 == summary[field] and o.state == "live"
+            offered += len(rec.offered)
+    assert len(noted) == 80 and offered > 40
+    # Where nothing is recorded, nothing is noted.
+    quiet = TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
+    query(quiet, prompts(1)[0])
+    assert len(noted) == 80
+
+
 def test_every_block_keeps_dynamos_local_hash(router: RouterIndex) -> None:
     checked = 0
     for g in router.store.groups.values():

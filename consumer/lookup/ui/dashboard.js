@@ -5,7 +5,7 @@
 const REFRESH_MS = 5000;
 const TIERS = ["GPU", "CPU", "STORAGE"];
 const OUTCOMES = ["captured", "evicted_before_arrival", "lower_tier_only", "chosen_elsewhere",
-  "holder_silent", "no_holder"];
+  "holder_silent", "no_holder", "unreported"];
 const charts = {};
 const state = { last: null, errors: [] };
 window.kvledgerDashboard = { charts, state };

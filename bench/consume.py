@@ -2,10 +2,12 @@
 
 1. apply: a simulated fleet's messages (pre-encoded, as on the topic) go through decode +
    validate + apply + offsets in batches of 5,000, one transaction each, into a fresh
-   database; figure: block events (hashes stored or removed) per second.
-2. baseline: the rows that run wrote (blocks, residencies, history, audit log) are COPYed
-   into an empty copy of the same tables in the same database server; the ratio compares
-   the two rates for the same number of block events.
+   database; figure: block events (hashes stored or removed) per second. Twice: one batch
+   at a time (``run_batch``), and as the consumer runs by default, each batch planned while
+   the one before it is written (consumer/ahead.py), into a second database.
+2. baseline: the rows the first run wrote (blocks, residencies, history, audit log) are
+   COPYed into an empty copy of the same tables in the same database server; the ratios
+   compare each apply rate with it for the same number of block events.
 3. lag: a producer publishes at a steady 5,000 messages/s while the consumer runs; lag per
    message = the time its audit row was written minus its event time (p50, p99).
 """
@@ -23,7 +25,8 @@ import uuid
 
 from confluent_kafka.admin import AdminClient
 
-from bench.common import record, settle
+from bench.common import PUBLISHED, publish, record, settle
+from kvledger.consumer.ahead import apply_in_turn
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect, create_database, migrate
 from kvledger.consumer.inbound import Inbound
@@ -68,15 +71,31 @@ def _messages(fleet: FleetConfig) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def _applied_ahead(
+    url: str, inbound: list[Inbound], batch_size: int
+) -> tuple[float, int, list[int]]:
+    """(seconds, block events, rows per table) of applying ``inbound`` planning ahead."""
+    batches = (inbound[i : i + batch_size] for i in range(0, len(inbound), batch_size))
+    with connect(url, autocommit=True) as conn, connect(url, autocommit=True) as reads:
+        start = time.perf_counter()
+        block_events = sum(r.plan.block_events for r in apply_in_turn(
+            batches, Codec(), PostgresStore(conn), PostgresStore(reads), "bench"))  # fmt: skip
+        seconds = time.perf_counter() - start
+        counts = [conn.execute(f"SELECT count(*) FROM kvledger.{t}").fetchone() for t in TABLES]
+    return seconds, block_events, [int(c[0]) for c in counts if c is not None]
+
+
 def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[str, float]:
     messages = _messages(fleet)
     url = _database(server, "kvledger_bench_apply")
+    ahead_url = _database(server, "kvledger_bench_apply_ahead")
     codec = Codec()
     inbound = [Inbound("bench", 0, i, k, v) for i, (k, v) in enumerate(messages)]
     # A consumer holds one batch, not the whole topic: keep the pre-encoded messages out of
     # the collector's scans, as `kvledger consume` does with what start-up loaded.
     freeze_startup_objects()
     block_events = 0
+    ahead_seconds, ahead_events, ahead_counts = _applied_ahead(ahead_url, inbound, batch_size)
     with connect(url, autocommit=True) as conn:
         store = PostgresStore(conn)
         start = time.perf_counter()
@@ -85,6 +104,8 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
             block_events += result.plan.block_events
         seconds = time.perf_counter() - start
         rows = {t: conn.execute(f"SELECT * FROM kvledger.{t}").fetchall() for t in TABLES}
+        assert ahead_events == block_events, (ahead_events, block_events)
+        assert ahead_counts == [len(rows[t]) for t in TABLES]  # the same rows
         columns = {
             t: [d.name for d in conn.execute(f"SELECT * FROM kvledger.{t} LIMIT 0").description]
             for t in TABLES
@@ -101,15 +122,17 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
                         copy.write_row(row)
         copy_seconds = time.perf_counter() - start
     gc.unfreeze()
-    ours = block_events / seconds
+    ours, ahead = block_events / seconds, block_events / ahead_seconds
     raw = block_events / copy_seconds
     return {
         "messages": float(len(messages)),
         "block events": float(block_events),
         "rows written": float(sum(len(r) for r in rows.values())),
         "apply block-events/s (decode+validate+apply+offsets)": ours,
+        "apply planning ahead, block-events/s": ahead,
         "raw COPY of the same rows, block-events/s": raw,
         "ratio apply / raw COPY": ours / raw,
+        "ratio apply planning ahead / raw COPY": ahead / raw,
     }
 
 
@@ -172,18 +195,22 @@ def lag(
     }
 
 
-def main() -> None:
+def main() -> dict[str, dict[str, float]]:
     server = os.environ["KVLEDGER_DATABASE_URL"]
     bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
+    out = {}
     settle(server)
-    record("consume_apply", apply_rate(server, FleetConfig(instances=4, requests=500, seed=21)))
-    settle(server)
+    out["consume_apply"] = apply_rate(server, FleetConfig(instances=4, requests=500, seed=21))
+    record("consume_apply", out["consume_apply"])
     # At 5,000 msg/s the producer, broker, database and consumer share this 2-core machine;
     # the lower rate shows the lag with headroom.
-    record("consume_lag_5000", lag(bootstrap, server, rate=5000.0))
-    settle(server)
-    record("consume_lag_3000", lag(bootstrap, server, rate=3000.0))
+    for rate in (5000, 3000):
+        settle(server)
+        out[f"consume_lag_{rate}"] = lag(bootstrap, server, rate=float(rate))
+        record(f"consume_lag_{rate}", out[f"consume_lag_{rate}"])
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    written = publish(main(), PUBLISHED / "consume", command="python -m bench.consume")
+    print(f"wrote {', '.join(str(w) for w in written)}")

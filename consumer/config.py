@@ -52,6 +52,9 @@ class ConsumerConfig:
     # nothing is deleted (a rebuild's scratch index); partitions are still made ahead.
     retention: Retention | None = None
     retention_every_s: float = 60.0
+    # Plan each batch while the one before it is written (consumer/ahead.py): a second
+    # database connection, and PostgreSQL's work overlapped with the consumer's.
+    plan_ahead: bool = True
 
     @property
     def dead_letter_topic(self) -> str | None:

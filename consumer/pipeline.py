@@ -72,21 +72,58 @@ def run_batch(
     6. commit. Only then may the caller commit the offsets to Kafka, as a hint for lag
        tools (the store's offsets are the truth the consumer seeks to on assignment).
     """
-    batch = [
+    batch = decode_batch(messages, codec, poisoned)
+    starts, next_offsets = fence_points(batch, read_from)
+    with store.transaction():
+        store.fence(consumer_group, starts)
+        plan = make_plan(batch, store.load(needs(batch, keys=not store.in_process)))
+        _write(store, plan, consumer_group, next_offsets, dead_letters)
+    warn_model_changes(plan)
+    return BatchResult(plan, next_offsets)
+
+
+def decode_batch(
+    messages: Sequence[Inbound],
+    codec: Codec,
+    poisoned: Mapping[tuple[str, int, int], str] | None = None,
+) -> list[Decoded]:
+    """Step 1 of :func:`run_batch`: each message decoded, or its poison kept as its error."""
+    return [
         decode(m, codec)
         if poisoned is None or (m.topic, m.partition, m.offset) not in poisoned
         else Decoded(m, None, DecodeError("apply_error", poisoned[m.topic, m.partition, m.offset]))
         for m in messages
     ]
-    starts, next_offsets = fence_points(batch, read_from)
+
+
+def write_batch(
+    store: IndexStore,
+    plan: Plan,
+    consumer_group: str,
+    starts: Mapping[TopicPartition, int],
+    next_offsets: dict[TopicPartition, int],
+    dead_letters: DeadLetterSink | None = None,
+) -> BatchResult:
+    """Steps 2 and 4-6 of :func:`run_batch` for a batch planned already (consumer/ahead.py):
+    one transaction that fences, writes the plan and the next offsets, and sends the dead
+    letters; committed on return."""
     with store.transaction():
         store.fence(consumer_group, starts)
-        plan = make_plan(batch, store.load(needs(batch, keys=not store.in_process)))
-        store.write(plan, consumer_group, next_offsets)
-        if dead_letters is not None:
-            dead_letters.send(plan.rejected)
+        _write(store, plan, consumer_group, next_offsets, dead_letters)
     warn_model_changes(plan)
     return BatchResult(plan, next_offsets)
+
+
+def _write(
+    store: IndexStore,
+    plan: Plan,
+    consumer_group: str,
+    next_offsets: dict[TopicPartition, int],
+    dead_letters: DeadLetterSink | None,
+) -> None:
+    store.write(plan, consumer_group, next_offsets)
+    if dead_letters is not None:
+        dead_letters.send(plan.rejected)
 
 
 def fence_points(

@@ -3,7 +3,9 @@
 :meth:`IndexConsumer.run` polls up to ``batch_size`` messages (or ``batch_timeout_s``),
 hands them to :func:`~kvledger.consumer.pipeline.run_batch` (decode, plan and write in one
 transaction with the offsets; its docstring has the commit order), then commits the offsets
-to Kafka only as a hint for lag tools (auto-commit is off).
+to Kafka only as a hint for lag tools (auto-commit is off). With ``plan_ahead`` (the
+default) a batch is planned while the one before it is written (:mod:`.ahead`): the same
+transactions in the same order, PostgreSQL's work and the consumer's overlapped.
 
 What stays here: assignment (seek to the offsets stored in PostgreSQL, so a crash at any
 instant neither loses nor double-applies a message), error triage (a fatal client error
@@ -25,13 +27,14 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import start_http_server
 
 from kvledger.consumer import metrics
+from kvledger.consumer.ahead import Ahead
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
 from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.log_loss import act_on_losses, below_start
 from kvledger.consumer.loop import LogLoop, Polled
-from kvledger.consumer.pipeline import BatchResult, run_batch
+from kvledger.consumer.pipeline import BatchResult, decode_batch, fence_points, run_batch
 from kvledger.consumer.retention import Retainer, ensure_partitions
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
@@ -46,6 +49,10 @@ _RETRYABLE = (psycopg.OperationalError, psycopg.errors.SerializationFailure, Dea
 
 
 ProgressFn = Callable[[RunSummary, int], None]
+
+# How the batch in flight ended (IndexConsumer._drain): committed as planned; failed and
+# applied again from the store; fenced (the partitions were re-seeked).
+CLEAN, REDONE, FENCED = "clean", "redone", "fenced"
 
 
 def stored_offsets(conn: psycopg.Connection, group: str, topic: str) -> dict[int, int]:
@@ -69,6 +76,10 @@ class IndexConsumer:
         self._stop = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._store: PostgresStore | None = None
+        # Planning ahead (consumer/ahead.py): the reads' connection (loads, stored offsets)
+        # beside the writer's (self._conn, the writer thread's while a batch is in flight).
+        self._reads: psycopg.Connection | None = None
+        self._ahead: Ahead | None = None
         # Where this consumer's reading of each partition began: its seek, then the end of
         # each batch it applied (run_batch's read_from).
         self._read_from: dict[tuple[str, int], int] = {}
@@ -112,6 +123,9 @@ class IndexConsumer:
                 retainer.start()
             else:
                 ensure_partitions(self._conn)
+            if cfg.plan_ahead:
+                self._reads = self._connect()
+                self._ahead = Ahead(PostgresStore(self._reads), cfg.group_id)
             # Batches are filled (each is a PostgreSQL transaction): a busy topic's stay
             # large. The router's loop takes promptly instead (consumer/loop.py).
             LogLoop(
@@ -119,8 +133,15 @@ class IndexConsumer:
                 lambda client: client.consume(cfg.batch_size, timeout=cfg.batch_timeout_s),
                 self, self._stop, cfg.stop_at, needs=f" and READ on group {cfg.group_id!r}",
             ).run()  # fmt: skip
+            self._drain()
         finally:
             self.summary.seconds = time.monotonic() - started
+            if self._ahead is not None:  # what it holds ends, committed or not, first
+                self._ahead.close()
+                self._ahead = None
+            if self._reads is not None:
+                self._reads.close()
+                self._reads = None
             if retainer is not None:
                 retainer.stop()
             if self._consumer is not None:
@@ -137,17 +158,26 @@ class IndexConsumer:
         return self._consumer
 
     def renew(self) -> None:
+        self._drain()
         self._recreate_consumer()
 
     def apply(self, batch: list[Inbound]) -> None:
-        self._apply(batch)
+        if self._ahead is not None:
+            self._apply_ahead(batch)
+        else:
+            self._apply(batch)
 
     def lost(self, partitions: set[int]) -> None:
         self._on_reset(partitions)
 
     def turned(self, client: Consumer, polled: Polled) -> bool:
         cfg = self.config
-        self._note_positions(client)  # all it read is applied now
+        # A turn that did not hand over a full batch has nothing more to overlap: the batch
+        # in flight is waited for, so an idle or stopping consumer has applied all it read.
+        if len(polled.batch) < cfg.batch_size:
+            self._drain()
+        if self._ahead is None or not self._ahead.busy:
+            self._note_positions(client)  # all it read is applied now
         if cfg.stop_at is not None and self._reached(cfg.stop_at):
             return True
         return bool(cfg.until_caught_up and polled.received < cfg.batch_size and self._caught_up())
@@ -207,10 +237,7 @@ class IndexConsumer:
                 )  # fmt: skip
                 break
             except FencedError as exc:
-                logger.warning("batch abandoned: %s", exc)
-                metrics.FENCED.inc()
-                self.summary.fenced += 1
-                self._reseek()
+                self._fenced(exc)
                 return
             except _RETRYABLE as exc:
                 if self._stop.is_set():
@@ -237,6 +264,10 @@ class IndexConsumer:
                     raise
                 self._isolate(batch, exc, poisoned)
                 return
+        self._done(result, started)
+
+    def _done(self, result: BatchResult, started: float) -> None:
+        """A batch committed: counted, its offsets read on from, and hinted to Kafka."""
         metrics.record_batch(result.plan, time.monotonic() - started)
         self._read_from.update(result.next_offsets)
         self._account(result)
@@ -246,6 +277,70 @@ class IndexConsumer:
                 self._consumer.commit(offsets=hint, asynchronous=True)
             except KafkaException as exc:  # a hint only
                 logger.debug("offset hint not committed: %s", exc)
+
+    def _fenced(self, exc: FencedError) -> None:
+        logger.warning("batch abandoned: %s", exc)
+        metrics.FENCED.inc()
+        self.summary.fenced += 1
+        self._reseek()
+
+    # ------------------------------------------------------------------ planning ahead
+    def _apply_ahead(self, messages: list[Inbound]) -> None:
+        """Plan this batch while the one in flight is written, then write it once that one
+        has committed (consumer/ahead.py). Whatever goes wrong on this path is left to
+        :meth:`_apply`, which applies from the store with its retries and isolation."""
+        ahead = self._ahead
+        assert ahead is not None
+        batch = decode_batch(messages, self.codec)
+        try:
+            planned = ahead.plan(messages, batch)
+            if planned is None:  # it needs the state the batch in flight leaves
+                if self._drain() == FENCED:
+                    return  # read again after the re-seek
+                planned = ahead.plan(messages, batch)
+        except Exception as exc:  # the reads' connection, or a message the planner fails on
+            logger.debug("planning ahead failed (%s); applying the batch alone", exc)
+            reads = self._reads
+            if reads is not None and (reads.closed or reads.broken):
+                self._reads = self._connect()
+                ahead.reader = PostgresStore(self._reads)
+            if self._drain() != FENCED:
+                self._apply(messages)
+            return
+        assert planned is not None
+        ended = self._drain()
+        if ended == FENCED:
+            return
+        if ended == REDONE:  # planned over a batch that did not commit as planned
+            self._apply(messages)
+            return
+        conn = self._conn
+        assert conn is not None
+        if self._store is None or self._store.conn is not conn:
+            self._store = PostgresStore(conn)
+        starts, next_offsets = fence_points(batch, self._read_from)
+        ahead.submit(planned, self._store, starts, next_offsets, self._dlq)
+
+    def _drain(self) -> str:
+        """Wait for the batch in flight, if any: :data:`CLEAN` when it committed (or none
+        was in flight), :data:`REDONE` when it failed and :meth:`_apply` applied it again,
+        :data:`FENCED` when it (or its second try) found another consumer owning its
+        partitions (they are re-seeked)."""
+        flight = self._ahead.take() if self._ahead is not None else None
+        if flight is None:
+            return CLEAN
+        try:
+            result = flight.future.result()
+        except FencedError as exc:
+            self._fenced(exc)
+            return FENCED
+        except Exception as exc:
+            logger.warning("batch written ahead failed (%s); applying it again", exc)
+            fenced = self.summary.fenced
+            self._apply(list(flight.planned.messages))
+            return FENCED if self.summary.fenced > fenced else REDONE
+        self._done(result, flight.planned.started)
+        return CLEAN
 
     def _isolate(
         self,
@@ -294,8 +389,11 @@ class IndexConsumer:
                 delay = min(delay * 2, self.config.retry_backoff_max_s)
 
     def _stored(self) -> dict[int, int]:
+        """The offsets the index stored, read on the reads' connection when planning ahead
+        (the writer thread may hold the other)."""
         while True:
-            conn = self._conn
+            reads = self._reads is not None
+            conn = self._reads if reads else self._conn
             assert conn is not None
             try:
                 return stored_offsets(conn, self.config.group_id, self.config.topic)
@@ -305,9 +403,15 @@ class IndexConsumer:
                 logger.warning("reading offsets failed (%s); reconnecting", exc)
                 time.sleep(self.config.retry_backoff_s)
                 if conn.closed or conn.broken:
-                    self._conn = self._connect()
+                    if reads:
+                        self._reads = self._connect()
+                        if self._ahead is not None:
+                            self._ahead.reader = PostgresStore(self._reads)
+                    else:
+                        self._conn = self._connect()
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
         stored = self._note_deleted(self._stored(), [tp.partition for tp in partitions])
         for tp in partitions:
             tp.offset = stored.get(tp.partition, OFFSET_BEGINNING)
@@ -341,6 +445,7 @@ class IndexConsumer:
         """The client found a partition's position out of the log's range while reading:
         records deleted before they were read are a loss (above); a position past the end
         (the topic made again) starts the partition over, said aloud."""
+        self._drain()
         stored = self._note_deleted(self._stored(), sorted(partitions))
         try:
             ends = partition_offsets(self._admin, self.config.topic, partitions=partitions)
@@ -356,6 +461,7 @@ class IndexConsumer:
         self._reseek(start_over=set(past))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()  # while the partitions are still this consumer's
         logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))
         for tp in partitions:
             self._read_from.pop((tp.topic, tp.partition), None)

@@ -2,11 +2,13 @@
 by adding itself to ``STORES`` or ``LOOKUPS``.
 
 **Stores** (what the consumer applies into): the memory store, the PostgreSQL store (a real
-server) and the router index (the compiled groups, as `serve --memory` and `republish`
-apply a topic). Each takes the differential streams (every rule's edge cases, a simulated
-fleet, random messy streams) in batches of its own size and must end holding exactly what
-the oracle holds: the memory store fed each stream whole, itself held to the independent
-reference model of the index on the fleet (:func:`test_the_oracle_is_the_reference_model`).
+server; also with each batch planned while the one before it is written, as the consumer
+runs it: consumer/ahead.py) and the router index (the compiled groups, as `serve --memory`
+and `republish` apply a topic). Each takes the differential streams (every rule's edge
+cases, a simulated fleet, random messy streams) in batches of its own size and must end
+holding exactly what the oracle holds: the memory store fed each stream whole, itself
+held to the independent reference model of the index on the fleet
+(:func:`test_the_oracle_is_the_reference_model`).
 Stores that keep history, rejections and lives (memory, PostgreSQL) must equal the oracle
 table by table, and again after a group declared late and their dead letters replayed.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -30,6 +33,7 @@ import pytest
 
 from kvledger.consumer.admin import declare_group
 from kvledger.consumer.admin import replay as replay_postgres
+from kvledger.consumer.ahead import apply_in_turn
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
 from kvledger.consumer.inbound import decode
 from kvledger.consumer.lookup import PrefixIndex
@@ -110,6 +114,48 @@ def apply_postgres(stream: Stream, batch: int, admin_url: str) -> tuple[Held, Ta
     return held_of(tables), tables
 
 
+class HeldOpen(PostgresStore):
+    """A writer that keeps each batch's transaction open until the next batch's load has
+    run (or a short wait passes: the last batch, or one planned after the commit): every
+    plan ahead then reads what the batch in flight has not committed, which only the
+    overlay (consumer/ahead.py) puts right."""
+
+    def __init__(self, conn: Any, loaded: threading.Event) -> None:
+        super().__init__(conn)
+        self.loaded = loaded
+
+    def write(self, *args: Any, **kwargs: Any) -> None:
+        super().write(*args, **kwargs)
+        self.loaded.wait(0.2)
+        self.loaded.clear()
+
+
+class Signalling(PostgresStore):
+    def __init__(self, conn: Any, loaded: threading.Event) -> None:
+        super().__init__(conn)
+        self.loaded = loaded
+
+    def load(self, needs: Any) -> Any:
+        snap = super().load(needs)
+        self.loaded.set()
+        return snap
+
+
+def apply_postgres_ahead(stream: Stream, batch: int, admin_url: str) -> tuple[Held, Tables | None]:
+    loaded = threading.Event()
+    with (
+        new_database(admin_url) as database,
+        connect(database, autocommit=True) as conn,
+        connect(database, autocommit=True) as reads,
+    ):
+        batches = (stream.messages[i : i + batch] for i in range(0, len(stream.messages), batch))
+        for _ in apply_in_turn(batches, stream.codec, HeldOpen(conn, loaded),
+                               Signalling(reads, loaded), "g"):  # fmt: skip
+            pass
+        tables = dump_postgres(conn)
+    return held_of(tables), tables
+
+
 def apply_router(stream: Stream, batch: int, _: str) -> tuple[Held, Tables | None]:
     router = RouterIndex("127.0.0.1:9", stream.topic, "g")  # never started: fed here
     for i in range(0, len(stream.messages), batch):
@@ -124,6 +170,7 @@ def apply_router(stream: Stream, batch: int, _: str) -> tuple[Held, Tables | Non
 STORES: dict[str, Callable[[Stream, int, str], tuple[Held, Tables | None]]] = {
     "memory": apply_memory,
     "postgres": apply_postgres,
+    "postgres ahead": apply_postgres_ahead,
     "router": apply_router,
 }
 
@@ -134,7 +181,7 @@ def test_a_store_holds_what_the_oracle_holds(
     store: str, stream_name: str, request: pytest.FixtureRequest
 ) -> None:
     stream = STREAMS[stream_name]()
-    admin_url = request.getfixturevalue("database_url") if store == "postgres" else ""
+    admin_url = request.getfixturevalue("database_url") if store.startswith("postgres") else ""
     want_held, want_tables = apply_memory(stream, len(stream.messages), "")
     for batch in (7, 500):
         held, tables = STORES[store](stream, batch, admin_url)
@@ -204,7 +251,7 @@ def test_a_store_replays_its_dead_letters_as_the_oracle_does(
     store: str, stream_name: str, request: pytest.FixtureRequest
 ) -> None:
     stream = STREAMS[stream_name]()
-    admin_url = request.getfixturevalue("database_url") if store == "postgres" else ""
+    admin_url = request.getfixturevalue("database_url") if store.startswith("postgres") else ""
     want = replay_memory(stream, len(stream.messages), "")
     differences = diff(REPLAYING[store](stream, 7, admin_url), want)
     assert not differences, [(d.table, d.only_live[:2], d.only_rebuilt[:2]) for d in differences]

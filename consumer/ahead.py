@@ -1,0 +1,229 @@
+"""Planning the next batch while PostgreSQL writes the last one.
+
+A consumer alone leaves itself and PostgreSQL half idle: it decodes, loads and plans a batch
+(Python), then waits while PostgreSQL writes it. :class:`Ahead` overlaps the two: batch N's
+transaction (fence, write, dead letters, commit: :func:`~.pipeline.write_batch`) runs on a
+writer thread with the store's connection, while the caller decodes batch N+1, loads what it
+touches on a second connection and plans it.
+
+N+1's load reads what was committed before N. The state N changes is known exactly: its
+plan holds the new value of every key it touched (blocks, residencies, source streams,
+lives, group specs), and :class:`Overlay` lays those over the load. A key N did not touch
+reads the same before and after N's commit, so the planned state is the state N+1 will be
+written over. Whole holders (what a clear, a goodbye or a restart ends) are read as they
+were before N, and N's residencies are added to them: the planner ends only those it
+finds covered and still referenced, by the overlaid counts. A replay's late removals are
+not overlaid: a replay is planned after N commits (:meth:`Ahead.plan` returns None).
+
+Nothing of the commit order changes: N+1 is written, with its fence, only after N has
+committed, and if N fails, N+1's plan is dropped and the caller applies both again from the
+store (``IndexConsumer``: the batch's usual retries and isolation).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from kvledger.consumer.core.model import (
+    BlockKey,
+    BlockRow,
+    GroupKey,
+    HeldSpec,
+    HolderKey,
+    Needs,
+    Plan,
+    Residency,
+    ResidencyKey,
+    Snapshot,
+    SourceKey,
+    SourceLife,
+    SourceState,
+)
+from kvledger.consumer.core.needs import needs
+from kvledger.consumer.core.plan import make_plan
+from kvledger.consumer.inbound import Decoded, Inbound
+from kvledger.consumer.pipeline import (
+    BatchResult,
+    DeadLetterSink,
+    decode_batch,
+    fence_points,
+    write_batch,
+)
+from kvledger.consumer.store.base import TopicPartition
+from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import GroupSpec
+
+
+@dataclass(slots=True)
+class Overlay:
+    """The state one batch's plan leaves behind, for every key it touched (a residency of
+    None: none is left)."""
+
+    specs: dict[GroupKey, HeldSpec] = field(default_factory=dict)
+    blocks: dict[BlockKey, BlockRow] = field(default_factory=dict)
+    residencies: dict[ResidencyKey, Residency | None] = field(default_factory=dict)
+    held: dict[HolderKey, set[bytes]] = field(default_factory=dict)  # the residencies left
+    sources: dict[SourceKey, SourceState] = field(default_factory=dict)
+    lives: dict[str, SourceLife] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: Plan) -> Overlay:
+        """What ``plan`` leaves: its objects copied (the writer thread reads the plan's while
+        the next batch's planner changes its own)."""
+        out = cls()
+        for spec, _ in plan.new_specs:  # as the store reads a spec back: its shape only
+            shape = GroupSpec(spec.model, spec.group_idx, spec.kind, spec.block_size,
+                              spec.hash_block_size, spec.sliding_window)  # fmt: skip
+            out.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(shape, "announced"))
+        out.blocks = {key: w.row for key, w in plan.blocks.items()}
+        for d in plan.residencies:
+            if d.refcount > 0:
+                out.residencies[d.key] = Residency(d.refcount, d.locality, d.since, d.topic,  # type: ignore[arg-type]
+                                                   d.partition, d.offset)  # fmt: skip
+                out.held.setdefault(d.key.holder, set()).add(d.key.block_hash)
+            else:
+                out.residencies[d.key] = None
+        out.sources = {key: copy.copy(state) for key, state in plan.sources.items()}
+        out.lives = {source: copy.copy(life) for source, life in plan.lives.items()}
+        return out
+
+    @staticmethod
+    def covers(wanted: Needs) -> bool:
+        """Whether a batch needing ``wanted`` can be planned over a load and this overlay:
+        not a replay's (its late removals are read from the audit log)."""
+        return not wanted.replayed
+
+    def over(self, snap: Snapshot) -> Snapshot:
+        """``snap`` (read before this overlay's batch committed) as that batch left it."""
+        specs = {**self.specs, **snap.specs} if self.specs else snap.specs
+        residencies = dict(snap.residencies)
+        for key, residency in self.residencies.items():
+            if residency is None:
+                residencies.pop(key, None)
+            else:
+                residencies[key] = residency
+        held = dict(snap.held)
+        for holder, hashes in self.held.items():
+            held[holder] = {*snap.held.get(holder, ()), *hashes}
+        return replace(
+            snap,
+            specs=specs,
+            blocks={**snap.blocks, **self.blocks},
+            residencies=residencies,
+            held=held,
+            sources={**snap.sources, **self.sources},
+            lives={**snap.lives, **self.lives},
+        )
+
+
+@dataclass(slots=True)
+class Planned:
+    """A batch decoded and planned, not yet written."""
+
+    messages: Sequence[Inbound]
+    batch: Sequence[Decoded]
+    plan: Plan
+    started: float  # when its work began (time.monotonic)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A planned batch being written on the writer thread."""
+
+    planned: Planned
+    overlay: Overlay
+    future: Future[BatchResult]
+
+
+class Ahead:
+    """Batches planned on the caller's thread over ``reader``'s connection and written on a
+    writer thread over ``writer``'s (see the module docstring). One batch is in flight at
+    a time; :meth:`take` hands it back to the caller, who waits for it."""
+
+    def __init__(self, reader: PostgresStore, consumer_group: str) -> None:
+        self.reader = reader
+        self.consumer_group = consumer_group
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvledger-writer")
+        self._flight: InFlight | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._flight is not None
+
+    def plan(self, messages: Sequence[Inbound], batch: Sequence[Decoded]) -> Planned | None:
+        """``batch`` planned over what is committed and the batch in flight; None when it
+        needs what the flight's overlay cannot give (take the flight first, then plan)."""
+        started = time.monotonic()
+        wanted = needs(batch, keys=True)
+        flight = self._flight
+        if flight is not None and not Overlay.covers(wanted):
+            return None
+        with self.reader.transaction():
+            snap = self.reader.load(wanted)
+        if flight is not None:
+            snap = flight.overlay.over(snap)
+        return Planned(messages, batch, make_plan(batch, snap), started)
+
+    def submit(
+        self,
+        planned: Planned,
+        writer: PostgresStore,
+        starts: Mapping[TopicPartition, int],
+        next_offsets: dict[TopicPartition, int],
+        dead_letters: DeadLetterSink | None,
+    ) -> None:
+        """Write ``planned`` on the writer thread (nothing may be in flight)."""
+        if self._flight is not None:
+            raise RuntimeError("Ahead.submit: a batch is still in flight (take it first)")
+        future = self._pool.submit(write_batch, writer, planned.plan, self.consumer_group,
+                                   starts, next_offsets, dead_letters)  # fmt: skip
+        self._flight = InFlight(planned, Overlay.of(planned.plan), future)
+
+    def take(self) -> InFlight | None:
+        """The batch in flight, no longer tracked here (its future says how it ended)."""
+        flight, self._flight = self._flight, None
+        return flight
+
+    def close(self) -> None:
+        """Wait for the writer thread to finish what it holds and end it."""
+        self._pool.shutdown(wait=True)
+
+
+def apply_in_turn(
+    batches: Iterable[Sequence[Inbound]],
+    codec: Codec,
+    writer: PostgresStore,
+    reader: PostgresStore,
+    consumer_group: str,
+) -> Iterator[BatchResult]:
+    """Each batch planned while the one before it is written, each one's result as it
+    commits; the first failure is raised, with nothing after it written. Benchmarks and
+    tests drive :class:`Ahead` with it; ``IndexConsumer`` adds retries and isolation."""
+    ahead = Ahead(reader, consumer_group)
+    read_from: dict[TopicPartition, int] = {}
+
+    def landed() -> Iterator[BatchResult]:
+        flight = ahead.take()
+        if flight is not None:
+            result = flight.future.result()
+            read_from.update(result.next_offsets)
+            yield result
+
+    try:
+        for messages in batches:
+            batch = decode_batch(messages, codec)
+            planned = ahead.plan(messages, batch)
+            yield from landed()
+            if planned is None:
+                planned = ahead.plan(messages, batch)
+                assert planned is not None  # nothing is in flight
+            starts, next_offsets = fence_points(batch, read_from)
+            ahead.submit(planned, writer, starts, next_offsets, None)
+        yield from landed()
+    finally:
+        ahead.close()

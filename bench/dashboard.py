@@ -28,9 +28,9 @@ import httpx
 
 from bench.common import PUBLISHED, lookup_service, publish, reader_args, record, settle
 from bench.consume import _database, _messages
+from kvledger.consumer.ahead import apply_in_turn
 from kvledger.consumer.db import connect, drop_database
 from kvledger.consumer.inbound import Inbound
-from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.fleet import FleetConfig
 from kvledger.process import freeze_startup_objects
@@ -40,14 +40,14 @@ NAME = "kvledger_bench_dashboard"
 
 
 def _apply(url: str, messages: list[tuple[bytes, bytes]], source: str, first: int = 0) -> int:
-    """Apply ``messages`` in batches of 5,000; the block events applied."""
+    """Apply ``messages`` in batches of 5,000 as the consumer does (each planned while the
+    one before it is written: consumer/ahead.py); the block events applied."""
     inbound = [Inbound(source, 0, first + i, k, v) for i, (k, v) in enumerate(messages)]
-    events = 0
-    with connect(url, autocommit=True) as conn:
-        store = PostgresStore(conn)
-        for i in range(0, len(inbound), 5000):
-            events += run_batch(inbound[i : i + 5000], Codec(), store, "bench").plan.block_events
-    return events
+    batches = (inbound[i : i + 5000] for i in range(0, len(inbound), 5000))
+    with connect(url, autocommit=True) as conn, connect(url, autocommit=True) as reads:
+        results = apply_in_turn(batches, Codec(), PostgresStore(conn), PostgresStore(reads),
+                                "bench")  # fmt: skip
+        return sum(r.plan.block_events for r in results)
 
 
 def run(server: str, requests: int) -> dict[str, float]:

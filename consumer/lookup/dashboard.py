@@ -62,15 +62,18 @@ FROM kvledger.source_status ORDER BY source, model
 _HELD_NOW = """
 SELECT instance, medium, count(*) FROM kvledger.residencies GROUP BY 1, 2
 """
+# The window's stores and removals in one pass: per holder, the minute each interval was
+# stored in and the minute it was removed in (NULL: outside the window), counted. (The
+# open partition, every live interval, is read once, not once for each: 0.19 s against
+# 0.30 s on a million-block index, bench.dashboard's.)
 _MOVES = """
-SELECT instance, medium, 'stored', date_trunc('minute', stored_at), count(*)
-FROM kvledger.residency_history WHERE stored_at >= %(since)s
-  AND coalesce(closed_at, 'infinity'::timestamptz) >= %(since)s
-GROUP BY 1, 2, 3, 4
-UNION ALL
-SELECT instance, medium, 'removed', date_trunc('minute', removed_at), count(*)
-FROM kvledger.residency_history WHERE removed_at >= %(since)s
-  AND coalesce(closed_at, 'infinity'::timestamptz) >= %(since)s
+SELECT instance, medium,
+       CASE WHEN stored_at >= %(since)s THEN date_trunc('minute', stored_at) END,
+       CASE WHEN removed_at >= %(since)s THEN date_trunc('minute', removed_at) END,
+       count(*)
+FROM kvledger.residency_history
+WHERE coalesce(closed_at, 'infinity'::timestamptz) >= %(since)s
+  AND (stored_at >= %(since)s OR removed_at >= %(since)s)
 GROUP BY 1, 2, 3, 4
 """
 _FUNNEL = f"""
@@ -151,9 +154,12 @@ def _occupancy(conn: psycopg.Connection, since: datetime, until: datetime) -> li
     held = {(i, m): int(n) for i, m, n in conn.execute(_HELD_NOW).fetchall()}
     # Per holder and minute start: the stores and removals in that minute.
     moves: dict[tuple[str, str], dict[datetime, int]] = {}
-    for instance, medium, what, minute, n in conn.execute(_MOVES, {"since": since}).fetchall():
+    for instance, medium, stored, removed, n in conn.execute(_MOVES, {"since": since}):
         by_minute = moves.setdefault((instance, medium), {})
-        by_minute[minute] = by_minute.get(minute, 0) + (int(n) if what == "stored" else -int(n))
+        if stored is not None:
+            by_minute[stored] = by_minute.get(stored, 0) + int(n)
+        if removed is not None:
+            by_minute[removed] = by_minute.get(removed, 0) - int(n)
     first = since.replace(second=0, microsecond=0)
     minutes = int((until - first).total_seconds() // 60) + 1
     ends = [first + timedelta(minutes=k + 1) for k in range(minutes)]

@@ -1,6 +1,8 @@
 //! An open-addressing table of (hash, row number) pairs: linear probing, load at most three
 //! quarters (a probe that finds nothing reads about 8 slots there, 64 bytes: a cache line
-//! or two), backward-shift deletion. A hash may be in it more than once (each pair is
+//! or two; [`Slots::dense`]: seven eighths, for a table read less often than it is kept:
+//! about 32 slots then, in half the memory where the count falls just past a power of
+//! two), backward-shift deletion. A hash may be in it more than once (each pair is
 //! distinct). The hashes come already mixed under a secret seed: their high 32 bits are
 //! kept in the slot as its tag (8 bytes a slot), so a lookup yields the rows whose tag
 //! matches and callers compare what the rows hold; the tag's top bits pick the home slot.
@@ -27,7 +29,8 @@ fn tag(hash: u64) -> u32 {
 pub struct Slots {
     slots: Vec<Slot>, // a power of two, at most 2**32
     used: usize,
-    shift: u32, // 32 - log2(slots.len()): a tag's home is its top log2(len) bits
+    shift: u32,     // 32 - log2(slots.len()): a tag's home is its top log2(len) bits
+    eighths: usize, // the most load, in eighths of the slots
 }
 
 impl Default for Slots {
@@ -36,11 +39,20 @@ impl Default for Slots {
             slots: vec![FREE; 8],
             used: 0,
             shift: 29,
+            eighths: 6,
         }
     }
 }
 
 impl Slots {
+    /// A table loaded up to seven eighths (see the module's comment).
+    pub fn dense() -> Self {
+        Slots {
+            eighths: 7,
+            ..Slots::default()
+        }
+    }
+
     fn mask(&self) -> usize {
         self.slots.len() - 1
     }
@@ -67,7 +79,7 @@ impl Slots {
 
     /// Whether one more pair needs a larger table (`grow` first).
     pub fn full(&self) -> bool {
-        (self.used + 1) * 4 > self.slots.len() * 3
+        (self.used + 1) * 8 > self.slots.len() * self.eighths
     }
 
     /// The table again, twice as large, with the same pairs: the old slots read in order,
@@ -202,5 +214,20 @@ mod tests {
             assert_eq!(got, want, "hash {h}");
         }
         assert_eq!(t.used, 10_000 - 3334);
+    }
+
+    #[test]
+    fn a_dense_table_holds_seven_eighths_before_it_grows() {
+        let (mut loose, mut dense) = (Slots::default(), Slots::dense());
+        for i in 0..14u32 {
+            for t in [&mut loose, &mut dense] {
+                if t.full() {
+                    t.grow();
+                }
+                t.insert(u64::from(i) << 40, i);
+            }
+        }
+        assert_eq!((loose.slots.len(), dense.slots.len()), (32, 16));
+        assert_eq!(dense.rows(5 << 40).collect::<Vec<_>>(), vec![5]);
     }
 }

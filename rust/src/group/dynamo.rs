@@ -2,8 +2,10 @@
 //! token ids as little-endian u32, under Dynamo's seed, LoRA mixed in), and a walk of a
 //! prompt by those hashes, as Dynamo's indexer keys its tree.
 //!
-//! Kept only once a group is asked to ([`Group::enable_dynamo`]: `serve --dynamo-api`):
-//! 8 bytes a row and a slot table of (parent row, local hash) -> row. The table's keys are
+//! Kept only once a group is asked to ([`Group::enable_dynamo`]: `serve --dynamo-api`): a
+//! slot table of (parent row, local hash) -> row, and nothing per row: a row's local hash
+//! is computed again from its tokens where it is needed (a walk's check of a candidate,
+//! the row's removal), which costs less than keeping it. The table's keys are
 //! mixed under the group's secret seed, so although Dynamo's hash is public (and XXH3
 //! collisions are cheap to make), no one can aim rows at one slot run but by giving them
 //! the same parent and the same local hash, and those are, for Dynamo, one node anyway.
@@ -47,10 +49,16 @@ pub fn local_hash(tokens: &[i32], seed: u64) -> u64 {
     xxh3_64_with_seed(bytes, seed)
 }
 
-#[derive(Default)]
 pub(super) struct Dynamo {
-    locals: Vec<u64>, // per row, where the row has DYNAMO
-    index: Slots,     // seed-mixed (parent row, local hash) -> row
+    index: Slots, // seed-mixed (parent row, local hash) -> row: read by /query walks only
+}
+
+impl Default for Dynamo {
+    fn default() -> Self {
+        Dynamo {
+            index: Slots::dense(),
+        }
+    }
 }
 
 impl Group {
@@ -68,6 +76,13 @@ impl Group {
         }
         let lora = self.name(shape.lora);
         Some(local_hash(&self.row_tokens(row), seed_for(lora)))
+    }
+
+    /// The local hash of a row in Dynamo's table, from its tokens and its adapter as they
+    /// were when it went in (a change to either takes it out first).
+    fn kept_local(&self, row: u32) -> u64 {
+        let lora = self.name(self.shape(row).lora);
+        local_hash(&self.row_tokens(row), seed_for(lora))
     }
 
     /// Keep Dynamo's hashes from now on (those of the rows already here included).
@@ -97,12 +112,11 @@ impl Group {
         if self.rows[row as usize].flags & DYNAMO == 0 {
             return;
         }
-        let Some(d) = self.dynamo.as_deref_mut() else {
+        if self.dynamo.is_none() {
             return;
-        };
-        let key = self
-            .seed
-            .hash_one((self.rows[row as usize].parent, d.locals[row as usize]));
+        }
+        let key = self.dynamo_key(self.rows[row as usize].parent, self.kept_local(row));
+        let d = self.dynamo.as_deref_mut().expect("checked above");
         d.index.remove(key, row);
         self.rows[row as usize].flags &= !DYNAMO;
     }
@@ -116,12 +130,7 @@ impl Group {
             return;
         };
         let key = self.dynamo_key(self.rows[row as usize].parent, local);
-        let rows = self.rows.len();
         let d = self.dynamo.as_deref_mut().expect("checked above");
-        if d.locals.len() < rows {
-            d.locals.resize(rows, 0);
-        }
-        d.locals[row as usize] = local;
         if d.index.full() {
             d.index.grow();
         }
@@ -148,7 +157,7 @@ impl Group {
                     if r.flags & DYNAMO != 0
                         && r.parent == p
                         && self.shape(row).block_size == block_size
-                        && d.locals[row as usize] == local
+                        && self.kept_local(row) == local
                     {
                         level.push(row);
                     }

@@ -78,6 +78,11 @@ def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one stateme
         action="store_true",
         help="exit 0 once the stored offsets reach the partitions' end offsets",
     )
+    p.add_argument(
+        "--no-plan-ahead", dest="plan_ahead", action="store_false",
+        help="apply one batch at a time, on one database connection (by default each batch "
+        "is planned while the one before it is written, on a second connection)",
+    )  # fmt: skip
     p.add_argument("--metrics-port", type=PORT_OR_OFF, help="serve Prometheus metrics on this port")
     p.add_argument(
         "--metrics-host", default="127.0.0.1",

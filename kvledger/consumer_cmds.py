@@ -78,6 +78,7 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
         batch_size=args.batch_size,
         batch_timeout_s=args.batch_timeout,
         until_caught_up=args.until_caught_up,
+        plan_ahead=args.plan_ahead,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         group_instance_id=args.group_instance_id,

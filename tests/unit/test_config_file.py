@@ -80,3 +80,18 @@ def test_a_flag_wins_over_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert parser.parse_args(["consume", "--batch-size", "5"]).batch_size == 5
     with pytest.raises(ConfigFileError):
         check(tmp_path, [("KVLEDGER_NOPE", "nope")], known(parser))
+
+
+def test_planning_ahead_is_the_consumers_default_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvledger.consumer_cmds import consumer_config
+
+    monkeypatch.delenv("KVLEDGER_CONSUME_NO_PLAN_AHEAD", raising=False)
+    parser = build_parser()
+    url = ["--database-url", "postgresql+psycopg://u@h:1/d", "--bootstrap", "h:1"]
+    assert consumer_config(parser.parse_args(["consume", *url])).plan_ahead
+    off = parser.parse_args(["consume", *url, "--no-plan-ahead"])
+    assert not consumer_config(off).plan_ahead
+    monkeypatch.setenv("KVLEDGER_CONSUME_NO_PLAN_AHEAD", "true")
+    assert not build_parser().parse_args(["consume", *url]).plan_ahead

@@ -27,6 +27,15 @@ down_revision = "0018"
 branch_labels = None
 depends_on = None
 
+# Each outcome's count, as decision_funnel's columns.
+_OUTCOME_NAMES = ("no_holder", "holder_silent", "chosen_elsewhere", "lower_tier_only",
+                  "evicted_before_arrival", "captured")  # fmt: skip
+
+
+def _counts(outcomes: tuple[str, ...]) -> str:
+    return ",\n".join(f"       count(*) FILTER (WHERE outcome = '{o}') AS {o}" for o in outcomes)
+
+
 _OUTCOMES = r"""
 CREATE OR REPLACE VIEW kvledger.decision_outcomes AS
 SELECT d.decision_id, d.decided_at, d.recorded_at, d.model, d.group_idx, d.request_id,
@@ -76,13 +85,7 @@ SELECT date_trunc('minute', decided_at) AS minute, model, chosen AS instance,
        coalesce(sum(captured_blocks), 0) AS captured_blocks,
        sum(delivered_blocks) AS delivered_blocks,
        count(delivered_blocks) AS delivered_known,
-       count(*) FILTER (WHERE outcome = 'no_holder') AS no_holder,
-       count(*) FILTER (WHERE outcome = 'holder_silent') AS holder_silent,
-       count(*) FILTER (WHERE outcome = 'chosen_elsewhere') AS chosen_elsewhere,
-       count(*) FILTER (WHERE outcome = 'lower_tier_only') AS lower_tier_only,
-       count(*) FILTER (WHERE outcome = 'evicted_before_arrival') AS evicted_before_arrival,
-       count(*) FILTER (WHERE outcome = 'captured') AS captured,
-       count(*) FILTER (WHERE outcome = 'unreported') AS unreported,
+""" + _counts(_OUTCOME_NAMES + ("unreported",)) + """,
        coalesce(sum(available_blocks) FILTER (WHERE chosen IS NULL), 0)
            AS unreported_available_blocks
 FROM kvledger.decision_outcomes
@@ -108,12 +111,7 @@ SELECT date_trunc('minute', decided_at) AS minute, model, chosen AS instance,
        sum(captured_blocks) AS captured_blocks,
        sum(delivered_blocks) AS delivered_blocks,
        count(delivered_blocks) AS delivered_known,
-       count(*) FILTER (WHERE outcome = 'no_holder') AS no_holder,
-       count(*) FILTER (WHERE outcome = 'holder_silent') AS holder_silent,
-       count(*) FILTER (WHERE outcome = 'chosen_elsewhere') AS chosen_elsewhere,
-       count(*) FILTER (WHERE outcome = 'lower_tier_only') AS lower_tier_only,
-       count(*) FILTER (WHERE outcome = 'evicted_before_arrival') AS evicted_before_arrival,
-       count(*) FILTER (WHERE outcome = 'captured') AS captured
+""" + _counts(_OUTCOME_NAMES) + """
 FROM kvledger.decision_outcomes
 GROUP BY 1, 2, 3;
 """

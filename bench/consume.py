@@ -34,7 +34,7 @@ from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.fleet import Fleet, FleetConfig
-from kvledger.process import freeze_startup_objects
+from kvledger.process import collect_less_often, freeze_startup_objects
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import Envelope
 from kvledger.schemas.topics import ensure_topic
@@ -92,8 +92,11 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
     codec = Codec()
     inbound = [Inbound("bench", 0, i, k, v) for i, (k, v) in enumerate(messages)]
     # A consumer holds one batch, not the whole topic: keep the pre-encoded messages out of
-    # the collector's scans, as `kvledger consume` does with what start-up loaded.
+    # the collector's scans, as `kvledger consume` does with what start-up loaded, and
+    # collect as it does.
+    threshold = gc.get_threshold()
     freeze_startup_objects()
+    collect_less_often()
     block_events = 0
     ahead_seconds, ahead_events, ahead_counts = _applied_ahead(ahead_url, inbound, batch_size)
     with connect(url, autocommit=True) as conn:
@@ -122,6 +125,7 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
                         copy.write_row(row)
         copy_seconds = time.perf_counter() - start
     gc.unfreeze()
+    gc.set_threshold(*threshold)  # the rest of `make bench` as it was
     ours, ahead = block_events / seconds, block_events / ahead_seconds
     raw = block_events / copy_seconds
     return {
@@ -155,7 +159,9 @@ def lag(
             batch_timeout_s=0.05,
         )
     )
+    threshold = gc.get_threshold()
     freeze_startup_objects()  # as `kvledger consume` does
+    collect_less_often()
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     time.sleep(3)  # group join
@@ -175,6 +181,7 @@ def lag(
     consumer.stop()
     thread.join(30)
     gc.unfreeze()
+    gc.set_threshold(*threshold)  # the rest of `make bench` as it was
     with connect(url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d), "

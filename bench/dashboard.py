@@ -23,6 +23,7 @@ with the rest.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import threading
@@ -37,7 +38,7 @@ from kvledger.consumer.db import connect, drop_database
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.fleet import FleetConfig
-from kvledger.process import freeze_startup_objects
+from kvledger.process import collect_less_often, freeze_startup_objects
 from kvledger.schemas.codec import Codec
 from tests.helpers.browser import chromium, missing
 
@@ -57,8 +58,10 @@ def _apply(url: str, messages: list[tuple[bytes, bytes]], source: str, first: in
 
 def run(server: str, requests: int) -> dict[str, float]:
     url = _database(server, NAME)
+    threshold = gc.get_threshold()
     try:
-        freeze_startup_objects()
+        freeze_startup_objects()  # and collect, as `kvledger consume` does
+        collect_less_often()
         messages = _messages(FleetConfig(instances=8, requests=requests, seed=5))
         built = len(messages) * 4 // 5  # the rest: the apply beside the dashboard
         _apply(url, messages[:built], "bench")
@@ -93,6 +96,8 @@ def run(server: str, requests: int) -> dict[str, float]:
             figures.update(_apply_beside_polling(url, base, messages[built:], built))
         return figures
     finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)  # the rest of `make bench` as it was
         drop_database(server, NAME)
 
 

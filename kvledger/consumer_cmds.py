@@ -18,7 +18,7 @@ from kvledger.consumer.db import connect, current_revision, migrate
 from kvledger.consumer.retention_policy import DurationError, Retention, show_duration
 from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.summary import RunSummary
-from kvledger.process import freeze_startup_objects
+from kvledger.process import collect_less_often, freeze_startup_objects
 from kvledger.schemas.events import GroupSpec
 from kvledger.tables import print_table
 
@@ -161,6 +161,7 @@ def consume(args: argparse.Namespace) -> int:
                                     kafka=dict(config.kafka or {}))  # fmt: skip
         recorder.start()
     freeze_startup_objects()
+    collect_less_often()
     try:
         summary = service.run()
     finally:

@@ -7,7 +7,10 @@ one kept-alive connection: quiet first, then while an attacker holds up to
 ``--connections`` half-open connections (slowloris: a request head a few bytes at a time,
 each closed one opened again) and ``--header-streams`` connections send 64 MiB header
 values. Figures: the honest p50/p99 quiet and under attack, the server's RSS growth, and
-how many of the honest client's new connections were refused or reset under attack.
+how many of the honest client's new connections were refused or reset under attack. Then,
+the attack over, what one attacking connection costs the server: its CPU time per connection opened,
+sent part of a head and closed (by the server at its connection limit, or by the client),
+over ``CHURN`` connections with 4,200 held open.
 
 `python -m bench.http_attack` runs it alone and writes
 bench/results/http-attack-<date>.{json,md}; `make bench` runs it with the rest.
@@ -32,6 +35,7 @@ from typing import Any
 from bench.common import PUBLISHED, publish, record
 
 HEAD = b"POST /v1/match HTTP/1.1\r\nhost: bench\r\n"
+CHURN, HELD = 20_000, 4_200
 
 
 # ---------------------------------------------------------------------- the server
@@ -74,6 +78,13 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
 def _open_files() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def cpu_s(pid: int) -> float:
+    """The process's user and system CPU time so far, in seconds."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:
@@ -129,6 +140,21 @@ async def _attack(port: int, connections: int, header_streams: int, stop: Any) -
         await asyncio.sleep(0.2)
     for t in tasks:
         t.cancel()
+
+
+async def churn(port: int, connections: int, held: int) -> None:
+    """``held`` connections open with part of a head, then ``connections`` more, one at a
+    time, the client closing its oldest beyond ``held`` + 50 (at its limit the server
+    closes some first)."""
+    open_ = []
+    for _ in range(held + connections):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(HEAD)
+        open_.append(writer)
+        if len(open_) > held + 50:
+            open_.pop(0).close()
+    for writer in open_:
+        writer.close()
 
 
 # ---------------------------------------------------------------------- the honest client
@@ -216,6 +242,11 @@ def one(
     stop.set()
     attacker.join(30)
     attacker.kill()
+    _open_files()  # then, quiet again, the cost of one attacking connection
+    before = cpu_s(server.pid)
+    asyncio.run(churn(port, CHURN, HELD))
+    time.sleep(1)  # the last closes seen
+    per_connection_us = (cpu_s(server.pid) - before) / (CHURN + HELD) * 1e6
     server.kill()
     server.join(10)
     return {
@@ -226,6 +257,7 @@ def one(
         "answered_per_s_attacked": len(loaded) / seconds,
         "rss_growth_mib": rss_attacked - rss_quiet,
         "new_connections_failed_of_40": refused,
+        "server_cpu_us_per_connection": per_connection_us,
     }  # fmt: skip
 
 

@@ -15,6 +15,11 @@ bytes arrive and before any authentication or route:
 - at most ``max_connections`` connections: the next one closes the longest waiting for a
   request head (a slow or silent client), else is itself closed.
 
+A connection costs the server little before it sends a request, since a flood of them is
+the attack: its addresses are read when a request needs them, and its deadlines are kept
+in one book per server (one timeout each, so oldest first is soonest first) that a single
+timer sweeps, not one timer per connection.
+
 Every refusal is logged at most once a second with a count, so a flood cannot flood the
 log either. tests/unit/test_guarded_protocol.py runs it in real servers.
 """
@@ -24,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +81,63 @@ class _Refusals:
             logger.warning("refused requests so far: %s", dict(self.counts))
 
 
+_HEAD, _BODY = "a request head", "a request body"
+_UNREAD: Any = object()  # an address not read yet
+
+
+class _Deadlines:
+    """A server's connections awaiting a request head (``heads``) or body (``bodies``),
+    each book ordered by deadline (every entry of a book has the same timeout, so the
+    oldest is the soonest), and the one timer that sweeps both."""
+
+    def __init__(self) -> None:
+        self.heads: OrderedDict[GuardedProtocol, float] = OrderedDict()
+        self.bodies: OrderedDict[GuardedProtocol, float] = OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(
+        self, book: OrderedDict[GuardedProtocol, float], connection: GuardedProtocol,
+        timeout: float, loop: asyncio.AbstractEventLoop,
+    ) -> None:  # fmt: skip
+        self.end(connection)
+        book[connection] = loop.time() + timeout
+        if self._timer is None or self._loop is not loop:  # none yet, or a loop gone
+            self._loop, tick = loop, self.tick(connection.limits)
+            self._timer = loop.call_later(tick, self._sweep, loop, tick)
+
+    def end(self, connection: GuardedProtocol) -> None:
+        self.heads.pop(connection, None)
+        self.bodies.pop(connection, None)
+
+    @staticmethod
+    def tick(limits: HttpLimits) -> float:
+        """How often the books are swept: a tenth of the shortest timeout, within 10 ms
+        to 250 ms (a deadline is kept that much late at most)."""
+        return min(max(min(limits.head_timeout_s, limits.body_timeout_s) / 10, 0.01), 0.25)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop, tick: float) -> None:
+        self._timer = None
+        now, expired = loop.time(), []
+        for book, what in ((self.heads, _HEAD), (self.bodies, _BODY)):
+            for connection, deadline in book.items():
+                if deadline > now:
+                    break
+                expired.append((connection, what))
+        for connection, what in expired:
+            self.end(connection)
+            connection._timed_out(what)
+        if self.heads or self.bodies:
+            self._timer = loop.call_later(tick, self._sweep, loop, tick)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol within :class:`HttpLimits` (see the module docstring).
-    A subclass per server (:func:`guarded`) holds its limits and its connections waiting
-    for a request head, oldest first."""
+    A subclass per server (:func:`guarded`) holds its limits and its connections' deadlines
+    (those waiting for a request head, oldest first, are ``waiting``)."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
-    waiting: ClassVar[dict[GuardedProtocol, None]] = {}  # insertion-ordered: oldest first
+    deadlines: ClassVar[_Deadlines] = _Deadlines()
     refusals: ClassVar[_Refusals] = _Refusals()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -89,11 +146,44 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._body_bytes = 0
         self._in_head = True
-        self._timer: asyncio.TimerHandle | None = None
+        self._server: Any = _UNREAD
+        self._client: Any = _UNREAD
+
+    @property
+    def waiting(self) -> OrderedDict[GuardedProtocol, float]:
+        """This server's connections waiting for a request head, oldest first."""
+        return self.deadlines.heads
+
+    # uvicorn's protocol reads both addresses as a connection is made; here they are read
+    # when a request (its scope, a log line) asks, so a connection that never sends a
+    # request costs no system calls for them.
+    @property
+    def server(self) -> tuple[str, int | None] | None:
+        if self._server is _UNREAD:
+            self._server = get_local_addr(self.transport) if self.transport else None
+        return self._server  # type: ignore[no-any-return]
+
+    @server.setter
+    def server(self, value: tuple[str, int | None] | None) -> None:
+        self._server = value
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        if self._client is _UNREAD:
+            self._client = get_remote_addr(self.transport) if self.transport else None
+        return self._client  # type: ignore[no-any-return]
+
+    @client.setter
+    def client(self, value: tuple[str, int] | None) -> None:
+        self._client = value
 
     # ------------------------------------------------------------------ connections
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # uvicorn's connection_made, less reading the addresses (see above)
+        self.connections.add(self)
+        self.transport = transport
+        self.flow = FlowControl(transport)
+        self.scheme = "https" if self.config.is_ssl else "http"
         if len(self.connections) > self.limits.max_connections:
             oldest = next(iter(self.waiting), None)
             if oldest is None:
@@ -102,11 +192,10 @@ class GuardedProtocol(HttpToolsProtocol):
                 return
             self.refusals.count("connections: the longest waiting closed")
             oldest._drop()
-        self._await_head(self.limits.head_timeout_s)
+        self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.waiting.pop(self, None)
-        self._cancel_timer()
+        self.deadlines.end(self)
         super().connection_lost(exc)
 
     # ------------------------------------------------------------------ reading
@@ -131,10 +220,18 @@ class GuardedProtocol(HttpToolsProtocol):
             )
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, with the scope's addresses left to on_headers_complete: a hot route
+        # never reads them, and a head that never ends never needs them
+        self.url, self.expect_100_continue, self.headers = b"", False, []
+        self.scope = {  # type: ignore[typeddict-item]  # as uvicorn: the rest at the head
+            "type": "http", "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1", "server": None, "client": None, "scheme": self.scheme or "http",
+            "root_path": self.root_path, "headers": self.headers,
+            "state": self.app_state.copy(),
+        }  # fmt: skip
         self._header_count = self._body_bytes = 0
-        if self._timer is None:
-            self._await_head(self.limits.head_timeout_s)
+        if self not in self.waiting:
+            self._await_head()
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -149,6 +246,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.head_read()
+        self.scope["server"], self.scope["client"] = self.server, self.client
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -165,13 +263,13 @@ class GuardedProtocol(HttpToolsProtocol):
         """A request's head is in: refused if it upgrades or its body is too large; its
         body then has ``body_timeout_s`` to arrive."""
         self._in_head = False
-        self.waiting.pop(self, None)
+        self.deadlines.end(self)
         if self.parser.should_upgrade():
             raise RefusedError(400, "protocol upgrades are not served")
         length = self.content_length()
         if length is not None and length > self.limits.max_body_bytes:
             raise RefusedError(413, f"a body over {self.limits.max_body_bytes} bytes")
-        self._await(self.limits.body_timeout_s, "a request body")
+        self.deadlines.start(self.deadlines.bodies, self, self.limits.body_timeout_s, self.loop)
 
     def body_read(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -179,7 +277,7 @@ class GuardedProtocol(HttpToolsProtocol):
             raise RefusedError(413, f"a body over {self.limits.max_body_bytes} bytes")
 
     def message_read(self) -> None:
-        self._cancel_timer()
+        self.deadlines.end(self)
         self._in_head, self._head_bytes = True, 0
 
     def content_length(self) -> int | None:
@@ -190,16 +288,12 @@ class GuardedProtocol(HttpToolsProtocol):
         return None
 
     # ------------------------------------------------------------------ internals
-    def _await_head(self, timeout: float) -> None:
-        self.waiting[self] = None
-        self._await(timeout, "a request head")
+    def _await_head(self) -> None:
+        self.deadlines.start(self.deadlines.heads, self, self.limits.head_timeout_s, self.loop)
 
-    def _await(self, timeout: float, what: str) -> None:
-        self._cancel_timer()
-        self._timer = self.loop.call_later(timeout, self._timed_out, what, timeout)
-
-    def _timed_out(self, what: str, timeout: float) -> None:
-        self._timer = None
+    def _timed_out(self, what: str) -> None:
+        """Called by the deadlines' sweep: ``what`` (a request head or body) is late."""
+        timeout = self.limits.head_timeout_s if what == _HEAD else self.limits.body_timeout_s
         if self.transport.is_closing():
             return
         if self._in_head and self._head_bytes == 0:  # a connection that sent nothing
@@ -230,20 +324,14 @@ class GuardedProtocol(HttpToolsProtocol):
         self._drop()
 
     def _drop(self) -> None:
-        self.waiting.pop(self, None)
-        self._cancel_timer()
+        self.deadlines.end(self)
         self.transport.close()
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 def guarded(base: type[GuardedProtocol], limits: HttpLimits, **attrs: Any) -> type[Any]:
     """A protocol class of its own for one server: ``base`` with ``limits``, its own
-    connections waiting for a head and its own refusal counts (and ``attrs``)."""
+    connections' deadlines and its own refusal counts (and ``attrs``)."""
     return type(
         base.__name__, (base,),
-        {"limits": limits, "waiting": {}, "refusals": _Refusals(), **attrs},
+        {"limits": limits, "deadlines": _Deadlines(), "refusals": _Refusals(), **attrs},
     )  # fmt: skip

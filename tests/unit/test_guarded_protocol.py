@@ -10,10 +10,11 @@ import contextlib
 import json
 import socket
 import time
+from typing import Any
 
 import pytest
 
-from kvledger.consumer.lookup.guarded_protocol import HttpLimits
+from kvledger.consumer.lookup.guarded_protocol import GuardedProtocol, HttpLimits, guarded
 from kvledger.consumer.lookup.hot import HotPath
 from tests.unit.test_hot_protocol import (
     BEARER,
@@ -156,3 +157,34 @@ def test_more_connections_than_the_bound_close_the_longest_waiting(app: HotPath)
             for s in idle:
                 s.close()
         assert answered(port) == 200
+
+
+def test_the_app_sees_the_scope_uvicorns_own_protocol_gives() -> None:
+    """The guarded protocol builds a request's scope itself (its addresses read only once
+    the head is in): the app must see what uvicorn's own protocol gives it, addresses
+    included."""
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append({k: v for k, v in scope.items() if k != "state"})
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    clients = []
+    for http in ("httptools", guarded(GuardedProtocol, HttpLimits())):
+        with (
+            server(app, hot=False, http=http) as port,
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sock,
+        ):
+            for _ in range(2):  # a second request on the same connection, too
+                sock.sendall(b"GET /a/b?c=1 HTTP/1.1\r\nhost: t\r\nx-k: v\r\n\r\n")
+                assert read_responses(sock, 1)[0][0] == 204
+            clients.append(sock.getsockname())
+    assert len(seen) == 4
+    own, *_, guarded_seen = seen
+    assert own["client"] == clients[0] and guarded_seen["client"] == clients[1]
+    assert own["server"][0] == guarded_seen["server"][0] == "127.0.0.1"
+    for scope in (own, guarded_seen):
+        del scope["client"]  # the ports differ from run to run
+        scope["server"] = scope["server"][0]
+    assert guarded_seen == own

@@ -54,13 +54,16 @@ def make_app() -> HotPath:
 
 
 @contextmanager
-def server(app: HotPath, hot: bool, limits: HttpLimits | None = None) -> Iterator[int]:
-    """A uvicorn server on a free loopback port: with the hot protocol (within ``limits``)
-    or uvicorn's own."""
+def server(
+    app: Any, hot: bool, limits: HttpLimits | None = None, http: Any = None
+) -> Iterator[int]:
+    """A uvicorn server on a free loopback port: with the hot protocol (within ``limits``),
+    uvicorn's own, or ``http`` when given."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    http: Any = protocol(app.routes, limits) if hot else "httptools"
+    if http is None:
+        http = protocol(app.routes, limits) if hot else "httptools"
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="warning",
                             access_log=False, proxy_headers=False, lifespan="off")  # fmt: skip
     srv = uvicorn.Server(config)

@@ -22,10 +22,12 @@ from confluent_kafka import Producer
 from kvledger.cli import main as cli
 from kvledger.consumer.db import connect
 from kvledger.consumer.decision_records import DecisionRecorder
+from kvledger.consumer.router.decisions import Answered, DecisionLog, Record, decode
+from kvledger.consumer.router.provisional import Provisional
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
-from tests.helpers.consuming import consume
+from tests.helpers.consuming import by_partition, consume
 from tests.helpers.procs import first_answer, free_port, spawn, until
 
 pytestmark = pytest.mark.integration
@@ -244,3 +246,25 @@ def assert_recount(conn: psycopg.Connection) -> None:
         "captured_blocks, delivered_blocks, unreported, unreported_available_blocks "
         "FROM kvledger.decision_funnel").fetchall()}  # fmt: skip
     assert funnel == dict(sums)
+
+
+def test_answers_noted_as_the_service_stops_are_still_recorded(
+    kafka_bootstrap: str, make_topic: Any, group_id: str
+) -> None:
+    """Answers wait for the log's thread, which records them every tenth of a second; the
+    ones noted after its last pass (lookups answered while the server shuts down) must
+    be recorded by the stop, not dropped with the queue."""
+    topic = make_topic("decisions", partitions=1)
+    log = DecisionLog(kafka_bootstrap, topic, Provisional(5.0))
+    log.start()
+    log._stop.set()  # the thread's last pass, held here before the stop proper
+    assert log._thread is not None
+    log._thread.join(10)
+    for i in range(3):
+        log.note_answer(
+            Answered(MODEL, 0, request_id=f"r{i}"),
+            lambda: Record(uuid.uuid4().hex, time.time(), BLOCK, 4, 2, 0, []),
+        )
+    log.stop()
+    records = by_partition(kafka_bootstrap, topic, group_id, 3)[0]
+    assert sorted(decode(r).request_id or "" for r in records) == ["r0", "r1", "r2"]

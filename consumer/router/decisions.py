@@ -247,12 +247,15 @@ class DecisionLog:
             self.publish(answered, record)
 
     def stop(self) -> None:
+        """Stop tailing; the answers still waiting for the thread are recorded first and
+        every record written is flushed (the HTTP server has stopped: none come after)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._consumer is not None:
             self._consumer.close()
         if self._producer is not None:
+            self._record_answers()  # noted since the thread's last pass
             self._producer.flush(2)
 
     def _tail(self) -> None:

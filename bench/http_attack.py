@@ -6,8 +6,10 @@ consumer/lookup/guarded_protocol.py) a child process serves the lookup service f
 one kept-alive connection: quiet first, then while an attacker holds up to
 ``--connections`` half-open connections (slowloris: a request head a few bytes at a time,
 each closed one opened again) and ``--header-streams`` connections send 64 MiB header
-values. Figures: the honest p50/p99 quiet and under attack, the server's RSS growth, and
-how many of the honest client's new connections were refused or reset under attack. Then,
+values. Figures: the honest p50/p99 quiet and under attack, the server's RSS growth, how
+many of the honest client's new connections were refused or reset under attack, and the
+share of a core the server and the attacker each spent while the honest client measured
+(here they share two cores: the attacker's own work weighs on the honest tail too). Then,
 the attack over, what one attacking connection costs the server: its CPU time per connection opened,
 sent part of a head and closed (by the server at its connection limit, or by the client),
 over ``CHURN`` connections with 4,200 held open.
@@ -236,7 +238,10 @@ def one(
     attacker = ctx.Process(target=attack, args=(port, connections, header_streams, stop))
     attacker.start()
     time.sleep(min(20.0, 3 + connections / 2000))  # the connections opened
+    assert attacker.pid is not None
+    server_cpu, attacker_cpu = cpu_s(server.pid), cpu_s(attacker.pid)
     loaded = honest(port, seconds, body)
+    server_cpu, attacker_cpu = cpu_s(server.pid) - server_cpu, cpu_s(attacker.pid) - attacker_cpu
     refused = fresh(port, 40, body)
     rss_attacked = rss_mib(server.pid)
     stop.set()
@@ -256,6 +261,8 @@ def one(
         "answered_per_s_quiet": len(quiet) / seconds,
         "answered_per_s_attacked": len(loaded) / seconds,
         "rss_growth_mib": rss_attacked - rss_quiet,
+        "server_cpu_share_attacked": server_cpu / seconds,
+        "attacker_cpu_share": attacker_cpu / seconds,
         "new_connections_failed_of_40": refused,
         "server_cpu_us_per_connection": per_connection_us,
     }  # fmt: skip

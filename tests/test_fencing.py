@@ -1,6 +1,7 @@
 """Fencing on the stored offsets, on a real PostgreSQL server: a batch that does not start at
 a partition's stored offset is abandoned whole, including the very first batch of a
-partition that two consumers hold at once."""
+partition that two consumers hold at once. And two consumers of different partitions that
+store the same new block at once: the later writer merges it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import threading
 
 import pytest
 
+from kvledger.consumer.core.needs import needs
+from kvledger.consumer.core.plan import make_plan
 from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound
-from kvledger.consumer.pipeline import run_batch
+from kvledger.consumer.pipeline import decode_batch, fence_points, run_batch, write_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.codec import Codec
@@ -83,3 +86,42 @@ def test_two_consumers_with_the_same_first_batch_apply_it_once(fresh_database: s
         thread.join(30)
     assert len(outcome) == 1 and isinstance(outcome[0], FencedError), outcome
     assert _counts(fresh_database) == (10, 9, 10)
+
+
+def test_a_new_block_another_consumer_stored_since_the_plan_is_merged(
+    fresh_database: str,
+) -> None:
+    """The store copies a block it had no row for straight into the table; here another
+    consumer stores the same block between this one's plan and its write, so the copy
+    meets that row and the write merges it instead (first seen: the earlier event)."""
+    codec = Codec()
+    block = b"\x01" * 8
+
+    def messages(source: str, partition: int, at_ms: int) -> list[Inbound]:
+        events = (
+            GroupSpec("m", 0, "full_attention", 4, 4),
+            BlockStored((block,), None, (1, 2, 3, 4), 4, None, "GPU", None, group_idx=0),
+        )
+        return [Inbound(TOPIC, partition, i, f"{source}/0".encode(),
+                        codec.encode(Envelope(source, "m", 0, 1, i, at_ms + i, e)))
+                for i, e in enumerate(events)]  # fmt: skip
+
+    with (
+        connect(fresh_database, autocommit=True) as a,
+        connect(fresh_database, autocommit=True) as b,
+    ):
+        mine, later = PostgresStore(a), PostgresStore(b)
+        batch = decode_batch(messages("engine-0", 0, 1_764_000_000_000), codec)
+        with mine.transaction():
+            snapshot = mine.load(needs(batch, keys=True))
+        plan = make_plan(batch, snapshot)
+        assert [w.stored for w in plan.blocks.values()] == [False]
+        run_batch(messages("engine-1", 1, 1_764_000_005_000), codec, later, "g")
+        write_batch(mine, plan, "g", *fence_points(batch, None))
+        rows = a.execute(
+            "SELECT extract(epoch FROM first_seen) * 1000, extract(epoch FROM last_seen) * 1000, "
+            "token_ids FROM kvledger.blocks"
+        ).fetchall()
+        holders = a.execute("SELECT instance FROM kvledger.residencies ORDER BY 1").fetchall()
+    assert rows == [(1_764_000_000_001, 1_764_000_005_001, [1, 2, 3, 4])]
+    assert holders == [("engine-0",), ("engine-1",)]

@@ -240,13 +240,17 @@ class Rejection:
 @dataclass(slots=True)
 class BlockWrite:
     """A block row to merge: content (upgraded only over placeholders and partial tails),
-    metadata kept from the first writer, and the times it was seen in this batch."""
+    metadata kept from the first writer, and the times it was seen in this batch.
+    ``stored``: the snapshot held a row for the block (False: the store had none when the
+    batch was planned, so it may be inserted as it is, unless another writer stored one
+    since)."""
 
     row: BlockRow
     lora_name: str | None
     extra_keys: str | None
     first_seen: datetime
     last_seen: datetime
+    stored: bool = True
 
 
 @dataclass(slots=True)

@@ -258,7 +258,8 @@ class _Planner:
             write = writes.get(bkey)
             if write is None:
                 extra = extra_by_block[i] if i < len(extra_by_block) else None
-                writes[bkey] = BlockWrite(known, ev.lora_name, extra, when, when)
+                writes[bkey] = BlockWrite(known, ev.lora_name, extra, when, when,
+                                          bkey in self.snap.blocks)  # fmt: skip
             else:
                 write.row = known
                 if write.lora_name is None:

@@ -242,16 +242,7 @@ class PostgresStore:
         cur = self.cur
         upsert_group_specs(cur, plan.new_specs, "announced")
         if plan.blocks:
-            rows = []
-            for (model, group, h), w in sorted(plan.blocks.items()):
-                r = w.row
-                rows.append(
-                    (model, group, h, r.parent_hash, r.token_start, r.token_end,
-                     int4_array(r.token_ids), r.block_size, r.partial, w.lora_name,
-                     w.extra_keys, w.first_seen, w.last_seen)
-                )  # fmt: skip
-            copy_rows(cur, "tmp_blocks", BLOCKS.columns, rows)
-            cur.execute(sql.MERGE_BLOCKS)
+            self._write_blocks(plan)
         if plan.residencies:
             self._write_residencies(plan)
         if plan.lives:
@@ -284,6 +275,32 @@ class PostgresStore:
                 )  # fmt: skip
         if consumer_group is not None and next_offsets:
             self._write_offsets(consumer_group, next_offsets)
+
+    def _write_blocks(self, plan: Plan) -> None:
+        """Block rows the store had none of when the batch was planned are copied straight
+        into the table (a savepoint around them: should another consumer have stored one
+        since, they are merged with the rest instead); the others are merged by the rules
+        (sql.MERGE_BLOCKS). Both in key order, so that two writers never wait on each
+        other in a cycle."""
+        cur = self.cur
+        new: list[tuple[object, ...]] = []
+        stored: list[tuple[object, ...]] = []
+        for (model, group, h), w in sorted(plan.blocks.items()):
+            r = w.row
+            (stored if w.stored else new).append(
+                (model, group, h, r.parent_hash, r.token_start, r.token_end,
+                 int4_array(r.token_ids), r.block_size, r.partial, w.lora_name,
+                 w.extra_keys, w.first_seen, w.last_seen)
+            )  # fmt: skip
+        if new:
+            try:
+                with self.conn.transaction():
+                    copy_rows(cur, BLOCKS.qualified, BLOCKS.columns, new)
+            except psycopg.errors.UniqueViolation:
+                stored = sorted(stored + new, key=lambda row: row[:3])
+        if stored:
+            copy_rows(cur, "tmp_blocks", BLOCKS.columns, stored)
+            cur.execute(sql.MERGE_BLOCKS)
 
     def _write_residencies(self, plan: Plan) -> None:
         cur = self.cur

@@ -280,8 +280,9 @@ class PostgresStore:
         """Block rows the store had none of when the batch was planned are copied straight
         into the table (a savepoint around them: should another consumer have stored one
         since, they are merged with the rest instead); the others are merged by the rules
-        (sql.MERGE_BLOCKS). Both in key order, so that two writers never wait on each
-        other in a cycle."""
+        (sql.MERGE_BLOCKS). Each pass goes in key order, so that two writers never wait
+        on each other in a cycle: a block one writer copies as new and another merges
+        was committed before the second's plan, so the copy meets it at once, not a lock."""
         cur = self.cur
         new: list[tuple[object, ...]] = []
         stored: list[tuple[object, ...]] = []

@@ -1,3 +1,3 @@
 """kvledger: the CLI and the demo, the one place that wires producer and consumer together."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

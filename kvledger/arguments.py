@@ -272,6 +272,12 @@ def add_relay(subparsers: Subparsers) -> None:
         "said to be there (start-up, a new life, heartbeats) only once it answers 200, so a "
         "starting engine is not routed to before it serves; without it, the replay socket decides",
     )  # fmt: skip
+    p.add_argument(
+        "--engine-metrics-url", default=None, metavar="URL",
+        help="the engine's Prometheus route (vLLM: http://HOST:PORT/metrics): its requests "
+        "running and waiting are read every heartbeat interval and sent in heartbeats, busy "
+        "or idle, so lookups answer each engine's load (vLLM engines only)",
+    )  # fmt: skip
     p.set_defaults(run=command("relay_cmd:run"))
 
 

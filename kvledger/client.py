@@ -41,6 +41,9 @@ class MatchAnswer:
     unknown_group: str | None = None
     # Memory mode: per instance, decisions routed there that its engine has not confirmed.
     in_flight: dict[str, int] | None = None
+    # Asked with load=True: per live engine that reports one, {"running", "waiting",
+    # "age_s"}: the requests its engine was running and had queued, and how old that is.
+    load: dict[str, dict[str, Any]] | None = None
 
 
 class LookupServiceError(Exception):
@@ -91,9 +94,11 @@ class LookupClient:
         include_silent: bool = False,
         silent_after_s: float | None = None,
         cache_salt: str | None = None,
+        load: bool = False,
     ) -> MatchAnswer:
         """POST /v1/match: by block hashes (bytes, vLLM's int form, or hex) or token ids
-        (``cache_salt``: the salt the engine hashed a salted prompt with)."""
+        (``cache_salt``: the salt the engine hashed a salted prompt with; ``load``: the
+        answer also gives each live engine's load)."""
         body: dict[str, Any] = {"model": model, "group_idx": group_idx}
         if hashes is not None:
             body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
@@ -109,6 +114,8 @@ class LookupClient:
             body["at"] = at.isoformat()
         if include_silent:
             body["include_silent"] = True
+        if load:
+            body["load"] = True
         data = self._request("POST", "/v1/match", body)
         return MatchAnswer(
             holders=[Holder(**h) for h in data["holders"]],
@@ -116,6 +123,7 @@ class LookupClient:
             left_out=[Holder(**h) for h in data["left_out"]],
             unknown_group=data.get("unknown_group"),
             in_flight=data.get("in_flight"),
+            load=data.get("load"),
         )
 
     def decide(

@@ -84,6 +84,7 @@ def _config(args: argparse.Namespace, bootstrap: str, kafka: dict[str, str]) -> 
             engine=args.engine,
             poll_interval_s=args.poll_interval,
             health_url=args.health_url,
+            engine_metrics_url=args.engine_metrics_url,
             kafka=dict(kafka),
             codec=settings.codec(args, args.topic, writer=True),
         )

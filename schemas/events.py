@@ -149,10 +149,14 @@ class GroupSpec:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """The source is alive; sent while it is idle (``interval_ms``: its cadence)."""
+    """The source is alive; sent while it is idle (``interval_ms``: its cadence). A relay
+    that reads its engine's load sends one each interval, busy or not, with the requests
+    the engine was running and had queued (None: not read)."""
 
     group_idx: int | None = None
     interval_ms: int | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

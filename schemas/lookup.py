@@ -61,3 +61,14 @@ class Ranked:
     instance: str
     score: float
     tokens_by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """An engine's load as its relay last read it from the engine's metrics: the requests it
+    was running and had queued, at ``at`` (the log time of the heartbeat that said so)."""
+
+    instance: str
+    running: int | None
+    waiting: int | None
+    at: datetime

@@ -98,7 +98,12 @@ def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
     if isinstance(event, Heartbeat):
         return (
             "kvledger.Heartbeat",
-            {"group_idx": event.group_idx, "interval_ms": event.interval_ms},
+            {
+                "group_idx": event.group_idx,
+                "interval_ms": event.interval_ms,
+                "requests_running": event.requests_running,
+                "requests_waiting": event.requests_waiting,
+            },
         )
     if isinstance(event, Goodbye):
         return ("kvledger.Goodbye", {"group_idx": event.group_idx})
@@ -161,7 +166,12 @@ def record_to_envelope(record: dict[str, Any]) -> Envelope:
             reports_reuse=body.get("reports_reuse", False),
         )
     elif name == "kvledger.Heartbeat":
-        event = Heartbeat(group_idx=body.get("group_idx"), interval_ms=body.get("interval_ms"))
+        event = Heartbeat(
+            group_idx=body.get("group_idx"),
+            interval_ms=body.get("interval_ms"),
+            requests_running=body.get("requests_running"),
+            requests_waiting=body.get("requests_waiting"),
+        )
     elif name == "kvledger.Goodbye":
         event = Goodbye(group_idx=body.get("group_idx"))
     elif name == "kvledger.EventsLost":

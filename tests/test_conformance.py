@@ -26,7 +26,7 @@ import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -44,6 +44,8 @@ from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.verify import diff
 from kvledger.consumer.verify import dump as dump_postgres
 from kvledger.fleet import FleetConfig, prompt_hashes
+from kvledger.schemas.events import Goodbye, Heartbeat
+from kvledger.schemas.lookup import EngineLoad
 from tests.helpers.brute_force import (
     BLOCK,
     MODEL,
@@ -54,6 +56,7 @@ from tests.helpers.brute_force import (
     prompts,
 )
 from tests.helpers.reference_index import Reference, build
+from tests.helpers.streams import MODEL as STREAM_MODEL
 from tests.helpers.streams import Stream, edge_stream, fleet_stream, messy_stream, spec
 
 pytestmark = pytest.mark.integration
@@ -339,3 +342,39 @@ def test_lookups_answer_as_the_brute_force_walks(
             asked += bool(want)
             partial += any(h.matched_tokens % BLOCK for h in by_tokens)
     assert asked >= 20 and partial >= 3  # the prompts reached holders and partial tails
+
+
+def load_stream() -> Stream:
+    """Engines whose heartbeats said their load, and the lives that end it."""
+    s = Stream(partitions=3)
+    for source in ("engine-a", "engine-b", "engine-c", "engine-d"):
+        s.send(source, spec(0))
+    s.send("engine-e", spec(0), model="another")
+    s.send("engine-a", Heartbeat(0, 1000, 3, 1), time_ms=1_000_000)
+    s.send("engine-b", Heartbeat(0, 1000, 0, 0), time_ms=2_000_000)
+    s.send("engine-b", Heartbeat(0, 1000), time_ms=3_000_000)  # no reading: the last kept
+    s.send("engine-c", Heartbeat(0, 1000, 5, 5))
+    s.send("engine-c", Goodbye())  # closed: no load
+    s.send("engine-d", Heartbeat(0, 1000, 1, 1))
+    s.send("engine-d", spec(0), epoch=2, seq=0)  # restarted: the new process has not said
+    s.send("engine-e", Heartbeat(0, 1000, 9, 9), model="another")
+    return s
+
+
+@pytest.mark.parametrize("lookups", list(LOOKUPS))
+def test_lookups_answer_each_live_engines_load(lookups: str, database_url: str) -> None:
+    stream = load_stream()
+    at = datetime.fromtimestamp  # a heartbeat's log time
+    want = [
+        EngineLoad("engine-a", 3, 1, at(1_000, tz=UTC)),
+        EngineLoad("engine-b", 0, 0, at(2_000, tz=UTC)),
+    ]
+    with new_database(database_url) as database:
+        with connect(database, autocommit=True) as conn:
+            feed(PostgresStore(conn), stream, 4)
+        for idx in LOOKUPS[lookups](stream, database):
+            assert idx.loads(STREAM_MODEL, WIDE) == want
+            assert idx.loads("another", WIDE) == [
+                EngineLoad("engine-e", 9, 9, at(stream._clock / 1000, tz=UTC))
+            ]
+            assert idx.loads(STREAM_MODEL, timedelta(seconds=5)) == []  # all silent by now

@@ -10,8 +10,10 @@ import json
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,6 +211,52 @@ def test_a_lookup_names_the_engine_that_served_and_it_is_a_hit_there(fleet: Flee
     hits_after, _ = served.counters()
     assert out.cached_tokens >= matched
     assert hits_after - hits_before >= matched
+
+
+def _generate(engine: Engine, prompt: str, tokens: int) -> None:
+    """A completion of ``tokens`` tokens (the engine runs it for a while)."""
+    body = {"model": stack.MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(
+        f"{engine.spec.url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        assert answer.status == 200
+
+
+def test_each_engines_load_reaches_lookups_and_ends_with_its_requests(fleet: Fleet) -> None:
+    """The relays read each engine's /metrics (--engine-metrics-url): a lookup that asks for
+    the load sees the busy engine's requests while they run, the idle one at zero, and the
+    busy one back at zero once its requests are done, with no bookkeeping by the caller."""
+    busy, idle = fleet.engines
+    words = next(fleet.texts).split()[:40]
+    most = 0
+    with LookupClient(fleet.ledger.url) as lookups, ThreadPoolExecutor(4) as pool:
+
+        def loads() -> dict[str, dict[str, Any]]:
+            return lookups.match(stack.MODEL, token_ids=[1, 2, 3], load=True).load or {}
+
+        deadline = time.monotonic() + 120
+        while most == 0 and time.monotonic() < deadline:
+            running = [pool.submit(_generate, busy, " ".join([*words, str(i)]), 800)
+                       for i in range(4)]  # fmt: skip
+            while not all(f.done() for f in running):
+                now = loads().get(busy.spec.name)
+                if now is not None:
+                    most = max(most, now["running"] + now["waiting"])
+                time.sleep(0.05)
+            for f in running:
+                f.result()
+        assert most >= 1, "the busy engine's requests never showed in its load"
+        assert most <= 4  # no more than were sent
+        _eventually(
+            "the busy engine's load never went back to zero after its requests ended",
+            lambda: (loads().get(busy.spec.name) or {}).get("running") == 0,
+        )
+        final = loads()
+        assert final[idle.spec.name]["running"] == final[idle.spec.name]["waiting"] == 0
+        assert final[busy.spec.name]["age_s"] < 5
 
 
 def test_logs_of_an_engine_that_cannot_start_are_shown(tmp_path: Path) -> None:

@@ -132,6 +132,9 @@ class Kvledger:
                     # A restarting engine is live to routers once it serves, not before.
                     "--health-url",
                     f"{spec.url}/health",
+                    # Each engine's requests running and queued, in its heartbeats.
+                    "--engine-metrics-url",
+                    f"{spec.url}/metrics",
                 ).start()
             )
         self.consumer = self._cli(

@@ -9,6 +9,9 @@
   ("closed") and marks the source closed until it speaks again.
 - Liveness: every message that is not a stale epoch's moves the source's last-seen time
   (its log time) forward; lookups leave out sources silent longer than a window.
+- Load: a heartbeat that carries the engine's load (requests running and queued) replaces
+  the source's; one without keeps it; a restart, a goodbye or another model ends it (the
+  new process, or none, has not said yet).
 """
 
 from __future__ import annotations
@@ -47,10 +50,20 @@ def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
     ev = env.event
     heartbeat = ev.interval_ms if isinstance(ev, Heartbeat) else None
     closed = at if isinstance(ev, Goodbye) else None
+    loaded = isinstance(ev, Heartbeat) and (
+        ev.requests_running is not None or ev.requests_waiting is not None
+    )
     if life is None:
-        return SourceLife(env.model, env.epoch, at, closed, heartbeat, 0)
+        life = SourceLife(env.model, env.epoch, at, closed, heartbeat, 0)
+        return _with_load(life, ev, at) if loaded else life
     newer = env.epoch > life.epoch
     changed = env.model != life.model
+    if loaded:
+        load = _with_load(life, ev, at)
+    elif newer or changed or closed is not None:
+        load = _with_load(life, None, None)
+    else:
+        load = life
     return SourceLife(
         model=env.model,
         epoch=max(env.epoch, life.epoch),
@@ -60,7 +73,18 @@ def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
         restarts=life.restarts + (1 if newer else 0),
         previous_model=life.model if changed else life.previous_model,
         model_changed_at=at if changed else life.model_changed_at,
+        requests_running=load.requests_running,
+        requests_waiting=load.requests_waiting,
+        load_at=load.load_at,
     )
+
+
+def _with_load(life: SourceLife, ev: object, at: datetime | None) -> SourceLife:
+    """``life`` with the load ``ev`` carries (a heartbeat's), or none (``ev`` None)."""
+    if isinstance(ev, Heartbeat):
+        return replace(life, requests_running=ev.requests_running,
+                       requests_waiting=ev.requests_waiting, load_at=at)  # fmt: skip
+    return replace(life, requests_running=None, requests_waiting=None, load_at=None)
 
 
 class Lives:

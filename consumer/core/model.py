@@ -138,7 +138,9 @@ class SourceLife:
 
     ``last_seen`` is the log time of its latest message (the broker's append time on a topic
     with LogAppendTime, else the producer's create time); ``closed_at`` is set by a goodbye
-    and cleared by any later message.
+    and cleared by any later message. ``requests_running``/``requests_waiting`` are the
+    engine's load as its latest heartbeat that carried one said, at ``load_at`` (its log
+    time); a restart, a goodbye or another model ends them.
     """
 
     model: str
@@ -152,6 +154,9 @@ class SourceLife:
     # that `kvledger sources` shows.
     previous_model: str | None = None
     model_changed_at: datetime | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    load_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,8 +98,18 @@ def check_envelope(env: Envelope, key: bytes | None, log_time_ms: int | None) ->
         start = ev.token_start
         if start is not None and not 0 <= start <= MAX_POSITION:
             return Invalid(Reason.INVALID_EVENT, f"token_start {start} is out of range")
-    if isinstance(ev, Heartbeat) and ev.interval_ms is not None and ev.interval_ms < 0:
+    if isinstance(ev, Heartbeat):
+        return _check_heartbeat(ev)
+    return None
+
+
+def _check_heartbeat(ev: Heartbeat) -> Invalid | None:
+    if ev.interval_ms is not None and ev.interval_ms < 0:
         return Invalid(Reason.INVALID_EVENT, f"negative heartbeat interval {ev.interval_ms}")
+    for name, n in (("requests_running", ev.requests_running),
+                    ("requests_waiting", ev.requests_waiting)):  # fmt: skip
+        if n is not None and n < 0:
+            return Invalid(Reason.INVALID_EVENT, f"negative {name} {n}")
     return None
 
 

@@ -18,7 +18,7 @@ from typing import Literal, Protocol, get_args
 import psycopg
 
 from kvledger.schemas.errors import KvledgerError
-from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
+from kvledger.schemas.lookup import Block, EngineLoad, Holder, Ranked, Residency
 
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType(
     {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -92,6 +92,8 @@ class PrefixLookups(Protocol):
     ) -> dict[str, int]: ...
 
     def knows_group(self, model: str, group_idx: int) -> bool: ...
+
+    def loads(self, model: str, silent_after: timedelta | None = None) -> list[EngineLoad]: ...
 
     def blocks(self, block_hash: bytes) -> list[Block]: ...
 
@@ -200,6 +202,18 @@ class PrefixIndex:
             (model, group_idx),
         ).fetchone()
         return row is not None
+
+    def loads(self, model: str, silent_after: timedelta | None = None) -> list[EngineLoad]:
+        """The load of each live source of ``model`` that has said one (its relay reads the
+        engine's metrics), by instance."""
+        rows = self.conn.execute(
+            "SELECT s.source, s.requests_running, s.requests_waiting, s.load_at "
+            "FROM kvledger.sources s JOIN kvledger.source_states(%s) st USING (source) "
+            "WHERE s.model = %s AND s.load_at IS NOT NULL AND st.state = 'live' "
+            "ORDER BY s.source",
+            (silent_after, model),
+        ).fetchall()
+        return [EngineLoad(*row) for row in rows]
 
     def holders(self, model: str, group_idx: int, block_hash: bytes) -> list[Residency]:
         rows = self.conn.execute(

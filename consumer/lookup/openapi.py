@@ -92,6 +92,13 @@ SCHEMAS: dict[str, Any] = {
                 "recurrent group; the answer's state_checkpoints then says, per instance, "
                 "the deepest position within its prefix where it holds the state",
             },
+            "load": {
+                "type": "boolean",
+                "default": False,
+                "description": "The answer's load then gives each live engine of the model "
+                "whose relay reads its metrics (kvledger relay --engine-metrics-url) the "
+                "requests it is running and has queued (not with at)",
+            },
             "weights": {
                 "type": "object",
                 "additionalProperties": {"type": "number"},
@@ -184,6 +191,25 @@ SCHEMAS: dict[str, Any] = {
                 "additionalProperties": {"type": "integer"},
                 "description": "Memory mode: per instance, the decisions routed there in the "
                 "provisional window that its engine's events have not confirmed yet",
+            },
+            "load": {
+                "type": "object",
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["running", "waiting", "age_s"],
+                    "properties": {
+                        "running": {"type": ["integer", "null"]},
+                        "waiting": {"type": ["integer", "null"]},
+                        "age_s": {
+                            "type": "number",
+                            "description": "Seconds since the "
+                            "heartbeat that carried it (a reading every interval)",
+                        },
+                    },
+                },
+                "description": "With load: per live engine of the model that reports one, "
+                "the requests its engine was running and had queued when its relay last "
+                "read them; ends with the engine's life (a restart, a goodbye)",
             },
             "unknown_group": {
                 "type": "string",

@@ -23,7 +23,7 @@ MAX_TOKENS = 262_144
 MAX_NAME_CHARS = 512
 FIELDS = frozenset({
     "model", "group_idx", "weights", "hashes", "token_ids", "granularity", "at", "lora_name",
-    "cache_salt", "include_silent", "silent_after_s", "state_group",
+    "cache_salt", "include_silent", "silent_after_s", "state_group", "load",
 })  # fmt: skip
 
 
@@ -49,6 +49,7 @@ class MatchRequest:
     # With hashes: a hybrid model's recurrent group, whose deepest state checkpoint within
     # each holder's prefix the answer says.
     state_group: int | None = None
+    load: bool = False  # the answer also gives each live engine's load (its relay's reading)
 
 
 def parse_hash(value: object) -> bytes:
@@ -172,6 +173,7 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     if not isinstance(include_silent, bool):
         raise BadRequestError("include_silent must be true or false")
     silent_after = _seconds(data.get("silent_after_s"))
+    load = _load_flag(data)
     granularity = data.get("granularity", "block")
     if granularity not in GRANULARITIES:
         raise BadRequestError(f"granularity must be one of {', '.join(GRANULARITIES)}")
@@ -185,7 +187,7 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         return MatchRequest(
             model, group, weights, token_ids=_tokens(tokens), lora_name=_lora(data),
             include_silent=include_silent, silent_after=silent_after,
-            cache_salt=_text(data, "cache_salt"),
+            cache_salt=_text(data, "cache_salt"), load=load,
         )  # fmt: skip
     if data.get("cache_salt") is not None:
         raise BadRequestError("cache_salt applies to token_ids (a hash already includes it)")
@@ -199,7 +201,17 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     return MatchRequest(
         model, group, weights, prompt, granularity, _at(data.get("at")),
         include_silent=include_silent, silent_after=silent_after, state_group=state_group,
+        load=load,
     )  # fmt: skip
+
+
+def _load_flag(data: Mapping[str, Any]) -> bool:
+    load = data.get("load", False)
+    if not isinstance(load, bool):
+        raise BadRequestError("load must be true or false")
+    if load and data.get("at") is not None:
+        raise BadRequestError("load is the engines' load now; it does not apply with at")
+    return load
 
 
 def _seconds(value: object) -> timedelta | None:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -45,7 +45,7 @@ from kvledger.consumer.lookup.requests import (
 from kvledger.consumer.roles import WriterRoleError, ensure_read_only
 from kvledger.consumer.router import provisional as pv
 from kvledger.consumer.router.match import holder_order
-from kvledger.schemas.lookup import Block, Holder
+from kvledger.schemas.lookup import Block, EngineLoad, Holder
 from kvledger.schemas.redact import redact
 
 if TYPE_CHECKING:
@@ -209,6 +209,7 @@ class Lookups:
                 assert req.hashes is not None
                 upto = _blocks_by_instance(holders)
                 states = idx.state_checkpoints(req.model, req.state_group, req.hashes, upto)
+            loads = idx.loads(req.model, self._window(req)) if req.load else None
         if self.provisional is not None and req.at is None and req.granularity == "block":
             holders = self._with_provisional(req, holders)
         if req.at is None and not req.include_silent:
@@ -225,6 +226,8 @@ class Lookups:
             body["state_checkpoints"] = states
         if self.provisional is not None:
             body["in_flight"] = self.provisional.in_flight()
+        if loads is not None:
+            body["load"] = _loads_json(loads, datetime.now(UTC))
         return 200, body, {}
 
     def _with_provisional(self, req: MatchRequest, holders: list[Holder]) -> list[Holder]:
@@ -347,12 +350,25 @@ class _MemoryLookups:
         self.match_tokens = router.match_tokens
         self.state_checkpoints = router.state_checkpoints
         self.knows_group = router.knows_group
+        self.loads = router.loads
 
     def match_at(self, *args: object, **kwargs: object) -> list[Holder]:
         raise BadRequestError("as-of lookups are served by the SQL-backed service")
 
     def blocks(self, block_hash: bytes) -> list[Block]:
         raise BadRequestError("block rows are served by the SQL-backed service")
+
+
+def _loads_json(loads: list[EngineLoad], now: datetime) -> dict[str, dict[str, Any]]:
+    """Each engine's load as the answer gives it: its counts and how old they are."""
+    return {
+        load.instance: {
+            "running": load.running,
+            "waiting": load.waiting,
+            "age_s": round(max((now - load.at).total_seconds(), 0.0), 3),
+        }
+        for load in loads
+    }
 
 
 def _blocks_by_instance(holders: list[Holder]) -> dict[str, int]:

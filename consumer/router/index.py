@@ -47,7 +47,7 @@ from kvledger.consumer.store.base import FencedError
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.kafka_log import client_logging
-from kvledger.schemas.lookup import Holder
+from kvledger.schemas.lookup import EngineLoad, Holder
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, partition_offsets
 
 logger = logging.getLogger(__name__)
@@ -457,6 +457,12 @@ class RouterIndex:
         now = _now()
         with self.lock:
             return {i: m.state_of(self.store.lives.get(i), now, window) for i in instances}
+
+    def loads(self, model: str, silent_after: timedelta | None = None) -> list[EngineLoad]:
+        """As :meth:`PrefixIndex.loads`, from memory."""
+        now = _now()
+        with self.lock:
+            return m.loads(self.store.lives, model, now, silent_after)
 
     def footprint(self) -> dict[tuple[str, str], dict[str, int]]:
         """Blocks held per (instance, model) and tier (the dashboard's fleet in memory). The

@@ -9,12 +9,12 @@ once: with holders as bits, each position costs one AND over everyone still runn
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
 from kvledger.consumer.router.store import RouterStore
-from kvledger.schemas.lookup import Holder
+from kvledger.schemas.lookup import EngineLoad, Holder
 
 DEFAULT_SILENT_AFTER = timedelta(seconds=30)
 Run = tuple[int, int, int]  # (holder id, matched_blocks, matched_tokens)
@@ -83,6 +83,22 @@ def is_live(life: SourceLife | None, cut: datetime) -> bool:
     """Whether :func:`state_of` is live, given ``cut`` = now - silent_after (one
     subtraction per request, not per source)."""
     return life is not None and life.closed_at is None and not life.last_seen < cut
+
+
+def loads(
+    lives: Mapping[str, SourceLife], model: str, now: datetime, silent_after: timedelta | None
+) -> list[EngineLoad]:
+    """The load of each live source of ``model`` that has said one, by instance (as
+    :meth:`~kvledger.consumer.lookup.api.PrefixIndex.loads` answers from the sources table)."""
+    cut = now - (silent_after if silent_after is not None else DEFAULT_SILENT_AFTER)
+    return sorted(
+        (
+            EngineLoad(source, life.requests_running, life.requests_waiting, life.load_at)
+            for source, life in lives.items()
+            if life.load_at is not None and life.model == model and is_live(life, cut)
+        ),
+        key=lambda load: load.instance,
+    )
 
 
 def answer(

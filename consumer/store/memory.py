@@ -224,7 +224,7 @@ class MemoryStore(StagedStore):
         )  # fmt: skip
         out["sources"] = Counter(
             (source, life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
-             life.restarts)
+             life.restarts, life.requests_running, life.requests_waiting, life.load_at)
             for source, life in self.lives.items()
         )  # fmt: skip
         out["lifecycle_events"] = Counter(

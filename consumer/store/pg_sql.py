@@ -98,11 +98,12 @@ ON CONFLICT (source, model, group_idx) DO UPDATE SET
 
 UPSERT_LIFE = """
 INSERT INTO kvledger.sources AS s (source, model, epoch, last_seen, closed_at, heartbeat_ms,
-    restarts, previous_model, model_changed_at)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+    restarts, previous_model, model_changed_at, requests_running, requests_waiting, load_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (source) DO UPDATE SET
     model = EXCLUDED.model, epoch = EXCLUDED.epoch, last_seen = EXCLUDED.last_seen,
     closed_at = EXCLUDED.closed_at, heartbeat_ms = EXCLUDED.heartbeat_ms,
     restarts = EXCLUDED.restarts, previous_model = EXCLUDED.previous_model,
-    model_changed_at = EXCLUDED.model_changed_at
+    model_changed_at = EXCLUDED.model_changed_at, requests_running = EXCLUDED.requests_running,
+    requests_waiting = EXCLUDED.requests_waiting, load_at = EXCLUDED.load_at
 """

@@ -92,7 +92,8 @@ def load_source_lives(
     """The sources' lives (``sources``: only theirs; None: all)."""
     cur.execute(
         "SELECT source, model, epoch, last_seen, closed_at, heartbeat_ms, restarts, "
-        "previous_model, model_changed_at FROM kvledger.sources "
+        "previous_model, model_changed_at, requests_running, requests_waiting, load_at "
+        "FROM kvledger.sources "
         "WHERE %s::text[] IS NULL OR source = ANY(%s::text[])",
         (sources, sources),
     )
@@ -107,7 +108,8 @@ def source_row(s: SourceState) -> tuple[object, ...]:
 
 def life_row(life: SourceLife) -> tuple[object, ...]:
     return (life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
-            life.restarts, life.previous_model, life.model_changed_at)  # fmt: skip
+            life.restarts, life.previous_model, life.model_changed_at, life.requests_running,
+            life.requests_waiting, life.load_at)  # fmt: skip
 
 
 def lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:

@@ -193,9 +193,13 @@ SOURCES = Table(
         ("closed_at", "timestamptz"),
         ("heartbeat_ms", "int8"),
         ("restarts", "int8"),
+        ("requests_running", "int4"),
+        ("requests_waiting", "int4"),
+        ("load_at", "timestamptz"),
     ),
-    ("source", "model", "epoch", "last_seen", "closed_at", "heartbeat_ms", "restarts"),
-)
+    ("source", "model", "epoch", "last_seen", "closed_at", "heartbeat_ms", "restarts",
+     "requests_running", "requests_waiting", "load_at"),
+)  # fmt: skip
 LIFECYCLE_EVENTS = Table(
     "lifecycle_events",
     (

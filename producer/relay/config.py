@@ -53,6 +53,10 @@ class RelayConfig:
     # (its start-up resync, a new life, heartbeats) only once this answers 200.
     health_url: str | None = None
     health_timeout_s: float = 1.0
+    # The engine's Prometheus route (vLLM's /metrics): its requests running and queued are
+    # read every heartbeat interval and sent in a heartbeat each interval, busy or idle
+    # (producer/relay/load.py).
+    engine_metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -73,6 +77,7 @@ class RelayConfig:
             )
         if self.health_url is not None and not self.health_url.startswith(("http://", "https://")):
             raise ValueError(f"--health-url {self.health_url!r}: expected http(s)://HOST:PORT/PATH")
+        self._check_engine_metrics()
         if self.engine != "trtllm":
             for flag, endpoint in (("--endpoint", self.endpoint),
                                    ("--replay-endpoint", self.replay_endpoint)):  # fmt: skip
@@ -81,6 +86,21 @@ class RelayConfig:
                         f"{flag} {endpoint!r}: a {self.engine} engine's ZMQ endpoint is "
                         "tcp://HOST:PORT (or ipc://PATH, inproc://NAME)"
                     )
+
+    def _check_engine_metrics(self) -> None:
+        if self.engine_metrics_url is None:
+            return
+        if self.engine != "vllm":
+            raise ValueError(
+                "--engine-metrics-url: the load is read from vLLM's metrics; "
+                f"a {self.engine} engine's are not read"
+            )
+        if not self.engine_metrics_url.startswith(("http://", "https://")):
+            url = self.engine_metrics_url
+            raise ValueError(f"--engine-metrics-url {url!r}: expected http(s)://HOST:PORT/PATH")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("--engine-metrics-url: the load travels in heartbeats; give "
+                             "--heartbeat-interval above 0")  # fmt: skip
 
     def rank_source(self, rank: int) -> str:
         return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"

@@ -71,6 +71,11 @@ class RelayMetrics:
             "said the engine is there (start-up, an idle probe): it stayed silent instead",
             ["source"], registry=r,
         )  # fmt: skip
+        self.load_errors = Counter(
+            "kvledger_relay_load_errors_total",
+            "Failed reads of the engine's --metrics-url (its heartbeats then carry no load)",
+            ["source"], registry=r,
+        )  # fmt: skip
         self.behind = Gauge(
             "kvledger_relay_behind_seconds",
             "Seconds between the engine's time of the last batch relayed and its relaying",
@@ -87,7 +92,7 @@ class RelayMetrics:
         for metric in (
             self.batches_received, self.events_relayed, self.gaps, self.replays,
             self.unrecoverable, self.lost_batches, self.undecodable, self.engine_restarts,
-            self.unhealthy, self.behind, self.kafka_paused,
+            self.unhealthy, self.load_errors, self.behind, self.kafka_paused,
         ):  # fmt: skip
             metric.labels(source)
 

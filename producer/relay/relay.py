@@ -33,6 +33,11 @@ thread). Its loop:
    it is skipped (silence). An engine's replay socket answers seconds before its HTTP
    server does; without the gate a starting engine's new life makes it live to routers
    that cannot reach it yet.
+7. With ``engine_metrics_url`` (the engine's Prometheus route), a :class:`~.load.LoadReader` reads
+   the engine's requests running and queued every heartbeat interval on its own thread, and
+   every heartbeat carries the latest reading; heartbeats then go out each interval while
+   the engine is busy too (in the transaction with its batches), so lookups answer a load
+   at most an interval or two old.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay import sglang, trtllm
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink, ReplayTimeoutError, offset_endpoint
+from kvledger.producer.relay.load import LoadReader
 from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
@@ -92,6 +98,14 @@ class RankRelay:
         self.link: EngineLink | trtllm.TrtllmLink | None = None
         self.txn = RelayTransactions(config, rank, self.codec, self.metrics, self._stop)
         self._last_activity = time.monotonic()
+        self._last_heartbeat = 0.0
+        self.load: LoadReader | None = None
+        if config.engine_metrics_url is not None:
+            self.load = LoadReader(
+                config.engine_metrics_url, config.heartbeat_interval_s,
+                rank if config.dp_size > 1 else None, config.health_timeout_s,
+                on_error=self.metrics.load_errors.labels(self.source).inc,
+            )  # fmt: skip
         self.ready = threading.Event()  # set once resynchronised with the engine
 
     @property
@@ -116,6 +130,8 @@ class RankRelay:
                 cfg.engine_topic,
                 cfg.receive_hwm,
             )
+        if self.load is not None:
+            self.load.start()
         try:
             self.txn.connect()
             if not self._healthy():  # a starting engine is not there yet
@@ -138,6 +154,8 @@ class RankRelay:
                 self._step()
             self._commit()
         finally:
+            if self.load is not None:
+                self.load.stop()
             self.link.close()
             self.txn.close()
 
@@ -236,6 +254,8 @@ class RankRelay:
                 return
             seq, payload = got
             self._offer(seq, payload, from_replay=False)
+            if self.load is not None and self._busy_heartbeat_due():
+                self._heartbeat()  # the engine's load, while it is busy
             if self.txn.due(idle=False):
                 self._commit()
         except (KafkaException, PublishError) as exc:  # a produce failed: start over
@@ -371,13 +391,20 @@ class RankRelay:
             self._heartbeat()
         self._commit()
 
+    def _busy_heartbeat_due(self) -> bool:
+        return time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s
+
     def _heartbeat(self) -> None:
-        """The engine answered: a Heartbeat in the open transaction (committed by the caller)."""
+        """The engine answered (or sent a batch): a Heartbeat in the open transaction
+        (committed by the caller), with the engine's latest load when one is read."""
         self.txn.begin()
         pub = self._pub
         group = min(pub.groups) if pub.groups else 0
         interval = int(self.config.heartbeat_interval_s * 1000)
-        pub.publish_events([Heartbeat(group_idx=group, interval_ms=interval)])
+        load = self.load.latest() if self.load is not None else None
+        running, waiting = (load.running, load.waiting) if load is not None else (None, None)
+        pub.publish_events([Heartbeat(group, interval, running, waiting)])
+        self._last_heartbeat = time.monotonic()
         self.txn.in_txn += 1
         self._tally.behind_s = 0.0  # caught up (reported as the probe commits)
 

@@ -178,7 +178,7 @@ def edge_stream() -> Stream:
     s.send(b, stored([62], size=8, start=None, parent=61))  # ends at 24
     s.send(b, stored([63], size=8, start=24, parent=62))  # the unknown position becomes known
     s.send(a, removed([5], medium="CPU"))
-    s.send(a, Heartbeat(group_idx=0, interval_ms=5000))
+    s.send(a, Heartbeat(group_idx=0, interval_ms=5000, requests_running=2, requests_waiting=1))
     s.send(b, stored([30], size=8, start=0, medium="GPU"))
     s.send(b, stored([31], size=8, start=0, medium="STORAGE", ownership="disk"))
     s.send(b, Goodbye(group_idx=0))  # GPU and CPU end "closed" in every group
@@ -276,7 +276,10 @@ def messy_stream(seed: int) -> Stream:
             epochs[source] += 1
             s.send(source, spec(0, block=4, hash_size=2), epoch=epochs[source], seq=0)
         elif roll < 0.94:
-            s.send(source, Heartbeat(group_idx=0, interval_ms=1000), epoch=epoch)
+            # every other one with the engine's load (from the stream's length: no rng call)
+            n = len(s.messages)
+            load = (n % 7, n % 3) if n % 2 else (None, None)
+            s.send(source, Heartbeat(0, 1000, *load), epoch=epoch)
         elif roll < 0.97:
             last = s._seq.get((source, 0, epoch), 0)
             s.send(source, stored([rng.randrange(12)], medium=medium), epoch=epoch,

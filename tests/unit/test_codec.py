@@ -253,7 +253,7 @@ def test_the_reuse_report_flag_both_ways() -> None:
     """0.1.1 → now: what producers wrote until the flag existed reads as not reporting;
     now → 0.1.1: an old consumer reads the announcement without it (upgrade consumers
     before relays set --report-mode full)."""
-    [previous] = [s for s in released_schemas() if "session_id" in s]
+    [previous] = [s for s in released_schemas() if "session_id" in s and "reports_reuse" not in s]
     old_writer, old_reader = (
         Codec(schema_json=previous),
         Codec(schema_json=previous, known_writers=[envelope_schema_json()]),
@@ -264,6 +264,26 @@ def test_the_reuse_report_flag_both_ways() -> None:
     new_bytes = Codec().encode(envelope(reporting))
     assert Codec().decode(new_bytes).event == reporting
     assert old_reader.decode(new_bytes).event == kept
+
+
+def test_the_engines_load_both_ways() -> None:
+    """0.2.0 → now: a heartbeat without the load reads as not read (None); now → 0.2.0: an
+    old consumer that knows the new schema reads the heartbeat, load left out (relays may
+    send it before every consumer is upgraded)."""
+    [previous] = [
+        s for s in released_schemas() if "reports_reuse" in s and "requests_running" not in s
+    ]
+    old_writer, old_reader = (
+        Codec(schema_json=previous),
+        Codec(schema_json=previous, known_writers=[envelope_schema_json()]),
+    )
+    assert Codec().decode(old_writer.encode(envelope(Heartbeat(0, 1000)))).event == (
+        Heartbeat(0, 1000, None, None)
+    )
+    busy = Heartbeat(0, 1000, requests_running=7, requests_waiting=3)
+    new_bytes = Codec().encode(envelope(busy))
+    assert Codec().decode(new_bytes).event == busy
+    assert old_reader.decode(new_bytes).event == Heartbeat(0, 1000)
 
 
 def test_the_lifecycle_contract_both_ways() -> None:

@@ -129,6 +129,49 @@ def test_heartbeats_only_move_the_last_seen_time(s: Stream) -> None:
     assert store.events[(late.topic, 0, late.offset)].status == "applied"
 
 
+def load(store: MemoryStore) -> tuple[int | None, int | None, datetime | None]:
+    life = store.lives[A]
+    return life.requests_running, life.requests_waiting, life.load_at
+
+
+def test_a_heartbeat_with_the_engines_load_replaces_it_and_one_without_keeps_it(
+    s: Stream,
+) -> None:
+    store = run(s.messages, MemoryStore())
+    assert load(store) == (None, None, None)
+    run([s.send(A, Heartbeat(0, 1000, 3, 2), time_ms=2_000_000_000_000)], store)
+    at = datetime.fromtimestamp(2_000_000_000, tz=UTC)
+    assert load(store) == (3, 2, at)
+    run([s.send(A, Heartbeat(0, 1000), time_ms=2_000_000_001_000)], store)
+    run([s.send(A, stored([9]))], store)
+    assert load(store) == (3, 2, at)  # no new reading: the last one, with its time
+    run([s.send(A, Heartbeat(0, 1000, 0, 0), time_ms=2_000_000_002_000)], store)
+    assert load(store)[:2] == (0, 0)
+
+
+@pytest.mark.parametrize("end", ["restart", "goodbye", "model"])
+def test_a_restart_a_goodbye_or_another_model_ends_the_load(s: Stream, end: str) -> None:
+    store = run([*s.messages, s.send(A, Heartbeat(0, 1000, 5, 1))], MemoryStore())
+    assert load(store)[:2] == (5, 1)
+    if end == "restart":
+        run([s.send(A, Heartbeat(0, 1000), epoch=2)], store)
+    elif end == "goodbye":
+        run([s.send(A, Goodbye())], store)
+    else:
+        run([s.send(A, Heartbeat(0, 1000), model="another")], store)
+    assert load(store) == (None, None, None)
+
+
+def test_a_negative_load_is_rejected_and_leaves_the_life_alone(s: Stream) -> None:
+    store = run([*s.messages, s.send(A, Heartbeat(0, 1000, 1, 0))], MemoryStore())
+    before = store.lives[A]
+    bad = s.send(A, Heartbeat(0, 1000, 2, -1), time_ms=2_000_000_000_000)
+    run([bad], store)
+    assert store.lives[A] == before
+    [(rejection, _)] = [store.rejected[(bad.topic, bad.partition, bad.offset)]]
+    assert (rejection.reason, rejection.detail) == ("invalid_event", "negative requests_waiting -1")
+
+
 def test_the_log_time_is_the_record_timestamp_when_there_is_one(s: Stream) -> None:
     store = run(s.messages, MemoryStore())
     beat = s.send(A, Heartbeat(group_idx=0))

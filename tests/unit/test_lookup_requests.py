@@ -70,11 +70,22 @@ def test_a_token_request() -> None:
         ({"model": "m", "hashes": ["01"], "at": "yesterday"}, "ISO 8601"),
         ({"model": "m", "hashes": ["01"], "at": "2026-11-30T00:00:00"}, "time zone"),
         ({"model": "m", "hashes": ["01"], "weights": {"GPU": "high"}}, "weights"),
+        ({"model": "m", "hashes": ["01"], "load": 1}, "load must be true or false"),
+        (
+            {"model": "m", "hashes": ["01"], "load": True, "at": "2026-11-30T00:00:00+00:00"},
+            "does not apply with at",
+        ),
     ],
 )
 def test_malformed_requests_say_why(body: dict[str, Any], reason: str) -> None:
     with pytest.raises(BadRequestError, match=reason):
         parse_match(body)
+
+
+def test_the_load_is_asked_for_with_either_prompt() -> None:
+    assert parse_match({"model": "m", "token_ids": [1], "load": True}).load
+    assert parse_match({"model": "m", "hashes": ["01"], "load": True}).load
+    assert not parse_match({"model": "m", "hashes": ["01"]}).load
 
 
 def test_token_prompts_take_the_liveness_options_as_hashes_do() -> None:

@@ -128,6 +128,11 @@ class SourceStatus:
     held: dict[str, int]
     previous_model: str | None = None  # before its latest change of model (None: never)
     model_changed_at: datetime | None = None
+    # The engine's load as its latest heartbeat that carried one said (None: never said, or
+    # ended by a restart or goodbye), and that heartbeat's log time.
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    load_at: datetime | None = None
 
 
 def list_sources(
@@ -140,8 +145,10 @@ def list_sources(
                s.restarts, s.last_restart, s.gaps, s.missing_events, s.held_gpu, s.held_cpu,
                s.held_storage,
                s.last_restart > now() - coalesce(%(w)s, kvledger.silent_after()),
-               s.previous_model, s.model_changed_at
-        FROM kvledger.source_status s ORDER BY s.source
+               s.previous_model, s.model_changed_at,
+               src.requests_running, src.requests_waiting, src.load_at
+        FROM kvledger.source_status s JOIN kvledger.sources src USING (source)
+        ORDER BY s.source
         """,
         {"w": silent_after},
     ).fetchall()
@@ -163,8 +170,7 @@ def list_sources(
                 gaps,
                 missing,
                 held,
-                row[13],
-                row[14],
+                *row[13:18],
             )
         )
     return out

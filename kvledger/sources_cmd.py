@@ -40,12 +40,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(
         ("source", "model", "state", "started", "last seen", "restarts", "gaps", "GPU", "CPU",
-         "STORAGE"),
+         "STORAGE", "load"),
         [(s.source, _model(s), s.state, _started(s.epoch), _utc(s.last_seen),
-          s.restarts, s.gaps, s.held["GPU"], s.held["CPU"], s.held["STORAGE"])
+          s.restarts, s.gaps, s.held["GPU"], s.held["CPU"], s.held["STORAGE"], _load(s))
          for s in sources],
     )  # fmt: skip
     print("times in UTC; started: the epoch of the source's current process")
+    if any(s.load_at is not None for s in sources):
+        print("load: requests the engine was running/waiting as its relay last read them "
+              "(--engine-metrics-url), shown while the source is live")  # fmt: skip
     if retained:
         print(
             "retained (older rows dropped by retention): "
@@ -73,6 +76,16 @@ def _log_losses(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
             ).fetchall()
     except psycopg.errors.UndefinedTable:
         return []
+
+
+def _load(s: SourceStatus) -> str:
+    if s.load_at is None or s.state not in ("live", "restarted"):
+        return "-"
+    return f"{_count(s.requests_running)}/{_count(s.requests_waiting)}"
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else str(n)
 
 
 def _model(s: SourceStatus) -> str:

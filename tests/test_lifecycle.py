@@ -21,7 +21,7 @@ from kvledger.consumer.lookup.http import create_app
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.codec import Codec, released_schemas
-from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
+from kvledger.schemas.events import BlockStored, Envelope, GroupSpec, Heartbeat
 from kvledger.schemas.topics import DEFAULT_RETENTION_MS, ensure_topic, message_key
 from tests.helpers.consuming import consume
 from tests.helpers.kafka import consume_all
@@ -139,6 +139,50 @@ def test_a_silent_source_leaves_the_answers_and_comes_back(
         ).fetchone()
     assert {(x.instance, x.matched_blocks) for x in back} == {("engine-q", 2), ("engine-b", 1)}
     assert beats is not None and beats[0] >= 2
+
+
+def test_an_engines_load_reaches_the_sources_and_the_sql_lookups(
+    kafka_bootstrap, fresh_database, as_reader, make_topic, group_id, capsys
+) -> None:
+    """A heartbeat's load (as a relay with --engine-metrics-url sends it) through Kafka into
+    PostgreSQL: `kvledger sources` shows it, the SQL service's /v1/match answers it when
+    asked, and the engine's goodbye ends it."""
+    topic = make_topic("load", partitions=1)
+    busy = publisher(kafka_bootstrap, topic, "engine-busy", heartbeat_interval_s=0)
+    mute = publisher(kafka_bootstrap, topic, "engine-mute", heartbeat_interval_s=0)
+    busy.publish_events([block(1, "GPU"), Heartbeat(0, 1000, 3, 2)])
+    mute.publish_events([block(1, "GPU"), Heartbeat(0, 1000)])  # its relay reads no metrics
+    busy.flush()
+    mute.flush()
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    assert cli(["sources", "--database-url", fresh_database, "--json"]) == 0
+    shown = {s["source"]: s for s in json.loads(capsys.readouterr().out)}
+    assert (shown["engine-busy"]["requests_running"], shown["engine-busy"]["requests_waiting"]) == (
+        3, 2,
+    )  # fmt: skip
+    assert shown["engine-mute"]["load_at"] is None
+    assert cli(["sources", "--database-url", fresh_database]) == 0
+    table = capsys.readouterr().out
+    assert "3/2" in table and "load: requests the engine was running/waiting" in table
+    body = {"model": MODEL, "hashes": [h(1).hex()], "load": True}
+    with TestClient(create_app(as_reader(fresh_database), 2)) as client:
+        answer = client.post("/v1/match", json=body).json()
+        plain = client.post("/v1/match", json={**body, "load": False}).json()
+    assert list(answer["load"]) == ["engine-busy"]
+    assert (answer["load"]["engine-busy"]["running"], answer["load"]["engine-busy"]["waiting"]) == (
+        3, 2,
+    )  # fmt: skip
+    assert 0 <= answer["load"]["engine-busy"]["age_s"] < 60 and "load" not in plain
+    busy.close()  # a goodbye: the engine and its load are gone
+    mute.close(goodbye=False)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    with connect(fresh_database, autocommit=True) as conn:
+        assert PrefixIndex(conn).loads(MODEL) == []
+        row = conn.execute(
+            "SELECT requests_running, requests_waiting, load_at FROM kvledger.sources "
+            "WHERE source = 'engine-busy'"
+        ).fetchone()
+    assert row == (None, None, None)
 
 
 def test_a_clean_close_says_goodbye(

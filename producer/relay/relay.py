@@ -255,7 +255,7 @@ class RankRelay:
             seq, payload = got
             self._offer(seq, payload, from_replay=False)
             if self.load is not None and self._busy_heartbeat_due():
-                self._heartbeat()  # the engine's load, while it is busy
+                self._heartbeat(caught_up=False)  # the engine's load, while it is busy
             if self.txn.due(idle=False):
                 self._commit()
         except (KafkaException, PublishError) as exc:  # a produce failed: start over
@@ -394,9 +394,10 @@ class RankRelay:
     def _busy_heartbeat_due(self) -> bool:
         return time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s
 
-    def _heartbeat(self) -> None:
-        """The engine answered (or sent a batch): a Heartbeat in the open transaction
-        (committed by the caller), with the engine's latest load when one is read."""
+    def _heartbeat(self, caught_up: bool = True) -> None:
+        """The engine answered (or, ``caught_up`` False, sent a batch): a Heartbeat in the
+        open transaction (committed by the caller), with the engine's latest load when one
+        is read."""
         self.txn.begin()
         pub = self._pub
         group = min(pub.groups) if pub.groups else 0
@@ -406,7 +407,8 @@ class RankRelay:
         pub.publish_events([Heartbeat(group, interval, running, waiting)])
         self._last_heartbeat = time.monotonic()
         self.txn.in_txn += 1
-        self._tally.behind_s = 0.0  # caught up (reported as the probe commits)
+        if caught_up:
+            self._tally.behind_s = 0.0  # caught up (reported as the probe commits)
 
     # ------------------------------------------------------------------ transactions
     def _commit(self) -> None:

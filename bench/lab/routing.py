@@ -321,3 +321,47 @@ class KvledgerDecisions(KvledgerIndex):
         with contextlib.suppress(OSError):
             stack.post_json(f"{url}/v1/decisions", body)
         return engine
+
+
+class KvledgerLoad(KvledgerDecisions):
+    """The decisions routers' replicas, each keeping no count of its own: one
+    ``POST /v1/match`` with ``"load": true`` gives the prompt's holders (provisional ones
+    included) and, per engine, what kvledger knows of its load: the decisions routed there
+    that its events have not confirmed (``in_flight``, every replica's) plus the requests the
+    engine said it was running and had queued (``load``, from its relay's reading of the
+    engine's /metrics). Ties are broken by their sum, where the other policies use the lab's
+    own count of requests in flight, which a replica behind a balancer would not have."""
+
+    def __init__(
+        self, specs: list[EngineSpec], logs: Path, ledger: stack.Kvledger, replicas: int = 1
+    ) -> None:
+        super().__init__(specs, logs, ledger, replicas)
+        self.name = "kvledger + load" + (f" x{replicas}" if replicas > 1 else "")
+        self._index = {stack.source_name(i): i for i in range(len(specs))}
+
+    def choose_at(self, url: str, token_ids: list[int], load: Load, exclude: set[int]) -> int:
+        allowed = (
+            self.candidates(exclude)
+            or [e for e in range(len(self.specs)) if e not in exclude]
+            or [0]
+        )
+        body = {"model": stack.MODEL, "token_ids": token_ids, "load": True}
+        try:
+            answer = stack.post_json(f"{url}/v1/match", body)
+        except OSError:
+            answer = {}  # kvledger restarting: round robin over the candidates
+        scores: dict[int, int] = {}
+        for holder in answer.get("holders") or ():
+            e = self._index.get(holder["instance"])
+            if e is not None:
+                scores[e] = max(scores.get(e, 0), holder["matched_tokens"])
+        best = max((scores.get(e, 0) for e in allowed), default=0)
+        if best > 0:
+            allowed = [e for e in allowed if scores.get(e, 0) >= best - BLOCK_SIZE]
+        busy = {self._index.get(i, -1): n for i, n in (answer.get("in_flight") or {}).items()}
+        for instance, said in (answer.get("load") or {}).items():
+            e = self._index.get(instance, -1)
+            busy[e] = busy.get(e, 0) + (said["running"] or 0) + (said["waiting"] or 0)
+        low = min(busy.get(e, 0) for e in allowed)
+        tied = [e for e in allowed if busy.get(e, 0) == low]
+        return tied[self.turn() % len(tied)]

@@ -43,7 +43,7 @@ WINDOW_S = 12.0  # a fault's window: this long from its instant
 LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
 ROUTERS = (
     "round_robin", "cache_aware", "cache_aware_x3", "kv_aware", "kv_aware_kvledger", "dynamo",
-    "kvledger", "kvledger_decisions", "kvledger_decisions_x3",
+    "kvledger", "kvledger_decisions", "kvledger_decisions_x3", "kvledger_load_x3",
 )  # fmt: skip
 REPLICAS = 3  # cache_aware_x3: vllm-router replicas behind a round-robin balancer
 
@@ -393,6 +393,8 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
         return routing.KvledgerDecisions(lab.specs, lab.logs, lab.ledger)
     if kind == "kvledger_decisions_x3":  # each replica with its own serve, decisions shared
         return routing.KvledgerDecisions(lab.specs, lab.logs, lab.ledger, REPLICAS)
+    if kind == "kvledger_load_x3":  # the same, ties broken by kvledger's load, not the lab's
+        return routing.KvledgerLoad(lab.specs, lab.logs, lab.ledger, REPLICAS)
     raise SystemExit(f"unknown router {kind!r}: choose from {', '.join(ROUTERS)}")
 
 

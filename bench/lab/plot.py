@@ -40,6 +40,11 @@ def main(source: str, target: str) -> None:
     for name, at in faults.items():
         ax.axvline(at, color="grey", linestyle="--", linewidth=0.8)
         ax.text(at, 1.02, name, rotation=30, fontsize=8, transform=ax.get_xaxis_transform())
+    if "engine_flapping" in faults:  # each kill of the flapping engine (the first router's)
+        for at in data["routers"][0].get("kills_at_s", ())[1:]:
+            ax.axvline(at, color="grey", linestyle=":", linewidth=0.8)
+            ax.text(at, 1.02, "killed again", rotation=30, fontsize=8,
+                    transform=ax.get_xaxis_transform())  # fmt: skip
     ax.set_xlabel("seconds into the run")
     ax.set_ylabel("prefix-cache hit rate (engines' own count)")
     ax.set_ylim(0, 1)

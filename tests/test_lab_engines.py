@@ -23,7 +23,7 @@ from bench.lab.oracle import Oracle
 from kvledger.client import LookupClient
 from kvledger.consumer.db import connect
 from kvledger.schemas.hashing import int_to_hash_bytes
-from tests.helpers.procs import free_port
+from tests.helpers.procs import free_port, free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.downloads]
 
@@ -48,18 +48,25 @@ def _texts(words: int) -> Iterator[str]:
         yield " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
+def _spec(i: int, first: int) -> EngineSpec:
+    """Engine ``i`` on five ports from ``first``: HTTP, events, replay, and the two of its
+    stream republished by kvledger."""
+    return EngineSpec(f"engine-{i}", first, first + 1, first + 2, (first + 3, first + 4))
+
+
 @pytest.fixture(scope="module")
 def fleet(
     kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("lab-logs")
-    specs = [
-        EngineSpec(f"engine-{i}", free_port(), free_port(), free_port(), (free_port(), free_port()))
-        for i in range(2)
-    ]
+    # One block of free ports for everything: kvledger's stack uses a range around its port
+    # (replicas 10 below, the dashboard 8 above), which ports picked one by one can fall in.
+    base = free_ports(30)
+    ledger_port = base + 10  # its range: base .. base + 18
+    specs = [_spec(i, base + 20 + 5 * i) for i in range(2)]
     with running(specs, logs) as engines:
         oracle = Oracle([s.pub_endpoint for s in specs], BLOCK_SIZE)
-        ledger = stack.Kvledger(specs, free_port(), logs, kafka_bootstrap, database_url)
+        ledger = stack.Kvledger(specs, ledger_port, logs, kafka_bootstrap, database_url)
         republished = Oracle(
             [f"tcp://127.0.0.1:{s.republished[0]}" for s in specs], BLOCK_SIZE
         )  # fmt: skip

@@ -35,6 +35,38 @@ def test_a_state_folder_of_someone_else_or_a_link_is_refused(tmp_path: Path) -> 
         assert done.returncode != 0 and why in done.stderr, done.stderr
 
 
+def test_a_port_another_process_holds_is_named_before_anything_starts(tmp_path: Path) -> None:
+    """A service whose port is taken fails at once with the port and its setting, not with
+    the broker's stack trace after it started (or two Kafka listeners on one port)."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        other = free_port()
+        cases = (
+            ("kafka", {"KVLEDGER_KAFKA_PORT": taken, "KVLEDGER_KAFKA_CONTROLLER_PORT": other},
+             f"127.0.0.1:{taken} is already in use by another process: choose another port "
+             "with KVLEDGER_KAFKA_PORT"),
+            ("kafka", {"KVLEDGER_KAFKA_PORT": other, "KVLEDGER_KAFKA_CONTROLLER_PORT": taken},
+             "with KVLEDGER_KAFKA_CONTROLLER_PORT"),
+            ("kafka", {"KVLEDGER_KAFKA_PORT": other, "KVLEDGER_KAFKA_CONTROLLER_PORT": other},
+             f"KVLEDGER_KAFKA_PORT and KVLEDGER_KAFKA_CONTROLLER_PORT are both {other}"),
+            ("postgres", {"KVLEDGER_PG_PORT": taken}, "with KVLEDGER_PG_PORT"),
+        )  # fmt: skip
+        for service, ports, said in cases:
+            env = dict(os.environ, KVLEDGER_STATE_DIR=str(tmp_path / "state"))
+            env.update({name: str(port) for name, port in ports.items()})
+            done = subprocess.run(
+                [SERVICES, "up", service], env=env, capture_output=True, text=True,
+                timeout=120, check=False,
+            )  # fmt: skip
+            assert done.returncode != 0 and said in done.stderr, (ports, done.stderr)
+            assert "starting" not in done.stderr, done.stderr
+    subprocess.run([SERVICES, "down"], env=env, check=False)
+
+
 def test_postgres_asks_for_passwords_and_the_roles_are_least_privilege() -> None:
     state = Path(tempfile.mkdtemp(prefix="kvledger-privacy-"))
     env = dict(os.environ, KVLEDGER_PG_PORT=str(free_port()), KVLEDGER_STATE_DIR=str(state))

@@ -33,19 +33,26 @@ def reap() -> None:
 # otherwise be taken, as CI once saw.
 _LOW, _HIGH = 20_000, 32_000
 _rng = random.Random()
+# Every port handed out in this process: a test that takes several ports one at a time
+# binds none of them before asking for the next, so "free now" alone could hand out one
+# twice (a Kafka port equal to its controller's, once seen in CI).
+_given: set[int] = set()
 
 
 def free_ports(count: int) -> int:
-    """The first of ``count`` adjacent loopback ports that are free now (vLLM offsets a data
-    parallel rank's ports by the rank)."""
+    """The first of ``count`` adjacent loopback ports that are free now and were never handed
+    out before in this process (vLLM offsets a data parallel rank's ports by the rank)."""
     for _ in range(1000):
         base = _rng.randrange(_LOW, _HIGH - count)
+        if _given.intersection(range(base, base + count)):
+            continue
         held: list[socket.socket] = []
         try:
             for port in range(base, base + count):
                 sock = socket.socket()
                 held.append(sock)
                 sock.bind(("127.0.0.1", port))
+            _given.update(range(base, base + count))
             return base
         except OSError:
             continue

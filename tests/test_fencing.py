@@ -125,3 +125,43 @@ def test_a_new_block_another_consumer_stored_since_the_plan_is_merged(
         holders = a.execute("SELECT instance FROM kvledger.residencies ORDER BY 1").fetchall()
     assert rows == [(1_764_000_000_001, 1_764_000_005_001, [1, 2, 3, 4])]
     assert holders == [("engine-0",), ("engine-1",)]
+
+
+def test_a_placeholder_another_consumer_stored_since_the_plan_keeps_its_content(
+    fresh_database: str,
+) -> None:
+    """A placeholder (a legacy tail hash, no tokens; only groups other than full attention
+    take one) named again by another placeholder
+    keeps the content it was first stored with (the core's upgrades(): nothing replaces a
+    row with a placeholder). Here the other consumer's placeholder is committed between this
+    one's plan and its write: the row ends as it does when the two apply one after the
+    other in that order, not with the later writer's parent."""
+    codec = Codec()
+    tail = b"\x07" * 8
+
+    def messages(source: str, partition: int, parent: bytes) -> list[Inbound]:
+        events = (
+            GroupSpec("m", 0, "sliding_window", 4, 4, 64),
+            BlockStored((tail,), parent, (), 0, None, "GPU", None, group_idx=0),
+        )
+        return [Inbound(TOPIC, partition, i, f"{source}/0".encode(),
+                        codec.encode(Envelope(source, "m", 0, 1, i, 1_764_000_000_000 + i, e)))
+                for i, e in enumerate(events)]  # fmt: skip
+
+    def parents(url: str) -> list[tuple[bytes, int]]:
+        with connect(url, autocommit=True) as conn:
+            rows = conn.execute("SELECT parent_hash, block_size FROM kvledger.blocks").fetchall()
+        return [(bytes(p), size) for p, size in rows]
+
+    with (
+        connect(fresh_database, autocommit=True) as a,
+        connect(fresh_database, autocommit=True) as b,
+    ):
+        mine, other = PostgresStore(a), PostgresStore(b)
+        batch = decode_batch(messages("engine-0", 0, b"\x0a" * 8), codec)
+        with mine.transaction():
+            snapshot = mine.load(needs(batch, keys=True))
+        plan = make_plan(batch, snapshot)
+        run_batch(messages("engine-1", 1, b"\x0b" * 8), codec, other, "g")
+        write_batch(mine, plan, "g", *fence_points(batch, None))
+    assert parents(fresh_database) == [(b"\x0b" * 8, 0)]

@@ -212,7 +212,7 @@ class RouterStore(StagedStore):
         # what they made of it, however later batches are cut.
         if not old_plain or old_salt is not None:
             plain, salt = old_plain, old_salt
-        if known.placeholder or upgrades(known, new):
+        if upgrades(known, new):
             g.add_row(h, *new, lora, plain, salt)
         elif (lora, plain, salt) != (old_lora, old_plain, old_salt):
             g.set_meta(h, lora, plain, salt)

@@ -146,7 +146,7 @@ class MemoryStore(StagedStore):
                 write.lora_name, write.extra_keys, write.first_seen, write.last_seen
             )
             return
-        if known.placeholder or upgrades(known, write.row):
+        if upgrades(known, write.row):
             self.blocks[key] = write.row
         if meta.lora_name is None:
             meta.lora_name = write.lora_name

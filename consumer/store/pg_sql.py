@@ -21,13 +21,15 @@ RESIDENCY_SELECT = (
     "r.kafka_partition, r.kafka_offset"
 )
 
-# Content is replaced only over a placeholder, a partial tail by a full block, or a row of
-# unknown position by one of the same size that knows it (the core's upgrades()); metadata
-# is kept from the first writer that has it; seen times widen.
+# Content is replaced exactly where the core's upgrades() says: never by a placeholder
+# (block_size 0), and otherwise over a placeholder, a partial tail by a full block, or a row
+# of unknown position by one of the same size that knows it; metadata is kept from the
+# first writer that has it; seen times widen.
 CONTENT_SWAP = (
-    "blocks.block_size = 0 OR (blocks.partial AND NOT EXCLUDED.partial AND EXCLUDED.block_size > 0)"
+    "EXCLUDED.block_size > 0 AND (blocks.block_size = 0"
+    " OR (blocks.partial AND NOT EXCLUDED.partial)"
     " OR (blocks.token_start IS NULL AND EXCLUDED.token_start IS NOT NULL"
-    " AND EXCLUDED.block_size = blocks.block_size AND EXCLUDED.partial = blocks.partial)"
+    " AND EXCLUDED.block_size = blocks.block_size AND EXCLUDED.partial = blocks.partial))"
 )
 MERGE_BLOCKS = f"""
 INSERT INTO kvledger.blocks AS blocks

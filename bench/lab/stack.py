@@ -8,12 +8,13 @@ vllm-router, and Dynamo's standalone indexer.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import sys
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,60 @@ MODEL = "lab"
 SILENT_AFTER_S = 3.0  # kvledger's liveness window in the lab (relay heartbeats every 1 s)
 
 
+# Each thread keeps one keep-alive connection per service, as a router does (and as
+# kvledger.client.LookupClient does): a lookup then costs its request, not a TCP handshake
+# and a new urllib opener, inside every request's time to first token.
+_connections = threading.local()
+
+
+class ServiceError(OSError):
+    """A service answered with an error status, or not in HTTP at all."""
+
+
 def post_json(url: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as answer:
-        return json.loads(answer.read())
+    return _call("POST", url, json.dumps(body).encode(), timeout)
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as answer:
-        return json.loads(answer.read())
+    return _call("GET", url, None, timeout)
+
+
+def _call(method: str, url: str, data: bytes | None, timeout: float) -> Any:
+    """One JSON call on this thread's connection to the service; a connection the service
+    closed while it sat idle is replaced once. Every failure is an OSError."""
+    parts = urllib.parse.urlsplit(url)
+    target = f"{parts.path or '/'}{'?' + parts.query if parts.query else ''}"
+    held: dict[tuple[str, int], http.client.HTTPConnection] = _connections.__dict__.setdefault(
+        "held", {}
+    )
+    key = (parts.hostname or "127.0.0.1", parts.port or 80)
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    for attempt in range(2):
+        conn = held.get(key)
+        reused = conn is not None
+        if conn is None:
+            conn = held[key] = http.client.HTTPConnection(*key, timeout=timeout)
+        elif conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        try:
+            conn.request(method, target, body=data, headers=headers)
+            answer = conn.getresponse()
+            raw = answer.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            del held[key]
+            if reused and isinstance(exc, ConnectionError) and attempt == 0:
+                continue  # closed by the service while idle: once more, on a new connection
+            if isinstance(exc, OSError):
+                raise
+            raise ServiceError(f"{method} {url}: {exc!r}") from exc
+        if answer.will_close:
+            conn.close()
+            del held[key]
+        if answer.status >= 400:
+            raise ServiceError(f"{method} {url}: HTTP {answer.status}: {raw[:300]!r}")
+        return json.loads(raw)
+    raise AssertionError("unreachable")
 
 
 REPLICAS = 3  # serve replicas for the routers that run as several (kvledger_decisions_x3)

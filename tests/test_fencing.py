@@ -131,11 +131,11 @@ def test_a_placeholder_another_consumer_stored_since_the_plan_keeps_its_content(
     fresh_database: str,
 ) -> None:
     """A placeholder (a legacy tail hash, no tokens; only groups other than full attention
-    take one) named again by another placeholder
-    keeps the content it was first stored with (the core's upgrades(): nothing replaces a
-    row with a placeholder). Here the other consumer's placeholder is committed between this
-    one's plan and its write: the row ends as it does when the two apply one after the
-    other in that order, not with the later writer's parent."""
+    take one) named again by another placeholder keeps the content it was first stored
+    with (the core's upgrades(): nothing replaces a row with a placeholder). Here the other
+    consumer's placeholder is committed between this one's plan and its write: the row ends
+    as it does when the two apply one after the other in that order, not with the later
+    writer's parent."""
     codec = Codec()
     tail = b"\x07" * 8
 

@@ -10,14 +10,25 @@ Standard library only, so a router imports it from the base install::
 
 One keep-alive connection per client (not thread-safe: one client per thread). A refusal
 raises :class:`LookupServiceError` with the service's status, reason and Retry-After.
+
+A router that tells the service where it sent each prompt (``POST /v1/decisions``) does it
+off the request's path with a :class:`DecisionReporter` (thread-safe, one per service)::
+
+    reporter = DecisionReporter("http://127.0.0.1:8080")
+    ...
+    reporter.report("llama-3-8b", chosen_instance, token_ids=prompt_tokens)  # never waits
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import ssl
+import threading
+import time
 import urllib.parse
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,8 +38,10 @@ from typing import Any, Literal
 # The same answer types as the Python API's (kvledger.consumer.lookup).
 from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
-__all__ = ["Block", "Holder", "LookupClient", "LookupServiceError", "MatchAnswer", "Ranked",
-           "Residency"]  # fmt: skip
+__all__ = ["Block", "DecisionReporter", "Holder", "LookupClient", "LookupServiceError",
+           "MatchAnswer", "Ranked", "ReporterStats", "Residency"]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,15 +153,8 @@ class LookupClient:
         """POST /v1/decisions: the prompt went to ``instance``; the service answers it as a
         provisional holder of the prompt's full blocks for a short window. Returns the
         number of blocks held."""
-        body: dict[str, Any] = {"model": model, "group_idx": group_idx, "instance": instance}
-        if hashes is not None:
-            body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
-        if token_ids is not None:
-            body["token_ids"] = list(token_ids)
-        for key, value in (("lora_name", lora_name), ("cache_salt", cache_salt),
-                           ("request_id", request_id)):  # fmt: skip
-            if value is not None:
-                body[key] = value
+        body = decision_body(model, instance, token_ids, hashes, group_idx, lora_name,
+                             cache_salt, request_id)  # fmt: skip
         held: int = self._request("POST", "/v1/decisions", body)["provisional_blocks"]
         return held
 
@@ -208,6 +214,153 @@ class LookupClient:
     def _unreachable(self, exc: BaseException) -> LookupServiceError:
         where = f"{self._conn.host}:{self._conn.port}"
         return LookupServiceError(0, f"no answer from the lookup service at {where}: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReporterStats:
+    """What a :class:`DecisionReporter` did with the decisions it was given."""
+
+    reported: int  # given to report()
+    sent: int  # the service held them
+    dropped: int  # the queue was full: each made room for a newer decision
+    expired: int  # older than max_age_s when their turn came: not sent
+    failed: int  # the service refused them or did not answer (not retried)
+    last_error: str | None  # why the last failure failed
+
+
+class DecisionReporter:
+    """Tells the lookup service where a router sent each prompt (``POST /v1/decisions``)
+    without the request waiting for it: :meth:`report` queues the decision and returns, and
+    one thread sends the queue in order over a keep-alive connection of its own.
+
+    A decision is worth something only until the engine's own events confirm its blocks,
+    seconds later, so nothing waits on a slow or absent service and nothing piles up: a
+    full queue (``capacity``) drops its oldest decision, a decision older than ``max_age_s``
+    when its turn comes is dropped unsent (the service would hold it from when it arrives,
+    for longer than it is true), and one the service refuses or does not answer within
+    ``timeout`` is counted and not retried. :attr:`stats` counts each outcome; the first
+    failure after a success is logged, with the service's reason.
+    """
+
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout: float = 2.0,
+        ssl_context: ssl.SSLContext | None = None, capacity: int = 1024,
+        max_age_s: float = 1.0,
+    ) -> None:  # fmt: skip
+        if capacity < 1 or max_age_s <= 0:
+            raise ValueError(f"capacity {capacity} and max_age_s {max_age_s} must be positive")
+        self._client = LookupClient(base_url, token, timeout, ssl_context)
+        self._capacity, self._max_age = capacity, max_age_s
+        self._queue: deque[tuple[float, dict[str, Any]]] = deque()
+        self._cond = threading.Condition()
+        self._sending = self._closed = False
+        self._counts = {"reported": 0, "sent": 0, "dropped": 0, "expired": 0, "failed": 0}
+        self._last_error: str | None = None
+        self._sent_at_error = -1  # the sent count at the last failure
+        self._thread = threading.Thread(target=self._run, name="kvledger-decisions", daemon=True)
+        self._thread.start()
+
+    def report(
+        self,
+        model: str,
+        instance: str,
+        token_ids: Sequence[int] | None = None,
+        hashes: Sequence[bytes | int | str] | None = None,
+        group_idx: int = 0,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """Queue a decision (as :meth:`LookupClient.decide` takes it) and return at once."""
+        body = decision_body(model, instance, token_ids, hashes, group_idx, lora_name,
+                             cache_salt, request_id)  # fmt: skip
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("DecisionReporter.report() after close()")
+            self._counts["reported"] += 1
+            if len(self._queue) >= self._capacity:
+                self._queue.popleft()
+                self._counts["dropped"] += 1
+            self._queue.append((time.monotonic(), body))
+            self._cond.notify_all()
+
+    @property
+    def stats(self) -> ReporterStats:
+        with self._cond:
+            return ReporterStats(**self._counts, last_error=self._last_error)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every decision reported so far is sent, dropped or failed (False: the
+        ``timeout`` passed first)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._sending, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (what is not too old), then stop; waits at most ``timeout``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> DecisionReporter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:  # closed, and everything handled
+                    break
+                queued_at, body = self._queue.popleft()
+                if time.monotonic() - queued_at > self._max_age:
+                    self._counts["expired"] += 1
+                    self._cond.notify_all()
+                    continue
+                self._sending = True
+            error = None
+            try:
+                self._client._request("POST", "/v1/decisions", body)
+            except Exception as exc:
+                error = str(exc) or type(exc).__name__
+            with self._cond:
+                self._sending = False
+                if error is None:
+                    self._counts["sent"] += 1
+                else:
+                    if self._counts["sent"] > self._sent_at_error:  # a new run of failures
+                        logger.warning("decisions not reported to the lookup service: %s", error)
+                    self._counts["failed"] += 1
+                    self._last_error, self._sent_at_error = error, self._counts["sent"]
+                self._cond.notify_all()
+        self._client.close()
+
+
+def decision_body(
+    model: str,
+    instance: str,
+    token_ids: Sequence[int] | None = None,
+    hashes: Sequence[bytes | int | str] | None = None,
+    group_idx: int = 0,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    request_id: str | None = None,
+) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/decisions`` (see :meth:`LookupClient.decide`)."""
+    body: dict[str, Any] = {"model": model, "group_idx": group_idx, "instance": instance}
+    if hashes is not None:
+        body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
+    if token_ids is not None:
+        body["token_ids"] = list(token_ids)
+    for key, value in (("lora_name", lora_name), ("cache_salt", cache_salt),
+                       ("request_id", request_id)):  # fmt: skip
+        if value is not None:
+            body[key] = value
+    return body
 
 
 def _block(row: Mapping[str, Any]) -> Block:

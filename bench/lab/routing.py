@@ -9,17 +9,17 @@ near-ties within one block broken by the fewest requests in flight).
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import itertools
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.lab import stack
 from bench.lab.engines import BLOCK_SIZE, EngineSpec
+from kvledger.client import DecisionReporter
 
 MAX_TOKENS = 8
 
@@ -297,11 +297,12 @@ class KvledgerIndex(IndexPolicy):
 
 
 class KvledgerDecisions(KvledgerIndex):
-    """The same policy, telling kvledger where it sent each prompt (POST /v1/decisions):
-    the engine chosen is a provisional holder of the prompt until its events confirm it.
-    With ``replicas`` > 1, as many router replicas behind a round-robin balancer, each with
-    a ``serve --memory`` of its own; the replicas share decisions through kvledger's
-    decisions topic. The router-restart fault restarts the first (a rolling restart)."""
+    """The same policy, telling kvledger where it sent each prompt (POST /v1/decisions)
+    off the request's path, as a router would (kvledger.client.DecisionReporter): the engine
+    chosen is a provisional holder of the prompt until its events confirm it. With
+    ``replicas`` > 1, as many router replicas behind a round-robin balancer, each with a
+    ``serve --memory`` of its own; the replicas share decisions through kvledger's decisions
+    topic. The router-restart fault restarts the first (a rolling restart)."""
 
     def __init__(
         self, specs: list[EngineSpec], logs: Path, ledger: stack.Kvledger, replicas: int = 1
@@ -311,15 +312,29 @@ class KvledgerDecisions(KvledgerIndex):
         self.name = "kvledger + decisions" + (f" x{replicas}" if replicas > 1 else "")
         self._next = itertools.count()
         self._lock = threading.Lock()
+        self.reporters: dict[str, DecisionReporter] = {}
+        self.reported: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.reporters = {url: DecisionReporter(url) for url in self.urls}
+
+    def stop(self) -> None:
+        """Each replica's reporter closed, and what became of the decisions it was given."""
+        totals: dict[str, int] = {}
+        for reporter in self.reporters.values():
+            reporter.close()
+            for key, value in asdict(reporter.stats).items():
+                if isinstance(value, int):
+                    totals[key] = totals.get(key, 0) + value
+        self.reported = totals
 
     def choose(self, token_ids: list[int], load: Load, exclude: set[int]) -> int:
         with self._lock:
             url = self.urls[next(self._next) % len(self.urls)]
         engine = self.choose_at(url, token_ids, load, exclude)
-        body = {"model": stack.MODEL, "instance": stack.source_name(engine), "token_ids": token_ids}
-        # kvledger restarting, or the engine new to it: routed all the same
-        with contextlib.suppress(OSError):
-            stack.post_json(f"{url}/v1/decisions", body)
+        # Queued, not awaited: sent while the request goes to the engine. kvledger
+        # restarting, or the engine new to it: counted in ``reported``, routed all the same.
+        self.reporters[url].report(stack.MODEL, stack.source_name(engine), token_ids=token_ids)
         return engine
 
 

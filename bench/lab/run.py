@@ -354,6 +354,7 @@ class Lab:
         self.ledger.check()
         summary = summarize(router.name, records, counters, instants, list(self.kills))
         if isinstance(router, routing.KvledgerDecisions):  # its decisions, on the dashboard
+            summary["decision_reports"] = router.reported
             summary["kvledger_funnel"] = self.ledger.funnel(began_at, time.time())
             slug = re.sub(r"[^a-z0-9]+", "-", router.name.lower()).strip("-")
             picture = self.logs / f"dashboard-{slug}.png"
@@ -555,21 +556,26 @@ def _decisions_section(
         "(`kvledger.decision_outcomes`, what its dashboard's funnel draws): what the index "
         "offered when each decision was taken, beside the lab's captured/available from the "
         "engines' own streams, and *delivered*: of the captured blocks, those the chosen "
-        "engine did not store again within a minute (an evicted block is stored again).",
+        "engine did not store again within a minute (an evicted block is stored again). "
+        "*Reports*: what became of the decisions the router queued for kvledger "
+        "(kvledger.client.DecisionReporter): sent, failed (refused or unanswered), expired "
+        "(older than a second when their turn came), dropped (its queue full).",
         "",
         "| router | decisions | available blocks | captured blocks | delivered blocks | "
         "captured/available (kvledger's record) | captured/available (the engines' streams) "
-        "| outcomes |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| outcomes | reports: sent / failed / expired / dropped |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     pictures = []
     for run in told:
         f = run["kvledger_funnel"]
         outcomes = ", ".join(f"{k} {v}" for k, v in f["outcomes"].items())
+        sent = run.get("decision_reports") or {}
+        reports = " / ".join(str(sent.get(k, 0)) for k in ("sent", "failed", "expired", "dropped"))
         lines.append(
             f"| {run['router']} | {f['decisions']} | {f['available_blocks']} | "
             f"{f['captured_blocks']} | {f['delivered_blocks']} | {f['captured_over_available']} | "
-            f"{run['all']['captured_over_available']} | {outcomes} |"
+            f"{run['all']['captured_over_available']} | {outcomes} | {reports} |"
         )
         if run.get("dashboard_picture"):
             picture = out / f"lab-{stamp}-{Path(run['dashboard_picture']).name}"

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 
 from kvledger.consumer.lookup.guarded_protocol import HttpLimits
 from kvledger.consumer.lookup.hot import HotPath
@@ -28,6 +25,7 @@ from kvledger.consumer.router.index import RouterIndex
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
 from tests.helpers.streams import fleet_stream
+from tests.helpers.uvicorn_server import serving
 
 FLEET = FleetConfig(instances=3, requests=40, seed=9)
 BEARER = b"authorization: Bearer s3cret\r\n"
@@ -59,25 +57,10 @@ def server(
 ) -> Iterator[int]:
     """A uvicorn server on a free loopback port: with the hot protocol (within ``limits``),
     uvicorn's own, or ``http`` when given."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     if http is None:
         http = protocol(app.routes, limits) if hot else "httptools"
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="warning",
-                            access_log=False, proxy_headers=False, lifespan="off")  # fmt: skip
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
+    with serving(app, http) as port:
         yield port
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def post(path: str, body: bytes, *extra: bytes, length: bool = True) -> bytes:

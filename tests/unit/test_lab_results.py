@@ -18,6 +18,8 @@ def _run(name: str, picture: Path | None, captured_over_available: float) -> dic
         "outcomes": {"captured": 110, "chosen_elsewhere": 6, "no_holder": 4},
     }  # fmt: skip
     run["dashboard_picture"] = None if picture is None else str(picture)
+    run["decision_reports"] = {"reported": 121, "sent": 118, "failed": 2, "expired": 1,
+                               "dropped": 0, "last_error": None}  # fmt: skip
     return run
 
 
@@ -42,6 +44,7 @@ def test_the_decision_routers_are_tabled_with_their_dashboard(tmp_path: Path) ->
     assert rows[0].split(" | ")[1:7] == ["120", "1500", "1455", "1400", "0.97", "0.99"]
     assert rows[1].split(" | ")[5] == "0.95"
     assert "captured 110, chosen_elsewhere 6, no_holder 4" in rows[0]
+    assert rows[0].endswith("| 118 / 2 / 1 / 0 |")  # what became of the router's reports
     assert f"![{copied.stem}]({copied.name})" in lines
 
 

@@ -19,7 +19,10 @@ Dynamo's ``/query`` answers are recorded where decisions are: each answer is not
 decision log's thread, which builds its record later. Its cost on the lookup's path is
 measured in the handler itself (``DynamoApi.query``, microseconds: the test client's own
 cost would hide it), with and without recording, alternating prompt by prompt on one index;
-then the records are built as the log's thread builds them, timed apart.
+then the records are built as the log's thread builds them, timed apart. Last, the same
+handler with routers' decisions held (one per prompt of the first ``HELD``, each sent to
+another engine than its holders, as a burst leaves them): each answer is then rescored with
+the provisional holders, its cost beside the plain answer's in the same loop.
 
 `python -m bench.decisions` runs it alone (bench/results/decisions/); `make bench` with the
 rest. No services.
@@ -41,12 +44,13 @@ from kvledger.consumer.lookup.dynamo import DynamoApi
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.router.decisions import encode
 from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.provisional import Provisional
+from kvledger.consumer.router.provisional import TOKENS, Decision, Provisional, token_keys
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from tests.helpers.streams import fleet_prompts, fleet_stream
 
 FLEET = FleetConfig(instances=8, requests=200, seed=29, gpu_capacity_blocks=256)
+HELD = 300  # decisions held for the provisional figure
 
 
 def main(prompts: int = 3000) -> dict[str, Any]:
@@ -106,27 +110,37 @@ def dynamo_answers(bodies: list[dict[str, Any]]) -> dict[str, float]:
     window = timedelta(days=36500)
     plain = DynamoApi(router, window)
     recording = DynamoApi(router, window, record=lambda a, build: noted.append((a, build)))
+    held = Provisional(3600.0)
+    block_size = router.block_size(FLEET.model, 0)
+    assert block_size is not None
+    for i, body in enumerate(bodies[:HELD]):
+        keys = token_keys(body["token_ids"], block_size, None, None)
+        held.add(Decision(FLEET.model, 0, f"engine-{i % FLEET.instances}", TOKENS, tuple(keys)))
+    provisional = DynamoApi(router, window, provisional=held)
     raws = [json.dumps({"token_ids": b["token_ids"], "model_name": FLEET.model}).encode()
             for b in bodies]  # fmt: skip
     for raw in raws[:200]:  # warm
         plain.query(raw, False)
         recording.query(raw, False)
     del noted[:]
-    times: dict[bool, list[float]] = {False: [], True: []}
+    times: dict[str, list[float]] = {"plain": [], "recording": [], "provisional": []}
     for raw in raws:
-        for api, on in ((plain, False), (recording, True)):
+        for api, kind in ((plain, "plain"), (recording, "recording"),
+                          (provisional, "provisional")):  # fmt: skip
             start = time.perf_counter()
             api.query(raw, False)
-            times[on].append(time.perf_counter() - start)
+            times[kind].append(time.perf_counter() - start)
     start = time.perf_counter()
     built = [encode(answered, build()) for answered, build in noted]
     build_s = time.perf_counter() - start
-    (off_p50, _), (on_p50, _) = percentiles_ms(times[False]), percentiles_ms(times[True])
+    off_p50, on_p50, held_p50 = (percentiles_ms(times[k])[0] for k in times)
     return {
         "Dynamo /query handler µs, p50": off_p50 * 1000,
         "Dynamo /query handler recording its answer µs, p50": on_p50 * 1000,
         "recording an answer, added µs, p50": (on_p50 - off_p50) * 1000,
         "answer records built on the log's thread, µs each": build_s / len(built) * 1e6,
+        f"Dynamo /query handler with {HELD} decisions held µs, p50": held_p50 * 1000,
+        "ratio with decisions held / plain, p50": held_p50 / off_p50,
     }
 
 

@@ -290,8 +290,8 @@ class DecisionReporter:
             return ReporterStats(**self._counts, last_error=self._last_error)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every decision reported so far is sent, dropped or failed (False: the
-        ``timeout`` passed first)."""
+        """Wait until every decision reported so far has been sent, dropped, expired or
+        failed (False: the ``timeout`` passed first)."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._sending, timeout)
 

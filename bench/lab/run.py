@@ -545,7 +545,10 @@ def _decisions_section(
 ) -> list[Path]:
     """kvledger's own account of the decision routers' runs (the dashboard's funnel, from
     kvledger.decision_outcomes) beside the lab's, and the dashboard's pictures, copied
-    beside the results; the pictures' paths."""
+    beside the results; the pictures' paths. Pictures an earlier run of the same name left
+    there are removed: a results file shows only its own run's."""
+    for stale in out.glob(f"lab-{stamp}-dashboard-*.png"):
+        stale.unlink()
     told = [r for r in runs if "kvledger_funnel" in r]
     if not told:
         return []

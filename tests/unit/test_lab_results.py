@@ -1,6 +1,7 @@
 """The lab's report of its decision routers (no services, no engines): kvledger's own
 record of each run's decisions is tabled beside the lab's figure, and the dashboard's
-picture is copied beside the results and shown; a run without decisions adds nothing."""
+picture is copied beside the results and shown, in place of an earlier run's of the same
+name; a run without decisions adds nothing."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def test_the_decision_routers_are_tabled_with_their_dashboard(tmp_path: Path) ->
     taken.write_bytes(b"\x89PNG picture")
     out = tmp_path / "results"
     out.mkdir()
+    earlier = out / "lab-2026-12-05-dashboard-kvledger-decisions-x3.png"  # an earlier run's
+    earlier.write_bytes(b"\x89PNG old")
+    other = out / "lab-2026-12-05-kv64-dashboard-kvledger-decisions-x3.png"  # another variant
+    other.write_bytes(b"\x89PNG kept")
     lines: list[str] = []
     runs = [
         {"router": "round robin", "all": {"captured_over_available": 0.75}},
@@ -39,6 +44,7 @@ def test_the_decision_routers_are_tabled_with_their_dashboard(tmp_path: Path) ->
 
     copied = out / "lab-2026-12-05-dashboard-kvledger-decisions.png"
     assert pictures == [copied] and copied.read_bytes() == b"\x89PNG picture"
+    assert not earlier.exists() and other.read_bytes() == b"\x89PNG kept"
     rows = [line for line in lines if line.startswith("| kvledger")]
     assert len(rows) == 2 and not any("round robin" in line for line in lines)
     assert rows[0].split(" | ")[1:7] == ["120", "1500", "1455", "1400", "0.97", "0.99"]

@@ -20,9 +20,9 @@ decision log's thread, which builds its record later. Its cost on the lookup's p
 measured in the handler itself (``DynamoApi.query``, microseconds: the test client's own
 cost would hide it), with and without recording, alternating prompt by prompt on one index;
 then the records are built as the log's thread builds them, timed apart. Last, the same
-handler with routers' decisions held (one per prompt of the first ``HELD``, each sent to
-another engine than its holders, as a burst leaves them): each answer is then rescored with
-the provisional holders, its cost beside the plain answer's in the same loop.
+handler with routers' decisions held (one per prompt of the first ``HELD``, prompt i sent to
+engine i modulo the fleet's size, whether it holds the prompt or not): each answer is then
+rescored with the provisional holders, its cost beside the plain answer's in the same loop.
 
 `python -m bench.decisions` runs it alone (bench/results/decisions/); `make bench` with the
 rest. No services.

@@ -119,21 +119,22 @@ def dynamo_answers(bodies: list[dict[str, Any]]) -> dict[str, float]:
     provisional = DynamoApi(router, window, provisional=held)
     raws = [json.dumps({"token_ids": b["token_ids"], "model_name": FLEET.model}).encode()
             for b in bodies]  # fmt: skip
+    apis = {"plain": plain, "recording": recording, "provisional": provisional}
     for raw in raws[:200]:  # warm
-        plain.query(raw, False)
-        recording.query(raw, False)
+        for api in apis.values():
+            api.query(raw, False)
     del noted[:]
-    times: dict[str, list[float]] = {"plain": [], "recording": [], "provisional": []}
+    times: dict[str, list[float]] = {kind: [] for kind in apis}
     for raw in raws:
-        for api, kind in ((plain, "plain"), (recording, "recording"),
-                          (provisional, "provisional")):  # fmt: skip
+        for kind, api in apis.items():
             start = time.perf_counter()
             api.query(raw, False)
             times[kind].append(time.perf_counter() - start)
     start = time.perf_counter()
     built = [encode(answered, build()) for answered, build in noted]
     build_s = time.perf_counter() - start
-    off_p50, on_p50, held_p50 = (percentiles_ms(times[k])[0] for k in times)
+    off_p50, on_p50, held_p50 = (percentiles_ms(times[kind])[0]
+                                 for kind in ("plain", "recording", "provisional"))  # fmt: skip
     return {
         "Dynamo /query handler µs, p50": off_p50 * 1000,
         "Dynamo /query handler recording its answer µs, p50": on_p50 * 1000,

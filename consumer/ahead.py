@@ -29,8 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from kvledger.consumer.core.model import (
-    BlockKey,
-    BlockRow,
+    BlockRows,
     GroupKey,
     HeldSpec,
     HolderKey,
@@ -65,7 +64,7 @@ class Overlay:
     None: none is left)."""
 
     specs: dict[GroupKey, HeldSpec] = field(default_factory=dict)
-    blocks: dict[BlockKey, BlockRow] = field(default_factory=dict)
+    blocks: BlockRows | None = None  # the plan's block rows (never changed after it)
     residencies: dict[ResidencyKey, Residency | None] = field(default_factory=dict)
     held: dict[HolderKey, set[bytes]] = field(default_factory=dict)  # the residencies left
     sources: dict[SourceKey, SourceState] = field(default_factory=dict)
@@ -80,7 +79,7 @@ class Overlay:
             shape = GroupSpec(spec.model, spec.group_idx, spec.kind, spec.block_size,
                               spec.hash_block_size, spec.sliding_window)  # fmt: skip
             out.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(shape, "announced"))
-        out.blocks = {key: w.row for key, w in plan.blocks.items()}
+        out.blocks = plan.rows
         for d in plan.residencies:
             if d.refcount > 0:
                 out.residencies[d.key] = Residency(d.refcount, d.locality, d.since, d.topic,  # type: ignore[arg-type]
@@ -113,7 +112,7 @@ class Overlay:
         return replace(
             snap,
             specs=specs,
-            blocks={**snap.blocks, **self.blocks},
+            block_base=self.blocks,
             residencies=residencies,
             held=held,
             sources={**snap.sources, **self.sources},

@@ -1,4 +1,4 @@
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __version__: str
@@ -7,6 +7,37 @@ class MalformedAvroError(ValueError): ...
 
 def decode(program: tuple[Any, ...], data: bytes, offset: int, /) -> tuple[Any, int]: ...
 def encode(program: tuple[Any, ...], value: Any, header: bytes, /) -> bytes: ...
+
+_Row = tuple[bytes | None, int | None, tuple[int, ...], int, bool]  # a BlockRow's fields
+
+class BlockRows:
+    def __init__(self, known: Mapping[Any, Any], base: BlockRows | None = None, /) -> None: ...
+    def store(
+        self,
+        model: str,
+        group: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        block_size: int,
+        start: int | None,
+        parent: bytes | None,
+        partial: bool,
+        lora_name: str | None,
+        extra_keys: Sequence[str | None] | None,
+        when_us: int,
+        /,
+    ) -> str | None: ...
+    def token_end(self, model: str, group: int, hash: bytes, /) -> int | None: ...
+    def sealed(self) -> BlockRows: ...
+    def items(
+        self,
+    ) -> list[
+        tuple[tuple[str, int, bytes], _Row, tuple[str | None, str | None, int, int, bool]]
+    ]: ...
+    def copy_binary(self, stored: bool | None = None, /) -> bytes | None: ...
+    def __len__(self) -> int: ...
+
+def upgrades(known: Sequence[Any], new: Sequence[Any], /) -> bool: ...
 
 class DynamoSlots:
     def add_holder(self, slot_tier: int) -> None: ...

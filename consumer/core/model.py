@@ -9,15 +9,38 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
 from kvledger.consumer.inbound import Inbound
+from kvledger.native import missing_core
 from kvledger.schemas.events import GroupSpec
+
+try:
+    from kvledger import _core
+except ImportError as exc:  # built without a Rust toolchain: say what to do
+    raise missing_core("the index's planner") from exc
+
+# A batch's block rows and their content rules (rust/src/plan_rows.rs): the planner's, and
+# ``upgrades`` the stores' too, where they merge a row another writer stored since the plan.
+BlockRows = _core.BlockRows
+upgrades = _core.upgrades
 
 PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
 # A named tuple from its values, without its generated __new__ (the planner's per-hash keys).
 new_tuple = tuple.__new__
+
+UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def micros(when: datetime) -> int:
+    """An aware time as µs since the Unix epoch (exact: how the compiled core holds times)."""
+    return (when - UNIX_EPOCH) // _MICROSECOND
+
+
+def from_micros(us: int) -> datetime:
+    return UNIX_EPOCH + timedelta(microseconds=us)
 
 
 class GroupKey(NamedTuple):
@@ -229,6 +252,9 @@ class Snapshot:
     # Whether the store keeps the residency history and the audit log: a store that keeps
     # neither (the router's) is spared their intervals and rows; every rule is the same.
     history: bool = True
+    # The block rows of the batch written before this one commits (planning ahead): they
+    # read over ``blocks``, as the store will hold them.
+    block_base: BlockRows | None = None
 
 
 # ---------------------------------------------------------------------- the plan
@@ -348,7 +374,7 @@ class Plan:
 
     replay: bool = False
     new_specs: list[tuple[GroupSpec, str]] = field(default_factory=list)  # (spec, announced_by)
-    blocks: dict[BlockKey, BlockWrite] = field(default_factory=dict)
+    rows: BlockRows | None = None  # the block rows to merge, compact (None: none)
     residencies: list[ResidencyDelta] = field(default_factory=list)
     sources: dict[SourceKey, SourceState] = field(default_factory=dict)
     lives: dict[str, SourceLife] = field(default_factory=dict)
@@ -363,6 +389,18 @@ class Plan:
     noop_removals: int = 0
     reported_reuse: int = 0  # stored blocks a reuse-reporting source already held
     gaps: int = 0
+
+    @property
+    def blocks(self) -> dict[BlockKey, BlockWrite]:
+        """The block rows to merge as objects, for a store that merges them one by one (the
+        PostgreSQL store copies ``rows`` as they are)."""
+        if self.rows is None:
+            return {}
+        return {
+            new_tuple(BlockKey, key): BlockWrite(new_tuple(BlockRow, row), lora, extra,
+                                                 from_micros(first), from_micros(last), stored)
+            for key, row, (lora, extra, first, last, stored) in self.rows.items()
+        }  # fmt: skip
 
     @property
     def replayed(self) -> int:

@@ -11,10 +11,13 @@ Per message: the sequence rule (:mod:`.sequence`), validation (:mod:`.validate`)
   is a ``hash_conflict``, which rejects the whole event), and one holder reference per hash.
   An event without ``token_start`` (vLLM sends none) starts at 0 when it has no parent, else
   where its parent's row ends, when that is known. Lora name and extra keys are kept from
-  the first writer that has them. From a source that announces reused blocks as stores
-  (``GroupSpec.reports_reuse``: vLLM's ``kv_cache_report_mode="full"``), a store of a block
-  it holds there adds no reference (``reported_reuse`` in the audit log): a rare second
-  physical copy then counts once, so its first removal ends the holder (a missed hit);
+  the first writer that has them. The block rows and their content rules are the compiled
+  core's (``kvledger._core.BlockRows``, rust/src/plan_rows.rs): the planner hands it each
+  event whole, and stores take its rows compact. From a source that announces reused
+  blocks as stores (``GroupSpec.reports_reuse``: vLLM's ``kv_cache_report_mode="full"``),
+  a store of a block it holds there adds no reference (``reported_reuse`` in the audit
+  log): a rare second physical copy then counts once, so its first removal ends the holder
+  (a missed hit);
 - BlockRemoved: one reference less per hash; a removal with no reference left is a
   recorded no-op, never a negative count;
 - AllBlocksCleared: every reference of the instance on that medium (every ownership) in
@@ -42,9 +45,7 @@ from kvledger.consumer.core.audit import audit_row
 from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving, utc
 from kvledger.consumer.core.model import (
     PRIMARY_OWNERSHIP,
-    BlockKey,
-    BlockRow,
-    BlockWrite,
+    BlockRows,
     GroupKey,
     HeldSpec,
     HolderScope,
@@ -55,6 +56,7 @@ from kvledger.consumer.core.model import (
     Snapshot,
     SourceKey,
     SourceState,
+    micros,
     new_tuple,
 )
 from kvledger.consumer.core.refs import References
@@ -68,9 +70,6 @@ from kvledger.consumer.core.validate import (
     check_lost,
     check_removed,
     check_stored,
-    conflicts,
-    explode,
-    upgrades,
 )
 from kvledger.consumer.inbound import Decoded, Inbound
 from kvledger.schemas.events import (
@@ -109,7 +108,7 @@ class _Planner:
         self.snap = snapshot
         self.plan = Plan(replay=replay)
         self.specs: dict[GroupKey, HeldSpec] = dict(snapshot.specs)
-        self.blocks: dict[BlockKey, BlockRow] = {}  # rows this batch wrote (over the snapshot)
+        self.rows = BlockRows(snapshot.blocks, snapshot.block_base)  # the rows this batch writes
         self.refs = References(snapshot)
         self.sources: dict[SourceKey, SourceState] = {}
         self.lives = Lives(snapshot.lives)
@@ -117,6 +116,7 @@ class _Planner:
 
     def finish(self) -> Plan:
         plan = self.plan
+        plan.rows = self.rows.sealed()
         plan.residencies = self.refs.touched()
         plan.sources = self.sources
         plan.lives = self.lives.result()
@@ -219,72 +219,40 @@ class _Planner:
             stream.reports_reuse = ev.reports_reuse
         return invalid
 
-    def _known(self, key: BlockKey) -> BlockRow | None:
-        row = self.blocks.get(key)
-        return row if row is not None else self.snap.blocks.get(key)
-
     def _stored(
         self, env: Envelope, ev: BlockStored, msg: Inbound, when: datetime
     ) -> tuple[Invalid | None, int, int]:
-        group = group_of(ev)
-        invalid = check_stored(ev, self.specs.get(new_tuple(GroupKey, (env.model, group))))
-        start = ev.token_start
-        if start is None and invalid is None and not ev.is_placeholder:
-            start = self._start_after(env.model, group, ev.parent_block_hash)
-        rows = explode(ev, start) if invalid is None else []
-        model = env.model
-        keys = [new_tuple(BlockKey, (model, group, h)) for h, _ in rows]
-        known_rows = [self._known(k) for k in keys]
-        for (h, row), known in zip(rows, known_rows, strict=True):
-            if known is not None and (why := conflicts(known, row)) is not None:
-                invalid = Invalid(Reason.HASH_CONFLICT, f"{why}: hash {h.hex()}")
-                break
+        model, group = env.model, group_of(ev)
+        invalid = check_stored(ev, self.specs.get(new_tuple(GroupKey, (model, group))))
         if invalid is not None:
             return invalid, 0, 0
+        start = ev.token_start
+        if start is None and not ev.is_placeholder:  # at 0, or where its parent's row ends
+            parent = ev.parent_block_hash
+            start = 0 if parent is None else self.rows.token_end(model, group, parent)
+        why = self.rows.store(model, group, ev.block_hashes, ev.token_ids, ev.block_size, start,
+                              ev.parent_block_hash, ev.partial, ev.lora_name, ev.extra_keys,
+                              micros(when))  # fmt: skip
+        if why is not None:
+            return Invalid(Reason.HASH_CONFLICT, why), 0, 0
+        hashes = ev.block_hashes
+        self.plan.block_events += len(hashes)
+        if self.late and (msg.topic, msg.partition, msg.offset) in self.late:
+            return None, len(hashes), 0  # its rows, no holders (see the module's docstring)
         source, medium = env.source, medium_of(ev)
         ownership = ev.ownership or PRIMARY_OWNERSHIP
-        extra_by_block = ev.extra_keys or ()
-        writes, blocks, change = self.plan.blocks, self.blocks, self.refs.change
-        holders = not (self.late and (msg.topic, msg.partition, msg.offset) in self.late)
         stream = new_tuple(SourceKey, (source, model, group))
         state = self.sources.get(stream) or self.snap.sources.get(stream)
-        reports, count, reused = state is not None and state.reports_reuse, self.refs.count, 0
-        for i, (h, row) in enumerate(rows):
-            bkey = keys[i]
-            # This event may have written the row already (a hash twice in one event).
-            known = blocks.get(bkey) or known_rows[i]
-            if known is None or upgrades(known, row):
-                blocks[bkey] = known = row
-            write = writes.get(bkey)
-            if write is None:
-                extra = extra_by_block[i] if i < len(extra_by_block) else None
-                writes[bkey] = BlockWrite(known, ev.lora_name, extra, when, when,
-                                          bkey in self.snap.blocks)  # fmt: skip
+        reports = state is not None and state.reports_reuse
+        count, change, reused = self.refs.count, self.refs.change, 0
+        for h in hashes:
+            key = new_tuple(ResidencyKey, (model, group, h, source, medium, ownership))
+            if reports and count(key) > 0:  # a reused block reported: no second copy
+                reused += 1
             else:
-                write.row = known
-                if write.lora_name is None:
-                    write.lora_name = ev.lora_name
-                if write.extra_keys is None and i < len(extra_by_block):
-                    write.extra_keys = extra_by_block[i]
-                write.first_seen = min(write.first_seen, when)
-                write.last_seen = max(write.last_seen, when)
-            if holders:
-                key = new_tuple(ResidencyKey, (model, group, h, source, medium, ownership))
-                if reports and count(key) > 0:  # a reused block reported: no second copy
-                    reused += 1
-                else:
-                    change(key, 1, when, ev.locality, msg)
-        self.plan.block_events += len(rows)
+                change(key, 1, when, ev.locality, msg)
         self.plan.reported_reuse += reused
-        return None, len(rows), reused
-
-    def _start_after(self, model: str, group: int, parent: bytes | None) -> int | None:
-        """Where a block chained to ``parent`` starts: 0 at the root, else where the
-        parent's row ends (None when the parent or its position is unknown)."""
-        if parent is None:
-            return 0
-        row = self._known(new_tuple(BlockKey, (model, group, parent)))
-        return row.token_end if row is not None else None
+        return None, len(hashes), reused
 
     def _removed(
         self, env: Envelope, ev: BlockRemoved, msg: Inbound, when: datetime

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvledger.consumer.core.model import BlockRow, HeldSpec, new_tuple
+from kvledger.consumer.core.model import HeldSpec
 from kvledger.schemas.events import (
     MEDIUMS,
     RECURRENT_KINDS,
@@ -259,74 +259,3 @@ def check_lost(event: EventsLost) -> Invalid | None:
             f"lost range {event.first_seq}..{event.last_seq} is not a range of batch numbers",
         )
     return None
-
-
-def explode(event: BlockStored, start: int | None = None) -> list[tuple[bytes, BlockRow]]:
-    """One row per hash: hash i covers tokens [start + i*size, +size), parent hash i-1.
-
-    ``start``: the first token's position when the event does not say (None: unknown)."""
-    rows = []
-    parent = event.parent_block_hash
-    size = event.block_size
-    if event.token_start is not None:
-        start = event.token_start
-    tokens = event.token_ids if isinstance(event.token_ids, tuple) else tuple(event.token_ids)
-    partial = event.partial
-    for i, h in enumerate(event.block_hashes):
-        at = start + i * size if start is not None else None
-        # (parent_hash, token_start, token_ids, block_size, partial): slices of a tuple
-        rows.append(
-            (h, new_tuple(BlockRow, (parent, at, tokens[i * size : (i + 1) * size], size, partial)))
-        )
-        parent = h
-    return rows
-
-
-def conflicts(existing: BlockRow, new: BlockRow) -> str | None:
-    """Why ``new`` cannot describe the same hash as ``existing``; None when consistent.
-
-    The same hash may be described at two granularities (a partial tail's hash-size row and
-    a full block's row end at the same token): then both must end at the same position and
-    agree on the tokens they share (the shorter is a suffix of the longer).
-    """
-    if existing.placeholder or new.placeholder:
-        return None
-    if existing.block_size == new.block_size:
-        if existing.token_ids != new.token_ids:
-            return "same hash announced with different tokens"
-        if existing.parent_hash != new.parent_hash:
-            return "same hash announced with a different parent"
-        if (
-            existing.token_start is not None
-            and new.token_start is not None
-            and existing.token_start != new.token_start
-        ):
-            return "same hash announced at a different position"
-        return None
-    if (
-        existing.token_end is not None
-        and new.token_end is not None
-        and existing.token_end != new.token_end
-    ):
-        return "same hash announced ending at a different position"
-    shorter, longer = sorted((existing.token_ids, new.token_ids), key=len)
-    if longer[len(longer) - len(shorter) :] != shorter:
-        return "same hash announced with different tokens"
-    return None
-
-
-def upgrades(known: BlockRow, new: BlockRow) -> bool:
-    """A full-size or real row replaces a placeholder or partial-tail row of the same hash,
-    and a row that knows its position replaces one of the same size that does not."""
-    if new.placeholder:
-        return False
-    return (
-        known.placeholder
-        or (known.partial and not new.partial)
-        or (
-            known.token_start is None
-            and new.token_start is not None
-            and known.block_size == new.block_size
-            and known.partial == new.partial
-        )
-    )

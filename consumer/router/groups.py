@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvledger.native import MissingCoreError, missing_core
+
 __all__ = ["BlockFields", "BlockGroup", "Group", "MissingCoreError", "Run", "SlotTable",
            "copies_hashes", "dynamo_slots"]  # fmt: skip
 
@@ -83,19 +85,10 @@ class SlotTable(Protocol):
     def sizes(self) -> tuple[int, int]: ...
 
 
-class MissingCoreError(ImportError):
-    """This install has no compiled core (kvledger._core): it was built without a Rust
-    toolchain."""
-
-
 try:
     from kvledger._core import DynamoSlots, Group  # Group: what the router's stores build
 except ImportError as exc:  # built without a Rust toolchain: say what to do
-    raise MissingCoreError(
-        "the router index needs kvledger's compiled core (kvledger._core), which this "
-        "install lacks: install kvledger again with a Rust toolchain (cargo) on the PATH "
-        "(`make venv` does), or from a wheel built with one"
-    ) from exc
+    raise missing_core("the router index") from exc
 
 
 def dynamo_slots(kind: type[BlockGroup]) -> SlotTable:

@@ -34,8 +34,8 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
     new_tuple,
+    upgrades,
 )
-from kvledger.consumer.core.validate import upgrades
 from kvledger.consumer.router.groups import (
     BlockGroup,
     Group,

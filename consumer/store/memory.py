@@ -32,8 +32,8 @@ from kvledger.consumer.core.model import (
     SourceKey,
     SourceLife,
     SourceState,
+    upgrades,
 )
-from kvledger.consumer.core.validate import upgrades
 from kvledger.consumer.store.staged import StagedStore
 from kvledger.schemas.events import DEFAULT_MEDIUM, GroupSpec
 

@@ -28,7 +28,7 @@ from kvledger.consumer.core.model import (
 )
 from kvledger.consumer.store import pg_sql as sql
 from kvledger.consumer.store.base import FencedError, TopicPartition
-from kvledger.consumer.store.copy import copy_rows, int4_array
+from kvledger.consumer.store.copy import copy_data, copy_rows
 from kvledger.consumer.store.pg_state import (
     life_row,
     lifecycle_row,
@@ -241,7 +241,7 @@ class PostgresStore:
     ) -> None:
         cur = self.cur
         upsert_group_specs(cur, plan.new_specs, "announced")
-        if plan.blocks:
+        if plan.rows:
             self._write_blocks(plan)
         if plan.residencies:
             self._write_residencies(plan)
@@ -283,24 +283,17 @@ class PostgresStore:
         (sql.MERGE_BLOCKS). Each pass goes in key order, so that two writers never wait
         on each other in a cycle: a block one writer copies as new and another merges
         was committed before the second's plan, so the copy meets it at once, not a lock."""
-        cur = self.cur
-        new: list[tuple[object, ...]] = []
-        stored: list[tuple[object, ...]] = []
-        for (model, group, h), w in sorted(plan.blocks.items()):
-            r = w.row
-            (stored if w.stored else new).append(
-                (model, group, h, r.parent_hash, r.token_start, r.token_end,
-                 int4_array(r.token_ids), r.block_size, r.partial, w.lora_name,
-                 w.extra_keys, w.first_seen, w.last_seen)
-            )  # fmt: skip
-        if new:
+        cur, rows = self.cur, plan.rows
+        assert rows is not None
+        new, stored = rows.copy_binary(False), rows.copy_binary(True)
+        if new is not None:
             try:
                 with self.conn.transaction():
-                    copy_rows(cur, BLOCKS.qualified, BLOCKS.columns, new)
+                    copy_data(cur, BLOCKS.qualified, BLOCKS.columns, new)
             except psycopg.errors.UniqueViolation:
-                stored = sorted(stored + new, key=lambda row: row[:3])
-        if stored:
-            copy_rows(cur, "tmp_blocks", BLOCKS.columns, stored)
+                stored = rows.copy_binary()
+        if stored is not None:
+            copy_data(cur, "tmp_blocks", BLOCKS.columns, stored)
             cur.execute(sql.MERGE_BLOCKS)
 
     def _write_residencies(self, plan: Plan) -> None:

@@ -63,7 +63,7 @@ BLOCKS = Table(
         ("parent_hash", "bytea"),
         ("token_start", "int8"),
         ("token_end", "int8"),
-        ("token_ids", "bytea"),  # int4[] in binary, built by copy.int4_array
+        ("token_ids", "bytea"),  # int4[] in binary (the core's BlockRows.copy_binary writes it)
         ("block_size", "int4"),
         ("partial", "bool"),
         ("lora_name", "text"),

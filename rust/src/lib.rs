@@ -8,7 +8,9 @@
 //! - `dynamo_token_query` / `dynamo_packed_hashes` (dynamo_query.rs): Dynamo's /query
 //!   body to token ids and block hashes, a fast path beside the service's msgspec reading;
 //! - `DynamoSlots` (dynamo_answer.rs): what a /query answer needs beside the walk, which
-//!   `Group.dynamo_answer` writes as Dynamo's JSON in the same call.
+//!   `Group.dynamo_answer` writes as Dynamo's JSON in the same call;
+//! - `BlockRows` / `upgrades` (plan_rows.rs): the block rows of one batch's plan and the
+//!   content rules that make them, written out as PostgreSQL's binary COPY data.
 //!
 //! Each has a pure-Python twin that answers identically (see README.md beside this file).
 
@@ -20,6 +22,7 @@ pub mod wire;
 mod avro;
 mod dynamo_answer;
 mod dynamo_query;
+mod plan_rows;
 mod py_args;
 mod py_group;
 
@@ -30,6 +33,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<py_group::Group>()?;
     m.add_class::<dynamo_answer::DynamoSlots>()?;
+    m.add_class::<plan_rows::BlockRows>()?;
+    m.add_function(wrap_pyfunction!(plan_rows::upgrades_row, m)?)?;
     m.add_function(wrap_pyfunction!(py_group::dynamo_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(dynamo_query::dynamo_token_query, m)?)?;
     m.add_function(wrap_pyfunction!(dynamo_query::dynamo_packed_hashes, m)?)?;

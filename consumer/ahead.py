@@ -32,11 +32,9 @@ from kvledger.consumer.core.model import (
     BlockRows,
     GroupKey,
     HeldSpec,
-    HolderKey,
     Needs,
     Plan,
-    Residency,
-    ResidencyKey,
+    Residencies,
     Snapshot,
     SourceKey,
     SourceLife,
@@ -64,9 +62,9 @@ class Overlay:
     None: none is left)."""
 
     specs: dict[GroupKey, HeldSpec] = field(default_factory=dict)
-    blocks: BlockRows | None = None  # the plan's block rows (never changed after it)
-    residencies: dict[ResidencyKey, Residency | None] = field(default_factory=dict)
-    held: dict[HolderKey, set[bytes]] = field(default_factory=dict)  # the residencies left
+    # The plan's block rows and residencies (compact, never changed after the plan).
+    blocks: BlockRows | None = None
+    refs: Residencies | None = None
     sources: dict[SourceKey, SourceState] = field(default_factory=dict)
     lives: dict[str, SourceLife] = field(default_factory=dict)
 
@@ -79,14 +77,7 @@ class Overlay:
             shape = GroupSpec(spec.model, spec.group_idx, spec.kind, spec.block_size,
                               spec.hash_block_size, spec.sliding_window)  # fmt: skip
             out.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(shape, "announced"))
-        out.blocks = plan.rows
-        for d in plan.residencies:
-            if d.refcount > 0:
-                out.residencies[d.key] = Residency(d.refcount, d.locality, d.since, d.topic,  # type: ignore[arg-type]
-                                                   d.partition, d.offset)  # fmt: skip
-                out.held.setdefault(d.key.holder, set()).add(d.key.block_hash)
-            else:
-                out.residencies[d.key] = None
+        out.blocks, out.refs = plan.rows, plan.refs
         out.sources = {key: copy.copy(state) for key, state in plan.sources.items()}
         out.lives = {source: copy.copy(life) for source, life in plan.lives.items()}
         return out
@@ -100,21 +91,11 @@ class Overlay:
     def over(self, snap: Snapshot) -> Snapshot:
         """``snap`` (read before this overlay's batch committed) as that batch left it."""
         specs = {**self.specs, **snap.specs} if self.specs else snap.specs
-        residencies = dict(snap.residencies)
-        for key, residency in self.residencies.items():
-            if residency is None:
-                residencies.pop(key, None)
-            else:
-                residencies[key] = residency
-        held = dict(snap.held)
-        for holder, hashes in self.held.items():
-            held[holder] = {*snap.held.get(holder, ()), *hashes}
         return replace(
             snap,
             specs=specs,
             block_base=self.blocks,
-            residencies=residencies,
-            held=held,
+            residency_base=self.refs,
             sources={**snap.sources, **self.sources},
             lives={**snap.lives, **self.lives},
         )

@@ -1,4 +1,4 @@
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __version__: str
@@ -38,6 +38,89 @@ class BlockRows:
     def __len__(self) -> int: ...
 
 def upgrades(known: Sequence[Any], new: Sequence[Any], /) -> bool: ...
+
+_Key = tuple[str, int, bytes, str, str, str]  # a ResidencyKey's fields
+_Interval = tuple[int, str | None, int, int, int | None, str | None]
+
+class Residencies:
+    def __init__(
+        self,
+        known: Mapping[Any, Any],
+        held: Mapping[Any, Any],
+        base: Residencies | None,
+        history: bool,
+        micros: Callable[[Any], int],
+        /,
+    ) -> None: ...
+    def store(
+        self,
+        model: str,
+        group: int,
+        instance: str,
+        medium: str,
+        ownership: str,
+        hashes: Sequence[bytes],
+        when_us: int,
+        locality: str | None,
+        topic: str,
+        partition: int,
+        offset: int,
+        reports_reuse: bool,
+        /,
+    ) -> int: ...
+    def remove(
+        self,
+        model: str,
+        group: int,
+        instance: str,
+        medium: str,
+        ownership: str,
+        hashes: Sequence[bytes],
+        when_us: int,
+        locality: str | None,
+        topic: str,
+        partition: int,
+        offset: int,
+        /,
+    ) -> int: ...
+    def live(
+        self,
+        model: str,
+        group: int | None,
+        instance: str,
+        medium: str | None,
+        ownership: str | None,
+        /,
+    ) -> list[_Key]: ...
+    def end(
+        self,
+        keys: Sequence[Sequence[Any]],
+        how: str,
+        when_us: int,
+        topic: str,
+        partition: int,
+        offset: int,
+        /,
+    ) -> dict[str, int]: ...
+    def sealed(self) -> Residencies: ...
+    def __len__(self) -> int: ...
+    def touched(
+        self,
+    ) -> list[
+        tuple[
+            _Key,
+            int,
+            int,
+            bool,
+            tuple[str | None, int | None, str, int, int],
+            tuple[int, str] | None,
+            list[_Interval],
+        ]
+    ]: ...
+    def closes_own(self) -> bool: ...
+    def copy_closes(self) -> bytes | None: ...
+    def copy_history(self, closed_at_us: int | None, /) -> bytes | None: ...
+    def copy_holders(self) -> bytes | None: ...
 
 class DynamoSlots:
     def add_holder(self, slot_tier: int) -> None: ...

@@ -25,6 +25,8 @@ except ImportError as exc:  # built without a Rust toolchain: say what to do
 # ``upgrades`` the stores' too, where they merge a row another writer stored since the plan.
 BlockRows = _core.BlockRows
 upgrades = _core.upgrades
+# The residencies' reference counts and history intervals a batch changes (plan_refs.rs).
+Residencies = _core.Residencies
 
 PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
 # A named tuple from its values, without its generated __new__ (the planner's per-hash keys).
@@ -252,9 +254,11 @@ class Snapshot:
     # Whether the store keeps the residency history and the audit log: a store that keeps
     # neither (the router's) is spared their intervals and rows; every rule is the same.
     history: bool = True
-    # The block rows of the batch written before this one commits (planning ahead): they
-    # read over ``blocks``, as the store will hold them.
+    # The block rows and residencies of the batch written before this one commits (planning
+    # ahead): they read over ``blocks``, ``residencies`` and ``held``, as the store will
+    # hold them.
     block_base: BlockRows | None = None
+    residency_base: Residencies | None = None
 
 
 # ---------------------------------------------------------------------- the plan
@@ -375,7 +379,7 @@ class Plan:
     replay: bool = False
     new_specs: list[tuple[GroupSpec, str]] = field(default_factory=list)  # (spec, announced_by)
     rows: BlockRows | None = None  # the block rows to merge, compact (None: none)
-    residencies: list[ResidencyDelta] = field(default_factory=list)
+    refs: Residencies | None = None  # the residencies changed, compact (None: none)
     sources: dict[SourceKey, SourceState] = field(default_factory=dict)
     lives: dict[str, SourceLife] = field(default_factory=dict)
     model_changes: list[ModelChange] = field(default_factory=list)
@@ -401,6 +405,28 @@ class Plan:
                                                  from_micros(first), from_micros(last), stored)
             for key, row, (lora, extra, first, last, stored) in self.rows.items()
         }  # fmt: skip
+
+    @property
+    def residencies(self) -> list[ResidencyDelta]:
+        """The residencies changed, as objects, for a store that applies them one by one
+        (the PostgreSQL store copies ``refs`` as they are)."""
+        if self.refs is None:
+            return []
+        out = []
+        for key, before, refcount, existed, now, close, intervals in self.refs.touched():
+            locality, since, topic, partition, offset = now
+            delta = ResidencyDelta(
+                new_tuple(ResidencyKey, key), before, refcount, existed, locality,
+                None if since is None else from_micros(since), topic, partition, offset,
+                None if close is None else from_micros(close[0]),
+                None if close is None else close[1],
+                [Interval(from_micros(stored), where, part, off,
+                          None if removed is None else from_micros(removed), by)
+                 for stored, where, part, off, removed, by in intervals],
+                True,
+            )  # fmt: skip
+            out.append(delta)
+        return out
 
     @property
     def replayed(self) -> int:

@@ -48,11 +48,11 @@ from kvledger.consumer.core.model import (
     BlockRows,
     GroupKey,
     HeldSpec,
+    HolderKey,
     HolderScope,
     LifecycleEvent,
     Plan,
     Rejection,
-    ResidencyKey,
     Snapshot,
     SourceKey,
     SourceState,
@@ -117,7 +117,7 @@ class _Planner:
     def finish(self) -> Plan:
         plan = self.plan
         plan.rows = self.rows.sealed()
-        plan.residencies = self.refs.touched()
+        plan.refs = self.refs.native.sealed()
         plan.sources = self.sources
         plan.lives = self.lives.result()
         plan.model_changes = self.lives.model_changes
@@ -239,18 +239,13 @@ class _Planner:
         self.plan.block_events += len(hashes)
         if self.late and (msg.topic, msg.partition, msg.offset) in self.late:
             return None, len(hashes), 0  # its rows, no holders (see the module's docstring)
-        source, medium = env.source, medium_of(ev)
-        ownership = ev.ownership or PRIMARY_OWNERSHIP
+        source = env.source
+        holder = new_tuple(HolderKey, (model, group, source, medium_of(ev),
+                                       ev.ownership or PRIMARY_OWNERSHIP))  # fmt: skip
         stream = new_tuple(SourceKey, (source, model, group))
         state = self.sources.get(stream) or self.snap.sources.get(stream)
         reports = state is not None and state.reports_reuse
-        count, change, reused = self.refs.count, self.refs.change, 0
-        for h in hashes:
-            key = new_tuple(ResidencyKey, (model, group, h, source, medium, ownership))
-            if reports and count(key) > 0:  # a reused block reported: no second copy
-                reused += 1
-            else:
-                change(key, 1, when, ev.locality, msg)
+        reused = self.refs.store(holder, hashes, when, ev.locality, msg, reports)
         self.plan.reported_reuse += reused
         return None, len(hashes), reused
 
@@ -261,13 +256,9 @@ class _Planner:
         invalid = check_removed(ev, self.specs.get(new_tuple(GroupKey, (env.model, group))))
         if invalid is not None:
             return invalid, 0, 0
-        medium = medium_of(ev)
-        ownership = ev.ownership or PRIMARY_OWNERSHIP
-        noop = 0
-        for h in ev.block_hashes:
-            key = new_tuple(ResidencyKey, (env.model, group, h, env.source, medium, ownership))
-            if not self.refs.change(key, -1, when, ev.locality, msg):
-                noop += 1
+        holder = new_tuple(HolderKey, (env.model, group, env.source, medium_of(ev),
+                                       ev.ownership or PRIMARY_OWNERSHIP))  # fmt: skip
+        noop = self.refs.remove(holder, ev.block_hashes, when, ev.locality, msg)
         self.plan.noop_removals += noop
         self.plan.block_events += len(ev.block_hashes)
         return None, len(ev.block_hashes), noop

@@ -2,8 +2,10 @@
 
 A residency exists while its reference count is above zero: a history interval opens at
 0→1 and closes at 1→0 (never before it opened). A removal with no reference left is a
-no-op, never a negative count. The snapshot is read, never changed: each residency the
-batch touches gets its own :class:`~.model.ResidencyDelta`.
+no-op, never a negative count. The snapshot is read, never changed. The counts and
+intervals are the compiled core's (``kvledger._core.Residencies``, rust/src/plan_refs.rs):
+a store or removal event is handed over whole, and the PostgreSQL store copies the result
+as it is. :class:`References` gives the planner its types.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 from datetime import datetime
 
 from kvledger.consumer.core.model import (
+    HolderKey,
     HolderScope,
-    Interval,
-    ResidencyDelta,
+    Residencies,
     ResidencyKey,
     Snapshot,
+    micros,
+    new_tuple,
 )
 from kvledger.consumer.inbound import Inbound
 
@@ -24,86 +28,34 @@ class References:
     """The batch's residencies: the snapshot's, overlaid with the batch's changes."""
 
     def __init__(self, snapshot: Snapshot) -> None:
-        self.snap = snapshot
-        self.history = snapshot.history
-        self.deltas: dict[ResidencyKey, ResidencyDelta] = {}
+        self.native = Residencies(snapshot.residencies, snapshot.held, snapshot.residency_base,
+                                  snapshot.history, micros)  # fmt: skip
 
-    def touched(self) -> list[ResidencyDelta]:
-        return [d for d in self.deltas.values() if d.touched]
+    def store(
+        self, holder: HolderKey, hashes: tuple[bytes, ...], when: datetime,
+        locality: str | None, msg: Inbound, reports_reuse: bool,
+    ) -> int:  # fmt: skip
+        """One reference more per hash (none for a hash the holder holds, when it reports
+        reused blocks as stores); how many it held that way."""
+        return self.native.store(*holder, hashes, micros(when), locality, msg.topic,
+                                 msg.partition, msg.offset, reports_reuse)  # fmt: skip
 
-    def count(self, key: ResidencyKey) -> int:
-        delta = self.deltas.get(key)
-        if delta is not None:
-            return delta.refcount
-        held = self.snap.residencies.get(key)
-        return held.refcount if held is not None else 0
+    def remove(
+        self, holder: HolderKey, hashes: tuple[bytes, ...], when: datetime,
+        locality: str | None, msg: Inbound,
+    ) -> int:  # fmt: skip
+        """One reference less per hash; how many had none left (recorded no-ops)."""
+        return self.native.remove(*holder, hashes, micros(when), locality, msg.topic,
+                                  msg.partition, msg.offset)  # fmt: skip
 
     def live(self, scope: HolderScope) -> list[ResidencyKey]:
         """Every residency in ``scope`` with a reference, in key order."""
-        keys = {
-            ResidencyKey(holder.model, holder.group_idx, h, holder.instance, holder.medium,
-                         holder.ownership)
-            for holder, hashes in self.snap.held.items()
-            if scope.covers(holder)
-            for h in hashes
-        }  # fmt: skip
-        keys.update(k for k in self.deltas if scope.covers(k.holder))
-        return sorted(k for k in keys if self.count(k) > 0)
+        found = self.native.live(scope.model, scope.group_idx, scope.instance, scope.medium,
+                                 scope.ownership)  # fmt: skip
+        return [new_tuple(ResidencyKey, key) for key in found]
 
     def end(
         self, keys: list[ResidencyKey], how: str, when: datetime, msg: Inbound
     ) -> dict[str, int]:
         """Drop every reference of ``keys`` (``how``: the history's reason); per medium."""
-        ended: dict[str, int] = {}
-        for key in keys:
-            count = self.count(key)
-            if count > 0:
-                self.change(key, -count, when, None, msg, how)
-                ended[key.medium] = ended.get(key.medium, 0) + 1
-        return ended
-
-    def change(
-        self,
-        key: ResidencyKey,
-        change: int,
-        when: datetime,
-        locality: str | None,
-        msg: Inbound,
-        how: str = "removed",
-    ) -> bool:
-        """Change a holder's reference count; False for a removal with no reference left."""
-        state = self.deltas.get(key)
-        if state is None:
-            state = self._delta(key)
-        before = state.refcount
-        if change < 0 and before == 0:
-            return False
-        after = state.refcount = before + change
-        state.touched = True
-        if before == 0:  # 0 -> n: a residency and its history interval open
-            state.locality, state.since = locality, when
-            state.topic, state.partition, state.offset = msg.topic, msg.partition, msg.offset
-            if self.history:
-                state.intervals.append(Interval(when, locality, msg.partition, msg.offset))
-        elif after == 0 and self.history:  # n -> 0: they end
-            opened = next((i for i in state.intervals if i.removed_at is None), None)
-            if opened is not None:
-                opened.removed_at = max(when, opened.stored_at)
-                opened.removed_by = how
-            else:  # the interval was opened by an earlier batch
-                state.close_existing_at = when
-                state.close_existing_by = how
-        return True
-
-    def _delta(self, key: ResidencyKey) -> ResidencyDelta:
-        """The key's delta, created from the snapshot on first touch."""
-        held = self.snap.residencies.get(key)
-        if held is None:
-            delta = ResidencyDelta(key, 0, 0, False)
-        else:
-            delta = ResidencyDelta(
-                key, held.refcount, held.refcount, True, held.locality, held.since,
-                held.topic, held.partition, held.offset,
-            )  # fmt: skip
-        self.deltas[key] = delta
-        return delta
+        return self.native.end(keys, how, micros(when), msg.topic, msg.partition, msg.offset)

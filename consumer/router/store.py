@@ -167,7 +167,7 @@ class RouterStore(StagedStore):
         hid = self.holder_ids.get(key[3:])
         if g is None or hid is None:
             return 0
-        return g.refcount(key.block_hash, hid)
+        return g.refcount(key[2], hid)  # a ResidencyKey, or the core's plain tuple of it
 
     # ------------------------------------------------------------------ IndexStore
 

@@ -25,6 +25,7 @@ from kvledger.consumer.core.model import (
     Residency,
     ResidencyKey,
     Snapshot,
+    micros,
 )
 from kvledger.consumer.store import pg_sql as sql
 from kvledger.consumer.store.base import FencedError, TopicPartition
@@ -243,7 +244,7 @@ class PostgresStore:
         upsert_group_specs(cur, plan.new_specs, "announced")
         if plan.rows:
             self._write_blocks(plan)
-        if plan.residencies:
+        if plan.refs:
             self._write_residencies(plan)
         if plan.lives:
             cur.executemany(
@@ -297,34 +298,24 @@ class PostgresStore:
             cur.execute(sql.MERGE_BLOCKS)
 
     def _write_residencies(self, plan: Plan) -> None:
-        cur = self.cur
-        deltas = sorted(plan.residencies, key=lambda d: d.key)
-        closes = [
-            (*d.key, d.close_existing_at, d.close_existing_by)
-            for d in deltas
-            if d.close_existing_at is not None
-        ]
-        if closes:
-            copy_rows(cur, "tmp_close", HISTORY_CLOSE, closes)
+        cur, refs = self.cur, plan.refs
+        assert refs is not None
+        closes = refs.copy_closes()
+        if closes is not None:
+            copy_data(cur, "tmp_close", HISTORY_CLOSE, closes)
             cur.execute(sql.CLOSE_HISTORY)
         # An interval closed in the batch that opened it goes straight to now's partition.
         closed_at = None
-        if any(i.removed_at is not None for d in deltas for i in d.intervals):
-            closed_at = cur.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-        intervals = [
-            (*d.key, i.locality, i.stored_at, i.removed_at, i.removed_by, i.partition, i.offset,
-             None if i.removed_at is None else closed_at)
-            for d in deltas
-            for i in d.intervals
-        ]  # fmt: skip
-        copy_rows(cur, RESIDENCY_HISTORY.qualified, RESIDENCY_HISTORY.columns, intervals)
-        holders = [
-            (*d.key, d.locality, d.since, d.topic, d.partition, d.offset, d.refcount)
-            for d in deltas
-            if d.refcount > 0 or d.existed
-        ]
-        copy_rows(cur, "tmp_res", RESIDENCIES.columns, holders)
-        cur.execute(sql.MERGE_RESIDENCIES)
+        if refs.closes_own():
+            row = cur.execute("SELECT now()").fetchone()
+            closed_at = micros(row[0]) if row is not None else None
+        intervals = refs.copy_history(closed_at)
+        if intervals is not None:
+            copy_data(cur, RESIDENCY_HISTORY.qualified, RESIDENCY_HISTORY.columns, intervals)
+        holders = refs.copy_holders()
+        if holders is not None:
+            copy_data(cur, "tmp_res", RESIDENCIES.columns, holders)
+            cur.execute(sql.MERGE_RESIDENCIES)
 
     def _write_replay_updates(self, plan: Plan) -> None:
         """After a replay: applied rows leave the reject list and the audit log says so."""

@@ -10,7 +10,9 @@
 //! - `DynamoSlots` (dynamo_answer.rs): what a /query answer needs beside the walk, which
 //!   `Group.dynamo_answer` writes as Dynamo's JSON in the same call;
 //! - `BlockRows` / `upgrades` (plan_rows.rs): the block rows of one batch's plan and the
-//!   content rules that make them, written out as PostgreSQL's binary COPY data.
+//!   content rules that make them, and `Residencies` (plan_refs.rs): the reference counts
+//!   and history intervals it changes; both written out as PostgreSQL's binary COPY data
+//!   (copy_data.rs).
 //!
 //! Each has a pure-Python twin that answers identically (see README.md beside this file).
 
@@ -20,8 +22,10 @@ pub mod slots;
 pub mod wire;
 
 mod avro;
+mod copy_data;
 mod dynamo_answer;
 mod dynamo_query;
+mod plan_refs;
 mod plan_rows;
 mod py_args;
 mod py_group;
@@ -34,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_group::Group>()?;
     m.add_class::<dynamo_answer::DynamoSlots>()?;
     m.add_class::<plan_rows::BlockRows>()?;
+    m.add_class::<plan_refs::Residencies>()?;
     m.add_function(wrap_pyfunction!(plan_rows::upgrades_row, m)?)?;
     m.add_function(wrap_pyfunction!(py_group::dynamo_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(dynamo_query::dynamo_token_query, m)?)?;

@@ -22,6 +22,7 @@ use foldhash::fast::RandomState;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
+use crate::copy_data::Copy;
 use crate::py_args::{hash_list, key_bytes, token_list};
 
 /// What the index knows of one block hash's content (a BlockRow's fields).
@@ -393,12 +394,8 @@ impl BlockRows {
         py: Python<'py>,
         stored: Option<bool>,
     ) -> Option<Bound<'py, PyBytes>> {
-        let rows = self.sorted(stored);
-        if rows.is_empty() {
-            return None;
-        }
         let mut out = Copy::new();
-        for w in rows {
+        for w in self.sorted(stored) {
             let (model, group) = &self.groups[w.group as usize];
             out.row(13);
             out.bytes(Some(model.as_bytes()));
@@ -412,10 +409,10 @@ impl BlockRows {
             out.boolean(w.row.partial);
             out.bytes(w.lora.as_deref().map(str::as_bytes));
             out.bytes(w.extra.as_deref().map(str::as_bytes));
-            out.timestamp(w.first_us);
-            out.timestamp(w.last_us);
+            out.timestamp(Some(w.first_us));
+            out.timestamp(Some(w.last_us));
         }
-        Some(PyBytes::new(py, &out.finish()))
+        out.finish(py)
     }
 }
 
@@ -429,91 +426,6 @@ pub fn upgrades_row(known: &Bound<'_, PyAny>, new: &Bound<'_, PyAny>) -> PyResul
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// PostgreSQL's binary COPY format: a signature, rows of length-prefixed fields, a trailer.
-struct Copy(Vec<u8>);
-
-/// µs from the Unix epoch to PostgreSQL's (2000-01-01 UTC).
-const POSTGRES_EPOCH_US: i64 = 946_684_800_000_000;
-
-impl Copy {
-    fn new() -> Copy {
-        let mut out = Vec::with_capacity(1 << 16);
-        out.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
-        out.extend_from_slice(&0i32.to_be_bytes()); // flags
-        out.extend_from_slice(&0i32.to_be_bytes()); // header extension length
-        Copy(out)
-    }
-
-    fn row(&mut self, fields: i16) {
-        self.0.extend_from_slice(&fields.to_be_bytes());
-    }
-
-    fn field(&mut self, len: usize) {
-        self.0.extend_from_slice(&(len as i32).to_be_bytes());
-    }
-
-    fn null(&mut self) {
-        self.0.extend_from_slice(&(-1i32).to_be_bytes());
-    }
-
-    fn bytes(&mut self, value: Option<&[u8]>) {
-        match value {
-            Some(v) => {
-                self.field(v.len());
-                self.0.extend_from_slice(v);
-            }
-            None => self.null(),
-        }
-    }
-
-    fn int4(&mut self, value: i32) {
-        self.field(4);
-        self.0.extend_from_slice(&value.to_be_bytes());
-    }
-
-    fn int8(&mut self, value: Option<i64>) {
-        match value {
-            Some(v) => {
-                self.field(8);
-                self.0.extend_from_slice(&v.to_be_bytes());
-            }
-            None => self.null(),
-        }
-    }
-
-    fn boolean(&mut self, value: bool) {
-        self.field(1);
-        self.0.push(u8::from(value));
-    }
-
-    fn timestamp(&mut self, unix_us: i64) {
-        self.int8(Some(unix_us - POSTGRES_EPOCH_US));
-    }
-
-    /// An int4[]: dimensions, a null flag, the element type (23), then per dimension its
-    /// length and lower bound, then each element as a field (an empty array: no dimensions).
-    fn int4_array(&mut self, values: &[i32]) {
-        let head: &[i32] = if values.is_empty() {
-            &[0, 0, 23]
-        } else {
-            &[1, 0, 23, values.len() as i32, 1]
-        };
-        self.field(4 * head.len() + 8 * values.len());
-        for v in head {
-            self.0.extend_from_slice(&v.to_be_bytes());
-        }
-        for v in values {
-            self.0.extend_from_slice(&4i32.to_be_bytes());
-            self.0.extend_from_slice(&v.to_be_bytes());
-        }
-    }
-
-    fn finish(mut self) -> Vec<u8> {
-        self.0.extend_from_slice(&(-1i16).to_be_bytes());
-        self.0
-    }
 }
 
 #[cfg(test)]

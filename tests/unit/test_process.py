@@ -1,9 +1,14 @@
-"""kvledger/process.py: the long-running commands' collector settings."""
+"""kvledger/process.py: the long-running commands' collector settings; the consumer's GIL
+switch interval while it plans ahead (consumer/ahead.py)."""
 
 from __future__ import annotations
 
 import gc
+import sys
+from typing import cast
 
+from kvledger.consumer.ahead import SWITCH_INTERVAL_S, Ahead
+from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.process import SERVER_COLLECTION, collect_less_often
 
 
@@ -17,3 +22,16 @@ def test_a_server_collects_in_larger_rarer_passes() -> None:
         assert SERVER_COLLECTION[0] > 700
     finally:
         gc.set_threshold(*before)
+
+
+def test_planning_ahead_trades_the_gil_often_while_open_and_gives_the_interval_back() -> None:
+    """The consumer's writer thread waits for the GIL after each round trip to PostgreSQL:
+    while batches are planned ahead the interval is short, and afterwards what it was."""
+    before = sys.getswitchinterval()
+    ahead = Ahead(cast(PostgresStore, None), "group")
+    try:
+        assert before > SWITCH_INTERVAL_S
+        assert abs(sys.getswitchinterval() - SWITCH_INTERVAL_S) < 1e-9
+    finally:
+        ahead.close()
+    assert sys.getswitchinterval() == before

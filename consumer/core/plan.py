@@ -230,9 +230,10 @@ class _Planner:
         if start is None and not ev.is_placeholder:  # at 0, or where its parent's row ends
             parent = ev.parent_block_hash
             start = 0 if parent is None else self.rows.token_end(model, group, parent)
+        when_us = micros(when)
         why = self.rows.store(model, group, ev.block_hashes, ev.token_ids, ev.block_size, start,
                               ev.parent_block_hash, ev.partial, ev.lora_name, ev.extra_keys,
-                              micros(when))  # fmt: skip
+                              when_us)  # fmt: skip
         if why is not None:
             return Invalid(Reason.HASH_CONFLICT, why), 0, 0
         hashes = ev.block_hashes
@@ -245,7 +246,7 @@ class _Planner:
         stream = new_tuple(SourceKey, (source, model, group))
         state = self.sources.get(stream) or self.snap.sources.get(stream)
         reports = state is not None and state.reports_reuse
-        reused = self.refs.store(holder, hashes, when, ev.locality, msg, reports)
+        reused = self.refs.store(holder, hashes, when_us, ev.locality, msg, reports)
         self.plan.reported_reuse += reused
         return None, len(hashes), reused
 

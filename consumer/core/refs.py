@@ -32,13 +32,14 @@ class References:
                                   snapshot.history, micros)  # fmt: skip
 
     def store(
-        self, holder: HolderKey, hashes: tuple[bytes, ...], when: datetime,
+        self, holder: HolderKey, hashes: tuple[bytes, ...], when_us: int,
         locality: str | None, msg: Inbound, reports_reuse: bool,
     ) -> int:  # fmt: skip
         """One reference more per hash (none for a hash the holder holds, when it reports
-        reused blocks as stores); how many it held that way."""
-        return self.native.store(*holder, hashes, micros(when), locality, msg.topic,
-                                 msg.partition, msg.offset, reports_reuse)  # fmt: skip
+        reused blocks as stores); how many it held that way. ``when_us``: the event's time
+        as :func:`~.model.micros` gives it (the planner has it for the block rows too)."""
+        return self.native.store(*holder, hashes, when_us, locality, msg.topic, msg.partition,
+                                 msg.offset, reports_reuse)  # fmt: skip
 
     def remove(
         self, holder: HolderKey, hashes: tuple[bytes, ...], when: datetime,

@@ -12,6 +12,7 @@ from kvledger.consumer.core.model import (
     ResidencyDelta,
     ResidencyKey,
     Snapshot,
+    micros,
 )
 from kvledger.consumer.core.refs import References
 from kvledger.consumer.inbound import Inbound
@@ -42,7 +43,7 @@ def test_counts_open_and_close_intervals_without_touching_the_snapshot() -> None
     snap = snapshot()
     refs = References(snap)
     three = (bytes([3]),)
-    assert refs.store(key(3).holder, three, T, "LOCAL", MSG, False) == 0
+    assert refs.store(key(3).holder, three, micros(T), "LOCAL", MSG, False) == 0
     assert refs.remove(key(3).holder, three, T + timedelta(seconds=1), None, MSG) == 0
     assert refs.remove(key(3).holder, three, T, None, MSG) == 1  # nothing left: a no-op
     [opened] = deltas(refs)[key(3)].intervals
@@ -54,7 +55,7 @@ def test_counts_open_and_close_intervals_without_touching_the_snapshot() -> None
     assert deltas(refs)[key(1)].refcount == 1 and snap.residencies[key(1)].refcount == 2
     assert deltas(refs)[key(1)].close_existing_at is None
     # A source that reports reused blocks as stores: one it holds gains no reference.
-    assert refs.store(key(1).holder, (bytes([1]), bytes([4])), T, None, MSG, True) == 1
+    assert refs.store(key(1).holder, (bytes([1]), bytes([4])), micros(T), None, MSG, True) == 1
     assert (deltas(refs)[key(1)].refcount, deltas(refs)[key(4)].refcount) == (1, 1)
 
 
@@ -71,7 +72,7 @@ def test_an_interval_opened_earlier_is_closed_by_time_and_reason() -> None:
 
 def test_scopes_pick_holders() -> None:
     refs = References(snapshot())
-    refs.store(key(5, instance="b").holder, (bytes([5]),), T, None, MSG, False)
+    refs.store(key(5, instance="b").holder, (bytes([5]),), micros(T), None, MSG, False)
     assert refs.live(HolderScope("m", 0, "a", "GPU", "")) == [key(2, "GPU")]
     assert refs.live(HolderScope("m", None, "b", None, None)) == [key(5, instance="b")]
     assert refs.live(HolderScope("other", None, "a", None, None)) == []

@@ -19,6 +19,7 @@ from kvledger.consumer.core.model import (
     ResidencyKey,
     Snapshot,
     from_micros,
+    micros,
 )
 from kvledger.consumer.core.refs import References
 from kvledger.consumer.inbound import Inbound
@@ -104,7 +105,7 @@ def _run(native: References, reference: ReferenceRefs, batch: list) -> None:  # 
                     reused += 1
                 else:
                     reference.change(key, 1, when, locality, msg)
-            assert native.store(holder, hashes, when, locality, msg, reports) == reused
+            assert native.store(holder, hashes, micros(when), locality, msg, reports) == reused
         elif op[0] == "remove":
             _, holder, hashes, when, locality, msg = op
             keys = [ResidencyKey(*holder[:2], h, *holder[2:]) for h in hashes]

@@ -54,33 +54,21 @@ class Residencies:
     ) -> None: ...
     def store(
         self,
-        model: str,
-        group: int,
-        instance: str,
-        medium: str,
-        ownership: str,
+        holder: tuple[str, int, str, str, str],
         hashes: Sequence[bytes],
         when_us: int,
         locality: str | None,
-        topic: str,
-        partition: int,
-        offset: int,
+        at: tuple[str, int, int],
         reports_reuse: bool,
         /,
     ) -> int: ...
     def remove(
         self,
-        model: str,
-        group: int,
-        instance: str,
-        medium: str,
-        ownership: str,
+        holder: tuple[str, int, str, str, str],
         hashes: Sequence[bytes],
         when_us: int,
         locality: str | None,
-        topic: str,
-        partition: int,
-        offset: int,
+        at: tuple[str, int, int],
         /,
     ) -> int: ...
     def live(

@@ -38,16 +38,16 @@ class References:
         """One reference more per hash (none for a hash the holder holds, when it reports
         reused blocks as stores); how many it held that way. ``when_us``: the event's time
         as :func:`~.model.micros` gives it (the planner has it for the block rows too)."""
-        return self.native.store(*holder, hashes, when_us, locality, msg.topic, msg.partition,
-                                 msg.offset, reports_reuse)  # fmt: skip
+        at = (msg.topic, msg.partition, msg.offset)
+        return self.native.store(holder, hashes, when_us, locality, at, reports_reuse)
 
     def remove(
         self, holder: HolderKey, hashes: tuple[bytes, ...], when: datetime,
         locality: str | None, msg: Inbound,
     ) -> int:  # fmt: skip
         """One reference less per hash; how many had none left (recorded no-ops)."""
-        return self.native.remove(*holder, hashes, micros(when), locality, msg.topic,
-                                  msg.partition, msg.offset)  # fmt: skip
+        at = (msg.topic, msg.partition, msg.offset)
+        return self.native.remove(holder, hashes, micros(when), locality, at)
 
     def live(self, scope: HolderScope) -> list[ResidencyKey]:
         """Every residency in ``scope`` with a reference, in key order."""

@@ -275,38 +275,26 @@ impl Residencies {
         }
     }
 
-    /// store(model, group, instance, medium, ownership, hashes, when_us, locality, topic,
-    /// partition, offset, reports_reuse) -> how many hashes the holder already held and
-    /// reports as reused (no second reference); every other hash gains one.
+    /// store(holder, hashes, when_us, locality, at, reports_reuse) -> how many hashes the
+    /// holder (a HolderKey's fields) already held and reports as reused (no second
+    /// reference); every other hash gains one. `at`: the message's (topic, partition,
+    /// offset).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (model, group, instance, medium, ownership, hashes, when_us, locality, topic, partition, offset, reports_reuse))]
     fn store(
         &mut self,
         py: Python<'_>,
-        model: &str,
-        group: i64,
-        instance: &str,
-        medium: &str,
-        ownership: &str,
+        holder: Holder,
         hashes: &Bound<'_, PyAny>,
         when_us: i64,
         locality: Option<&str>,
-        topic: &str,
-        partition: i32,
-        offset: i64,
+        at: (String, i32, i64),
         reports_reuse: bool,
     ) -> PyResult<usize> {
-        let holder = self.holder_id((
-            model.into(),
-            group,
-            instance.into(),
-            medium.into(),
-            ownership.into(),
-        ));
+        let holder = self.holder_id(holder);
         let at = At {
-            topic,
-            partition,
-            offset,
+            topic: &at.0,
+            partition: at.1,
+            offset: at.2,
         };
         let mut reused = 0;
         for h in hash_list(hashes)? {
@@ -320,36 +308,22 @@ impl Residencies {
         Ok(reused)
     }
 
-    /// remove(model, group, instance, medium, ownership, hashes, when_us, locality, topic,
-    /// partition, offset) -> how many hashes had no reference left (recorded no-ops).
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (model, group, instance, medium, ownership, hashes, when_us, locality, topic, partition, offset))]
+    /// remove(holder, hashes, when_us, locality, at) -> how many hashes had no reference
+    /// left (recorded no-ops).
     fn remove(
         &mut self,
         py: Python<'_>,
-        model: &str,
-        group: i64,
-        instance: &str,
-        medium: &str,
-        ownership: &str,
+        holder: Holder,
         hashes: &Bound<'_, PyAny>,
         when_us: i64,
         locality: Option<&str>,
-        topic: &str,
-        partition: i32,
-        offset: i64,
+        at: (String, i32, i64),
     ) -> PyResult<usize> {
-        let holder = self.holder_id((
-            model.into(),
-            group,
-            instance.into(),
-            medium.into(),
-            ownership.into(),
-        ));
+        let holder = self.holder_id(holder);
         let at = At {
-            topic,
-            partition,
-            offset,
+            topic: &at.0,
+            partition: at.1,
+            offset: at.2,
         };
         let mut noop = 0;
         for h in hash_list(hashes)? {

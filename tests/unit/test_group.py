@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from bench.flood import crafted_keys
 from kvledger.consumer.router import groups as store
 from tests.helpers.pure_router.group import PureGroup
+from tests.helpers.without_core import import_error
 
 Compiled = store.Group  # the router's groups are the compiled core's (its import says so)
 
@@ -251,19 +252,9 @@ def test_the_compiled_group_refuses_what_is_not_a_hash() -> None:
 def test_an_install_without_the_core_says_the_router_needs_it() -> None:
     """The router index is the compiled core's alone: without it, importing the router
     fails with one sentence saying what to install, not an ImportError of a private name."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; sys.modules['kvledger._core'] = None\n"
-        "try:\n    import kvledger.consumer.router.groups\n"
-        "except ImportError as e:\n    print(type(e).__name__, e)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=60)  # fmt: skip
-    assert done.stdout.startswith("MissingCoreError the router index needs kvledger's "
-                                  "compiled core"), done.stdout  # fmt: skip
-    assert "Rust toolchain (cargo)" in done.stdout
+    said = import_error("kvledger.consumer.router.groups")
+    assert said.startswith("MissingCoreError the router index needs kvledger's compiled core"), said
+    assert "Rust toolchain (cargo)" in said
 
 
 def test_the_groups_hash_is_keyed_per_group_and_process() -> None:

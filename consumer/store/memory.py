@@ -156,14 +156,15 @@ class MemoryStore(StagedStore):
         meta.last_seen = max(meta.last_seen, write.last_seen)
 
     def _apply_residencies(self, plan: Plan) -> None:
-        for d in plan.residencies:
+        deltas = plan.residencies  # made from the plan's compact residencies at each read
+        for d in deltas:
             key = d.key
             if d.close_existing_at is not None:
                 row = self.open_history.pop(key, None)
                 if row is not None:
                     row.removed_at = max(d.close_existing_at, row.stored_at)
                     row.removed_by = d.close_existing_by
-        for d in plan.residencies:
+        for d in deltas:
             key = d.key
             for i in d.intervals:
                 row = _HistoryRow(

@@ -85,9 +85,7 @@ class Residencies:
         keys: Sequence[Sequence[Any]],
         how: str,
         when_us: int,
-        topic: str,
-        partition: int,
-        offset: int,
+        at: tuple[str, int, int],
         /,
     ) -> dict[str, int]: ...
     def sealed(self) -> Residencies: ...

@@ -59,4 +59,4 @@ class References:
         self, keys: list[ResidencyKey], how: str, when: datetime, msg: Inbound
     ) -> dict[str, int]:
         """Drop every reference of ``keys`` (``how``: the history's reason); per medium."""
-        return self.native.end(keys, how, micros(when), msg.topic, msg.partition, msg.offset)
+        return self.native.end(keys, how, micros(when), (msg.topic, msg.partition, msg.offset))

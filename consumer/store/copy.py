@@ -18,8 +18,7 @@ def copy_rows(
     """Binary COPY of rows into a table."""
     if not rows:
         return
-    names = ", ".join(name for name, _ in columns)
-    with cur.copy(f"COPY {table} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
+    with cur.copy(_copy_in(table, columns)) as copy:
         copy.set_types([kind for _, kind in columns])
         for row in rows:
             copy.write_row(row)
@@ -27,7 +26,10 @@ def copy_rows(
 
 def copy_data(cur: psycopg.Cursor, table: str, columns: Sequence[Column], data: bytes) -> None:
     """Binary COPY of data already in PostgreSQL's binary COPY format (signature, rows,
-    trailer), as the compiled core writes block rows."""
-    names = ", ".join(name for name, _ in columns)
-    with cur.copy(f"COPY {table} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
+    trailer), as the compiled core writes a plan's block rows and residencies."""
+    with cur.copy(_copy_in(table, columns)) as copy:
         copy.write(data)
+
+
+def _copy_in(table: str, columns: Sequence[Column]) -> str:
+    return f"COPY {table} ({', '.join(name for name, _ in columns)}) FROM STDIN (FORMAT BINARY)"

@@ -55,12 +55,9 @@ struct Delta {
     asked: usize, // when a change first asked for it (the order `touched` gives)
 }
 
-/// Where the message that changes a residency sits (its Kafka topic, partition, offset).
-struct At<'a> {
-    topic: &'a str,
-    partition: i32,
-    offset: i64,
-}
+/// Where the message that changes a residency sits: its Kafka (topic, partition, offset).
+#[derive(FromPyObject)]
+struct At(String, i32, i64);
 
 #[pyclass(module = "kvledger._core", name = "Residencies")]
 pub struct Residencies {
@@ -163,7 +160,7 @@ impl Residencies {
         change: i64,
         when_us: i64,
         locality: Option<&str>,
-        at: &At<'_>,
+        at: &At,
         how: &str,
     ) -> PyResult<bool> {
         let i = self.delta(py, holder, hash)?;
@@ -183,15 +180,15 @@ impl Residencies {
             // 0 -> n: a residency and its history interval open
             d.now.locality = locality.map(str::to_owned);
             d.now.since_us = Some(when_us);
-            d.now.topic = at.topic.to_owned();
-            d.now.partition = at.partition;
-            d.now.offset = at.offset;
+            d.now.topic.clone_from(&at.0);
+            d.now.partition = at.1;
+            d.now.offset = at.2;
             if history {
                 d.intervals.push(Interval {
                     stored_us: when_us,
                     locality: locality.map(str::to_owned),
-                    partition: at.partition,
-                    offset: at.offset,
+                    partition: at.1,
+                    offset: at.2,
                     removed: None,
                 });
             }
@@ -287,15 +284,10 @@ impl Residencies {
         hashes: &Bound<'_, PyAny>,
         when_us: i64,
         locality: Option<&str>,
-        at: (String, i32, i64),
+        at: At,
         reports_reuse: bool,
     ) -> PyResult<usize> {
         let holder = self.holder_id(holder);
-        let at = At {
-            topic: &at.0,
-            partition: at.1,
-            offset: at.2,
-        };
         let mut reused = 0;
         for h in hash_list(hashes)? {
             let h = h.as_bytes();
@@ -317,14 +309,9 @@ impl Residencies {
         hashes: &Bound<'_, PyAny>,
         when_us: i64,
         locality: Option<&str>,
-        at: (String, i32, i64),
+        at: At,
     ) -> PyResult<usize> {
         let holder = self.holder_id(holder);
-        let at = At {
-            topic: &at.0,
-            partition: at.1,
-            offset: at.2,
-        };
         let mut noop = 0;
         for h in hash_list(hashes)? {
             if !self.change(
@@ -399,7 +386,7 @@ impl Residencies {
         Ok(out)
     }
 
-    /// end(keys, how, when_us, topic, partition, offset) -> {medium: residencies ended}:
+    /// end(keys, how, when_us, at) -> {medium: residencies ended}:
     /// every reference of `keys` (ResidencyKey fields) dropped; `how`: the history's reason.
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn end<'py>(
@@ -408,15 +395,8 @@ impl Residencies {
         keys: Vec<(String, i64, Vec<u8>, String, String, String)>,
         how: &str,
         when_us: i64,
-        topic: &str,
-        partition: i32,
-        offset: i64,
+        at: At,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let at = At {
-            topic,
-            partition,
-            offset,
-        };
         let ended = PyDict::new(py);
         let mut counts: Vec<(String, i64)> = Vec::new();
         for (model, group, hash, instance, medium, ownership) in keys {

@@ -29,13 +29,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from kvledger.consumer.core.compact import BlockRows, Residencies
 from kvledger.consumer.core.model import (
-    BlockRows,
     GroupKey,
     HeldSpec,
     Needs,
     Plan,
-    Residencies,
     Snapshot,
     SourceKey,
     SourceLife,

@@ -9,40 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from typing import NamedTuple
+from datetime import datetime
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvledger.consumer.inbound import Inbound
-from kvledger.native import missing_core
 from kvledger.schemas.events import GroupSpec
 
-try:
-    from kvledger import _core
-except ImportError as exc:  # built without a Rust toolchain: say what to do
-    raise missing_core("the index's planner") from exc
-
-# A batch's block rows and their content rules (rust/src/plan_rows.rs): the planner's, and
-# ``upgrades`` the stores' too, where they merge a row another writer stored since the plan.
-BlockRows = _core.BlockRows
-upgrades = _core.upgrades
-# The residencies' reference counts and history intervals a batch changes (plan_refs.rs).
-Residencies = _core.Residencies
+if TYPE_CHECKING:
+    from kvledger.consumer.core.compact import BlockRows, Residencies
 
 PRIMARY_OWNERSHIP = ""  # the ownership column's value for events without one
 # A named tuple from its values, without its generated __new__ (the planner's per-hash keys).
 new_tuple = tuple.__new__
-
-UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_MICROSECOND = timedelta(microseconds=1)
-
-
-def micros(when: datetime) -> int:
-    """An aware time as µs since the Unix epoch (exact: how the compiled core holds times)."""
-    return (when - UNIX_EPOCH) // _MICROSECOND
-
-
-def from_micros(us: int) -> datetime:
-    return UNIX_EPOCH + timedelta(microseconds=us)
 
 
 class GroupKey(NamedTuple):
@@ -398,35 +376,17 @@ class Plan:
     def blocks(self) -> dict[BlockKey, BlockWrite]:
         """The block rows to merge as objects, for a store that merges them one by one (the
         PostgreSQL store copies ``rows`` as they are)."""
-        if self.rows is None:
-            return {}
-        return {
-            new_tuple(BlockKey, key): BlockWrite(new_tuple(BlockRow, row), lora, extra,
-                                                 from_micros(first), from_micros(last), stored)
-            for key, row, (lora, extra, first, last, stored) in self.rows.items()
-        }  # fmt: skip
+        from kvledger.consumer.core.compact import block_writes  # it reads this module's types
+
+        return block_writes(self.rows) if self.rows is not None else {}
 
     @property
     def residencies(self) -> list[ResidencyDelta]:
         """The residencies changed, as objects, for a store that applies them one by one
         (the PostgreSQL store copies ``refs`` as they are)."""
-        if self.refs is None:
-            return []
-        out = []
-        for key, before, refcount, existed, now, close, intervals in self.refs.touched():
-            locality, since, topic, partition, offset = now
-            delta = ResidencyDelta(
-                new_tuple(ResidencyKey, key), before, refcount, existed, locality,
-                None if since is None else from_micros(since), topic, partition, offset,
-                None if close is None else from_micros(close[0]),
-                None if close is None else close[1],
-                [Interval(from_micros(stored), where, part, off,
-                          None if removed is None else from_micros(removed), by)
-                 for stored, where, part, off, removed, by in intervals],
-                True,
-            )  # fmt: skip
-            out.append(delta)
-        return out
+        from kvledger.consumer.core.compact import residency_deltas
+
+        return residency_deltas(self.refs) if self.refs is not None else []
 
     @property
     def replayed(self) -> int:

@@ -42,10 +42,10 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from kvledger.consumer.core.audit import audit_row
+from kvledger.consumer.core.compact import BlockRows, micros
 from kvledger.consumer.core.lifecycle import Lives, restart_policy, surviving, utc
 from kvledger.consumer.core.model import (
     PRIMARY_OWNERSHIP,
-    BlockRows,
     GroupKey,
     HeldSpec,
     HolderKey,
@@ -56,7 +56,6 @@ from kvledger.consumer.core.model import (
     Snapshot,
     SourceKey,
     SourceState,
-    micros,
     new_tuple,
 )
 from kvledger.consumer.core.refs import References

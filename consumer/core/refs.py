@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from kvledger.consumer.core.compact import Residencies, micros
 from kvledger.consumer.core.model import (
     HolderKey,
     HolderScope,
-    Residencies,
     ResidencyKey,
     Snapshot,
-    micros,
     new_tuple,
 )
 from kvledger.consumer.inbound import Inbound
@@ -37,7 +36,7 @@ class References:
     ) -> int:  # fmt: skip
         """One reference more per hash (none for a hash the holder holds, when it reports
         reused blocks as stores); how many it held that way. ``when_us``: the event's time
-        as :func:`~.model.micros` gives it (the planner has it for the block rows too)."""
+        as :func:`~.compact.micros` gives it (the planner has it for the block rows too)."""
         at = (msg.topic, msg.partition, msg.offset)
         return self.native.store(holder, hashes, when_us, locality, at, reports_reuse)
 

@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from kvledger.consumer.core.compact import upgrades
 from kvledger.consumer.core.model import (
     BlockKey,
     BlockRow,
@@ -34,7 +35,6 @@ from kvledger.consumer.core.model import (
     SourceLife,
     SourceState,
     new_tuple,
-    upgrades,
 )
 from kvledger.consumer.router.groups import (
     BlockGroup,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from kvledger.consumer.core.audit import replay_reason
+from kvledger.consumer.core.compact import upgrades
 from kvledger.consumer.core.model import (
     AuditRow,
     BlockKey,
@@ -32,7 +33,6 @@ from kvledger.consumer.core.model import (
     SourceKey,
     SourceLife,
     SourceState,
-    upgrades,
 )
 from kvledger.consumer.store.staged import StagedStore
 from kvledger.schemas.events import DEFAULT_MEDIUM, GroupSpec

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from kvledger.consumer.core.audit import replay_reason
+from kvledger.consumer.core.compact import micros
 from kvledger.consumer.core.model import (
     BlockKey,
     BlockRow,
@@ -25,7 +26,6 @@ from kvledger.consumer.core.model import (
     Residency,
     ResidencyKey,
     Snapshot,
-    micros,
 )
 from kvledger.consumer.store import pg_sql as sql
 from kvledger.consumer.store.base import FencedError, TopicPartition

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from kvledger.consumer.core.compact import micros
 from kvledger.consumer.core.model import (
     HolderScope,
     Plan,
@@ -12,7 +13,6 @@ from kvledger.consumer.core.model import (
     ResidencyDelta,
     ResidencyKey,
     Snapshot,
-    micros,
 )
 from kvledger.consumer.core.refs import References
 from kvledger.consumer.inbound import Inbound

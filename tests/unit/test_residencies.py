@@ -11,6 +11,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvledger.consumer.core.compact import from_micros, micros
 from kvledger.consumer.core.model import (
     HolderKey,
     HolderScope,
@@ -18,8 +19,6 @@ from kvledger.consumer.core.model import (
     Residency,
     ResidencyKey,
     Snapshot,
-    from_micros,
-    micros,
 )
 from kvledger.consumer.core.refs import References
 from kvledger.consumer.inbound import Inbound

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TypeGuard
 
 from kvledger.consumer.core.model import ModelChange, SourceLife
@@ -132,6 +132,10 @@ def leaves_life(life: SourceLife | None, env: Envelope) -> TypeGuard[SourceLife]
     )
 
 
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def utc(ms: int) -> datetime:
-    """A time in ms since the Unix epoch as an aware UTC datetime."""
-    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+    """A time in ms since the Unix epoch as an aware UTC datetime, exactly (through a float
+    of seconds, a time after 2033 could come back a µs off)."""
+    return _UNIX_EPOCH + timedelta(milliseconds=ms)

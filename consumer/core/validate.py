@@ -6,9 +6,11 @@ caller passes the spec and the rows it knows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
+from typing import Any
 
 from kvledger.consumer.core.model import HeldSpec
 from kvledger.schemas.events import (
@@ -69,14 +71,14 @@ class Invalid:
 def check_envelope(env: Envelope, key: bytes | None, log_time_ms: int | None) -> Invalid | None:
     """What any message must be before it may touch a stream's state: keyed by its own
     source and group, numbers and times the index can hold, text without NUL characters."""
-    group = group_of(env.event)
+    ev = env.event
+    group = group_of(ev)
     if key != message_key(env.source, group):
         return Invalid(
             Reason.KEY_MISMATCH,
             f"key {key!r} is not {env.source!r}/{group} (the envelope's source and group)",
         )
-    names, texts = _texts(env.event)
-    if bad := _bad_text([env.source, env.model, *names], texts):
+    if bad := _bad_text(env, ev):
         return Invalid(Reason.INVALID_EVENT, bad)
     if not env.source or not env.model:
         return Invalid(Reason.INVALID_EVENT, "empty source or model")
@@ -93,12 +95,11 @@ def check_envelope(env: Envelope, key: bytes | None, log_time_ms: int | None) ->
             Reason.FUTURE_EPOCH,
             f"epoch {env.epoch} is more than a day past the message's time {now} ms",
         )
-    ev = env.event
-    if isinstance(ev, BlockStored):
+    if type(ev) is BlockStored:
         start = ev.token_start
         if start is not None and not 0 <= start <= MAX_POSITION:
             return Invalid(Reason.INVALID_EVENT, f"token_start {start} is out of range")
-    if isinstance(ev, Heartbeat):
+    elif type(ev) is Heartbeat:
         return _check_heartbeat(ev)
     return None
 
@@ -113,35 +114,34 @@ def _check_heartbeat(ev: Heartbeat) -> Invalid | None:
     return None
 
 
-def _texts(ev: object) -> tuple[list[str | None], tuple[str | None, ...]]:
-    """An event's names (bounded in length) and its other text (extra keys)."""
-    if isinstance(ev, BlockStored):
-        names = [ev.medium, ev.lora_name, ev.kv_cache_spec_kind, ev.locality, ev.ownership,
-                 ev.session_id]  # fmt: skip
-        return names, ev.extra_keys or ()
-    if isinstance(ev, BlockRemoved):
-        return [ev.medium, ev.locality, ev.ownership], ()
-    if isinstance(ev, AllBlocksCleared):
-        return [ev.medium], ()
-    if isinstance(ev, GroupSpec):
-        return [ev.model, ev.kind, *(ev.surviving_media or ())], ()
-    return [], ()
+# Each event kind's names (bounded in length; all its text but a BlockStored's extra keys).
+_NAMES: dict[type, Callable[[Any], tuple[str | None, ...]]] = {
+    BlockStored: attrgetter(
+        "medium", "lora_name", "kv_cache_spec_kind", "locality", "ownership", "session_id"
+    ),
+    BlockRemoved: attrgetter("medium", "locality", "ownership"),
+    AllBlocksCleared: lambda ev: (ev.medium,),
+    GroupSpec: lambda ev: (ev.model, ev.kind, *(ev.surviving_media or ())),
+}
 
 
-def _bad_text(names: list[str | None], texts: tuple[str | None, ...]) -> str | None:
-    # The common case, no NUL and no name too long, found by C loops first (filter drops
-    # None and empty strings, which hold neither); then the first fault, named.
-    given = list(filter(None, names))
+def _bad_text(env: Envelope, ev: object) -> str | None:
+    names = _NAMES.get(type(ev))
+    named = (env.source, env.model, *names(ev)) if names is not None else (env.source, env.model)
+    texts = ev.extra_keys if type(ev) is BlockStored else None
+    # The common case, found by C loops first: names whose sum is within the bound hold no
+    # name past it (filter drops None and empty strings, which hold neither).
+    joined = "".join(filter(None, named))
     if (
-        max(map(len, given), default=0) <= MAX_NAME_CHARS
-        and "\x00" not in "".join(given)
-        and not any("\x00" in text for text in texts if text)
+        len(joined) <= MAX_NAME_CHARS
+        and "\x00" not in joined
+        and not (texts and any("\x00" in text for text in texts if text))
     ):
         return None
-    for text in (*names, *texts):
+    for text in (*named, *(texts or ())):
         if text is not None and "\x00" in text:
             return f"text with a NUL character: {text[:40]!r}"
-    for name in names:
+    for name in named:
         if name is not None and len(name) > MAX_NAME_CHARS:
             return f"a name of {len(name)} characters (at most {MAX_NAME_CHARS})"
     return None

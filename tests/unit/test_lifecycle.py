@@ -236,3 +236,15 @@ def test_a_source_that_changes_model_keeps_the_change_and_logs_it(
     with caplog.at_level("WARNING", logger="kvledger.consumer.pipeline"):
         run(stream.messages[3:], store)  # the new model again: no new change
     assert store.lives[A].model_changed_at == life.model_changed_at and not caplog.records
+
+
+def test_a_time_in_ms_is_exact_after_2033() -> None:
+    """Through a float of seconds, times after 2033 could come back a µs off their ms."""
+    from kvledger.consumer.core.lifecycle import utc
+
+    for ms in (0, 1_764_000_000_123, 2_000_000_000_001, 9_999_999_999_999, 253_402_300_799_999):
+        when = utc(ms)
+        assert when.tzinfo is UTC and when.microsecond % 1000 == 0
+        assert (when - datetime(1970, 1, 1, tzinfo=UTC)).total_seconds() * 1000 == pytest.approx(ms)
+        assert when.timestamp() * 1000 == pytest.approx(ms, abs=0.5)
+    assert utc(9_999_999_999_999).microsecond == 999_000

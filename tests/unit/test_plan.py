@@ -474,6 +474,28 @@ def test_a_hostile_envelope_is_rejected_before_it_touches_its_stream(
     assert statuses(store)[-1] == ("applied", None)
 
 
+def test_names_are_bounded_each_and_text_anywhere_may_not_hold_a_nul() -> None:
+    """The check's quick path sums the names; the bound is on each one, and extra keys are
+    text too."""
+    from kvledger.consumer.core.validate import MAX_NAME_CHARS, check_envelope
+    from kvledger.schemas.events import Envelope
+
+    def check(event: KVEvent, source: str = A) -> str | None:
+        env = Envelope(source, MODEL, 0, 1, 5, 1_764_000_000_000, event)
+        invalid = check_envelope(env, f"{source}/0".encode(), None)
+        return None if invalid is None else invalid.detail
+
+    near = "x" * MAX_NAME_CHARS
+    assert check(stored([9], lora=near, ownership=near), source=near) is None
+    assert check(stored([9], lora=near + "x")) == (
+        f"a name of {MAX_NAME_CHARS + 1} characters (at most {MAX_NAME_CHARS})"
+    )
+    keyed = dataclasses.replace(stored([9]), extra_keys=("salt", None, "a\x00b"))
+    assert check(keyed) == "text with a NUL character: 'a\\x00b'"
+    assert check(dataclasses.replace(stored([9]), extra_keys=("salt", "y" * 5000))) is None
+    assert check(stored([9]), source="engine\x00a") == "text with a NUL character: 'engine\\x00a'"
+
+
 def test_a_number_far_ahead_cannot_silence_a_source(s: Stream) -> None:
     s.send(A, stored([1]))
     store, _ = run(s.messages)

@@ -1,6 +1,8 @@
 //! PostgreSQL's binary COPY format, written by the plan's compact halves (plan_rows.rs,
 //! plan_refs.rs) for the PostgreSQL store: a signature, rows of length-prefixed fields
 //! (-1: NULL), a trailer. The store sends it as it is (consumer/store/copy.py `copy_data`).
+//! The rows are written with the GIL released: the writer thread encodes one batch while
+//! the planner thread plans the next (consumer/ahead.py).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -14,7 +16,7 @@ pub(crate) struct Copy {
 }
 
 impl Copy {
-    pub(crate) fn new() -> Copy {
+    fn new() -> Copy {
         let mut out = Vec::with_capacity(1 << 16);
         out.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
         out.extend_from_slice(&0i32.to_be_bytes()); // flags
@@ -90,11 +92,24 @@ impl Copy {
     }
 
     /// The data with its trailer (None: no rows were written).
-    pub(crate) fn finish<'py>(mut self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+    fn finish(mut self) -> Option<Vec<u8>> {
         if self.rows == 0 {
             return None;
         }
         self.out.extend_from_slice(&(-1i16).to_be_bytes());
-        Some(PyBytes::new(py, &self.out))
+        Some(self.out)
     }
+}
+
+/// The COPY data `rows` writes, made without the GIL (None: no rows were written).
+pub(crate) fn encode<'py>(
+    py: Python<'py>,
+    rows: impl Send + FnOnce(&mut Copy),
+) -> Option<Bound<'py, PyBytes>> {
+    let data = py.detach(|| {
+        let mut out = Copy::new();
+        rows(&mut out);
+        out.finish()
+    });
+    data.map(|d| PyBytes::new(py, &d))
 }

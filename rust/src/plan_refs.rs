@@ -16,7 +16,7 @@ use foldhash::fast::RandomState;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::copy_data::Copy;
+use crate::copy_data::{encode, Copy};
 use crate::py_args::{hash_list, key_bytes};
 
 /// (model, group, instance, medium, ownership): whose references these are.
@@ -486,16 +486,16 @@ impl Residencies {
     /// copy_closes() -> binary COPY data of the intervals earlier batches opened that this
     /// one closes (tables.HISTORY_CLOSE), in key order; None when there are none.
     fn copy_closes<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        let mut out = Copy::new();
-        for d in self.sorted() {
-            if let Some((us, by)) = &d.close_existing {
-                out.row(8);
-                self.key_fields(&mut out, d);
-                out.timestamp(Some(*us));
-                out.bytes(Some(by.as_bytes()));
+        encode(py, |out| {
+            for d in self.sorted() {
+                if let Some((us, by)) = &d.close_existing {
+                    out.row(8);
+                    self.key_fields(out, d);
+                    out.timestamp(Some(*us));
+                    out.bytes(Some(by.as_bytes()));
+                }
             }
-        }
-        out.finish(py)
+        })
     }
 
     /// copy_history(closed_at_us) -> binary COPY data of the intervals this batch opened
@@ -505,40 +505,40 @@ impl Residencies {
         py: Python<'py>,
         closed_at_us: Option<i64>,
     ) -> Option<Bound<'py, PyBytes>> {
-        let mut out = Copy::new();
-        for d in self.sorted() {
-            for i in &d.intervals {
-                out.row(13);
-                self.key_fields(&mut out, d);
-                out.bytes(i.locality.as_deref().map(str::as_bytes));
-                out.timestamp(Some(i.stored_us));
-                out.timestamp(i.removed.as_ref().map(|r| r.0));
-                out.bytes(i.removed.as_ref().map(|r| r.1.as_bytes()));
-                out.int4(i.partition);
-                out.int8(Some(i.offset));
-                out.timestamp(i.removed.as_ref().and(closed_at_us));
+        encode(py, |out| {
+            for d in self.sorted() {
+                for i in &d.intervals {
+                    out.row(13);
+                    self.key_fields(out, d);
+                    out.bytes(i.locality.as_deref().map(str::as_bytes));
+                    out.timestamp(Some(i.stored_us));
+                    out.timestamp(i.removed.as_ref().map(|r| r.0));
+                    out.bytes(i.removed.as_ref().map(|r| r.1.as_bytes()));
+                    out.int4(i.partition);
+                    out.int8(Some(i.offset));
+                    out.timestamp(i.removed.as_ref().and(closed_at_us));
+                }
             }
-        }
-        out.finish(py)
+        })
     }
 
     /// copy_holders() -> binary COPY data of the residencies to merge (tables.RESIDENCIES):
     /// each with a reference, and each the store held (a count of 0 deletes it).
     fn copy_holders<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        let mut out = Copy::new();
-        for d in self.sorted() {
-            let n = &d.now;
-            if n.refcount > 0 || d.existed {
-                out.row(12);
-                self.key_fields(&mut out, d);
-                out.bytes(n.locality.as_deref().map(str::as_bytes));
-                out.timestamp(n.since_us);
-                out.bytes(Some(n.topic.as_bytes()));
-                out.int4(n.partition);
-                out.int8(Some(n.offset));
-                out.int4(n.refcount as i32);
+        encode(py, |out| {
+            for d in self.sorted() {
+                let n = &d.now;
+                if n.refcount > 0 || d.existed {
+                    out.row(12);
+                    self.key_fields(out, d);
+                    out.bytes(n.locality.as_deref().map(str::as_bytes));
+                    out.timestamp(n.since_us);
+                    out.bytes(Some(n.topic.as_bytes()));
+                    out.int4(n.partition);
+                    out.int8(Some(n.offset));
+                    out.int4(n.refcount as i32);
+                }
             }
-        }
-        out.finish(py)
+        })
     }
 }

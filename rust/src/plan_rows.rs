@@ -22,7 +22,7 @@ use foldhash::fast::RandomState;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::copy_data::Copy;
+use crate::copy_data::encode;
 use crate::py_args::{hash_list, key_bytes, token_list};
 
 /// What the index knows of one block hash's content (a BlockRow's fields).
@@ -394,25 +394,25 @@ impl BlockRows {
         py: Python<'py>,
         stored: Option<bool>,
     ) -> Option<Bound<'py, PyBytes>> {
-        let mut out = Copy::new();
-        for w in self.sorted(stored) {
-            let (model, group) = &self.groups[w.group as usize];
-            out.row(13);
-            out.bytes(Some(model.as_bytes()));
-            out.int4(*group as i32);
-            out.bytes(Some(&w.hash));
-            out.bytes(w.row.parent.as_deref());
-            out.int8(w.row.start);
-            out.int8(w.row.end());
-            out.int4_array(&w.row.tokens);
-            out.int4(w.row.size);
-            out.boolean(w.row.partial);
-            out.bytes(w.lora.as_deref().map(str::as_bytes));
-            out.bytes(w.extra.as_deref().map(str::as_bytes));
-            out.timestamp(Some(w.first_us));
-            out.timestamp(Some(w.last_us));
-        }
-        out.finish(py)
+        encode(py, |out| {
+            for w in self.sorted(stored) {
+                let (model, group) = &self.groups[w.group as usize];
+                out.row(13);
+                out.bytes(Some(model.as_bytes()));
+                out.int4(*group as i32);
+                out.bytes(Some(&w.hash));
+                out.bytes(w.row.parent.as_deref());
+                out.int8(w.row.start);
+                out.int8(w.row.end());
+                out.int4_array(&w.row.tokens);
+                out.int4(w.row.size);
+                out.boolean(w.row.partial);
+                out.bytes(w.lora.as_deref().map(str::as_bytes));
+                out.bytes(w.extra.as_deref().map(str::as_bytes));
+                out.timestamp(Some(w.first_us));
+                out.timestamp(Some(w.last_us));
+            }
+        })
     }
 }
 

@@ -14,14 +14,14 @@ use std::collections::HashMap;
 
 use foldhash::fast::RandomState;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
 use crate::copy_data::{encode, Copy};
+use crate::plan_rows::{key, mapping_get, Key};
 use crate::py_args::{hash_list, key_bytes};
 
 /// (model, group, instance, medium, ownership): whose references these are.
 type Holder = (String, i64, String, String, String);
-type Key = (u32, Box<[u8]>);
 
 /// A residency's state: its count and what opened it.
 #[derive(Clone, Debug, Default)]
@@ -68,45 +68,66 @@ pub struct Residencies {
     history: bool,
     holders: Vec<Holder>,
     holder_ids: HashMap<Holder, u32, RandomState>,
+    names: Vec<[Py<PyString>; 4]>, // each holder's model, instance, medium and ownership
+    base_ids: Vec<Option<u32>>,    // each holder's id in `base`
     deltas: Vec<Delta>,
     at: HashMap<Key, usize, RandomState>,
     changes: usize, // residencies a change asked for so far
 }
 
 impl Residencies {
-    fn holder_id(&mut self, holder: Holder) -> u32 {
+    fn holder_id(&mut self, py: Python<'_>, holder: Holder) -> u32 {
         if let Some(&id) = self.holder_ids.get(&holder) {
             return id;
         }
         let id = self.holders.len() as u32;
+        let (model, _, instance, medium, ownership) = &holder;
+        self.names
+            .push([model, instance, medium, ownership].map(|n| PyString::new(py, n).unbind()));
+        let base_id = self
+            .base
+            .as_ref()
+            .and_then(|b| b.borrow(py).holder_ids.get(&holder).copied());
+        self.base_ids.push(base_id);
         self.holders.push(holder.clone());
         self.holder_ids.insert(holder, id);
         id
     }
 
     /// The state this batch's changes left for a residency (None: untouched, or none).
-    fn touched_state(&self, holder: &Holder, hash: &[u8]) -> Option<&Delta> {
-        let id = *self.holder_ids.get(holder)?;
-        let d = &self.deltas[*self.at.get(&(id, Box::from(hash)))?];
+    fn touched_state(&self, holder: u32, hash: &[u8]) -> Option<&Delta> {
+        let d = &self.deltas[*self.at.get(&key(holder, hash)[..])?];
         d.touched.then_some(d)
     }
 
     /// What the store held for a residency, as the batch before this one (if any) left it.
-    fn stored(&self, py: Python<'_>, holder: u32, hash: &[u8]) -> PyResult<Option<Held>> {
-        let h = &self.holders[holder as usize];
-        if let Some(base) = &self.base {
-            if let Some(d) = base.borrow(py).touched_state(h, hash) {
+    fn stored(
+        &self,
+        py: Python<'_>,
+        holder: u32,
+        hash: &Bound<'_, PyBytes>,
+    ) -> PyResult<Option<Held>> {
+        if let (Some(base), Some(id)) = (&self.base, self.base_ids[holder as usize]) {
+            if let Some(d) = base.borrow(py).touched_state(id, hash.as_bytes()) {
                 return Ok((d.now.refcount > 0).then(|| d.now.clone()));
             }
         }
         let Some(known) = &self.known else {
             return Ok(None);
         };
-        let key = (&h.0, h.1, PyBytes::new(py, hash), &h.2, &h.3, &h.4);
-        let found = known.bind(py).call_method1("get", (key,))?;
-        if found.is_none() {
+        let [model, instance, medium, ownership] = &self.names[holder as usize];
+        let group = self.holders[holder as usize].1;
+        let wanted = (
+            model.bind(py),
+            group,
+            hash,
+            instance.bind(py),
+            medium.bind(py),
+            ownership.bind(py),
+        );
+        let Some(found) = mapping_get(known.bind(py), wanted.into_pyobject(py)?)? else {
             return Ok(None);
-        }
+        };
         let since = found.getattr("since")?;
         let since_us = match &self.micros {
             Some(micros) => Some(micros.bind(py).call1((since,))?.extract()?),
@@ -123,15 +144,15 @@ impl Residencies {
     }
 
     /// The residency's delta, made from what the store held on first touch.
-    fn delta(&mut self, py: Python<'_>, holder: u32, hash: &[u8]) -> PyResult<usize> {
-        let key: Key = (holder, Box::from(hash));
-        if let Some(&at) = self.at.get(&key) {
+    fn delta(&mut self, py: Python<'_>, holder: u32, hash: &Bound<'_, PyBytes>) -> PyResult<usize> {
+        let k = key(holder, hash.as_bytes());
+        if let Some(&at) = self.at.get(&k[..]) {
             return Ok(at);
         }
         let held = self.stored(py, holder, hash)?;
         let delta = Delta {
             holder,
-            hash: key.1.clone(),
+            hash: Box::from(hash.as_bytes()),
             before: held.as_ref().map_or(0, |h| h.refcount),
             existed: held.is_some(),
             now: held.unwrap_or_default(),
@@ -140,12 +161,13 @@ impl Residencies {
             touched: false,
             asked: usize::MAX,
         };
-        self.at.insert(key, self.deltas.len());
+        let k: Key = Box::from(&k[..]);
+        self.at.insert(k, self.deltas.len());
         self.deltas.push(delta);
         Ok(self.deltas.len() - 1)
     }
 
-    fn count(&mut self, py: Python<'_>, holder: u32, hash: &[u8]) -> PyResult<i64> {
+    fn count(&mut self, py: Python<'_>, holder: u32, hash: &Bound<'_, PyBytes>) -> PyResult<i64> {
         let at = self.delta(py, holder, hash)?;
         Ok(self.deltas[at].now.refcount)
     }
@@ -156,7 +178,7 @@ impl Residencies {
         &mut self,
         py: Python<'_>,
         holder: u32,
-        hash: &[u8],
+        hash: &Bound<'_, PyBytes>,
         change: i64,
         when_us: i64,
         locality: Option<&str>,
@@ -266,6 +288,8 @@ impl Residencies {
             history,
             holders: Vec::new(),
             holder_ids: HashMap::default(),
+            names: Vec::new(),
+            base_ids: Vec::new(),
             deltas: Vec::new(),
             at: HashMap::default(),
             changes: 0,
@@ -287,14 +311,13 @@ impl Residencies {
         at: At,
         reports_reuse: bool,
     ) -> PyResult<usize> {
-        let holder = self.holder_id(holder);
+        let holder = self.holder_id(py, holder);
         let mut reused = 0;
         for h in hash_list(hashes)? {
-            let h = h.as_bytes();
-            if reports_reuse && self.count(py, holder, h)? > 0 {
+            if reports_reuse && self.count(py, holder, &h)? > 0 {
                 reused += 1; // a reused block reported: no second copy
             } else {
-                self.change(py, holder, h, 1, when_us, locality, &at, "removed")?;
+                self.change(py, holder, &h, 1, when_us, locality, &at, "removed")?;
             }
         }
         Ok(reused)
@@ -311,19 +334,10 @@ impl Residencies {
         locality: Option<&str>,
         at: At,
     ) -> PyResult<usize> {
-        let holder = self.holder_id(holder);
+        let holder = self.holder_id(py, holder);
         let mut noop = 0;
         for h in hash_list(hashes)? {
-            if !self.change(
-                py,
-                holder,
-                h.as_bytes(),
-                -1,
-                when_us,
-                locality,
-                &at,
-                "removed",
-            )? {
+            if !self.change(py, holder, &h, -1, when_us, locality, &at, "removed")? {
                 noop += 1;
             }
         }
@@ -376,8 +390,8 @@ impl Residencies {
         }
         let mut out = Vec::new();
         for (h, hash) in keys {
-            let holder = self.holder_id(h.clone());
-            if self.count(py, holder, &hash)? > 0 {
+            let holder = self.holder_id(py, h.clone());
+            if self.count(py, holder, &PyBytes::new(py, &hash))? > 0 {
                 out.push((h.0, h.1, hash, h.2, h.3, h.4));
             }
         }
@@ -400,7 +414,8 @@ impl Residencies {
         let ended = PyDict::new(py);
         let mut counts: Vec<(String, i64)> = Vec::new();
         for (model, group, hash, instance, medium, ownership) in keys {
-            let holder = self.holder_id((model, group, instance, medium.clone(), ownership));
+            let holder = self.holder_id(py, (model, group, instance, medium.clone(), ownership));
+            let hash = PyBytes::new(py, &hash);
             let count = self.count(py, holder, &hash)?;
             if count > 0 {
                 self.change(py, holder, &hash, -count, when_us, None, &at, how)?;

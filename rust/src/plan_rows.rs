@@ -20,7 +20,8 @@ use std::collections::HashMap;
 
 use foldhash::fast::RandomState;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+use smallvec::SmallVec;
 
 use crate::copy_data::encode;
 use crate::py_args::{hash_list, key_bytes, token_list};
@@ -147,7 +148,28 @@ struct Write {
     stored: bool, // the store held a row for the block when the batch was planned
 }
 
-type Key = (u32, Box<[u8]>);
+/// A map key: a group's (or a holder's) id, then a block hash. Looked up from the stack
+/// (`key`), stored boxed, so that a lookup allocates nothing.
+pub(crate) type Key = Box<[u8]>;
+
+pub(crate) fn key(id: u32, hash: &[u8]) -> SmallVec<[u8; 72]> {
+    let mut out = SmallVec::new();
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(hash);
+    out
+}
+
+/// `mapping.get(key)`: a dict read in place, any other mapping through its method.
+pub(crate) fn mapping_get<'py>(
+    mapping: &Bound<'py, PyAny>,
+    key: Bound<'py, PyTuple>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if let Ok(dict) = mapping.cast_exact::<PyDict>() {
+        return dict.get_item(key);
+    }
+    let found = mapping.call_method1(pyo3::intern!(mapping.py(), "get"), (key,))?;
+    Ok((!found.is_none()).then_some(found))
+}
 
 /// The block rows one batch's plan writes, over the rows the store held (a mapping from
 /// BlockKey to BlockRow, read for the hashes the batch names) and, when the batch is
@@ -157,63 +179,83 @@ pub struct BlockRows {
     known: Option<Py<PyAny>>,
     base: Option<Py<BlockRows>>,
     groups: Vec<(String, i64)>,
-    group_ids: HashMap<(String, i64), u32, RandomState>,
+    group_ids: HashMap<String, SmallVec<[(i64, u32); 2]>, RandomState>,
+    names: Vec<Py<PyString>>, // each group's model, for reading `known`
     writes: Vec<Write>,
     at: HashMap<Key, usize, RandomState>,
     looked: HashMap<Key, Option<Row>, RandomState>, // what `known` and `base` said
 }
 
 impl BlockRows {
-    fn group_id(&mut self, model: &str, group: i64) -> u32 {
-        if let Some(&id) = self.group_ids.get(&(model.to_owned(), group)) {
+    fn find_group(&self, model: &str, group: i64) -> Option<u32> {
+        let ids = self.group_ids.get(model)?;
+        ids.iter().find(|(g, _)| *g == group).map(|(_, id)| *id)
+    }
+
+    fn group_id(&mut self, py: Python<'_>, model: &str, group: i64) -> u32 {
+        if let Some(id) = self.find_group(model, group) {
             return id;
         }
         let id = self.groups.len() as u32;
         self.groups.push((model.to_owned(), group));
-        self.group_ids.insert((model.to_owned(), group), id);
+        self.names.push(PyString::new(py, model).unbind());
+        self.group_ids
+            .entry(model.to_owned())
+            .or_default()
+            .push((group, id));
         id
     }
 
     /// This batch's row of a block, if it wrote one.
     fn written(&self, model: &str, group: i64, hash: &[u8]) -> Option<&Row> {
-        let id = *self.group_ids.get(&(model.to_owned(), group))?;
-        let at = *self.at.get(&(id, Box::from(hash)))?;
+        let id = self.find_group(model, group)?;
+        let at = *self.at.get(&key(id, hash)[..])?;
         Some(&self.writes[at].row)
     }
 
     /// What the store held for a block, as the batch before this one (if any) left it.
-    fn held(&mut self, py: Python<'_>, group: u32, hash: &[u8]) -> PyResult<Option<Row>> {
-        let key: Key = (group, Box::from(hash));
-        if let Some(row) = self.looked.get(&key) {
+    fn held(
+        &mut self,
+        py: Python<'_>,
+        group: u32,
+        hash: &Bound<'_, PyBytes>,
+    ) -> PyResult<Option<Row>> {
+        let k = key(group, hash.as_bytes());
+        if let Some(row) = self.looked.get(&k[..]) {
             return Ok(row.clone());
         }
         let (model, idx) = &self.groups[group as usize];
         let before = match &self.base {
-            Some(base) => base.borrow(py).written(model, *idx, hash).cloned(),
+            Some(base) => base
+                .borrow(py)
+                .written(model, *idx, hash.as_bytes())
+                .cloned(),
             None => None,
         };
-        let row = match before {
-            Some(row) => Some(row),
-            None => match &self.known {
-                Some(known) => {
-                    let key = (model.as_str(), *idx, PyBytes::new(py, hash));
-                    let found = known.bind(py).call_method1("get", (key,))?;
-                    if found.is_none() {
-                        None
-                    } else {
-                        Some(Row::from_py(&found)?)
-                    }
+        let row = match (before, &self.known) {
+            (Some(row), _) => Some(row),
+            (None, Some(known)) => {
+                let name = self.names[group as usize].bind(py);
+                let wanted = (name, *idx, hash).into_pyobject(py)?;
+                match mapping_get(known.bind(py), wanted)? {
+                    Some(found) => Some(Row::from_py(&found)?),
+                    None => None,
                 }
-                None => None,
-            },
+            }
+            (None, None) => None,
         };
-        self.looked.insert(key, row.clone());
+        self.looked.insert(Box::from(&k[..]), row.clone());
         Ok(row)
     }
 
     /// The row a block has now: this batch's, else the store's.
-    fn current(&mut self, py: Python<'_>, group: u32, hash: &[u8]) -> PyResult<Option<Row>> {
-        match self.at.get(&(group, Box::from(hash))) {
+    fn current(
+        &mut self,
+        py: Python<'_>,
+        group: u32,
+        hash: &Bound<'_, PyBytes>,
+    ) -> PyResult<Option<Row>> {
+        match self.at.get(&key(group, hash.as_bytes())[..]) {
             Some(&at) => Ok(Some(self.writes[at].row.clone())),
             None => self.held(py, group, hash),
         }
@@ -248,6 +290,7 @@ impl BlockRows {
             base,
             groups: Vec::new(),
             group_ids: HashMap::default(),
+            names: Vec::new(),
             writes: Vec::new(),
             at: HashMap::default(),
             looked: HashMap::default(),
@@ -275,30 +318,30 @@ impl BlockRows {
         extra_keys: Option<Vec<Option<String>>>,
         when_us: i64,
     ) -> PyResult<Option<String>> {
-        let id = self.group_id(model, group);
-        let hashes = hash_list(hashes)?;
-        let hashes: Vec<&[u8]> = hashes.iter().map(|h| h.as_bytes()).collect();
+        let id = self.group_id(py, model, group);
+        let objects = hash_list(hashes)?;
+        let hashes: Vec<&[u8]> = objects.iter().map(|h| h.as_bytes()).collect();
         let tokens = token_list(tokens)?;
         let parent = parent.as_ref().map(key_bytes).transpose()?;
         let rows = explode(&hashes, parent, &tokens, block_size, start, partial);
         let mut before = Vec::with_capacity(rows.len());
-        for (h, row) in hashes.iter().zip(&rows) {
+        for (h, row) in objects.iter().zip(&rows) {
             let known = self.current(py, id, h)?;
             if let Some(why) = known.as_ref().and_then(|k| conflicts(k, row)) {
-                return Ok(Some(format!("{why}: hash {}", hex(h))));
+                return Ok(Some(format!("{why}: hash {}", hex(h.as_bytes()))));
             }
             before.push(known);
         }
         let extra = extra_keys.unwrap_or_default();
         for (i, ((h, row), known)) in hashes.iter().zip(rows).zip(before).enumerate() {
-            let key: Key = (id, Box::from(*h));
-            let Some(&at) = self.at.get(&key) else {
+            let k = key(id, h);
+            let Some(&at) = self.at.get(&k[..]) else {
                 let stored = known.is_some();
                 let row = match known {
                     Some(k) if !upgrades(&k, &row) => k,
                     _ => row,
                 };
-                self.at.insert(key, self.writes.len());
+                self.at.insert(Box::from(&k[..]), self.writes.len());
                 self.writes.push(Write {
                     group: id,
                     hash: Box::from(*h),
@@ -336,9 +379,10 @@ impl BlockRows {
         group: i64,
         hash: &Bound<'_, PyAny>,
     ) -> PyResult<Option<i64>> {
-        let id = self.group_id(model, group);
+        let id = self.group_id(py, model, group);
+        key_bytes(hash)?;
         Ok(self
-            .current(py, id, key_bytes(hash)?)?
+            .current(py, id, hash.cast::<PyBytes>()?)?
             .and_then(|r| r.end()))
     }
 

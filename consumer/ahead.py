@@ -199,29 +199,34 @@ def apply_in_turn(
     reader: PostgresStore,
     consumer_group: str,
 ) -> Iterator[BatchResult]:
-    """Each batch planned while the one before it is written, each one's result as it
-    commits; the first failure is raised, with nothing after it written. Benchmarks and
+    """Each batch planned while the one before it is written, each one's result once it
+    has committed and the next batch is on its way (the writer never waits for the
+    caller); the first failure is raised, with nothing after it written. Benchmarks and
     tests drive :class:`Ahead` with it; ``IndexConsumer`` adds retries and isolation."""
     ahead = Ahead(reader, consumer_group)
     read_from: dict[TopicPartition, int] = {}
 
-    def landed() -> Iterator[BatchResult]:
+    def landed() -> BatchResult | None:
         flight = ahead.take()
-        if flight is not None:
-            result = flight.future.result()
-            read_from.update(result.next_offsets)
-            yield result
+        if flight is None:
+            return None
+        result = flight.future.result()
+        read_from.update(result.next_offsets)
+        return result
 
     try:
         for messages in batches:
             batch = decode_batch(messages, codec)
             planned = ahead.plan(messages, batch)
-            yield from landed()
+            result = landed()
             if planned is None:
                 planned = ahead.plan(messages, batch)
                 assert planned is not None  # nothing is in flight
             starts, next_offsets = fence_points(batch, read_from)
             ahead.submit(planned, writer, starts, next_offsets, None)
-        yield from landed()
+            if result is not None:
+                yield result
+        if (result := landed()) is not None:
+            yield result
     finally:
         ahead.close()

@@ -5,9 +5,12 @@
    database; figure: block events (hashes stored or removed) per second. Twice: one batch
    at a time (``run_batch``), and as the consumer runs by default, each batch planned while
    the one before it is written (consumer/ahead.py), into a second database.
-2. baseline: the rows the first run wrote (blocks, residencies, history, audit log) are
-   COPYed into an empty copy of the same tables in the same database server; the ratios
-   compare each apply rate with it for the same number of block events.
+2. baselines: the rows the first run wrote (blocks, residencies, history, audit log) are
+   COPYed into an empty copy of the same tables in the same database server, as a client
+   holding them as values would (psycopg's write_row: the issue's baseline), and as binary
+   COPY data encoded beforehand (what PostgreSQL alone takes). Planning ahead and both
+   COPYs are measured three times, each figure the median; the ratios compare the apply
+   rates with the baselines for the same number of block events.
 3. lag: a producer publishes at a steady 5,000 messages/s while the consumer runs; lag per
    message = the time its audit row was written minus its event time (p50, p99).
 """
@@ -23,6 +26,7 @@ import threading
 import time
 import uuid
 
+import psycopg
 from confluent_kafka.admin import AdminClient
 
 from bench.common import PUBLISHED, publish, record, settle
@@ -85,10 +89,11 @@ def _applied_ahead(
     return seconds, block_events, [int(c[0]) for c in counts if c is not None]
 
 
-def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[str, float]:
+def apply_rate(
+    server: str, fleet: FleetConfig, batch_size: int = 5000, runs: int = 3
+) -> dict[str, float]:
     messages = _messages(fleet)
     url = _database(server, "kvledger_bench_apply")
-    ahead_url = _database(server, "kvledger_bench_apply_ahead")
     codec = Codec()
     inbound = [Inbound("bench", 0, i, k, v) for i, (k, v) in enumerate(messages)]
     # A consumer holds one batch, not the whole topic: keep the pre-encoded messages out of
@@ -98,7 +103,10 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
     freeze_startup_objects()
     collect_less_often()
     block_events = 0
-    ahead_seconds, ahead_events, ahead_counts = _applied_ahead(ahead_url, inbound, batch_size)
+    ahead_runs = [
+        _applied_ahead(_database(server, "kvledger_bench_apply_ahead"), inbound, batch_size)
+        for _ in range(runs)
+    ]
     with connect(url, autocommit=True) as conn:
         store = PostgresStore(conn)
         start = time.perf_counter()
@@ -107,37 +115,78 @@ def apply_rate(server: str, fleet: FleetConfig, batch_size: int = 5000) -> dict[
             block_events += result.plan.block_events
         seconds = time.perf_counter() - start
         rows = {t: conn.execute(f"SELECT * FROM kvledger.{t}").fetchall() for t in TABLES}
-        assert ahead_events == block_events, (ahead_events, block_events)
-        assert ahead_counts == [len(rows[t]) for t in TABLES]  # the same rows
-        columns = {
-            t: [d.name for d in conn.execute(f"SELECT * FROM kvledger.{t} LIMIT 0").description]
-            for t in TABLES
-        }
-        conn.execute("CREATE SCHEMA IF NOT EXISTS copy_bench")
-        for t in TABLES:
-            conn.execute(f"DROP TABLE IF EXISTS copy_bench.{t}")
-            conn.execute(f"CREATE TABLE copy_bench.{t} (LIKE kvledger.{t} INCLUDING ALL)")
-        start = time.perf_counter()
-        with conn.transaction(), conn.cursor() as cur:
-            for t in TABLES:
-                with cur.copy(f"COPY copy_bench.{t} ({', '.join(columns[t])}) FROM STDIN") as copy:
-                    for row in rows[t]:
-                        copy.write_row(row)
-        copy_seconds = time.perf_counter() - start
+        for _, ahead_events, ahead_counts in ahead_runs:
+            assert ahead_events == block_events, (ahead_events, block_events)
+            assert ahead_counts == [len(rows[t]) for t in TABLES]  # the same rows
+        copy_seconds = _median([_copy_rows(conn, rows) for _ in range(runs)])
+        binary_seconds = _median([_copy_binary(conn) for _ in range(runs)])
+        conn.execute("DROP SCHEMA copy_bench CASCADE")
     gc.unfreeze()
     gc.set_threshold(*threshold)  # the rest of `make bench` as it was
-    ours, ahead = block_events / seconds, block_events / ahead_seconds
-    raw = block_events / copy_seconds
+    ours = block_events / seconds
+    ahead = block_events / _median([secs for secs, _, _ in ahead_runs])
+    raw, binary = block_events / copy_seconds, block_events / binary_seconds
     return {
         "messages": float(len(messages)),
         "block events": float(block_events),
         "rows written": float(sum(len(r) for r in rows.values())),
         "apply block-events/s (decode+validate+apply+offsets)": ours,
-        "apply planning ahead, block-events/s": ahead,
-        "raw COPY of the same rows, block-events/s": raw,
+        f"apply planning ahead, block-events/s (median of {runs})": ahead,
+        f"raw COPY of the same rows, block-events/s (median of {runs})": raw,
+        f"binary COPY of the same rows, encoded beforehand (median of {runs})": binary,
         "ratio apply / raw COPY": ours / raw,
         "ratio apply planning ahead / raw COPY": ahead / raw,
+        "ratio apply planning ahead / binary COPY": ahead / binary,
     }
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _empty_copies(conn: psycopg.Connection) -> dict[str, list[str]]:
+    """Empty copies of the written tables (copy_bench.*), and each one's columns."""
+    conn.execute("CREATE SCHEMA IF NOT EXISTS copy_bench")
+    columns = {}
+    for t in TABLES:
+        conn.execute(f"DROP TABLE IF EXISTS copy_bench.{t}")
+        conn.execute(f"CREATE TABLE copy_bench.{t} (LIKE kvledger.{t} INCLUDING ALL)")
+        described = conn.execute(f"SELECT * FROM kvledger.{t} LIMIT 0").description or []
+        columns[t] = [d.name for d in described]
+    return columns
+
+
+def _copy_rows(conn: psycopg.Connection, rows: dict[str, list[tuple[object, ...]]]) -> float:
+    """Seconds to COPY the rows, as a client holding them as values would (psycopg's
+    write_row): the baseline the issue's target was set against."""
+    columns = _empty_copies(conn)
+    start = time.perf_counter()
+    with conn.transaction(), conn.cursor() as cur:
+        for t in TABLES:
+            with cur.copy(f"COPY copy_bench.{t} ({', '.join(columns[t])}) FROM STDIN") as copy:
+                for row in rows[t]:
+                    copy.write_row(row)
+    return time.perf_counter() - start
+
+
+def _copy_binary(conn: psycopg.Connection) -> float:
+    """Seconds to COPY the rows as binary COPY data read back from the tables beforehand:
+    what PostgreSQL alone takes to store them (the client does no work per row)."""
+    columns = _empty_copies(conn)
+    data = {}
+    for t in TABLES:
+        names = ", ".join(columns[t])
+        with conn.cursor().copy(
+            f"COPY (SELECT {names} FROM kvledger.{t}) TO STDOUT (FORMAT BINARY)"
+        ) as copy:
+            data[t] = b"".join(bytes(block) for block in copy)
+    start = time.perf_counter()
+    with conn.transaction(), conn.cursor() as cur:
+        for t in TABLES:
+            names = ", ".join(columns[t])
+            with cur.copy(f"COPY copy_bench.{t} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
+                copy.write(data[t])
+    return time.perf_counter() - start
 
 
 def lag(

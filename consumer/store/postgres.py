@@ -147,16 +147,11 @@ class PostgresStore:
         cur = self.cur
         blocks: dict[BlockKey, BlockRow] = {}
         for (model, group), hashes in needs.blocks.items():
-            # The hashes as a constant, planned each time (prepare=False): PostgreSQL then
-            # hashes them or probes the key's index once for each. Joined with unnest(),
-            # it hashed every row of the table instead; prepared, "= ANY" of a parameter
-            # scanned the whole list for each row of it.
             cur.execute(
                 "SELECT b.block_hash, b.parent_hash, b.token_start, b.token_ids, b.block_size, "
-                "b.partial FROM kvledger.blocks b WHERE b.model = %s AND b.group_idx = %s "
-                "AND b.block_hash = ANY(%b::bytea[])",
-                (model, group, list(hashes)),
-                prepare=False,
+                "b.partial FROM unnest(%b::bytea[]) AS q(h) JOIN kvledger.blocks b "
+                "ON b.model = %s AND b.group_idx = %s AND b.block_hash = q.h",
+                (list(hashes), model, group),
             )
             for h, parent, start, tokens, size, partial in cur.fetchall():
                 blocks[BlockKey(model, group, h)] = BlockRow(

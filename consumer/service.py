@@ -49,6 +49,8 @@ _RETRYABLE = (psycopg.OperationalError, psycopg.errors.SerializationFailure, Dea
 
 
 ProgressFn = Callable[[RunSummary, int], None]
+# How often a consumer with a progress function reports (and reads its lag).
+PROGRESS_INTERVAL_S = 1.0
 
 # How the batch in flight ended (IndexConsumer._drain): committed as planned; failed and
 # applied again from the store; fenced (the partitions were re-seeked).
@@ -72,6 +74,7 @@ class IndexConsumer:
         self.config = config
         self.codec = codec or Codec()
         self.progress = progress
+        self._progress_due = 0.0  # time.monotonic() from which progress is reported again
         self.summary = RunSummary()
         self._stop = threading.Event()
         self._conn: psycopg.Connection | None = None
@@ -372,7 +375,12 @@ class IndexConsumer:
 
     def _account(self, result: BatchResult) -> None:
         self.summary.add(result.plan)
-        if self.progress is not None:
+        # The lag asks the broker for every partition's offsets and the index for its own:
+        # ms between one batch's commit and the next one's submission, so at most once per
+        # PROGRESS_INTERVAL_S (the final summary has the totals).
+        now = time.monotonic()
+        if self.progress is not None and now >= self._progress_due:
+            self._progress_due = now + PROGRESS_INTERVAL_S
             self.progress(self.summary, self.lag())
 
     # ------------------------------------------------------------------ offsets

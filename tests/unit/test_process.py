@@ -1,11 +1,14 @@
 """kvledger/process.py: the long-running commands' collector settings; the consumer's GIL
-switch interval while it plans ahead (consumer/ahead.py)."""
+switch interval while it plans ahead (consumer/ahead.py), and how often it reports its
+progress (consumer/service.py)."""
 
 from __future__ import annotations
 
 import gc
 import sys
 from typing import cast
+
+import pytest
 
 from kvledger.consumer.ahead import SWITCH_INTERVAL_S, Ahead
 from kvledger.consumer.store.postgres import PostgresStore
@@ -35,3 +38,28 @@ def test_planning_ahead_trades_the_gil_often_while_open_and_gives_the_interval_b
     finally:
         ahead.close()
     assert sys.getswitchinterval() == before
+
+
+def test_a_consumer_reports_its_progress_and_reads_its_lag_at_most_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading the lag asks the broker and the index: not between every two batches."""
+    from kvledger.consumer import service
+    from kvledger.consumer.config import ConsumerConfig
+    from kvledger.consumer.core.model import Plan
+    from kvledger.consumer.pipeline import BatchResult
+
+    reports: list[int] = []
+    consumer = service.IndexConsumer(
+        ConsumerConfig("127.0.0.1:1", "postgresql://nowhere/none"),
+        progress=lambda summary, lag: reports.append(summary.batches),
+    )
+    lags: list[int] = []
+    monkeypatch.setattr(consumer, "lag", lambda: lags.append(1) or 7)
+    clock = [100.0]
+    monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
+    for _ in range(3):  # three batches within the same second: the first is reported
+        consumer._account(BatchResult(Plan()))
+    clock[0] += service.PROGRESS_INTERVAL_S
+    consumer._account(BatchResult(Plan()))
+    assert reports == [1, 4] and len(lags) == 2  # every batch counted, two reports

@@ -24,7 +24,7 @@ use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 use smallvec::SmallVec;
 
 use crate::copy_data::encode;
-use crate::py_args::{hash_list, key_bytes, token_list};
+use crate::py_args::{hash_list, key_bytes, key_object, token_list};
 
 /// What the index knows of one block hash's content (a BlockRow's fields).
 #[derive(Clone, Debug, PartialEq)]
@@ -159,6 +159,14 @@ pub(crate) fn key(id: u32, hash: &[u8]) -> SmallVec<[u8; 72]> {
     out
 }
 
+/// A (model, group) as a map key: the group's eight bytes, then the model's.
+fn group_key(model: &str, group: i64) -> SmallVec<[u8; 72]> {
+    let mut out = SmallVec::new();
+    out.extend_from_slice(&group.to_le_bytes());
+    out.extend_from_slice(model.as_bytes());
+    out
+}
+
 /// `mapping.get(key)`: a dict read in place, any other mapping through its method.
 pub(crate) fn mapping_get<'py>(
     mapping: &Bound<'py, PyAny>,
@@ -179,8 +187,8 @@ pub struct BlockRows {
     known: Option<Py<PyAny>>,
     base: Option<Py<BlockRows>>,
     groups: Vec<(String, i64)>,
-    group_ids: HashMap<String, SmallVec<[(i64, u32); 2]>, RandomState>,
-    names: Vec<Py<PyString>>, // each group's model, for reading `known`
+    group_ids: HashMap<Key, u32, RandomState>, // by `group_key`
+    names: Vec<Py<PyString>>,                  // each group's model, for reading `known`
     writes: Vec<Write>,
     at: HashMap<Key, usize, RandomState>,
     looked: HashMap<Key, Option<Row>, RandomState>, // what `known` and `base` said
@@ -188,8 +196,7 @@ pub struct BlockRows {
 
 impl BlockRows {
     fn find_group(&self, model: &str, group: i64) -> Option<u32> {
-        let ids = self.group_ids.get(model)?;
-        ids.iter().find(|(g, _)| *g == group).map(|(_, id)| *id)
+        self.group_ids.get(&group_key(model, group)[..]).copied()
     }
 
     fn group_id(&mut self, py: Python<'_>, model: &str, group: i64) -> u32 {
@@ -200,9 +207,7 @@ impl BlockRows {
         self.groups.push((model.to_owned(), group));
         self.names.push(PyString::new(py, model).unbind());
         self.group_ids
-            .entry(model.to_owned())
-            .or_default()
-            .push((group, id));
+            .insert(Box::from(&group_key(model, group)[..]), id);
         id
     }
 
@@ -380,9 +385,8 @@ impl BlockRows {
         hash: &Bound<'_, PyAny>,
     ) -> PyResult<Option<i64>> {
         let id = self.group_id(py, model, group);
-        key_bytes(hash)?;
         Ok(self
-            .current(py, id, hash.cast::<PyBytes>()?)?
+            .current(py, id, key_object(hash)?)?
             .and_then(|r| r.end()))
     }
 

@@ -7,8 +7,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 pub(crate) fn key_bytes<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+    Ok(key_object(key)?.as_bytes())
+}
+
+/// A block hash as its bytes object (TypeError for anything else).
+pub(crate) fn key_object<'a, 'py>(key: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PyBytes>> {
     match key.cast::<PyBytes>() {
-        Ok(bytes) => Ok(bytes.as_bytes()),
+        Ok(bytes) => Ok(bytes),
         Err(_) => Err(PyTypeError::new_err(format!(
             "a block hash is bytes, not {}",
             key.get_type().name()?

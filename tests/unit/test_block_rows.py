@@ -14,7 +14,8 @@ from tests.helpers.reference_rows import upgrades as reference_upgrades
 from tests.helpers.without_core import import_error
 
 HASHES = (b"a", b"b", b"c", b"d")
-MODELS = (("m", 0), ("m", 1))
+# Group 2**32 shares group 0's low 32 bits: the core keys a group by all 64.
+MODELS = (("m", 0), ("m", 1), ("m", 2**32))
 
 rows = st.builds(
     BlockRow,

@@ -7,10 +7,10 @@
    the one before it is written (consumer/ahead.py), into a second database.
 2. baselines: the rows the first run wrote (blocks, residencies, history, audit log) are
    COPYed into an empty copy of the same tables in the same database server, as a client
-   holding them as values would (psycopg's write_row: the issue's baseline), and as binary
-   COPY data encoded beforehand (what PostgreSQL alone takes). Planning ahead and both
-   COPYs are measured three times, each figure the median; the ratios compare the apply
-   rates with the baselines for the same number of block events.
+   holding them as values would (psycopg's write_row: the baseline of earlier results),
+   and as binary COPY data encoded beforehand (what PostgreSQL alone takes). Planning
+   ahead and both COPYs are measured three times, each figure the median; the ratios
+   compare the apply rates with the baselines for the same number of block events.
 3. lag: a producer publishes at a steady 5,000 messages/s while the consumer runs; lag per
    message = the time its audit row was written minus its event time (p50, p99).
 """
@@ -158,7 +158,7 @@ def _empty_copies(conn: psycopg.Connection) -> dict[str, list[str]]:
 
 def _copy_rows(conn: psycopg.Connection, rows: dict[str, list[tuple[object, ...]]]) -> float:
     """Seconds to COPY the rows, as a client holding them as values would (psycopg's
-    write_row): the baseline the issue's target was set against."""
+    write_row, which formats each value as text)."""
     columns = _empty_copies(conn)
     start = time.perf_counter()
     with conn.transaction(), conn.cursor() as cur:

@@ -4,8 +4,9 @@ back into :mod:`.model`'s objects for a store that applies them one by one."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
+from kvledger.consumer.core.lifecycle import UNIX_EPOCH
 from kvledger.consumer.core.model import (
     BlockKey,
     BlockRow,
@@ -29,7 +30,6 @@ upgrades = _core.upgrades
 # The residencies' reference counts and history intervals a batch changes.
 Residencies = _core.Residencies
 
-UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 
 

@@ -132,10 +132,10 @@ def leaves_life(life: SourceLife | None, env: Envelope) -> TypeGuard[SourceLife]
     )
 
 
-_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def utc(ms: int) -> datetime:
     """A time in ms since the Unix epoch as an aware UTC datetime, exactly (through a float
     of seconds, a time after 2033 could come back a µs off)."""
-    return _UNIX_EPOCH + timedelta(milliseconds=ms)
+    return UNIX_EPOCH + timedelta(milliseconds=ms)

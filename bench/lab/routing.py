@@ -34,7 +34,9 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # the engine's own count of prefix-cache hits for this request
     error: str = ""
-    refused: bool = False  # nothing listened (a dead engine)
+    # Nothing answered: no engine listened, or the engine went away before its answer began
+    # (killed with the request in flight). Nothing reached the client, so it may be sent again.
+    refused: bool = False
 
 
 def complete(url: str, prompt: str, timeout: float = 60.0) -> Outcome:
@@ -54,9 +56,11 @@ def complete(url: str, prompt: str, timeout: float = 60.0) -> Outcome:
     )
     began = time.monotonic()
     out = Outcome(ok=False)
+    answered = False
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         answer = conn.getresponse()
+        answered = True
         if answer.status != 200:
             out.error = f"HTTP {answer.status}: {answer.read(300)!r}"
             return out
@@ -82,6 +86,8 @@ def complete(url: str, prompt: str, timeout: float = 60.0) -> Outcome:
         out.error, out.refused = "connection refused", True
     except (OSError, http.client.HTTPException, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+        # (http.client's RemoteDisconnected, a reset or a broken pipe are ConnectionErrors.)
+        out.refused = isinstance(exc, ConnectionError) and not answered
     finally:
         out.seconds = time.monotonic() - began
         conn.close()

@@ -67,8 +67,8 @@ class Record:
     attempts: int
     ok: bool
     to_dead: bool  # an attempt went to an engine that was down
-    dead_engine: int  # the engine that refused it (-1: none)
-    dead_at: float  # when it refused, seconds from the run's start
+    dead_engine: int  # the engine that refused it or went away unanswering (-1: none)
+    dead_at: float  # when it did, seconds from the run's start
     ttft: float
     prompt_tokens: int
     cached_tokens: int
@@ -290,7 +290,7 @@ class Lab:
             if out.refused and dead < 0:
                 dead, dead_at = engine, time.monotonic() - began
             if out.ok or not out.refused or len(tried) >= len(self.engines):
-                break  # a dead engine is retried elsewhere, as a router would
+                break  # a dead or dying engine's request goes elsewhere, as a router's would
         ttft = (time.monotonic() - first) - out.seconds + out.ttft if out.ok else 0.0
         return Record(
             at,

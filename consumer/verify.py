@@ -23,9 +23,10 @@ import psycopg
 import sqlalchemy as sa
 
 from kvledger.consumer import retention
+from kvledger.consumer.applier import stored_offsets
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
-from kvledger.consumer.service import IndexConsumer, stored_offsets
+from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.store.pg_state import load_specs, upsert_group_specs
 from kvledger.consumer.store.tables import COMPARED
 from kvledger.consumer.summary import RunSummary

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from kvledger.consumer.applier import stored_offsets
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
-from kvledger.consumer.service import IndexConsumer, stored_offsets
+from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.summary import RunSummary
 from tests.helpers.kafka import consume_all
 from tests.helpers.procs import spawn

@@ -37,7 +37,7 @@ from kvledger.fleet import FleetConfig
 PARTITIONS = 6
 CLOCK = os.sysconf("SC_CLK_TCK")
 INSTANCES = 12
-REQUESTS = 4500  # ~1.1 M messages, ~3.4 M block events
+REQUESTS = 7500  # ~1.9 M messages, ~5.8 M block events: over 60 s for one consumer here
 
 
 def _stat(pid: int | str) -> list[str] | None:

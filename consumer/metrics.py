@@ -116,6 +116,12 @@ SPLITS = Counter(
 RETRIES = Counter(
     "kvledger_batch_retries_total", "Batches retried after a database error", registry=REGISTRY
 )
+NEW_BLOCK_CONFLICTS = Counter(
+    "kvledger_new_block_conflicts_total",
+    "Batches whose new block rows met rows another consumer stored after this one planned "
+    "them: merged by the rules instead of copied (more work, the same index)",
+    registry=REGISTRY,
+)
 RECORDS_LOST = Counter(
     "kvledger_log_records_lost_total",
     "Records the log deleted (retention) before this index read them: the consumer's stored "

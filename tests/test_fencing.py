@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from kvledger.consumer import metrics
 from kvledger.consumer.core.needs import needs
 from kvledger.consumer.core.plan import make_plan
 from kvledger.consumer.db import connect
@@ -36,6 +37,13 @@ def _batch(first_offset: int, count: int) -> list[Inbound]:
         value = codec.encode(Envelope("engine-0", "m", 0, 1, i, 1_764_000_000_000 + i, event))
         out.append(Inbound(TOPIC, 0, i, b"engine-0/0", value))
     return out
+
+
+def _conflicts() -> float:
+    """The process's count of new block rows that met another consumer's."""
+    value = metrics.REGISTRY.get_sample_value("kvledger_new_block_conflicts_total")
+    assert value is not None
+    return value
 
 
 def _counts(url: str) -> tuple[int, int, int]:
@@ -116,8 +124,11 @@ def test_a_new_block_another_consumer_stored_since_the_plan_is_merged(
             snapshot = mine.load(needs(batch, keys=True))
         plan = make_plan(batch, snapshot)
         assert [w.stored for w in plan.blocks.values()] == [False]
+        before = _conflicts()
         run_batch(messages("engine-1", 1, 1_764_000_005_000), codec, later, "g")
+        assert _conflicts() == before  # the first writer copied it: no conflict
         write_batch(mine, plan, "g", *fence_points(batch, None))
+        assert _conflicts() == before + 1
         rows = a.execute(
             "SELECT extract(epoch FROM first_seen) * 1000, extract(epoch FROM last_seen) * 1000, "
             "token_ids FROM kvledger.blocks"

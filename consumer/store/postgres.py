@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from kvledger.consumer import metrics
 from kvledger.consumer.core.audit import replay_reason
 from kvledger.consumer.core.compact import micros
 from kvledger.consumer.core.model import (
@@ -283,7 +284,9 @@ class PostgresStore:
         since, they are merged with the rest instead); the others are merged by the rules
         (sql.MERGE_BLOCKS). Each pass goes in key order, so that two writers never wait
         on each other in a cycle: a block one writer copies as new and another merges
-        was committed before the second's plan, so the copy meets it at once, not a lock."""
+        was committed before the second's plan, so the copy meets it at once, not a lock.
+        A copy that met another consumer's row is counted (kvledger_new_block_conflicts_total):
+        consumers whose partitions store the same new blocks at once."""
         cur, rows = self.cur, plan.rows
         assert rows is not None
         new, stored = rows.copy_binary(False), rows.copy_binary(True)
@@ -292,6 +295,7 @@ class PostgresStore:
                 with self.conn.transaction():
                     copy_data(cur, BLOCKS.qualified, BLOCKS.columns, new)
             except psycopg.errors.UniqueViolation:
+                metrics.NEW_BLOCK_CONFLICTS.inc()
                 stored = rows.copy_binary()
         if stored is not None:
             copy_data(cur, "tmp_blocks", BLOCKS.columns, stored)

@@ -81,7 +81,8 @@ class BatchApplier:
         self.summary = summary
         self._read_from = read_from
         self._committed = committed
-        self._fenced = fenced
+        self._on_fenced = fenced
+        self._fences = 0  # batches found fenced (drain() tells by it if a second try was)
         self.conn: psycopg.Connection | None = None  # the writer's
         self._store: PostgresStore | None = None
         # Planning ahead: the reads' connection (loads, stored offsets) beside the writer's
@@ -167,6 +168,10 @@ class BatchApplier:
                             self._ahead.reader = PostgresStore(self._reads)
                     else:
                         self.conn = self.connect()
+
+    def _fenced(self, exc: FencedError) -> None:
+        self._fences += 1
+        self._on_fenced(exc)
 
     def _writer(self) -> PostgresStore:
         """The store on the writer's connection (new when the connection is)."""
@@ -301,8 +306,8 @@ class BatchApplier:
             return FENCED
         except Exception as exc:
             logger.warning("batch written ahead failed (%s); applying it again", exc)
-            fenced = self.summary.fenced
+            fences = self._fences
             self._apply(list(flight.planned.messages))
-            return FENCED if self.summary.fenced > fenced else REDONE
+            return FENCED if self._fences > fences else REDONE
         self._committed(result, flight.planned.started)
         return CLEAN

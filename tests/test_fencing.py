@@ -1,12 +1,14 @@
 """Fencing on the stored offsets, on a real PostgreSQL server: a batch that does not start at
 a partition's stored offset is abandoned whole, including the very first batch of a
 partition that two consumers hold at once. And two consumers of different partitions that
-store the same new block at once: the later writer merges it."""
+store the same new block at once: the later writer merges it; or the same residency, when
+one engine publishes on two topics: the later write fails whole and is planned again."""
 
 from __future__ import annotations
 
 import threading
 
+import psycopg
 import pytest
 
 from kvledger.consumer import metrics
@@ -136,6 +138,50 @@ def test_a_new_block_another_consumer_stored_since_the_plan_is_merged(
         holders = a.execute("SELECT instance FROM kvledger.residencies ORDER BY 1").fetchall()
     assert rows == [(1_764_000_000_001, 1_764_000_005_001, [1, 2, 3, 4])]
     assert holders == [("engine-0",), ("engine-1",)]
+
+
+def test_a_residency_another_writer_opened_since_the_plan_fails_the_write_whole(
+    fresh_database: str,
+) -> None:
+    """A residency new to the store is copied straight in, with its open interval. One
+    engine's messages reach the index through one partition, unless it publishes on two
+    topics: here its store of a block comes in from the other topic between this batch's
+    plan and its write. The write then fails whole (on the open interval), leaving nothing
+    of the batch, and the batch planned again finds those messages applied already."""
+    codec = Codec()
+
+    def messages(topic: str) -> list[Inbound]:
+        events = (
+            GroupSpec("m", 0, "full_attention", 4, 4),
+            BlockStored((b"\x02" * 8,), None, (1, 2, 3, 4), 4, None, "GPU", None, group_idx=0),
+        )
+        return [Inbound(topic, 0, i, b"engine-0/0",
+                        codec.encode(Envelope("engine-0", "m", 0, 1, i, 1_764_000_000_000 + i, e)))
+                for i, e in enumerate(events)]  # fmt: skip
+
+    with (
+        connect(fresh_database, autocommit=True) as a,
+        connect(fresh_database, autocommit=True) as b,
+    ):
+        mine, other = PostgresStore(a), PostgresStore(b)
+        batch = decode_batch(messages(TOPIC), codec)
+        with mine.transaction():
+            snapshot = mine.load(needs(batch, keys=True))
+        plan = make_plan(batch, snapshot)
+        run_batch(messages("fence-other"), codec, other, "g")
+        with pytest.raises(psycopg.errors.UniqueViolation, match="residency_history_open"):
+            write_batch(mine, plan, "g", *fence_points(batch, None))
+        again = run_batch(messages(TOPIC), codec, mine, "g")
+        rows = a.execute(
+            "SELECT instance, refcount, kafka_topic FROM kvledger.residencies"
+        ).fetchall()
+        audit = a.execute(
+            "SELECT status, count(*) FROM kvledger.events WHERE kafka_topic = %s GROUP BY 1",
+            (TOPIC,),
+        ).fetchall()
+    assert again.next_offsets == {(TOPIC, 0): 2}
+    assert rows == [("engine-0", 1, "fence-other")]
+    assert audit == [("duplicate", 2)]
 
 
 def test_a_placeholder_another_consumer_stored_since_the_plan_keeps_its_content(

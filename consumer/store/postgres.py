@@ -316,9 +316,15 @@ class PostgresStore:
         intervals = refs.copy_history(closed_at)
         if intervals is not None:
             copy_data(cur, RESIDENCY_HISTORY.qualified, RESIDENCY_HISTORY.columns, intervals)
-        holders = refs.copy_holders()
-        if holders is not None:
-            copy_data(cur, "tmp_res", RESIDENCIES.columns, holders)
+        # Residencies new to the store are copied straight in, as their open intervals just
+        # were; the rest (a count changed, or dropped to 0) are merged. A row another writer
+        # stored since the plan fails the copy of its open interval first (one engine's
+        # messages on two topics at once), and the batch is then planned again.
+        new, held = refs.copy_holders(False), refs.copy_holders(True)
+        if new is not None:
+            copy_data(cur, RESIDENCIES.qualified, RESIDENCIES.columns, new)
+        if held is not None:
+            copy_data(cur, "tmp_res", RESIDENCIES.columns, held)
             cur.execute(sql.MERGE_RESIDENCIES)
 
     def _write_replay_updates(self, plan: Plan) -> None:

@@ -537,13 +537,20 @@ impl Residencies {
         })
     }
 
-    /// copy_holders() -> binary COPY data of the residencies to merge (tables.RESIDENCIES):
-    /// each with a reference, and each the store held (a count of 0 deletes it).
-    fn copy_holders<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+    /// copy_holders(existed=None) -> binary COPY data of the residencies to write
+    /// (tables.RESIDENCIES): each with a reference, and each the store held (a count of 0
+    /// deletes it); `existed`: only those the store held when the batch was planned (to
+    /// merge), or only the new ones with a reference (to copy straight in).
+    #[pyo3(signature = (existed=None))]
+    fn copy_holders<'py>(
+        &self,
+        py: Python<'py>,
+        existed: Option<bool>,
+    ) -> Option<Bound<'py, PyBytes>> {
         encode(py, |out| {
             for d in self.sorted() {
                 let n = &d.now;
-                if n.refcount > 0 || d.existed {
+                if (n.refcount > 0 || d.existed) && existed.is_none_or(|e| d.existed == e) {
                     out.row(12);
                     self.key_fields(out, d);
                     out.bytes(n.locality.as_deref().map(str::as_bytes));

@@ -141,6 +141,34 @@ def _overlaid(snap: Snapshot, before: ReferenceRefs) -> Snapshot:
     return dataclasses.replace(snap, residencies=residencies, held=held)
 
 
+def _copied_keys(data: bytes | None) -> list[ResidencyKey]:
+    """The keys (the first six fields, never NULL) of binary COPY data's rows."""
+    keys: list[ResidencyKey] = []
+    at = 19  # signature, flags, header extension
+    while data is not None and data[at : at + 2] != b"\xff\xff":  # the trailer: -1
+        fields, at = int.from_bytes(data[at : at + 2], "big"), at + 2
+        values: list[bytes] = []
+        for _ in range(fields):
+            size, at = int.from_bytes(data[at : at + 4], "big", signed=True), at + 4
+            values.append(data[at : at + max(size, 0)])
+            at += max(size, 0)
+        model, group, block, *holder = values[:6]
+        keys.append(ResidencyKey(model.decode(), int.from_bytes(group, "big"), block,
+                                 *(part.decode() for part in holder)))  # fmt: skip
+    return keys
+
+
+def _check_copies(native: References, reference: ReferenceRefs, held: Snapshot) -> None:
+    """The residencies to write, split as the PostgreSQL store writes them: those new to
+    the store (``held``) with a reference, copied straight in; the rest, merged."""
+    refs = native.native
+    touched = {d.key: d.refcount for d in reference.touched()}
+    new = _copied_keys(refs.copy_holders(False))
+    assert set(new) == {k for k, n in touched.items() if n > 0 and k not in held.residencies}
+    both = sorted(new + _copied_keys(refs.copy_holders(True)))
+    assert both == sorted(_copied_keys(refs.copy_holders()))
+
+
 @settings(max_examples=300, deadline=None)
 @given(held_rows, st.booleans(), st.lists(ops, max_size=8), st.lists(ops, max_size=8))
 def test_residencies_count_as_the_rules_count(
@@ -153,8 +181,11 @@ def test_residencies_count_as_the_rules_count(
     native, reference = References(snap), ReferenceRefs(snap)
     _run(native, reference, first)
     assert _deltas(native) == reference.touched()
+    _check_copies(native, reference, snap)
     sealed = native.native.sealed()
     ahead = dataclasses.replace(snap, residency_base=sealed)
-    native_next, reference_next = References(ahead), ReferenceRefs(_overlaid(snap, reference))
+    overlaid = _overlaid(snap, reference)
+    native_next, reference_next = References(ahead), ReferenceRefs(overlaid)
     _run(native_next, reference_next, then)
     assert _deltas(native_next) == reference_next.touched()
+    _check_copies(native_next, reference_next, overlaid)

@@ -7,15 +7,17 @@ one engine publishes on two topics: the later write fails whole and is planned a
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import psycopg
 import pytest
 
 from kvledger.consumer import metrics
+from kvledger.consumer.core.model import Plan
 from kvledger.consumer.core.needs import needs
 from kvledger.consumer.core.plan import make_plan
 from kvledger.consumer.db import connect
-from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.inbound import Decoded, Inbound
 from kvledger.consumer.pipeline import decode_batch, fence_points, run_batch, write_batch
 from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
@@ -39,6 +41,27 @@ def _batch(first_offset: int, count: int) -> list[Inbound]:
         value = codec.encode(Envelope("engine-0", "m", 0, 1, i, 1_764_000_000_000 + i, event))
         out.append(Inbound(TOPIC, 0, i, b"engine-0/0", value))
     return out
+
+
+def _messages(
+    codec: Codec,
+    events: Sequence[GroupSpec | BlockStored],
+    source: str = "engine-0",
+    topic: str = TOPIC,
+    partition: int = 0,
+    at_ms: int = 1_764_000_000_000,
+) -> list[Inbound]:
+    """One source's events as consumed messages from offset 0, one ms apart."""
+    return [Inbound(topic, partition, i, f"{source}/0".encode(),
+                    codec.encode(Envelope(source, "m", 0, 1, i, at_ms + i, e)))
+            for i, e in enumerate(events)]  # fmt: skip
+
+
+def _plan(store: PostgresStore, batch: list[Decoded]) -> Plan:
+    """A batch planned over what ``store`` holds now (written later, by the test)."""
+    with store.transaction():
+        snapshot = store.load(needs(batch, keys=True))
+    return make_plan(batch, snapshot)
 
 
 def _conflicts() -> float:
@@ -105,29 +128,22 @@ def test_a_new_block_another_consumer_stored_since_the_plan_is_merged(
     consumer stores the same block between this one's plan and its write, so the copy
     meets that row and the write merges it instead (first seen: the earlier event)."""
     codec = Codec()
-    block = b"\x01" * 8
-
-    def messages(source: str, partition: int, at_ms: int) -> list[Inbound]:
-        events = (
-            GroupSpec("m", 0, "full_attention", 4, 4),
-            BlockStored((block,), None, (1, 2, 3, 4), 4, None, "GPU", None, group_idx=0),
-        )
-        return [Inbound(TOPIC, partition, i, f"{source}/0".encode(),
-                        codec.encode(Envelope(source, "m", 0, 1, i, at_ms + i, e)))
-                for i, e in enumerate(events)]  # fmt: skip
+    events = (
+        GroupSpec("m", 0, "full_attention", 4, 4),
+        BlockStored((b"\x01" * 8,), None, (1, 2, 3, 4), 4, None, "GPU", None, group_idx=0),
+    )
 
     with (
         connect(fresh_database, autocommit=True) as a,
         connect(fresh_database, autocommit=True) as b,
     ):
         mine, later = PostgresStore(a), PostgresStore(b)
-        batch = decode_batch(messages("engine-0", 0, 1_764_000_000_000), codec)
-        with mine.transaction():
-            snapshot = mine.load(needs(batch, keys=True))
-        plan = make_plan(batch, snapshot)
+        batch = decode_batch(_messages(codec, events), codec)
+        plan = _plan(mine, batch)
         assert [w.stored for w in plan.blocks.values()] == [False]
         before = _conflicts()
-        run_batch(messages("engine-1", 1, 1_764_000_005_000), codec, later, "g")
+        run_batch(_messages(codec, events, "engine-1", partition=1, at_ms=1_764_000_005_000),
+                  codec, later, "g")  # fmt: skip
         assert _conflicts() == before  # the first writer copied it: no conflict
         write_batch(mine, plan, "g", *fence_points(batch, None))
         assert _conflicts() == before + 1
@@ -149,29 +165,22 @@ def test_a_residency_another_writer_opened_since_the_plan_fails_the_write_whole(
     plan and its write. The write then fails whole (on the open interval), leaving nothing
     of the batch, and the batch planned again finds those messages applied already."""
     codec = Codec()
-
-    def messages(topic: str) -> list[Inbound]:
-        events = (
-            GroupSpec("m", 0, "full_attention", 4, 4),
-            BlockStored((b"\x02" * 8,), None, (1, 2, 3, 4), 4, None, "GPU", None, group_idx=0),
-        )
-        return [Inbound(topic, 0, i, b"engine-0/0",
-                        codec.encode(Envelope("engine-0", "m", 0, 1, i, 1_764_000_000_000 + i, e)))
-                for i, e in enumerate(events)]  # fmt: skip
+    events = (
+        GroupSpec("m", 0, "full_attention", 4, 4),
+        BlockStored((b"\x02" * 8,), None, (1, 2, 3, 4), 4, None, "GPU", None, group_idx=0),
+    )
 
     with (
         connect(fresh_database, autocommit=True) as a,
         connect(fresh_database, autocommit=True) as b,
     ):
         mine, other = PostgresStore(a), PostgresStore(b)
-        batch = decode_batch(messages(TOPIC), codec)
-        with mine.transaction():
-            snapshot = mine.load(needs(batch, keys=True))
-        plan = make_plan(batch, snapshot)
-        run_batch(messages("fence-other"), codec, other, "g")
+        batch = decode_batch(_messages(codec, events), codec)
+        plan = _plan(mine, batch)
+        run_batch(_messages(codec, events, topic="fence-other"), codec, other, "g")
         with pytest.raises(psycopg.errors.UniqueViolation, match="residency_history_open"):
             write_batch(mine, plan, "g", *fence_points(batch, None))
-        again = run_batch(messages(TOPIC), codec, mine, "g")
+        again = run_batch(_messages(codec, events), codec, mine, "g")
         rows = a.execute(
             "SELECT instance, refcount, kafka_topic FROM kvledger.residencies"
         ).fetchall()
@@ -196,14 +205,11 @@ def test_a_placeholder_another_consumer_stored_since_the_plan_keeps_its_content(
     codec = Codec()
     tail = b"\x07" * 8
 
-    def messages(source: str, partition: int, parent: bytes) -> list[Inbound]:
-        events = (
+    def events(parent: bytes) -> tuple[GroupSpec, BlockStored]:
+        return (
             GroupSpec("m", 0, "sliding_window", 4, 4, 64),
             BlockStored((tail,), parent, (), 0, None, "GPU", None, group_idx=0),
         )
-        return [Inbound(TOPIC, partition, i, f"{source}/0".encode(),
-                        codec.encode(Envelope(source, "m", 0, 1, i, 1_764_000_000_000 + i, e)))
-                for i, e in enumerate(events)]  # fmt: skip
 
     def parents(url: str) -> list[tuple[bytes, int]]:
         with connect(url, autocommit=True) as conn:
@@ -215,10 +221,8 @@ def test_a_placeholder_another_consumer_stored_since_the_plan_keeps_its_content(
         connect(fresh_database, autocommit=True) as b,
     ):
         mine, other = PostgresStore(a), PostgresStore(b)
-        batch = decode_batch(messages("engine-0", 0, b"\x0a" * 8), codec)
-        with mine.transaction():
-            snapshot = mine.load(needs(batch, keys=True))
-        plan = make_plan(batch, snapshot)
-        run_batch(messages("engine-1", 1, b"\x0b" * 8), codec, other, "g")
+        batch = decode_batch(_messages(codec, events(b"\x0a" * 8)), codec)
+        plan = _plan(mine, batch)
+        run_batch(_messages(codec, events(b"\x0b" * 8), "engine-1", partition=1), codec, other, "g")
         write_batch(mine, plan, "g", *fence_points(batch, None))
     assert parents(fresh_database) == [(b"\x0b" * 8, 0)]

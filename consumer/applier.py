@@ -163,11 +163,15 @@ class BatchApplier:
                 time.sleep(self.config.retry_backoff_s)
                 if conn.closed or conn.broken:
                     if reads:
-                        self._reads = self.connect()
-                        if self._ahead is not None:
-                            self._ahead.reader = PostgresStore(self._reads)
+                        self._reconnect_reads()
                     else:
                         self.conn = self.connect()
+
+    def _reconnect_reads(self) -> None:
+        """A new reads' connection, and planning ahead's loads on it."""
+        self._reads = self.connect()
+        if self._ahead is not None:
+            self._ahead.reader = PostgresStore(self._reads)
 
     def _fenced(self, exc: FencedError) -> None:
         self._fences += 1
@@ -276,8 +280,7 @@ class BatchApplier:
             logger.debug("planning ahead failed (%s); applying the batch alone", exc)
             reads = self._reads
             if reads is not None and (reads.closed or reads.broken):
-                self._reads = self.connect()
-                ahead.reader = PostgresStore(self._reads)
+                self._reconnect_reads()
             if self.drain() != FENCED:
                 self._apply(messages)
             return

@@ -9,6 +9,7 @@ COPY pyproject.toml README.md constraints.txt setup.py ./
 COPY rust rust
 COPY producer producer
 COPY consumer consumer
+COPY serving serving
 COPY schemas schemas
 COPY kvledger kvledger
 COPY migrations migrations

@@ -76,6 +76,8 @@ lint: venv
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/mypy
+	@# The layers (pyproject.toml's [tool.importlinter]): the write side never imports the read side.
+	@$(VENV)/bin/lint-imports --no-logo --no-cache > /dev/null || $(VENV)/bin/lint-imports --no-logo --no-cache
 	@command -v cargo > /dev/null || { echo "make lint needs cargo, the Rust toolchain that builds kvledger's core (rust/): install it from your distribution or rustup" >&2; exit 1; }
 	@cargo fmt --manifest-path rust/Cargo.toml --check
 	@cargo clippy --manifest-path rust/Cargo.toml --release --all-targets --quiet -- -D warnings

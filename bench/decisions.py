@@ -39,14 +39,14 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from bench.common import PUBLISHED, percentiles_ms, publish, record
-from kvledger.consumer.lookup import http
-from kvledger.consumer.lookup.dynamo import DynamoApi
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.decisions import encode
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.provisional import TOKENS, Decision, Provisional, token_keys
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.decisions import TOKENS, Decision, encode
+from kvledger.serving.lookup import http
+from kvledger.serving.lookup.dynamo import DynamoApi
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.provisional import Provisional, token_keys
 from tests.helpers.streams import fleet_prompts, fleet_stream
 
 FLEET = FleetConfig(instances=8, requests=200, seed=29, gpu_capacity_blocks=256)

@@ -13,7 +13,7 @@ import random
 import time
 
 from bench.common import record
-from kvledger.consumer.router.groups import Group
+from kvledger.serving.router.groups import Group
 
 KEYS = 20_000
 _M = (1 << 64) - 1

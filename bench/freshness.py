@@ -44,12 +44,13 @@ from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from bench.common import PUBLISHED, publish, record
-from kvledger.consumer.republish.publisher import Endpoint, Publisher
-from kvledger.consumer.router.decisions import DecisionLog
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.provisional import HASHES, Decision, Provisional
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.decisions import HASHES, Decision
 from kvledger.schemas.topics import ensure_topic
+from kvledger.serving.republish.publisher import Endpoint, Publisher
+from kvledger.serving.router.decisions import DecisionLog
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.provisional import Provisional
 from tests.helpers.procs import free_port
 from tests.helpers.vllm_wheel import vllm_module
 

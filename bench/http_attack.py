@@ -1,7 +1,7 @@
 """`kvledger serve`'s HTTP face under attack, beside uvicorn's own protocol in the same run.
 
 For each server protocol (uvicorn's httptools, the baseline; kvledger's, within its limits:
-consumer/lookup/guarded_protocol.py) a child process serves the lookup service from memory
+serving/lookup/guarded_protocol.py) a child process serves the lookup service from memory
 (a router index filled from a simulated fleet) and an honest client asks POST /v1/match on
 one kept-alive connection: quiet first, then while an attacker holds up to
 ``--connections`` half-open connections (slowloris: a request head a few bytes at a time,
@@ -47,14 +47,14 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
 
     import uvicorn
 
-    from kvledger.consumer.lookup.guarded_protocol import HttpLimits
-    from kvledger.consumer.lookup.hot_protocol import protocol
-    from kvledger.consumer.lookup.http import create_app
     from kvledger.consumer.pipeline import run_batch
-    from kvledger.consumer.router.index import RouterIndex
     from kvledger.fleet import FleetConfig
     from kvledger.process import collect_less_often, freeze_startup_objects
     from kvledger.schemas.codec import Codec
+    from kvledger.serving.lookup.guarded_protocol import HttpLimits
+    from kvledger.serving.lookup.hot_protocol import protocol
+    from kvledger.serving.lookup.http import create_app
+    from kvledger.serving.router.index import RouterIndex
     from tests.helpers.streams import fleet_stream
 
     logging.getLogger("kvledger").setLevel(logging.ERROR)  # the refusals' counts

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from bench.common import lookup_service, percentiles_ms, post_times, reader_args, record, settle
 from kvledger.consumer.db import connect, migrate
-from kvledger.consumer.lookup import PrefixIndex
+from kvledger.serving.lookup import PrefixIndex
 
 CHAINS, LENGTH, INSTANCES = 8000, 128, 64
 H = "decode(substr(md5(c::text || '/' || i::text), 1, 16), 'hex')"

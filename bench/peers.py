@@ -48,9 +48,9 @@ from bench.common import PUBLISHED, publish, record
 from bench.lookup import CHAINS, INSTANCES, LENGTH
 from bench.router import WIDE, _rss, _timed
 from kvledger.consumer.inbound import Inbound
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import BlockStored, Envelope, GroupSpec
+from kvledger.serving.router.index import RouterIndex
 
 BLOCK = 16
 NATIVE = Path(__file__).parent / "native" / "Cargo.toml"

@@ -25,8 +25,8 @@ import zmq
 
 from bench.common import PUBLISHED, publish, record
 from kvledger.consumer.core.model import GroupKey, SourceLife
-from kvledger.consumer.republish.publisher import Endpoint, Publisher
-from kvledger.consumer.router.index import RouterIndex
+from kvledger.serving.republish.publisher import Endpoint, Publisher
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.procs import free_port
 
 SOURCE, MODEL, BLOCK, CHAIN = "bench-engine", "bench-model", 16, 32

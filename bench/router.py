@@ -34,13 +34,13 @@ from bench.consume import _messages
 from kvledger.consumer.core.model import GroupKey
 from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound, decode
-from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex, collector_paused
-from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.topics import ensure_topic
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.router.index import APPLY_CHUNK, RouterIndex, collector_paused
+from kvledger.serving.router.store import RouterStore
 from tests.helpers.pure_router.group import PureGroup
 
 WIDE = timedelta(days=1)  # the generated instances publish nothing
@@ -95,7 +95,7 @@ def _pure_group(router: RouterIndex, fn: object, prompts: list[list[bytes]]) -> 
 def tail_rate(rounds: int = 3) -> dict[str, float]:
     """The router's apply path (:meth:`RouterIndex.apply`: chunks under the lookups' lock,
     the cycle collector paused per chunk, stores and removals in one native call each:
-    consumer/router/lane.py) beside the same chunks, collector paused too, with every
+    serving/router/lane.py) beside the same chunks, collector paused too, with every
     message through the planner (the path before the lane), alternating, best round of
     each."""
     messages = [

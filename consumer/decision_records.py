@@ -27,9 +27,8 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.router.decisions import decode_record
-from kvledger.consumer.router.provisional import Decision
 from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.schemas.decisions import Decision, decode_record
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S
 

@@ -35,7 +35,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal
 
-# The same answer types as the Python API's (kvledger.consumer.lookup).
+# The same answer types as the Python API's (kvledger.serving.lookup).
 from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
 __all__ = ["Block", "DecisionReporter", "Holder", "LookupClient", "LookupServiceError",

@@ -11,10 +11,10 @@ from typing import Any
 
 import psycopg
 
-from kvledger.consumer.lookup import PrefixIndex, rank
-from kvledger.consumer.lookup.api import tied
 from kvledger.fleet import FULL_GROUP, FleetConfig, prompt_hashes, random_tokens, system_prompts
 from kvledger.producer.relay.relay import Relay
+from kvledger.serving.lookup import PrefixIndex, rank
+from kvledger.serving.lookup.api import tied
 from kvledger.tables import print_table
 from kvledger.vllm_engine import VllmWireSink, ZmqEngine
 

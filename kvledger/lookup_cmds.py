@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 
 from kvledger import settings
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex, rank
-from kvledger.consumer.lookup.api import split_live, tied, unknown_group
 from kvledger.options import ENV_LOOKUP_TOKEN
 from kvledger.process import collect_less_often, freeze_startup_objects
 from kvledger.schemas.lookup import Holder, Ranked
+from kvledger.serving.lookup import PrefixIndex, rank
+from kvledger.serving.lookup.api import split_live, tied, unknown_group
 from kvledger.tables import print_table
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.decisions import DecisionLog
-    from kvledger.consumer.router.index import RouterIndex
-    from kvledger.consumer.router.provisional import Provisional
+    from kvledger.serving.router.decisions import DecisionLog
+    from kvledger.serving.router.index import RouterIndex
+    from kvledger.serving.router.provisional import Provisional
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -44,10 +44,10 @@ def parse_token_ids(text: str) -> list[int]:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvledger.consumer.lookup.guarded_protocol import HttpLimits
-    from kvledger.consumer.lookup.hot import HotPath
-    from kvledger.consumer.lookup.hot_protocol import protocol
-    from kvledger.consumer.lookup.http import create_app
+    from kvledger.serving.lookup.guarded_protocol import HttpLimits
+    from kvledger.serving.lookup.hot import HotPath
+    from kvledger.serving.lookup.hot_protocol import protocol
+    from kvledger.serving.lookup.http import create_app
 
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     database = settings.lookup_database_url(args.database_url)
@@ -105,9 +105,9 @@ def _decisions(
     args: argparse.Namespace, router: RouterIndex
 ) -> tuple[Provisional, DecisionLog | None]:
     """Where routers' decisions are held (and, with --decisions-topic, shared)."""
-    from kvledger.consumer.lookup.metrics import PROVISIONAL
-    from kvledger.consumer.router.decisions import DecisionLog
-    from kvledger.consumer.router.provisional import Provisional
+    from kvledger.serving.lookup.metrics import PROVISIONAL
+    from kvledger.serving.router.decisions import DecisionLog
+    from kvledger.serving.router.provisional import Provisional
 
     provisional = Provisional(args.provisional_window)
     if args.decisions_topic is None:
@@ -142,7 +142,7 @@ def _raise_open_files(connections: int) -> None:
 def _router(args: argparse.Namespace, database: str) -> RouterIndex:
     """The router index `serve` answers from: bootstrapped from the database, following
     the topic (with Dynamo's block hashes when --dynamo-api asks)."""
-    from kvledger.consumer.router.index import RouterIndex
+    from kvledger.serving.router.index import RouterIndex
 
     router = RouterIndex(
         settings.kafka_bootstrap(args), args.topic, args.consumer_group,

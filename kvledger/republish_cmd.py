@@ -1,5 +1,5 @@
 """`kvledger republish`: the index's events, per source, on vLLM's ZMQ sockets
-(consumer/republish/; its arguments: kvledger.arguments)."""
+(serving/republish/; its arguments: kvledger.arguments)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from types import FrameType
 
 from kvledger import settings
 from kvledger.consumer.db import connect
-from kvledger.consumer.republish.publisher import Endpoint, Publisher
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER
+from kvledger.serving.republish.publisher import Endpoint, Publisher
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.match import DEFAULT_SILENT_AFTER
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The lookup API's answers, as the Python API (kvledger.consumer.lookup), the HTTP service
+"""The lookup API's answers, as the Python API (kvledger.serving.lookup), the HTTP service
 (GET /openapi.json) and its client (kvledger.client) all give them. Standard library only,
 so the client works from the base install."""
 

@@ -12,7 +12,7 @@ held to the independent reference model of the index on the fleet
 Stores that keep history, rejections and lives (memory, PostgreSQL) must equal the oracle
 table by table, and again after a group declared late and their dead letters replayed.
 
-**Prefix lookups** (:class:`~kvledger.consumer.lookup.api.PrefixLookups`, what the service
+**Prefix lookups** (:class:`~kvledger.serving.lookup.api.PrefixLookups`, what the service
 asks): SQL, the router bootstrapped from that database (as `serve --memory` starts), and
 the router that applied the stream itself. Each answers every prompt as the brute-force
 walks of the reference model do: by block hashes, by the engine's hashes, by token content.
@@ -36,9 +36,7 @@ from kvledger.consumer.admin import replay as replay_postgres
 from kvledger.consumer.ahead import apply_in_turn
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
 from kvledger.consumer.inbound import decode
-from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import replay_batch, run_batch
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.verify import diff
@@ -46,6 +44,8 @@ from kvledger.consumer.verify import dump as dump_postgres
 from kvledger.fleet import FleetConfig, prompt_hashes
 from kvledger.schemas.events import Goodbye, Heartbeat
 from kvledger.schemas.lookup import EngineLoad
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.brute_force import (
     BLOCK,
     MODEL,

@@ -22,11 +22,12 @@ from confluent_kafka import Producer
 from kvledger.cli import main as cli
 from kvledger.consumer.db import connect
 from kvledger.consumer.decision_records import DecisionRecorder
-from kvledger.consumer.router.decisions import Answered, DecisionLog, Record, decode
-from kvledger.consumer.router.provisional import Provisional
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
+from kvledger.schemas.decisions import Answered, Record, decode
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec
+from kvledger.serving.router.decisions import DecisionLog
+from kvledger.serving.router.provisional import Provisional
 from tests.helpers.consuming import by_partition, consume
 from tests.helpers.procs import first_answer, free_port, spawn, until
 

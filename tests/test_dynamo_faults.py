@@ -25,8 +25,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup.http import create_app
-from kvledger.consumer.router.index import RouterIndex
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.procs import require_dynamo
 from tests.helpers.scripted_engines import (
     BLOCK,

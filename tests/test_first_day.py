@@ -20,8 +20,8 @@ from starlette.testclient import TestClient
 
 from kvledger.cli import main as cli
 from kvledger.consumer.db import SCHEMA_MISSING, create_database, drop_database
-from kvledger.consumer.lookup.http import create_app
 from kvledger.schemas.events import GroupSpec
+from kvledger.serving.lookup.http import create_app
 from tests.helpers.consuming import consume
 from tests.helpers.procs import free_port
 from tests.helpers.streams import Stream, removed, spec, stored
@@ -172,7 +172,7 @@ def test_records_deleted_before_the_consumer_read_them_are_recorded_and_acted_on
 
     from kvledger.consumer import metrics
     from kvledger.consumer.db import connect
-    from kvledger.consumer.router.index import RouterIndex
+    from kvledger.serving.router.index import RouterIndex
 
     topic = make_topic("deleted", partitions=1)
     stream = Stream(topic)

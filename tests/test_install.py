@@ -56,12 +56,13 @@ def test_the_installed_package_has_one_namespace(installed: Path, tmp_path: Path
     out = _run(
         [str(installed / "python"), "-c",
          "import importlib.util as u, kvledger.consumer.db as d; "
-         "print(d.__file__); print([u.find_spec(n) for n in ('producer', 'consumer', 'schemas')])"],
+         "print(d.__file__); "
+         "print([u.find_spec(n) for n in ('producer', 'consumer', 'serving', 'schemas')])"],
         tmp_path,
     )  # fmt: skip
     module_file, specs = out.splitlines()
     assert str(installed.parent) in module_file and str(ROOT) not in module_file
-    assert specs == "[None, None, None]"
+    assert specs == "[None, None, None, None]"
     version = _run([str(installed / "python"), "-m", "kvledger", "--version"], tmp_path)
     assert version.startswith("kvledger ")  # `python -m kvledger` is the command too
 

@@ -16,13 +16,13 @@ from starlette.testclient import TestClient
 from kvledger.cli import main as cli
 from kvledger.consumer.admin import list_sources
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
-from kvledger.consumer.lookup.http import create_app
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.codec import Codec, released_schemas
 from kvledger.schemas.events import BlockStored, Envelope, GroupSpec, Heartbeat
 from kvledger.schemas.topics import DEFAULT_RETENTION_MS, ensure_topic, message_key
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.lookup.http import create_app
 from tests.helpers.consuming import consume
 from tests.helpers.kafka import consume_all
 

@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from starlette.testclient import TestClient
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import Holder, PrefixIndex, rank
-from kvledger.consumer.lookup.http import create_app
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
+from kvledger.serving.lookup import Holder, PrefixIndex, rank
+from kvledger.serving.lookup.http import create_app
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.brute_force import (
     BLOCK,
@@ -470,7 +470,7 @@ def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader
     import json
 
     from kvledger.client import LookupClient, LookupServiceError
-    from kvledger.consumer.lookup.openapi import DOCUMENT
+    from kvledger.serving.lookup.openapi import DOCUMENT
     from tests.helpers.openapi import conformance
 
     conforms = conformance(DOCUMENT)

@@ -25,13 +25,13 @@ import msgspec
 import pytest
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
 from kvledger.producer.vllm import from_vllm_fields
 from kvledger.schemas.events import BlockRemoved, BlockStored
 from kvledger.schemas.topics import ensure_topic
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.router.index import RouterIndex
 from kvledger.vllm_engine import Event, ZmqEngine, cleared, removed, stored
 from tests.helpers.consuming import consume, residencies_of
 from tests.helpers.kafka import private_kafka

@@ -26,10 +26,10 @@ import zmq
 
 from kvledger.consumer.db import connect
 from kvledger.consumer.metrics import REGISTRY
-from kvledger.consumer.republish.publisher import END_SEQ, Endpoint, Publisher
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.wire import decode_batch
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvledger.serving.republish.publisher import END_SEQ, Endpoint, Publisher
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.procs import free_port, require_dynamo, spawn
 from tests.helpers.scripted_engines import (
     BLOCK,

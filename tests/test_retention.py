@@ -18,7 +18,6 @@ from confluent_kafka import Producer
 
 from kvledger.cli import main as cli
 from kvledger.consumer.db import connect, create_database, downgrade, drop_database, migrate
-from kvledger.consumer.lookup.api import NotRetainedError, PrefixIndex
 from kvledger.consumer.retention import (
     Retention,
     ensure_partitions,
@@ -27,6 +26,7 @@ from kvledger.consumer.retention import (
     status,
 )
 from kvledger.consumer.verify import verify
+from kvledger.serving.lookup.api import NotRetainedError, PrefixIndex
 from tests.helpers.consuming import consume
 from tests.helpers.streams import Stream, h, removed, spec, stored
 

@@ -16,14 +16,14 @@ from kvledger.consumer.applier import stored_offsets
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.core.model import GroupKey
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
-from kvledger.consumer.lookup.http import create_app
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.service import IndexConsumer
 from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_prompts
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockStored
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.router.index import RouterIndex
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.consuming import consume, wait_caught_up
 

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
 from kvledger.producer.relay.sglang import MEDIA
+from kvledger.serving.lookup import PrefixIndex
 from tests.helpers.consuming import consume, lost_ranges, residencies_of
 from tests.helpers.procs import free_port
 from tests.helpers.sglang_wheel import sglang_kv_events

@@ -1,4 +1,4 @@
-"""The lookup functions' readable definitions (consumer/lookup/sql/*.sql) are exactly what
+"""The lookup functions' readable definitions (serving/lookup/sql/*.sql) are exactly what
 the newest migration creates."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def _file_definitions() -> dict[str, str]:
-    folder = resources.files("kvledger.consumer.lookup").joinpath("sql")
+    folder = resources.files("kvledger.serving.lookup").joinpath("sql")
     out = {}
     for entry in folder.iterdir():
         if entry.name.endswith(".sql"):
@@ -34,4 +34,4 @@ def test_sql_files_equal_the_migrated_functions(fresh_database: str) -> None:
     assert set(files) == set(migrated)
     assert {"match_prefix", "match_prefix_at", "match_tokens", "source_state"} <= set(files)
     for name, definition in migrated.items():
-        assert files[name] == definition, f"consumer/lookup/sql/{name}.sql differs"
+        assert files[name] == definition, f"serving/lookup/sql/{name}.sql differs"

@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvledger.consumer.db import connect, create_database, migrate
-from kvledger.consumer.lookup import PrefixIndex
 from kvledger.fleet import FleetConfig, prompt_hashes, random_tokens, system_prompts
+from kvledger.serving.lookup import PrefixIndex
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.consuming import consume
 from tests.helpers.procs import first_answer, free_port, reap, spawn

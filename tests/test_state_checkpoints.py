@@ -8,11 +8,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
-from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import MODEL, Stream, checkpoint, h, removed, spec, stored
 
 pytestmark = pytest.mark.integration

@@ -12,12 +12,12 @@ from datetime import timedelta
 import pytest
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.events import BlockStored
 from kvledger.schemas.lookup import Holder
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import MODEL, Stream, h, spec
 
 pytestmark = pytest.mark.integration

@@ -22,9 +22,9 @@ from datetime import timedelta
 import pytest
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
+from kvledger.serving.lookup import PrefixIndex
 from tests.helpers.consuming import consume, lost_ranges, residencies_of
 from tests.helpers.trtllm_fixture import TrtllmServe, truth
 

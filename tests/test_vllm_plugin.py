@@ -19,9 +19,9 @@ import pytest
 import zmq
 from confluent_kafka.admin import AdminClient
 
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer import vllm_plugin
 from kvledger.schemas.topics import ensure_topic
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.kafka import private_kafka
 from tests.helpers.procs import free_port, free_ports
 

@@ -22,8 +22,8 @@ from bench.lab import install, model, routing, stack
 from bench.lab.engines import BLOCK_SIZE, Engine, EngineSpec, running
 from bench.lab.oracle import Oracle
 from kvledger.consumer.core.model import GroupKey
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.schemas.hashing import int_to_hash_bytes
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.procs import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.downloads]

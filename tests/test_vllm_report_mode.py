@@ -19,10 +19,10 @@ from types import ModuleType
 import pytest
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import PrefixIndex
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
+from kvledger.serving.lookup import PrefixIndex
+from kvledger.serving.router.index import RouterIndex
 from kvledger.vllm_engine import removed, stored
 from tests.helpers.consuming import consume, residencies_of
 from tests.helpers.procs import free_port

@@ -24,7 +24,7 @@ branch_labels = None
 depends_on = None
 
 # The exact SQL this revision applies, frozen here: no revision imports another, and later
-# revisions copy what they change (the current definitions are consumer/lookup/sql/*.sql).
+# revisions copy what they change (the current definitions are serving/lookup/sql/*.sql).
 _UPGRADE = r"""
         DROP FUNCTION kvledger.match_tokens(text, integer, integer[], text);
         DROP FUNCTION kvledger.match_prefix(text, integer, bytea[]);

@@ -12,7 +12,7 @@ at the other engine's block: the first engine matched one block, the second none
 - the partial tails go on from every block of the last full level, and the full levels'
   count (not the blocks') bounds matched_blocks.
 
-The router's walk (rust/src/group/content.rs, consumer/router/groups.py) counts the same.
+The router's walk (rust/src/group/content.rs, serving/router/groups.py) counts the same.
 
 Revision ID: 0017
 Revises: 0016

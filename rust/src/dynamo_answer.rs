@@ -1,7 +1,7 @@
 //! Dynamo's `POST /query` answer written natively: the walk's runs per slot (an instance),
 //! left out where the instance is not live, summed up per Dynamo worker and written as the
-//! answer's JSON, in one call (consumer/lookup/dynamo.py builds the same answer from
-//! `PureDynamoSlots` in Python: consumer/router/dynamo_pure.py).
+//! answer's JSON, in one call (serving/lookup/dynamo.py builds the same answer from
+//! `PureDynamoSlots` in Python: serving/router/dynamo_pure.py).
 
 use std::collections::HashMap;
 use std::io::Write;

@@ -2,7 +2,7 @@
 //! to their packed u32 bytes (what Dynamo's block hash reads) without a Python int each.
 //!
 //! This is a fast path only: it takes a subset of what the service's msgspec reading
-//! (consumer/lookup/dynamo.py `parse_query`) takes, with the same values, and declines
+//! (serving/lookup/dynamo.py `parse_query`) takes, with the same values, and declines
 //! everything else (`None`), which that reading then answers or refuses with its status.
 
 use pyo3::prelude::*;

@@ -20,7 +20,7 @@
 //!   same event as the block before it: most rows) is looked at there, not by a probe, so
 //!   the content index holds only the others.
 //!
-//! The answers are those of `consumer/router/groups.py`'s pure `PureGroup`, the SQL functions'
+//! The answers are those of `serving/router/groups.py`'s pure `PureGroup`, the SQL functions'
 //! in-memory twin (tests/unit/test_router.py holds them to it).
 
 use std::collections::HashMap;

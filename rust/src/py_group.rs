@@ -1,5 +1,5 @@
 //! `Group`: the Python face of `group::Group`, with the methods of
-//! `kvledger.consumer.router.groups.PureGroup` and its answers.
+//! `kvledger.serving.router.groups.PureGroup` and its answers.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.lookup import rank
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
+from kvledger.serving.lookup import rank
 from tests.helpers.brute_force import brute_force
 from tests.helpers.consuming import by_partition
 from tests.helpers.reference_index import build, index_state

@@ -28,7 +28,6 @@ import atheris
 
 with atheris.instrument_imports():
     from kvledger import _core
-    from kvledger.consumer.router import groups as store
     from kvledger.producer.prepared import WireForm
     from kvledger.producer.relay import sglang
     from kvledger.producer.relay.trtllm import TrtllmReader
@@ -37,6 +36,7 @@ with atheris.instrument_imports():
     from kvledger.schemas.codec import Codec
     from kvledger.schemas.errors import DecodeError
     from kvledger.schemas.events import GroupSpec
+    from kvledger.serving.router import groups as store
     from tests.helpers.codecs import pure_codec
     from tests.helpers.pure_router.group import PureGroup
 

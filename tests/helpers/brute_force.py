@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from datetime import datetime
 
-from kvledger.consumer.lookup import Holder
 from kvledger.fleet import DEFAULT_MODEL, FleetConfig, random_tokens, system_prompts
+from kvledger.serving.lookup import Holder
 from tests.helpers.reference_index import Reference
 
 MODEL = DEFAULT_MODEL

@@ -48,10 +48,10 @@ def metrics_section() -> str:
     from prometheus_client import CollectorRegistry
 
     from kvledger.consumer import metrics as consumer_metrics
-    from kvledger.consumer.lookup import metrics as lookup_metrics
-    from kvledger.consumer.router.decisions import DecisionLog
-    from kvledger.consumer.router.provisional import Provisional
     from kvledger.producer.relay.metrics import RelayMetrics
+    from kvledger.serving.lookup import metrics as lookup_metrics
+    from kvledger.serving.router.decisions import DecisionLog
+    from kvledger.serving.router.provisional import Provisional
 
     # The provisional and decision families are read from the live stores at scrape time:
     # give the collector one of each, as `serve --memory --decisions-topic` does.
@@ -77,8 +77,8 @@ def metrics_section() -> str:
 
 def http_section() -> str:
     """A row per route of the OpenAPI document (Dynamo's with `--dynamo-api`)."""
-    from kvledger.consumer.lookup.openapi import document
-    from kvledger.consumer.lookup.openapi_dynamo import DYNAMO_PATHS
+    from kvledger.serving.lookup.openapi import document
+    from kvledger.serving.lookup.openapi_dynamo import DYNAMO_PATHS
 
     rows = ["| route | what it answers | statuses | token |", "| --- | --- | --- | --- |"]
     for path, operations in document(dynamo_api=True)["paths"].items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.consumer.router import store as store_module
+from kvledger.serving.router import store as store_module
 from tests.helpers.pure_router.group import PureGroup
 
 KINDS = ["compiled", "pure"]

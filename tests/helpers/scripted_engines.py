@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 
 from kvledger.consumer.db import connect
-from kvledger.consumer.republish.publisher import Endpoint, Publisher
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.relay import Relay
+from kvledger.serving.republish.publisher import Endpoint, Publisher
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.procs import free_port, spawn
 
 MODEL, BLOCK, CHAINS, LENGTH = "m", 4, 6, 8

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.provisional import Provisional
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.provisional import Provisional
 from tests.helpers.streams import fleet_stream
 
 FLEET = FleetConfig(instances=2, requests=20, seed=3)

@@ -10,16 +10,15 @@ from datetime import timedelta
 import pytest
 from starlette.testclient import TestClient
 
-from kvledger.consumer.lookup.dashboard import VENDOR
-from kvledger.consumer.lookup.http import create_app
-from kvledger.consumer.lookup.offer import MAX_CAPTURED_HASHES, answer_record, build_record
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.decisions import Answered, decode_record, encode
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.provisional import Decision
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.decisions import Answered, Decision, decode_record, encode
 from kvledger.schemas.lookup import Holder
+from kvledger.serving.lookup.dashboard import VENDOR
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.offer import MAX_CAPTURED_HASHES, answer_record, build_record
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import fleet_stream
 
 
@@ -71,7 +70,7 @@ def test_the_memory_fleet_counts_every_block(router: RouterIndex) -> None:
 def test_a_shared_answer_is_encoded_once_as_json_would_send_it() -> None:
     import json
 
-    from kvledger.consumer.lookup.dashboard import SharedAnswers, encoded
+    from kvledger.serving.lookup.dashboard import SharedAnswers, encoded
 
     answer = {"fleet": [{"source": "engine-é<b>", "held": {"GPU": 3}}], "mode": "memory"}
     shared: SharedAnswers[bytes] = SharedAnswers()
@@ -158,7 +157,7 @@ def test_a_malformed_record_is_not_a_decision(field: str) -> None:
 
 
 def test_a_rate_limit_per_client_refills_and_stays_bounded() -> None:
-    from kvledger.consumer.lookup.ratelimit import RateLimit
+    from kvledger.serving.lookup.ratelimit import RateLimit
 
     now = [0.0]
     limit = RateLimit(rate=2, burst=3, max_clients=2, clock=lambda: now[0])
@@ -176,8 +175,8 @@ def test_a_rate_limit_per_client_refills_and_stays_bounded() -> None:
 def test_decision_reports_over_the_rate_are_429(
     router: RouterIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvledger.consumer.lookup import http
-    from kvledger.consumer.router.provisional import Provisional
+    from kvledger.serving.lookup import http
+    from kvledger.serving.router.provisional import Provisional
 
     monkeypatch.setattr(http, "DECISIONS_PER_CLIENT_S", 3)
     client = TestClient(create_app(router=router, provisional=Provisional(5)))
@@ -198,7 +197,7 @@ def test_dashboard_answers_are_shared_for_a_refresh() -> None:
     import threading
     import time
 
-    from kvledger.consumer.lookup.dashboard import SharedAnswers
+    from kvledger.serving.lookup.dashboard import SharedAnswers
 
     now = [0.0]
     shared = SharedAnswers(ttl_s=5.0, keep=2, clock=lambda: now[0])

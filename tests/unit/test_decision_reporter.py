@@ -14,13 +14,13 @@ from datetime import timedelta
 import pytest
 
 from kvledger.client import DecisionReporter, LookupClient
-from kvledger.consumer.lookup.hot_protocol import protocol
-from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.provisional import Provisional
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
+from kvledger.serving.lookup.hot_protocol import protocol
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.provisional import Provisional
 from tests.helpers.streams import fleet_stream
 from tests.helpers.uvicorn_server import serving
 

@@ -1,4 +1,4 @@
-"""Dynamo's KV-indexer API over the router index (consumer/lookup/dynamo.py), without
+"""Dynamo's KV-indexer API over the router index (serving/lookup/dynamo.py), without
 services: a simulated fleet's stream through the router store, then Dynamo's routes asked
 over HTTP. Dynamo's own RadixTree (the ai-dynamo-runtime 1.6.1 wheel), fed kvledger's
 /dump, scores every prompt as kvledger's /query does; refusals have Dynamo's status codes.
@@ -15,17 +15,17 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvledger.consumer.core.model import SourceLife
-from kvledger.consumer.lookup import dynamo as api
-from kvledger.consumer.lookup import dynamo_requests as requests
-from kvledger.consumer.lookup import dynamo_workers
-from kvledger.consumer.lookup.http import create_app
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import groups
-from kvledger.consumer.router import store as store_module
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.dynamo import dynamo_seed
+from kvledger.serving.lookup import dynamo as api
+from kvledger.serving.lookup import dynamo_requests as requests
+from kvledger.serving.lookup import dynamo_workers
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.router import groups
+from kvledger.serving.router import store as store_module
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.pure_router.group import PureGroup
 from tests.helpers.streams import fleet_prompts, fleet_stream

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger._core import dynamo_packed_hashes, dynamo_token_query
-from kvledger.consumer.lookup import dynamo_requests as api
 from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed, packed_block_hashes
+from kvledger.serving.lookup import dynamo_requests as api
 
 _ints = st.one_of(
     st.integers(0, 2**32 - 1), st.integers(-(2**70), 2**70), st.booleans(), st.floats(),

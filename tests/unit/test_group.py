@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.flood import crafted_keys
-from kvledger.consumer.router import groups as store
+from kvledger.serving.router import groups as store
 from tests.helpers.pure_router.group import PureGroup
 from tests.helpers.without_core import import_error
 
@@ -252,7 +252,7 @@ def test_the_compiled_group_refuses_what_is_not_a_hash() -> None:
 def test_an_install_without_the_core_says_the_router_needs_it() -> None:
     """The router index is the compiled core's alone: without it, importing the router
     fails with one sentence saying what to install, not an ImportError of a private name."""
-    said = import_error("kvledger.consumer.router.groups")
+    said = import_error("kvledger.serving.router.groups")
     assert said.startswith("MissingCoreError the router index needs kvledger's compiled core"), said
     assert "Rust toolchain (cargo)" in said
 

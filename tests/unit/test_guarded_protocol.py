@@ -1,4 +1,4 @@
-"""`kvledger serve`'s HTTP limits (consumer/lookup/guarded_protocol.py) in real uvicorn
+"""`kvledger serve`'s HTTP limits (serving/lookup/guarded_protocol.py) in real uvicorn
 servers on loopback sockets, each reproducing an attack that once worked: headers and
 targets that grow without bound, bodies read whole before being refused, connections that
 never finish a request, a body smuggled past an upgrade, and more connections than the
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvledger.consumer.lookup.guarded_protocol import GuardedProtocol, HttpLimits, guarded
-from kvledger.consumer.lookup.hot import HotPath
+from kvledger.serving.lookup.guarded_protocol import GuardedProtocol, HttpLimits, guarded
+from kvledger.serving.lookup.hot import HotPath
 from tests.unit.test_hot_protocol import (
     BEARER,
     exchange,

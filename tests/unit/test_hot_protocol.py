@@ -1,4 +1,4 @@
-"""`kvledger serve`'s HTTP protocol (consumer/lookup/hot_protocol.py): uvicorn's httptools
+"""`kvledger serve`'s HTTP protocol (serving/lookup/hot_protocol.py): uvicorn's httptools
 protocol answering the hot routes (POST /v1/match from memory, Dynamo's /query and
 /query_by_hash) in its parser's callbacks. Two real uvicorn servers on loopback sockets,
 one with it and one with uvicorn's own protocol, over one app: every request must get the
@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from kvledger.consumer.lookup.guarded_protocol import HttpLimits
-from kvledger.consumer.lookup.hot import HotPath
-from kvledger.consumer.lookup.hot_protocol import protocol
-from kvledger.consumer.lookup.http import create_app
-from kvledger.consumer.lookup.metrics import REQUESTS
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import RouterIndex
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
+from kvledger.serving.lookup.guarded_protocol import HttpLimits
+from kvledger.serving.lookup.hot import HotPath
+from kvledger.serving.lookup.hot_protocol import protocol
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.metrics import REQUESTS
+from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import fleet_stream
 from tests.helpers.uvicorn_server import serving
 
@@ -173,7 +173,7 @@ def test_a_malformed_request_is_refused_and_the_server_goes_on(app: HotPath) -> 
 
 
 def test_a_route_that_raises_is_a_500_and_the_server_goes_on(app: HotPath) -> None:
-    from kvledger.consumer.lookup.hot import HotRoute
+    from kvledger.serving.lookup.hot import HotRoute
 
     def broken(raw: bytes, started: float) -> Any:
         raise RuntimeError("a bug")

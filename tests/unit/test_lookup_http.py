@@ -13,14 +13,14 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from kvledger.consumer.lookup.hot import HotPath
-from kvledger.consumer.lookup.http import create_app
-from kvledger.consumer.lookup.metrics import REQUESTS
-from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router.index import Position, RouterIndex
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
+from kvledger.serving.lookup.hot import HotPath
+from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.metrics import REQUESTS
+from kvledger.serving.lookup.requests import MAX_BODY_BYTES
+from kvledger.serving.router.index import Position, RouterIndex
 from tests.helpers.streams import fleet_stream
 
 FLEET = FleetConfig(instances=3, requests=40, seed=9)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvledger.consumer.lookup.requests import (
+from kvledger.serving.lookup.requests import (
     MAX_HASHES,
     BadRequestError,
     MatchRequest,

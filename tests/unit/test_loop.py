@@ -122,7 +122,7 @@ def test_a_router_whose_loop_fails_says_why_in_its_position(
     """A refusal, or a client that cannot be made again after a fatal error, ends the
     router's tail: its position says why (a stopped router answers /healthz 503)."""
     from kvledger.consumer import loop
-    from kvledger.consumer.router.index import RouterIndex
+    from kvledger.serving.router.index import RouterIndex
 
     for raised, said in (
         (NotAuthorizedError("the broker refused the router"), "the broker refused the router"),

@@ -1,4 +1,4 @@
-"""Provisional holders (consumer/router/provisional.py): what a router's decision makes a
+"""Provisional holders (serving/router/provisional.py): what a router's decision makes a
 lookup answer, for how long, and within what memory."""
 
 from __future__ import annotations
@@ -7,17 +7,9 @@ import random
 
 import pytest
 
-from kvledger.consumer.router.decisions import decode, encode
-from kvledger.consumer.router.provisional import (
-    HASHES,
-    TOKENS,
-    Decision,
-    Provisional,
-    chain_keys,
-    hash_keys,
-    token_keys,
-)
+from kvledger.schemas.decisions import HASHES, TOKENS, Decision, decode, encode
 from kvledger.schemas.dynamo import dynamo_block_hashes
+from kvledger.serving.router.provisional import Provisional, chain_keys, hash_keys, token_keys
 
 BLOCK = 4
 

@@ -11,7 +11,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from kvledger.consumer.core.model import SourceLife
-from kvledger.consumer.republish.events import (
+from kvledger.fleet import FleetConfig
+from kvledger.producer.relay.wire import decode_batch
+from kvledger.schemas.codec import Codec
+from kvledger.schemas.events import BlockRemoved, BlockStored
+from kvledger.serving.republish.events import (
     CLEARED,
     Blocks,
     chain_maps,
@@ -19,15 +23,11 @@ from kvledger.consumer.republish.events import (
     removed_map,
     stored_map,
 )
-from kvledger.consumer.republish.feed import Feed, Output
-from kvledger.consumer.republish.publisher import Outlet
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.lane import run_router_batch
-from kvledger.consumer.router.store import RouterStore
-from kvledger.fleet import FleetConfig
-from kvledger.producer.relay.wire import decode_batch
-from kvledger.schemas.codec import Codec
-from kvledger.schemas.events import BlockRemoved, BlockStored
+from kvledger.serving.republish.feed import Feed, Output
+from kvledger.serving.republish.publisher import Outlet
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.lane import run_router_batch
+from kvledger.serving.router.store import RouterStore
 from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.streams import edge_stream, fleet_stream, messy_stream
 

@@ -14,13 +14,13 @@ import pytest
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import match as m
-from kvledger.consumer.router.index import APPLY_CHUNK, RouterIndex
-from kvledger.consumer.router.lane import Tally, run_router_batch
-from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
+from kvledger.serving.router import match as m
+from kvledger.serving.router.index import APPLY_CHUNK, RouterIndex
+from kvledger.serving.router.lane import Tally, run_router_batch
+from kvledger.serving.router.store import RouterStore
 from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.streams import edge_stream, fleet_stream
 
@@ -143,7 +143,7 @@ def test_apply_pauses_the_collector_per_chunk_and_restores_it(
     direct = RouterStore()
     run_batch(messages, Codec(), direct, "g")
     router = RouterIndex("localhost:1", "fleet", "g")  # never connects
-    monkeypatch.setattr("kvledger.consumer.router.index.run_router_batch", watching)
+    monkeypatch.setattr("kvledger.serving.router.index.run_router_batch", watching)
     assert gc.isenabled()
     router.apply(messages)
     assert gc.isenabled() and seen and not any(seen)
@@ -151,12 +151,12 @@ def test_apply_pauses_the_collector_per_chunk_and_restores_it(
     assert router_residencies(router.store) == router_residencies(direct)
     assert router.applied_messages == len(messages)
 
-    monkeypatch.setattr("kvledger.consumer.router.index.run_router_batch", failing)
+    monkeypatch.setattr("kvledger.serving.router.index.run_router_batch", failing)
     with pytest.raises(RuntimeError):
         RouterIndex("localhost:1", "fleet", "g").apply(messages)
     assert gc.isenabled()
 
-    monkeypatch.setattr("kvledger.consumer.router.index.run_router_batch", watching)
+    monkeypatch.setattr("kvledger.serving.router.index.run_router_batch", watching)
     seen.clear()
     gc.disable()
     try:
@@ -176,8 +176,8 @@ def test_a_router_forgets_unheld_blocks_past_its_retention_and_answers_alike(
     fleet = FleetConfig(instances=3, requests=60, seed=5, gpu_capacity_blocks=48)
     messages = fleet_stream(fleet, partitions=1).messages
     clock = [10_000]
-    monkeypatch.setattr("kvledger.consumer.router.index._clock", lambda: clock[0])
-    monkeypatch.setattr("kvledger.consumer.router.index.EXPIRY_SLICE", 50)  # many slices
+    monkeypatch.setattr("kvledger.serving.router.index._clock", lambda: clock[0])
+    monkeypatch.setattr("kvledger.serving.router.index.EXPIRY_SLICE", 50)  # many slices
     router = RouterIndex("localhost:1", "fleet", "g", block_retention=timedelta(seconds=60))
     router.apply(messages[: len(messages) // 2])
     clock[0] += 30

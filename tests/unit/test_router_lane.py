@@ -10,12 +10,12 @@ import pytest
 
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.router import groups
-from kvledger.consumer.router.lane import run_router_batch
-from kvledger.consumer.router.store import RouterStore
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import GroupSpec
+from kvledger.serving.router import groups
+from kvledger.serving.router.lane import run_router_batch
+from kvledger.serving.router.store import RouterStore
 from tests.helpers.group_kinds import KINDS, use_group_kind
 from tests.helpers.pure_router import event_runs
 from tests.helpers.pure_router.group import PureGroup

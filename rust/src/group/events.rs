@@ -8,7 +8,7 @@
 //! exactly that (a placeholder's blocks keep whatever their rows hold) and declines,
 //! changing nothing, any event where a rule could say more (a block stored with other
 //! content or position, a hash twice): the caller then plans it with the rules. The pure
-//! twin is `consumer/router/event_runs.py`.
+//! twin is `serving/router/event_runs.py`.
 
 use smallvec::{smallvec, SmallVec};
 

@@ -1,5 +1,5 @@
 """A whole store or removal event applied to one group in one call (the pure twin of
-rust/src/group/events.rs), for the router's fast lane (consumer/router/lane.py).
+rust/src/group/events.rs), for the router's fast lane (serving/router/lane.py).
 
 Most events a fleet sends store blocks that are new to the group or that another holder
 stored already with the same content, or remove blocks a holder holds. For those the index
@@ -10,7 +10,7 @@ whatever their rows hold), and declines, changing nothing, an event where a rule
 more: a block already stored with other content or position, a hash twice. The caller then
 plans that event with the rules.
 
-Written with the methods every :class:`~kvledger.consumer.router.groups.BlockGroup` has, so
+Written with the methods every :class:`~kvledger.serving.router.groups.BlockGroup` has, so
 it is the rules' own reading; the compiled group's ``store_run`` must agree with it on every
 input (tests/unit/test_router_lane.py).
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from kvledger.consumer.core.model import BlockRow
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.groups import BlockFields, BlockGroup
+    from kvledger.serving.router.groups import BlockFields, BlockGroup
 
 
 def start_after(g: BlockGroup, parent: bytes | None) -> int | None:

@@ -1,7 +1,7 @@
 """The router group's pure-Python twin: :class:`PureGroup`, the reference implementation
 of the compiled core's ``Group`` (rust/src/group.rs), which the unit tests, the fuzzers and
 the lane's differential tests hold the core to. The product runs the core alone
-(consumer/router/groups.py); this module lives with the tests.
+(serving/router/groups.py); this module lives with the tests.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvledger.consumer.router.groups import BlockFields
+from kvledger.serving.router.groups import BlockFields
 from tests.helpers.pure_router import event_runs
 from tests.helpers.pure_router.dynamo import DynamoWalk, PureDynamoSlots
 from tests.helpers.pure_router.masks import MaskDict, bits
@@ -62,7 +62,7 @@ class Row:
 
 class PureGroup(DynamoWalk):
     """One (model, group)'s blocks and holders in pure Python (see
-    :class:`~kvledger.consumer.router.groups.BlockGroup`)."""
+    :class:`~kvledger.serving.router.groups.BlockGroup`)."""
 
     copies_hashes = False  # it keeps the hash objects it is given
 

@@ -36,12 +36,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kvledger.consumer.lookup.requests import BadRequestError
+from kvledger.serving.lookup.requests import BadRequestError
 
 if TYPE_CHECKING:
     import psycopg
 
-    from kvledger.consumer.router.index import RouterIndex
+    from kvledger.serving.router.index import RouterIndex
 
 UI = Path(__file__).resolve().parent / "ui"
 VENDOR = UI / "vendor"

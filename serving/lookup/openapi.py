@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvledger.consumer.lookup.requests import MAX_HASHES, MAX_NAME_CHARS, MAX_TOKENS
+from kvledger.serving.lookup.requests import MAX_HASHES, MAX_NAME_CHARS, MAX_TOKENS
 
 NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
@@ -455,7 +455,7 @@ def document(dynamo_api: bool) -> dict[str, Any]:
     """The service's OpenAPI document: with Dynamo's routes where it serves them."""
     if not dynamo_api:
         return DOCUMENT
-    from kvledger.consumer.lookup.openapi_dynamo import DYNAMO_PATHS, DYNAMO_SCHEMAS
+    from kvledger.serving.lookup.openapi_dynamo import DYNAMO_PATHS, DYNAMO_SCHEMAS
 
     return {
         **DOCUMENT,

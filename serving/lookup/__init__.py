@@ -4,14 +4,14 @@ api (Python API over the SQL functions), requests (pure parsing of HTTP bodies),
 lookup service), metrics; sql/ holds the current SQL function definitions.
 """
 
-from kvledger.consumer.lookup.api import (
+from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
+from kvledger.serving.lookup.api import (
     DEFAULT_TIER_WEIGHTS,
     GRANULARITIES,
     Granularity,
     PrefixIndex,
     rank,
 )
-from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",

@@ -42,19 +42,19 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from kvledger import __version__
-from kvledger.consumer.lookup.hot import HotPath, HotRoute, Reply
-from kvledger.consumer.lookup.metrics import LATENCY, PROVISIONAL, REQUESTS
-from kvledger.consumer.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
-from kvledger.consumer.lookup.openapi import document
-from kvledger.consumer.lookup.ratelimit import RateLimit
-from kvledger.consumer.lookup.requests import MAX_BODY_BYTES
-from kvledger.consumer.lookup.routes import Answer, Lookups, answer
 from kvledger.consumer.metrics import REGISTRY as CONSUMER_REGISTRY
+from kvledger.serving.lookup.hot import HotPath, HotRoute, Reply
+from kvledger.serving.lookup.metrics import LATENCY, PROVISIONAL, REQUESTS
+from kvledger.serving.lookup.metrics import REGISTRY as LOOKUP_REGISTRY
+from kvledger.serving.lookup.openapi import document
+from kvledger.serving.lookup.ratelimit import RateLimit
+from kvledger.serving.lookup.requests import MAX_BODY_BYTES
+from kvledger.serving.lookup.routes import Answer, Lookups, answer
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.decisions import Answered, Record
-    from kvledger.consumer.router.index import RouterIndex
-    from kvledger.consumer.router.provisional import Decision, Provisional
+    from kvledger.schemas.decisions import Answered, Decision, Record
+    from kvledger.serving.router.index import RouterIndex
+    from kvledger.serving.router.provisional import Provisional
 
     # Records an answer no choice was reported for, its record built later.
     RecordAnswer = Callable[[Answered, Callable[[], Record]], None]
@@ -201,7 +201,7 @@ def _dynamo(
     provisional: Provisional | None, record: RecordAnswer | None,
 ) -> tuple[list[Route], dict[str, HotRoute]]:  # fmt: skip
     """NVIDIA Dynamo's KV-indexer routes over ``source`` (:mod:`.dynamo`)."""
-    from kvledger.consumer.lookup import dynamo, dynamo_http
+    from kvledger.serving.lookup import dynamo, dynamo_http
 
     def refusal(request: Request) -> tuple[int, Any] | None:
         return None if gate.admits(request) else gate.refused()[:2]
@@ -294,7 +294,7 @@ _UI_HEADERS = {
 
 
 def _ui_file(name: str) -> Callable[[Request], Response]:
-    from kvledger.consumer.lookup.dashboard import UI
+    from kvledger.serving.lookup.dashboard import UI
 
     path = UI / name
 

@@ -23,8 +23,12 @@ from kvledger.consumer.db import (
     SchemaMissingError,
     conninfo,
 )
-from kvledger.consumer.lookup import dashboard
-from kvledger.consumer.lookup.api import (
+from kvledger.consumer.roles import WriterRoleError, ensure_read_only
+from kvledger.schemas.decisions import HASHES, TOKENS, Decision
+from kvledger.schemas.lookup import Block, EngineLoad, Holder
+from kvledger.schemas.redact import redact
+from kvledger.serving.lookup import dashboard
+from kvledger.serving.lookup.api import (
     NotRetainedError,
     PrefixIndex,
     PrefixLookups,
@@ -32,9 +36,9 @@ from kvledger.consumer.lookup.api import (
     split_live,
     unknown_group,
 )
-from kvledger.consumer.lookup.metrics import CAPTURED_FRACTION, DECISION_BLOCKS
-from kvledger.consumer.lookup.offer import offer_record
-from kvledger.consumer.lookup.requests import (
+from kvledger.serving.lookup.metrics import CAPTURED_FRACTION, DECISION_BLOCKS
+from kvledger.serving.lookup.offer import offer_record
+from kvledger.serving.lookup.requests import (
     BadRequestError,
     MatchRequest,
     parse_decision,
@@ -42,16 +46,13 @@ from kvledger.consumer.lookup.requests import (
     parse_match,
     parse_path_hash,
 )
-from kvledger.consumer.roles import WriterRoleError, ensure_read_only
-from kvledger.consumer.router import provisional as pv
-from kvledger.consumer.router.match import holder_order
-from kvledger.schemas.lookup import Block, EngineLoad, Holder
-from kvledger.schemas.redact import redact
+from kvledger.serving.router import provisional as pv
+from kvledger.serving.router.match import holder_order
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.decisions import Record
-    from kvledger.consumer.router.index import RouterIndex
-    from kvledger.consumer.router.provisional import Decision, Provisional
+    from kvledger.schemas.decisions import Record
+    from kvledger.serving.router.index import RouterIndex
+    from kvledger.serving.router.provisional import Provisional
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class Lookups:
         """``holders`` and, where a router's decision says more than the index holds, the
         instances it sent this prompt to (marked provisional, counted on the GPU tier)."""
         assert self.provisional is not None and self.router is not None
-        kind = pv.TOKENS if req.token_ids is not None else pv.HASHES
+        kind = TOKENS if req.token_ids is not None else HASHES
         if self.provisional.empty(req.model, req.group_idx, kind):
             return holders  # nothing reported for this group: nothing to pay
         block_size = self.router.block_size(req.model, req.group_idx)
@@ -274,12 +275,12 @@ class Lookups:
             why = "has sent no events" if state == "unknown" else "said goodbye"
             raise BadRequestError(f"instance: {req.instance!r} {why}")
         if req.token_ids is not None:
-            kind = pv.TOKENS
+            kind = TOKENS
             keys = pv.token_keys(req.token_ids, block_size, req.lora_name, req.cache_salt)
         else:
             assert req.hashes is not None
-            kind, keys = pv.HASHES, pv.hash_keys(req.hashes)
-        decision = pv.Decision(req.model, req.group_idx, req.instance, kind, tuple(keys),
+            kind, keys = HASHES, pv.hash_keys(req.hashes)
+        decision = Decision(req.model, req.group_idx, req.instance, kind, tuple(keys),
                                request_id=req.request_id)  # fmt: skip
         held = self.provisional.add(decision)
         if self.share is not None:  # the other replicas, and the record for the funnel
@@ -295,7 +296,7 @@ class Lookups:
                      "expires_in_s": self.provisional.ttl_s}, {}  # fmt: skip
 
     def dashboard(self, params: dict[str, str]) -> Answer:
-        """GET /v1/dashboard: the fleet at a glance (consumer/lookup/dashboard.py)."""
+        """GET /v1/dashboard: the fleet at a glance (serving/lookup/dashboard.py)."""
         minutes = dashboard.minutes_of(params)
 
         def compute() -> bytes:

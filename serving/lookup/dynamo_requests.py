@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from kvledger.consumer.lookup.requests import not_text
 from kvledger.schemas.dynamo import dynamo_seed, packed_block_hashes
+from kvledger.serving.lookup.requests import not_text
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.groups import BlockGroup, SlotTable
+    from kvledger.serving.router.groups import BlockGroup, SlotTable
 
 try:
     from kvledger._core import dynamo_block_hashes as _native_hashes

@@ -43,7 +43,6 @@ from kvledger.consumer.core.sequence import forward, in_step
 from kvledger.consumer.core.validate import check_envelope, check_removed, check_stored
 from kvledger.consumer.inbound import Decoded, Inbound, decode
 from kvledger.consumer.pipeline import fence_points, warn_model_changes
-from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import TopicPartition
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import (
@@ -53,6 +52,7 @@ from kvledger.schemas.events import (
     BlockStored,
     Envelope,
 )
+from kvledger.serving.router.store import RouterStore
 
 _FAST_KINDS = (BlockStored, BlockRemoved)  # the events the lane may take
 

@@ -22,13 +22,13 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from kvledger.consumer.lookup.guarded_protocol import (
+from kvledger.serving.lookup.guarded_protocol import (
     GuardedProtocol,
     HttpLimits,
     RefusedError,
     guarded,
 )
-from kvledger.consumer.lookup.hot import HotRoute, Reply, head
+from kvledger.serving.lookup.hot import HotRoute, Reply, head
 
 SMALL_BODY_BYTES = 64 * 1024
 

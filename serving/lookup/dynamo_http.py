@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvledger.consumer.lookup.dynamo import Answer, DynamoApi
-from kvledger.consumer.lookup.dynamo_requests import MAX_BODY_BYTES, DynamoRequestError
-from kvledger.consumer.lookup.hot import HotRoute, Reply
-from kvledger.consumer.lookup.metrics import LATENCY, REQUESTS
+from kvledger.serving.lookup.dynamo import Answer, DynamoApi
+from kvledger.serving.lookup.dynamo_requests import MAX_BODY_BYTES, DynamoRequestError
+from kvledger.serving.lookup.hot import HotRoute, Reply
+from kvledger.serving.lookup.metrics import LATENCY, REQUESTS
 
 logger = logging.getLogger(__name__)
 

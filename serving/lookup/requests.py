@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from kvledger.consumer.lookup.api import DEFAULT_TIER_WEIGHTS, GRANULARITIES, Granularity
 from kvledger.schemas.errors import KvledgerError
 from kvledger.schemas.hashing import int_to_hash_bytes
+from kvledger.serving.lookup.api import DEFAULT_TIER_WEIGHTS, GRANULARITIES, Granularity
 
 MAX_BODY_BYTES = 1 << 20
 MAX_HASHES = 8192

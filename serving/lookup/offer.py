@@ -1,6 +1,6 @@
 """What the index offered a router for a prompt, taken when the router reports where it
 sent it (``POST /v1/decisions``), as the record the decisions topic carries to PostgreSQL
-(:class:`kvledger.consumer.router.decisions.Record`).
+(:class:`kvledger.serving.router.decisions.Record`).
 
 *Available* is the most leading blocks any live holder had, on any tier (its tier is the
 best one holding that much); *captured* is what the chosen instance had, on its best tier;
@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from kvledger.consumer.router.decisions import Offer, Record
+from kvledger.schemas.decisions import Offer, Record
 from kvledger.schemas.lookup import Holder
 
 if TYPE_CHECKING:
-    from kvledger.consumer.lookup.requests import DecisionRequest
-    from kvledger.consumer.router.index import RouterIndex
+    from kvledger.serving.lookup.requests import DecisionRequest
+    from kvledger.serving.router.index import RouterIndex
 
 MAX_CAPTURED_HASHES = 8192
 MAX_OFFERS = 1024

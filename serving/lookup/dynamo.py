@@ -46,7 +46,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
-from kvledger.consumer.lookup.dynamo_requests import (
+from kvledger.schemas.decisions import TOKENS, Answered, Record
+from kvledger.serving.lookup.dynamo_requests import (
     DEFAULT_ROUTING_GROUP,
     DynamoRequestError,
     Query,
@@ -55,16 +56,15 @@ from kvledger.consumer.lookup.dynamo_requests import (
     json_object,
     parse_query,
 )
-from kvledger.consumer.lookup.dynamo_workers import Workers
-from kvledger.consumer.lookup.offer import answer_record
-from kvledger.consumer.router.decisions import Answered, Record
-from kvledger.consumer.router.groups import SlotTable
-from kvledger.consumer.router.match import DEFAULT_SILENT_AFTER, is_live, state_of
-from kvledger.consumer.router.provisional import TOKENS, Provisional, chain_keys
+from kvledger.serving.lookup.dynamo_workers import Workers
+from kvledger.serving.lookup.offer import answer_record
+from kvledger.serving.router.groups import SlotTable
+from kvledger.serving.router.match import DEFAULT_SILENT_AFTER, is_live, state_of
+from kvledger.serving.router.provisional import Provisional, chain_keys
 
 if TYPE_CHECKING:
-    from kvledger.consumer.router.index import RouterIndex
-    from kvledger.consumer.router.store import RouterStore
+    from kvledger.serving.router.index import RouterIndex
+    from kvledger.serving.router.store import RouterStore
 
 TIERS = {"GPU": 0, "CPU": 1, "STORAGE": 2}  # device, host_pinned, disk
 TIER_NAMES = ("device", "host_pinned", "disk")

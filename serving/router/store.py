@@ -36,14 +36,14 @@ from kvledger.consumer.core.model import (
     SourceState,
     new_tuple,
 )
-from kvledger.consumer.router.groups import (
+from kvledger.consumer.store.staged import StagedStore
+from kvledger.serving.router.groups import (
     BlockGroup,
     Group,
     SlotTable,
     copies_hashes,
     dynamo_slots,
 )
-from kvledger.consumer.store.staged import StagedStore
 
 Holder = tuple[str, str, str]  # (instance, medium, ownership)
 _NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)

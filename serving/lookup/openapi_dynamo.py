@@ -1,13 +1,13 @@
 """The OpenAPI description of NVIDIA Dynamo's KV-indexer routes, which `kvledger serve
 --dynamo-api` adds to the service's own (:func:`~.openapi.document` joins them), with
-Dynamo's JSON and status codes (consumer/lookup/dynamo.py says how kvledger answers them).
+Dynamo's JSON and status codes (serving/lookup/dynamo.py says how kvledger answers them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvledger.consumer.lookup.openapi import ERROR_REF, ERRORS, response
+from kvledger.serving.lookup.openapi import ERROR_REF, ERRORS, response
 
 _DYNAMOERRORS = {
     "400": response(ERROR_REF, "The body is not JSON (or not valid text)"),

@@ -1,6 +1,6 @@
 """Prefix matches over the router's store: the SQL lookup functions' answers, in memory.
 
-Each mirrors its SQL twin (consumer/lookup/sql/): ``held_prefix`` (block and hash
+Each mirrors its SQL twin (serving/lookup/sql/): ``held_prefix`` (block and hash
 granularity), ``held_tokens`` (the token walk through full blocks, then partial tails) and
 the liveness filter of ``match_prefix`` / ``match_tokens``. A holder's run is the longest
 stretch of positions 1, 2, ... it covers; the group (store.py) walks a whole prompt at
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from kvledger.consumer.core.model import GroupKey, SourceLife
-from kvledger.consumer.router.store import RouterStore
 from kvledger.schemas.lookup import EngineLoad, Holder
+from kvledger.serving.router.store import RouterStore
 
 DEFAULT_SILENT_AFTER = timedelta(seconds=30)
 Run = tuple[int, int, int]  # (holder id, matched_blocks, matched_tokens)
@@ -89,7 +89,7 @@ def loads(
     lives: Mapping[str, SourceLife], model: str, now: datetime, silent_after: timedelta | None
 ) -> list[EngineLoad]:
     """The load of each live source of ``model`` that has said one, by instance (as
-    :meth:`~kvledger.consumer.lookup.api.PrefixIndex.loads` answers from the sources table)."""
+    :meth:`~kvledger.serving.lookup.api.PrefixIndex.loads` answers from the sources table)."""
     cut = now - (silent_after if silent_after is not None else DEFAULT_SILENT_AFTER)
     return sorted(
         (

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import psycopg
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey
-from kvledger.consumer.router.store import RouterStore, walkable
 from kvledger.consumer.store.pg_state import load_source_lives, load_source_states, load_specs
 from kvledger.consumer.store.postgres import PostgresStore
+from kvledger.serving.router.store import RouterStore, walkable
 
 
 def load_snapshot(

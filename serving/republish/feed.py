@@ -1,7 +1,7 @@
 """What each source's subscribers must be told, as a router index applies the log.
 
-:class:`Feed` observes a :class:`~kvledger.consumer.router.index.RouterIndex` (its
-:class:`~kvledger.consumer.router.index.ApplyObserver`): each store or removal the index
+:class:`Feed` observes a :class:`~kvledger.serving.router.index.RouterIndex` (its
+:class:`~kvledger.serving.router.index.ApplyObserver`): each store or removal the index
 applied becomes that event again; each plan's residency changes become stores and removals
 (an engine restart ends the tiers that died with it, a recorded loss clears what the index
 cleared, a rejected event changes nothing and says nothing). After each chunk, a source's
@@ -31,7 +31,8 @@ from typing import Any
 
 from kvledger.consumer.core.model import Plan, ResidencyDelta
 from kvledger.consumer.inbound import Decoded
-from kvledger.consumer.republish.events import (
+from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope
+from kvledger.serving.republish.events import (
     CLEARED,
     Blocks,
     chain_maps,
@@ -40,9 +41,8 @@ from kvledger.consumer.republish.events import (
     removed_map,
     stored_map,
 )
-from kvledger.consumer.router.index import RouterIndex
-from kvledger.consumer.router.match import is_live
-from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope
+from kvledger.serving.router.index import RouterIndex
+from kvledger.serving.router.match import is_live
 
 
 @dataclass(slots=True)

@@ -36,9 +36,9 @@ from datetime import timedelta
 import zmq
 
 from kvledger.consumer import metrics
-from kvledger.consumer.republish.events import encode_batch
-from kvledger.consumer.republish.feed import Feed, Output
-from kvledger.consumer.router.index import RouterIndex
+from kvledger.serving.republish.events import encode_batch
+from kvledger.serving.republish.feed import Feed, Output
+from kvledger.serving.router.index import RouterIndex
 
 logger = logging.getLogger(__name__)
 

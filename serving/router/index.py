@@ -7,7 +7,7 @@
    assignment of every partition, no consumer-group commits) through the same pipeline and
    pure core as the consumer (its commonest events in one native call each: :mod:`.lane`),
    into the :class:`RouterStore`: no gap, no double count, the same rejections.
-3. :meth:`match`, :meth:`match_tokens` (and :func:`~kvledger.consumer.lookup.rank`) answer
+3. :meth:`match`, :meth:`match_tokens` (and :func:`~kvledger.serving.lookup.rank`) answer
    as the SQL functions do at the same log position; :meth:`position` says which.
 
 Any number of routers can run: each is an independent reader of the log.
@@ -36,19 +36,19 @@ from kvledger.consumer.core.model import (
     GroupKey,
 )
 from kvledger.consumer.inbound import Inbound
-from kvledger.consumer.lookup.api import Granularity, deepest_states
 from kvledger.consumer.loop import LogLoop, Polled, StopLoop, take
 from kvledger.consumer.retention_policy import Retention, show_duration
-from kvledger.consumer.router import match as m
-from kvledger.consumer.router.lane import LaneObserver, run_router_batch
-from kvledger.consumer.router.snapshot import load_snapshot
-from kvledger.consumer.router.store import RouterStore
 from kvledger.consumer.store.base import FencedError
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.lookup import EngineLoad, Holder
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, partition_offsets
+from kvledger.serving.lookup.api import Granularity, deepest_states
+from kvledger.serving.router import match as m
+from kvledger.serving.router.lane import LaneObserver, run_router_batch
+from kvledger.serving.router.snapshot import load_snapshot
+from kvledger.serving.router.store import RouterStore
 
 logger = logging.getLogger(__name__)
 
@@ -468,7 +468,7 @@ class RouterIndex:
         """Blocks held per (instance, model) and tier (the dashboard's fleet in memory). The
         count walks every holder's blocks, so the lock is taken per group and holder (a
         lookup waits for one holder's list at most); the dashboard shares each answer
-        between its viewers (consumer/lookup/dashboard.py's SharedAnswers)."""
+        between its viewers (serving/lookup/dashboard.py's SharedAnswers)."""
         out: dict[tuple[str, str], dict[str, int]] = {}
         with self.lock:
             groups, holders = list(self.store.groups.items()), list(self.store.holders)

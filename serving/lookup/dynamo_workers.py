@@ -1,5 +1,5 @@
 """Dynamo worker ids for kvledger's sources, and Dynamo's registrations (the module
-docstring of consumer/lookup/dynamo.py says how sources map to workers)."""
+docstring of serving/lookup/dynamo.py says how sources map to workers)."""
 
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import xxhash
 
+from kvledger.schemas.decisions import Decision
 from kvledger.schemas.dynamo import dynamo_block_hashes, dynamo_seed
 
 try:
@@ -38,9 +38,6 @@ try:
 except ImportError:  # built without a Rust toolchain
     _native_hashes = None  # type: ignore[assignment]
 
-Kind = Literal["tokens", "hashes"]
-TOKENS: Kind = "tokens"
-HASHES: Kind = "hashes"
 DEFAULT_TTL_S = 5.0
 _PAIR = struct.Struct("<QQ")
 _MASK = (1 << 64) - 1
@@ -73,20 +70,6 @@ def chain_keys(locals_: Sequence[int], cache_salt: str | None = None) -> list[in
 def hash_keys(hashes: Sequence[bytes]) -> list[int]:
     """Keys of a prompt given by the engine's block hashes (chained already)."""
     return [int.from_bytes(h[-8:], "big") for h in hashes]
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """A router sent the prompt keyed ``keys`` (of ``kind`` tokens or hashes) to
-    ``instance``; ``origin``: the service that took the report (replicas skip their own)."""
-
-    model: str
-    group_idx: int
-    instance: str
-    kind: Kind
-    keys: tuple[int, ...]
-    origin: str = ""
-    request_id: str | None = None
 
 
 @dataclass(slots=True)

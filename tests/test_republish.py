@@ -313,3 +313,101 @@ def test_the_command_republishes_every_source_on_one_multiplexed_socket(
     )  # fmt: skip
     assert bad.returncode != 0
     assert "give NAME=PORT or NAME=PORT:REPLAY_PORT" in bad.stderr
+
+
+def test_a_peer_that_asks_and_never_reads_stops_nothing(
+    kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events
+) -> None:
+    """One DEALER asks for every retained batch thousands of times and never reads: its
+    queue fills and its answers are cut (counted), while an honest replay on the same socket
+    is still answered and the live stream still flows, with the attacker connected and
+    after it left; the replayed ring is shared, not copied per answer."""
+    engine = Engine(vllm_kv_events, 0)
+    topic = make_topic("republish-rude")
+    relay_ = relay(engine, kafka_bootstrap, topic)
+    router = RouterIndex(kafka_bootstrap, topic, group_id)
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    router.start()
+    endpoint = Endpoint("engine-0", f"tcp://127.0.0.1:{free_port()}",
+                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    publisher = Publisher(router, [endpoint], silent_after_s=60, buffer_steps=64)
+    publisher.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint.pub)
+    try:
+        outlet = wait_for_outlet(publisher, "engine-0", batches=1)
+        for c in range(CHAINS):  # a batch for the ring per store: each waits for the last
+            for j in range(1, LENGTH + 1):
+                published = outlet.next_seq
+                engine.store(c, j)
+                wait_until("the store republished", lambda p=published: outlet.next_seq > p, 10)
+        first = outlet.ring[0][0]
+
+        def cut() -> float:
+            value = REGISTRY.get_sample_value(
+                "kvledger_republish_replays_total", {"outcome": "cut"}
+            )
+            return value or 0.0
+
+        before = cut()
+        rude = ctx.socket(zmq.DEALER)
+        rude.setsockopt(zmq.RCVHWM, 1)
+        rude.setsockopt(zmq.RCVBUF, 4096)
+        rude.connect(str(endpoint.replay))
+        for _ in range(20_000):
+            rude.send_multipart([b"", first.to_bytes(8, "big")])
+        wait_until("the rude peer's answers cut", lambda: cut() > before, timeout=30)
+
+        honest = ctx.socket(zmq.DEALER)
+        honest.connect(str(endpoint.replay))
+
+        def replay_ok() -> bool:
+            last = outlet.next_seq - 1
+            honest.send_multipart([b"", last.to_bytes(8, "big")])
+            if not honest.poll(2000):
+                return False
+            frames = honest.recv_multipart()
+            while frames[2] != END_SEQ:
+                assert int.from_bytes(frames[2], "big") >= last
+                assert honest.poll(2000), "an answer cut short"
+                frames = honest.recv_multipart()
+            return True
+
+        def live_ok(chain: int) -> bool:
+            while sub.poll(0):
+                sub.recv_multipart()
+            engine.evict(chain, 0)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if sub.poll(200):
+                    _topic, _seq, payload = sub.recv_multipart()
+                    if any(isinstance(e, BlockRemoved) for e in decode_batch(payload).events):
+                        return True
+            return False
+
+        assert replay_ok(), "an honest replay went unanswered while the rude peer waited"
+        assert live_ok(0), "the live stream stopped while the rude peer waited"
+        rude.close(linger=0)
+        time.sleep(0.5)
+        assert replay_ok() and live_ok(1)
+        assert publisher.error is None
+    finally:
+        ctx.destroy(linger=0)
+        publisher.stop()
+        router.stop()
+        relay_.stop()
+        engine.publisher.shutdown()
+
+
+def wait_for_outlet(publisher: Publisher, source: str, batches: int) -> Any:
+    """The source's outlet once it retains at least ``batches`` batches."""
+
+    def ready() -> bool:
+        outlet = publisher.outlets.get(source)
+        return outlet is not None and len(outlet.ring) >= batches
+
+    wait_until(f"{batches} batches retained for {source}", ready, timeout=60)
+    return publisher.outlets[source]

@@ -17,13 +17,21 @@ is retained. The PUB sockets are XPUBs: a new subscription (Dynamo's indexer has
 of its own worth the name) is answered with a snapshot, at most one per source per
 ``snapshot_interval_s``. A slow subscriber loses what its high-water mark cannot hold (a
 PUB does not tell the sender); it sees the gap and asks replay, and what is sent again is
-counted per source. A replay answer it cannot take is cut short and counted. Nothing a
-subscriber sends blocks the others or the index.
+counted per source. Nothing a subscriber sends blocks the others or the index:
+
+- a replay answer is sent without waiting (``NOBLOCK``): a peer whose queue is full (its
+  high-water mark, one whole answer, reached because it asks and does not read) has the
+  answer cut there and counted (``cut``), and the loop goes on;
+- the retained batches are shared, never copied per answer (zero-copy frames over the
+  ring's bytes): what many peers have queued costs the ring once, plus a few bytes a frame;
+- requests waiting for a snapshot are held once per peer, at most ``MAX_PARKED`` per
+  source (more are cut and counted).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import threading
@@ -46,6 +54,7 @@ END_SEQ = b"\xff" * 8
 SNAPSHOT_EVENTS = 1000  # events per batch of a snapshot
 REQUESTS_PER_TURN = 64  # replay requests read per socket per loop turn
 TICK_S = 0.2  # how often liveness is checked
+MAX_PARKED = 256  # replay peers waiting for one source's snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +109,8 @@ class Outlet:
             if self.snapshot_seq is None:
                 return None
             start = self.snapshot_seq
-        return [(s, p) for s, p in self.ring if s >= start]
+        # The ring's numbers are dense: the answer starts at a known place in it.
+        return list(itertools.islice(self.ring, start - first, None))
 
 
 class Publisher:
@@ -137,7 +147,7 @@ class Publisher:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._due: dict[str, float] = {}  # snapshots asked for: source -> not before
-        self._parked: dict[str, list[bytes]] = {}  # replay peers waiting for a snapshot
+        self._parked: dict[str, dict[bytes, None]] = {}  # replay peers waiting for a snapshot
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -175,6 +185,8 @@ class Publisher:
                 # not read has the rest of its answers cut, not kept in memory.
                 replay.setsockopt(zmq.SNDHWM, self.buffer_steps + 2)
                 replay.setsockopt(zmq.RCVHWM, 1000)
+                # Every frame by reference (the ring's bytes), whatever its size.
+                replay.copy_threshold = 0
                 replay.bind(e.replay)
                 self._replays[replay] = e.source
                 self._replay_of[e.source] = replay
@@ -321,15 +333,24 @@ class Publisher:
         missed = asked and start >= (outlet.ring[0][0] if outlet.ring else outlet.next_seq)
         batches = outlet.replay(start)
         if batches is None:  # older than retained, no snapshot kept: make one first
-            self._parked.setdefault(source, []).append(peer)
+            parked = self._parked.setdefault(source, {})
+            if peer not in parked and len(parked) >= MAX_PARKED:
+                metrics.REPUBLISH_REPLAYS.labels("cut").inc()
+                return
+            parked[peer] = None  # once per peer, in the order they asked
             self._due[source] = time.monotonic()
             self._wake()
             return
         replay = self._replay_of[source]
         try:
+            # Never waits: a peer that cannot take more (its queue full, or gone) raises.
             for seq, payload in batches:
-                replay.send_multipart([peer, b"", outlet.topic, seq.to_bytes(8, "big"), payload])
-            replay.send_multipart([peer, b"", b"", END_SEQ, b""])
+                replay.send_multipart(
+                    [peer, b"", outlet.topic, seq.to_bytes(8, "big"), payload],
+                    zmq.NOBLOCK,
+                    copy=False,
+                )
+            replay.send_multipart([peer, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
             metrics.REPUBLISH_REPLAYS.labels("answered").inc()
             if missed and batches:
                 metrics.REPUBLISH_RESENT.labels(source).inc(len(batches))

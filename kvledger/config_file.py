@@ -20,13 +20,18 @@ as true or false. The file's values fill the environment of this process only.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from kvledger import files
 from kvledger.envopts import PREFIX
 
 ENV_CONFIG = "KVLEDGER_CONFIG"
+# A table is a command, or a command and its action: a setting sits at most this deep.
+MAX_DEPTH = 3
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 class ConfigFileError(ValueError):
@@ -47,19 +52,40 @@ def variables(data: dict[str, Any], where: tuple[str, ...] = ()) -> Iterator[tup
     """(variable, value as the environment would hold it, where in the file) for every
     setting in ``data``."""
     for key, value in data.items():
+        place = ".".join((*where, key))
+        if not _NAME.fullmatch(key):
+            raise ConfigFileError(f"{place[:200]!r}: a key is letters, digits, - and _")
         if isinstance(value, dict):
+            if len(where) + 1 >= MAX_DEPTH:
+                raise ConfigFileError(
+                    f"{place[:200]}: tables nest at most {MAX_DEPTH - 1} deep"
+                    " (a command and its action)"
+                )
             yield from variables(value, (*where, key))
             continue
         name = "_".join(w.upper().replace("-", "_") for w in (PREFIX, *where, key))
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, list):
-            text = ",".join(str(v) for v in value)
-        elif isinstance(value, str | int | float):
-            text = str(value)
+        if isinstance(value, list) and all(_scalar(v) for v in value):
+            text = ",".join(_text(v) for v in value)
+        elif _scalar(value):
+            text = _text(value)
         else:
-            raise ConfigFileError(f"{'.'.join((*where, key))}: {value!r} is not a setting's value")
+            kind = type(value).__name__  # not its repr: it may nest without end
+            raise ConfigFileError(
+                f"{place}: a {kind} is not a setting's value (a string, a "
+                "number, a boolean, or a list of them)"
+            )
         yield name, text, (f"[{'.'.join(where)}] " if where else "") + key
+
+
+def _scalar(value: object) -> bool:
+    return isinstance(value, str | int | float | bool)
+
+
+def _text(value: object) -> str:
+    """A value as the environment holds it (a boolean as true or false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def load(
@@ -75,11 +101,15 @@ def load(
     import tomllib  # only when there is a file: every command's start-up counts
 
     try:
-        data = tomllib.loads(found.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigFileError(f"cannot read {found}: {exc}") from None
+        data = tomllib.loads(files.read_text(str(found)))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{found} is not TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigFileError(f"{found} is not TOML kvledger reads: it nests too deep") from None
+    except files.FileTooLargeError as exc:
+        raise ConfigFileError(str(exc)) from None
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError
+        raise ConfigFileError(f"cannot read {found}: {exc}") from None
     named = []
     for name, value, place in variables(data):
         env.setdefault(name, value)

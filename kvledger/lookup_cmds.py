@@ -10,10 +10,9 @@ import sys
 from collections import Counter
 from dataclasses import asdict
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvledger import settings
+from kvledger import files, settings
 from kvledger.consumer.db import connect
 from kvledger.options import ENV_LOOKUP_TOKEN
 from kvledger.process import collect_less_often, freeze_startup_objects
@@ -28,11 +27,14 @@ if TYPE_CHECKING:
     from kvledger.serving.router.provisional import Provisional
 
 
+PROMPT_FILE_LIMIT = 64 << 20  # a prompt's token ids from a file (`--token-ids @FILE`)
+
+
 def parse_token_ids(text: str) -> list[int]:
     if text.startswith("@"):
         try:
-            text = Path(text[1:]).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
+            text = files.read_text(text[1:], PROMPT_FILE_LIMIT)
+        except (OSError, ValueError) as exc:  # FileTooLargeError, UnicodeDecodeError
             raise SystemExit(f"kvledger: cannot read the token ids of {text}: {exc}") from None
     parts = text.replace(",", " ").split()
     try:
@@ -240,9 +242,8 @@ def _token(path: str | None) -> str | None:
     """The bearer token: from ``path`` (its first line), else the environment, else none."""
     if path:
         try:
-            with open(path, encoding="utf-8") as f:
-                token = f.readline().strip()
-        except OSError as exc:
+            token = files.first_line(path)
+        except (OSError, ValueError) as exc:  # FileTooLargeError, UnicodeDecodeError
             raise SystemExit(f"kvledger serve: cannot read the token file: {exc}") from None
         if not token:
             raise SystemExit(f"kvledger serve: the token file {path} is empty")

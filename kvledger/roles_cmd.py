@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvledger import settings
+from kvledger import files, settings
 from kvledger.options import ENV_ADMIN
 from kvledger.options import ENV_READER_PASSWORD as ENV_PASSWORD
 
@@ -17,9 +17,8 @@ def create_reader_cmd(args: argparse.Namespace) -> int:
     admin = args.admin_database_url or settings.from_env(ENV_ADMIN) or owner
     if args.password_file:
         try:
-            with open(args.password_file, encoding="utf-8") as f:
-                password = f.readline().rstrip("\r\n")
-        except OSError as exc:
+            password = files.first_line(args.password_file, strip=False)
+        except (OSError, ValueError) as exc:  # FileTooLargeError, UnicodeDecodeError
             raise SystemExit(f"kvledger roles: cannot read the password file: {exc}") from None
     else:
         password = settings.from_env(ENV_PASSWORD) or ""

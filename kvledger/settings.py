@@ -6,6 +6,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from kvledger import files
+
 if TYPE_CHECKING:
     from kvledger.schemas.codec import Codec
 
@@ -21,9 +23,8 @@ def from_env(name: str) -> str | None:
         return value
     if path := os.environ.get(f"{name}_FILE"):
         try:
-            with open(path, encoding="utf-8") as f:
-                return f.readline().strip() or None
-        except OSError as exc:
+            return files.first_line(path) or None
+        except (OSError, ValueError) as exc:  # FileTooLargeError, UnicodeDecodeError
             raise SystemExit(f"kvledger: cannot read ${name}_FILE: {exc}") from None
     return None
 
@@ -75,9 +76,8 @@ def kafka_settings(args: argparse.Namespace) -> dict[str, str]:
 def read_properties(path: str) -> dict[str, str]:
     """A properties file: ``key=value`` (or ``key: value``) lines; ``#`` and ``!`` comment."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
+        lines = files.read_text(path).splitlines()
+    except (OSError, ValueError) as exc:  # FileTooLargeError, UnicodeDecodeError
         raise SystemExit(f"kvledger: cannot read the Kafka settings {path}: {exc}") from None
     out: dict[str, str] = {}
     for number, raw in enumerate(lines, 1):

@@ -53,6 +53,12 @@ def test_the_users_file_is_read_when_present(tmp_path: Path) -> None:
         ("[consume]\nbatch-sise = 3\n", "did you mean $KVLEDGER_CONSUME_BATCH_SIZE"),
         ("[consume\n", "is not TOML"),
         ("[serve]\nport = 1979-05-27\n", "is not a setting's value"),
+        # Hostile files: a key no variable can be named, nesting past any command's.
+        ('"kafka=bootstrap" = "h:1"\n', "a key is letters, digits"),
+        ("a" + ".a" * 20_000 + " = 1\n", "nest"),
+        ("[" + ".".join(["t"] * 3_000) + "]\n", "nest"),
+        ("x = " + "[" * 5_000 + "]" * 5_000 + "\n", "nest"),
+        ("[serve]\nport = [[1]]\n", "is not a setting's value"),
     ],
 )
 def test_a_file_no_command_can_read_is_refused_in_one_line(
@@ -65,6 +71,17 @@ def test_a_file_no_command_can_read_is_refused_in_one_line(
         timeout=60, check=False,
     )  # fmt: skip
     assert run.returncode == 2 and why in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("variable", ["KVLEDGER_CONFIG", "KVLEDGER_DATABASE_URL_FILE"])
+def test_an_endless_file_is_refused_in_one_line(variable: str) -> None:
+    """/dev/zero as the config file or a secret: read to a bound (1 MiB), then refused."""
+    run = subprocess.run(
+        [sys.executable, "-m", "kvledger", "sources"], capture_output=True, text=True,
+        env={variable: "/dev/zero", "PATH": "/usr/bin:/bin"}, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert "/dev/zero" in run.stderr and "1 MiB" in run.stderr, run.stderr
 
 
 def test_a_flag_wins_over_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,3 +44,26 @@ def test_malformed_settings_say_where(tmp_path: Path) -> None:
         read_properties(str(bad))
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         kafka_settings(_args(["--kafka-set", "novalue"]))
+
+
+@pytest.mark.parametrize("read", ["token", "password", "properties", "token ids"])
+def test_a_secret_or_settings_file_is_read_to_a_bound(read: str) -> None:
+    """/dev/zero (endless, no line end) wherever a file is named: refused in one line once
+    its bound is read, never read whole."""
+    from kvledger import lookup_cmds, roles_cmd
+
+    with pytest.raises(SystemExit) as refused:
+        if read == "token":
+            lookup_cmds._token("/dev/zero")
+        elif read == "password":
+            args = argparse.Namespace(
+                database_url="postgresql+psycopg://u@h:1/d",
+                admin_database_url=None,
+                password_file="/dev/zero",
+            )
+            roles_cmd.create_reader_cmd(args)
+        elif read == "properties":
+            read_properties("/dev/zero")
+        else:
+            lookup_cmds.parse_token_ids("@/dev/zero")
+    assert "/dev/zero" in str(refused.value) and "MiB" in str(refused.value)

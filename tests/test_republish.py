@@ -26,6 +26,8 @@ import zmq
 
 from kvledger.consumer.db import connect
 from kvledger.consumer.metrics import REGISTRY
+from kvledger.producer.relay.config import RelayConfig, parse_group
+from kvledger.producer.relay.relay import Relay
 from kvledger.producer.relay.wire import decode_batch
 from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvledger.serving.republish.publisher import END_SEQ, Endpoint, Publisher
@@ -411,3 +413,51 @@ def wait_for_outlet(publisher: Publisher, source: str, batches: int) -> Any:
 
     wait_until(f"{batches} batches retained for {source}", ready, timeout=60)
     return publisher.outlets[source]
+
+
+def test_a_relay_of_a_republished_stream_loses_nothing_on_first_contact(
+    kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events
+) -> None:
+    """A relay that reads `kvledger republish` (whose batches are numbered from its start-up
+    time, not 0) meets the stream with a snapshot that starts with AllBlocksCleared: what
+    came before it is void, so nothing is recorded lost; later batches follow densely."""
+    engine = Engine(vllm_kv_events, 0)
+    topic, again = make_topic("republish-source"), make_topic("republish-again")
+    relay_ = relay(engine, kafka_bootstrap, topic)
+    router = RouterIndex(kafka_bootstrap, topic, group_id)
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    router.start()
+    endpoint = Endpoint("engine-0", f"tcp://127.0.0.1:{free_port()}",
+                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    publisher = Publisher(router, [endpoint], silent_after_s=60)
+    publisher.start()
+    second: Relay | None = None
+    try:
+        engine.store(0, 3)
+        outlet = wait_for_outlet(publisher, "engine-0", batches=2)
+        second = Relay(RelayConfig(
+            endpoint=endpoint.pub, replay_endpoint=endpoint.replay, source="engine-0-again",
+            model=MODEL, bootstrap_servers=kafka_bootstrap, topic=again,
+            groups=[parse_group(f"0:full_attention:{BLOCK}", MODEL)],
+            heartbeat_interval_s=1.0,
+        ))  # fmt: skip
+        second.start()
+        assert second.ready(60), "the relay did not synchronise with the republished stream"
+        engine.store(1, 2)
+        last = outlet.next_seq
+        wait_until("the relay caught up", lambda: outlet.next_seq > last, 10)
+        wait_until(
+            "the relay caught up",
+            lambda: second.ranks[0].committed_seq == outlet.next_seq - 1,  # type: ignore[union-attr]
+            30,
+        )
+        lost = second.metrics.lost_batches.labels("engine-0-again")._value.get()
+        assert lost == 0, f"{lost} batches recorded lost on first contact"
+    finally:
+        if second is not None:
+            second.stop()
+        publisher.stop()
+        router.stop()
+        relay_.stop()
+        engine.publisher.shutdown()

@@ -59,7 +59,7 @@ from kvledger.producer.relay.load import LoadReader
 from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
 from kvledger.producer.relay.sequence import EngineSequence, Seen
 from kvledger.producer.relay.transaction import RelayTransactions, StoppedError
-from kvledger.producer.relay.wire import EngineBatch, read_batch
+from kvledger.producer.relay.wire import EngineBatch, read_batch, starts_cleared
 from kvledger.producer.vllm import VllmEventError
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.events import EventsLost, Heartbeat
@@ -276,6 +276,11 @@ class RankRelay:
             seen = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
             if seen is not Seen.NEXT:
                 return  # the replay brought it (or recorded it lost)
+        elif seen is Seen.GAP and self.sequence.last is None and starts_cleared(batch):
+            # First contact, and the stream starts from a clear: the batches numbered before
+            # it hold nothing the index knew or needs (`kvledger republish` answers a first
+            # replay with such a snapshot, numbered from its start-up time, not from 0).
+            logger.info("relay %s: the stream starts at batch %d, from a clear", self.source, seq)
         elif seen is Seen.GAP:
             self.metrics.gaps.labels(self.source).inc()
             last = self.sequence.last

@@ -22,7 +22,7 @@ from kvledger.producer.vllm import (
     from_vllm_fields,
     register_kind,
 )
-from kvledger.schemas.events import KVEvent
+from kvledger.schemas.events import AllBlocksCleared, KVEvent
 
 END_SEQ = b"\xff" * 8
 _decoder = msgspec.msgpack.Decoder()
@@ -38,6 +38,13 @@ class EngineBatch:
     ts: float
     events: list[Any]
     dp_rank: int | None
+
+
+def starts_cleared(batch: EngineBatch | None) -> bool:
+    """Whether ``batch`` (as :func:`read_batch` reads it) starts with ``AllBlocksCleared``."""
+    if batch is None or not batch.events:
+        return False
+    return isinstance(batch.events[0], _Cleared | AllBlocksCleared)
 
 
 def seq_of(frame: bytes) -> int:

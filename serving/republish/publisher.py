@@ -380,11 +380,20 @@ def _replay_requests(replay: zmq.Socket[bytes]) -> list[tuple[bytes, int]]:
             frames = replay.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             break
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        request = replay_request(frames)
+        if request is None:
             metrics.REPUBLISH_REPLAYS.labels("malformed").inc()
             continue
-        requests.append((frames[0], int.from_bytes(frames[2], "big")))
+        requests.append(request)
     return requests
+
+
+def replay_request(frames: list[bytes]) -> tuple[bytes, int] | None:
+    """(peer, start sequence) of a replay request as a ROUTER reads it (``[peer, empty,
+    8-byte start]``); None for anything else."""
+    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        return None
+    return frames[0], int.from_bytes(frames[2], "big")
 
 
 def _recv_some(sock: zmq.Socket[bytes]) -> list[bytes]:

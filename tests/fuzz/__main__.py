@@ -14,7 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 # targets.TARGETS' names (importing it here would instrument every import of this process)
-NAMES = ("envelope", "batch", "sglang", "trtllm", "dynamo", "group")
+NAMES = ("envelope", "batch", "sglang", "trtllm", "dynamo", "group", "decisions", "replay")
 
 
 def main() -> int:

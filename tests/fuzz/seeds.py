@@ -141,11 +141,35 @@ def _groups() -> list[bytes]:
     return [rng.randbytes(n) for n in (16, 64, 256, 1024, 4096)]
 
 
+def _decision_records() -> list[bytes]:
+    offer = {"instance": "e-0", "medium": "GPU", "ownership": "", "blocks": 3, "state": "live"}
+    record = {
+        "id": "0" * 32, "at": 1.7e9, "block_size": 16, "prompt_blocks": 4,
+        "available_blocks": 3, "silent_blocks": 0, "offered": [offer],
+    }  # fmt: skip
+    chosen = {**record, "chosen_state": "live", "captured_blocks": 3, "captured_tier": "GPU"}
+    head = {"model": "m", "group_idx": 0, "origin": "o"}
+    bodies = [
+        {"v": 1, **head, "instance": "e-0", "kind": "tokens", "keys": [1, 2**64 - 1]},
+        {"v": 2, **head, "instance": "e-0", "kind": "hashes", "keys": [7], "record": chosen},
+        {"v": 3, **head, "record": record},
+        {"v": 3, **head, "record": chosen},  # refused: an answer names no choice
+        {"v": 1, **head, "instance": "e-0", "kind": "tokens", "keys": [2**64]},  # refused
+    ]
+    return [json.dumps(b).encode() for b in bodies] + [b"", b"{", b"[]", b'{"v": 9}']
+
+
+def _replays() -> list[bytes]:
+    rng = random.Random(12)
+    return [rng.randbytes(n) for n in (8, 32, 64, 128, 512)]
+
+
 def main(names: list[str]) -> None:
     """Write the seeds of ``names`` (default: every target's)."""
     for name, make in (
         ("envelope", _envelopes), ("batch", _batches), ("sglang", _sglang_batches),
         ("trtllm", _trtllm_events), ("dynamo", _dynamo_queries), ("group", _groups),
+        ("decisions", _decision_records), ("replay", _replays),
     ):  # fmt: skip
         if names and name not in names:
             continue

@@ -11,6 +11,13 @@
 - ``dynamo``: a Dynamo /query body, read by the compiled core (or declined), its token ids
   hashed in blocks of any size a caller could pass: as many hashes as whole blocks fit, and
   never a panic or a crash (a size times 4 once wrapped).
+- ``decisions``: a record on the decisions topic (any replica or client can write one). The
+  decoder answers with a decision (or answer) and its record, or a ValueError, nothing else;
+  what it accepts encodes back to the same decision.
+- ``replay``: a replay request's frames on `kvledger republish`'s ROUTER, against a numbered
+  ring: a request is read as [peer, empty, 8-byte start] or refused; the answer for any
+  start is the retained batches from it (dense, in order), from the snapshot, nothing yet,
+  or "make a snapshot first", and never raises.
 - ``group``: the router's index under operations (stores, holders, metadata, the clock,
   expiry) and lookups read from the bytes (crafted hashes included). The compiled core's
   Group and the pure PureGroup hold, expire and answer alike, and neither raises.
@@ -34,8 +41,10 @@ with atheris.instrument_imports():
     from kvledger.producer.relay.wire import EngineBatch, read_batch
     from kvledger.producer.vllm import VllmEventError
     from kvledger.schemas.codec import Codec
+    from kvledger.schemas.decisions import decode_record, encode
     from kvledger.schemas.errors import DecodeError
     from kvledger.schemas.events import GroupSpec
+    from kvledger.serving.republish.publisher import Outlet, replay_request
     from kvledger.serving.router import groups as store
     from tests.helpers.codecs import pure_codec
     from tests.helpers.pure_router.group import PureGroup
@@ -178,7 +187,50 @@ def group(data: bytes) -> None:
     assert all(other == first for other in rest), "the compiled and pure groups disagree"
 
 
+def decisions(data: bytes) -> None:
+    try:
+        decision, record = decode_record(data)
+    except ValueError:
+        return
+    again = decode_record(encode(decision, record))
+    assert again == (decision, record), (again, decision, record)
+
+
+def replay(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    outlet = Outlet("e", fdp.ConsumeIntInRange(0, 2**63), True, steps=fdp.ConsumeIntInRange(1, 9),
+                    max_bytes=fdp.ConsumeIntInRange(1, 64))  # fmt: skip
+    for _ in range(fdp.ConsumeIntInRange(0, 20)):
+        outlet.number(fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 16)), fdp.ConsumeBool())
+    if fdp.ConsumeBool():  # well formed, the start near the ring or anywhere
+        near = outlet.next_seq + fdp.ConsumeIntInRange(-30, 3)
+        at = near if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 2**64 - 1)
+        frames = [fdp.ConsumeBytes(4), b"", max(at, 0).to_bytes(8, "big")]
+    else:
+        count = fdp.ConsumeIntInRange(0, 4)
+        frames = [fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 12)) for _ in range(count)]
+    request = replay_request(frames)
+    if request is None:
+        assert len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8, frames
+        return
+    peer, start = request
+    assert peer == frames[0] and 0 <= start < 2**64
+    answer = outlet.replay(start)
+    first = outlet.ring[0][0] if outlet.ring else outlet.next_seq
+    if answer is None:
+        assert start < first and outlet.snapshot_seq is None
+        return
+    seqs = [s for s, _ in answer]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True, seqs
+    if start >= outlet.next_seq:
+        assert answer == []
+    elif start >= first:
+        assert seqs[0] == start and seqs[-1] == outlet.next_seq - 1
+    else:
+        assert seqs[0] == outlet.snapshot_seq
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "envelope": envelope, "batch": batch, "sglang": sglang_batch, "trtllm": trtllm_event,
-    "dynamo": dynamo, "group": group,
+    "dynamo": dynamo, "group": group, "decisions": decisions, "replay": replay,
 }  # fmt: skip

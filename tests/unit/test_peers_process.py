@@ -50,11 +50,15 @@ def test_a_side_answers_as_its_index_holds() -> None:
         assert answer == sorted([w, n] for w, n in _holders(c))  # each holder its whole run
 
 
-def test_runs_that_disagree_are_no_answer_and_an_unknown_side_is_refused() -> None:
-    run = {"blocks": 10, "apply_s": 1.0, "answers": [[[0, 3]]]}
-    assert peers_process._median([run, run | {"blocks": 12}, run | {"blocks": 20}]) == run | {
-        "blocks": 12
-    }
-    assert peers_process._median([run, run | {"answers": [[[0, 2]]]}])["answers"] is None
+def test_runs_combine_best_timings_median_memory_and_only_agreeing_answers() -> None:
+    run = {"blocks": 10, "apply_s": 3.0, "p50_us": 5.0, "answers": [[[0, 3]]]}
+    slow = run | {"blocks": 20, "apply_s": 4.0, "p50_us": 9.0}
+    fast = run | {"blocks": 12, "apply_s": 2.0, "p50_us": 7.0}
+    # Timings the best run's, memory the median run's.
+    assert peers_process._combine([run, slow, fast]) == run | {"blocks": 12, "apply_s": 2.0}
+    assert peers_process._combine([run, run | {"answers": [[[0, 2]]]}])["answers"] is None
+
+
+def test_an_unknown_side_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown side 'sglang'"):
         peers_process.run_side("sglang", CHAINS, ANSWERS)

@@ -9,8 +9,8 @@ resident set is that side's alone), each doing what its user does:
 - ``router`` (and ``router-dynamo-api``, the router with ``--dynamo-api``'s block hashes):
   a :class:`~kvledger.serving.router.index.RouterIndex` with ``kvledger serve --memory``'s
   defaults fed the stream's Avro-encoded messages through :meth:`RouterIndex.apply`, the call
-  its tail makes, a poll's worth (its ``batch_size`` messages) at a time; then lookups by
-  tokens through :meth:`RouterIndex.match_tokens`, the call its HTTP route makes.
+  its tail makes, about a poll's worth (its ``batch_size``, 5,000 messages) at a time; then
+  lookups by tokens through :meth:`RouterIndex.match_tokens`, the call its HTTP route makes.
 - ``dynamo``: Dynamo's ``RadixTree`` (``ai-dynamo-runtime``) fed the same stored events in
   its own form (JSON, one ``apply_event`` each), the same chains at a time; then the same
   lookups, its tokens hashed by ``compute_block_hash_for_seq`` first.

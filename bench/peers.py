@@ -29,6 +29,12 @@ Dynamo's binding, with the same answers checked; its memory, like that of each i
 read from a process that builds that index alone. Natively, kvledger's apply is also timed
 by whole events (``store_run``, the router lane's call, as Dynamo applies whole events),
 and each apply figure is the best of three builds made in turn.
+
+Memory as users see it ("as run", bench/peers_process.py): the router through its public
+path (with and without ``--dynamo-api``) and Dynamo's binding each in a fresh process,
+taking in the stream a poll at a time and then answering, nothing handed back to the
+system: the resident set's growth after applying and after answering, its peak, the apply
+rate and lookup p50/p99 by tokens, and the answers compared, each side beside Dynamo's.
 """
 
 from __future__ import annotations
@@ -314,6 +320,9 @@ def main(lookups: int = 2000) -> dict[str, float]:
             "router, public path: lookup by tokens: p50 us",
             "router, public path: Dynamo binding by tokens (same run): p50 us"),
     })  # fmt: skip
+    from bench.peers_process import measure  # it builds on this module
+
+    figures |= measure(repeat=3)  # each side as its user runs it, in a process of its own
     figures |= native()  # its own process: its memory its own
     record("peers", figures)
     return figures

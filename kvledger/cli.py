@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from kvledger import __version__, arguments, envopts, parsers
@@ -94,7 +94,9 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, each option bound to its variable in ``environ`` (default:
+    this process's environment)."""
     parser = parsers.Parser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument(
         "--version", action=_Version, nargs=0,
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     arguments.add_commands(subparsers)
-    envopts.bind(parser)
+    envopts.bind(parser, environ)
     _describe(parser)
     return parser
 

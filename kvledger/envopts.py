@@ -59,6 +59,14 @@ def known(parser: argparse.ArgumentParser) -> set[str]:
     return out | {f"{name}_FILE" for name in out}
 
 
+def commands(
+    parser: argparse.ArgumentParser,
+) -> Iterator[tuple[list[str], argparse.ArgumentParser]]:
+    """``parser`` itself (path ``[]``), then every command and action, depth first."""
+    yield [], parser
+    yield from _commands(parser, [])
+
+
 def _commands(
     parser: argparse.ArgumentParser, path: list[str]
 ) -> Iterator[tuple[list[str], argparse.ArgumentParser]]:

@@ -1,11 +1,14 @@
-"""consumer/loop.py's one loop under each reader: the Kafka readers of the project each run
+"""consumer/loop.py's one loop under each reader: the four Kafka readers of the project (the
+index consumer, the decision recorder, the router index's tail, the decision log) each run
 a :class:`LogLoop`, each as the sink it declares (offsets in PostgreSQL's transaction, or
-positions in memory). What the loop commits for each
+positions in memory), and make their clients in one place. What the loop commits for each
 kind of sink is checked without services."""
 
 from __future__ import annotations
 
+import ast
 import threading
+from pathlib import Path
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
@@ -15,7 +18,11 @@ from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.loop import Commit, LogLoop, Polled, TransactionSink, commit_of
 from kvledger.consumer.service import IndexConsumer
 from kvledger.serving.router.decisions import DecisionLog
+from kvledger.serving.router.index import RouterIndex
 from kvledger.serving.router.provisional import Provisional
+from kvledger.serving.router.tail import TailSink
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def msg(partition: int, offset: int) -> Message:
@@ -107,10 +114,12 @@ def test_every_reader_runs_on_the_one_loop_as_the_sink_it_declares() -> None:
     """Nothing here connects: a loop reaches its client only when it turns."""
     consumer = IndexConsumer(ConsumerConfig("127.0.0.1:9", "postgresql://nowhere/x"))
     recorder = DecisionRecorder("postgresql://nowhere/x", "127.0.0.1:9", "decisions", "g")
+    router = RouterIndex("127.0.0.1:9", "t", "g")
     log = DecisionLog("127.0.0.1:9", "decisions", Provisional(5.0))
     loops = {
         "index consumer": (consumer.loop(), consumer, Commit.TRANSACTION),
         "decision recorder": (recorder.loop(), recorder, Commit.TRANSACTION),
+        "router index": (router.loop(), None, Commit.MEMORY),
         "decision log": (log.loop(), log, Commit.MEMORY),
     }
     for name, (loop, sink, commit) in loops.items():
@@ -118,3 +127,22 @@ def test_every_reader_runs_on_the_one_loop_as_the_sink_it_declares() -> None:
         assert loop.commit is commit, name
         if sink is not None:
             assert loop.sink is sink and loop.owner is sink, name
+    router_loop = loops["router index"][0]
+    assert isinstance(router_loop.sink, TailSink) and router_loop.sink.index is router
+
+
+def test_every_reader_makes_its_kafka_client_in_one_place() -> None:
+    """``confluent_kafka.Consumer`` is called in consumer/loop.py's ``kafka_consumer`` only
+    (the relay's bounded position read, in producer/relay, keeps its own)."""
+    made = []
+    for folder in ("consumer", "serving", "schemas", "kvledger"):
+        for path in sorted((ROOT / folder).glob("**/*.py")):
+            if path.is_symlink() or any(p.is_symlink() for p in path.parents if p != ROOT):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and (
+                    (isinstance(node.func, ast.Name) and node.func.id == "Consumer")
+                    or (isinstance(node.func, ast.Attribute) and node.func.attr == "Consumer")
+                ):
+                    made.append(str(path.relative_to(ROOT)))
+    assert made == ["consumer/loop.py"]

@@ -12,6 +12,9 @@ offer) is skipped; an answer no choice was reported for (Dynamo's ``/query``) is
 no chosen instance (migration 0019); one that is not a decision at all is kept in
 ``kvledger.rejected_decisions`` with its bytes and the reason. The lookup path never waits
 for any of this.
+
+The recorder reads on the one log loop (:class:`~kvledger.consumer.loop.LogLoop`), its
+client's owner and its sink: a :class:`~kvledger.consumer.loop.TransactionSink`.
 """
 
 from __future__ import annotations
@@ -24,17 +27,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from kvledger.consumer.db import connect
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.loop import LogLoop, Polled, filled, kafka_consumer
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.schemas.decisions import Decision, decode_record
-from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
 BATCH = 500
+# How long the recorder's thread waits for a batch to fill.
+BATCH_WAIT_S = 0.5
 _INSERT = """
 INSERT INTO kvledger.decisions (decision_id, decided_at, model, group_idx, request_id, origin,
     chosen, chosen_state, block_size, prompt_blocks, first_hash, last_hash, captured_hashes,
@@ -68,18 +74,20 @@ class DecisionRecorder:
     ) -> None:
         self.database_url, self.topic = database_url, topic
         self.group_id = f"{group_id}:decisions"  # its offsets' name: kept by a rebuild
-        self.settings: dict[str, object] = {"bootstrap.servers": bootstrap_servers,
-                                            **(kafka or {})}  # fmt: skip
+        self.settings: dict[str, object] = {"bootstrap.servers": bootstrap_servers, **(kafka or {})}
         self.recorded = self.skipped = self.rejected = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self._consumer: Consumer | None = None
+        self._taken = 0  # records the last turn took
+        self._hints: dict[tuple[str, int], int] = {}  # committed, not yet hinted to Kafka
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvledger-decision-records",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, name="kvledger-decision-records", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -101,7 +109,7 @@ class DecisionRecorder:
             try:
                 if self._consumer is None and not self.open(wait_s=1.0):
                     continue
-                self.run_batch(timeout_s=0.5)
+                self.loop().run()
             except Exception as exc:  # the recorder outlives any one fault: it starts again
                 logger.warning("decision records: %s; starting again in 2 s", exc)
                 self.close()
@@ -111,49 +119,99 @@ class DecisionRecorder:
         """Take the writer's lock and start reading where the stored offsets say; False
         when another recorder holds the lock (after waiting ``wait_s``)."""
         conn = connect(self.database_url, autocommit=True)
-        got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
-                           (f"kvledger.decisions:{self.topic}",)).fetchone()  # fmt: skip
+        lock = f"kvledger.decisions:{self.topic}"
+        got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (lock,)).fetchone()
         if not got or not got[0]:
             conn.close()
             self._stop.wait(wait_s)
             return False
         stored = PostgresStore(conn).stored_offsets(self.group_id, self.topic)
         conn.autocommit = False
-        consumer = Consumer(client_logging({
-            **self.settings, "group.id": f"{self.group_id}-records",
-            "enable.auto.commit": False, "enable.auto.offset.store": False,
-            "client.id": "kvledger-decision-records", "log_level": 4,
-        }))  # fmt: skip
+        try:
+            consumer = self._new_client(stored)
+        except Exception:
+            conn.close()
+            raise
+        self._conn, self._consumer = conn, consumer
+        return True
+
+    def _new_client(self, stored: dict[int, int]) -> Consumer:
+        """A client of its own assignment of every partition, at the ``stored`` offsets."""
+        consumer = kafka_consumer(
+            {
+                **self.settings,
+                "group.id": f"{self.group_id}-records",
+                "client.id": "kvledger-decision-records",
+                "log_level": 4,
+            }
+        )
         metadata = consumer.list_topics(self.topic, timeout=STARTUP_TIMEOUT_S)
         found = metadata.topics.get(self.topic)
         if found is None or found.error is not None:
             consumer.close()
-            conn.close()
             raise OSError(f"decisions topic {self.topic}: {found.error if found else 'missing'}")
-        consumer.assign([TopicPartition(self.topic, p, stored.get(p, OFFSET_BEGINNING))
-                         for p in found.partitions])  # fmt: skip
-        self._conn, self._consumer = conn, consumer
-        return True
+        at = [
+            TopicPartition(self.topic, p, stored.get(p, OFFSET_BEGINNING)) for p in found.partitions
+        ]
+        consumer.assign(at)
+        return consumer
+
+    def loop(self) -> LogLoop:
+        """The log's loop, this recorder its client's owner and its sink."""
+        return LogLoop(
+            self.topic, "the decision recorder", self, filled(BATCH, BATCH_WAIT_S), self, self._stop
+        )
+
+    # The loop's client owner and sink (consumer/loop.py's Client and TransactionSink).
+    @property
+    def client(self) -> Consumer:
+        assert self._consumer is not None
+        return self._consumer
+
+    def renew(self) -> None:
+        """A fatal client error: a new client, at the offsets stored with the rows."""
+        assert self._conn is not None
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except KafkaException as exc:
+                logger.warning("decision records: closing the failed client: %s", exc)
+            self._consumer = None
+        stored = PostgresStore(self._conn).stored_offsets(self.group_id, self.topic)
+        self._conn.commit()
+        self._consumer = self._new_client(stored)
+
+    def lost(self, partitions: set[int]) -> None:
+        """Records deleted before they were read are decisions the funnel will miss."""
+        logger.warning(
+            "decisions topic %s: partitions %s fell out of the log's range before they were "
+            "read; the decisions lost are not recorded",
+            *(self.topic, sorted(partitions)),
+        )
+
+    def turned(self, client: Consumer, polled: Polled) -> bool:
+        return False
+
+    def committed(self) -> dict[tuple[str, int], int]:
+        hints, self._hints = self._hints, {}
+        return hints
 
     # ------------------------------------------------------------------ a batch
     def run_batch(self, timeout_s: float = 1.0) -> int:
-        """One batch read and written in one transaction; how many records it took."""
+        """One turn of the loop: a batch read and written in one transaction; how many
+        records it took."""
         assert self._conn is not None and self._consumer is not None
-        messages = self._consumer.consume(BATCH, timeout=timeout_s)
-        taken: list[Message] = []
-        for m in messages:
-            err = m.error()
-            if err is None:
-                taken.append(m)
-            elif err.code() != KafkaError._PARTITION_EOF:
-                logger.warning("decision records: %s", err)
-        if not taken:
-            return 0
+        self._taken = 0
+        self.loop().turn(filled(BATCH, timeout_s))
+        return self._taken
+
+    def apply(self, batch: list[Inbound]) -> None:
+        """The batch's rows, rejections and next offsets, in one transaction."""
+        self._taken = len(batch)
         nexts: dict[int, int] = {}
         rows, rejects = [], []
-        for m in taken:
-            partition, offset, raw = m.partition(), m.offset(), m.value() or b""
-            assert partition is not None and offset is not None
+        for m in batch:
+            partition, offset, raw = m.partition, m.offset, m.value
             nexts[partition] = offset + 1
             try:
                 decision, record = decode_record(raw)
@@ -166,34 +224,63 @@ class DecisionRecorder:
             hashes = [bytes.fromhex(h) for h in record.captured_hashes or ()]
             first = bytes.fromhex(record.first_hash) if record.first_hash else None
             last = bytes.fromhex(record.last_hash) if record.last_hash else None
-            offered = [{"instance": o.instance, "medium": o.medium, "ownership": o.ownership,
-                        "blocks": o.blocks, "state": o.state} for o in record.offered]  # fmt: skip
-            rows.append((
-                uuid.UUID(record.id), datetime.fromtimestamp(record.at, UTC), decision.model,
-                decision.group_idx, decision.request_id, decision.origin,
-                decision.instance if isinstance(decision, Decision) else None,
-                record.chosen_state, record.block_size, record.prompt_blocks, first, last,
-                hashes if record.captured_hashes is not None else None,
-                record.available_blocks, record.available_tier, record.captured_blocks,
-                record.captured_tier, record.silent_blocks, json.dumps(offered),
-                self.topic, partition, offset,
-            ))  # fmt: skip
+            offered = [
+                {
+                    "instance": o.instance,
+                    "medium": o.medium,
+                    "ownership": o.ownership,
+                    "blocks": o.blocks,
+                    "state": o.state,
+                }
+                for o in record.offered
+            ]
+            rows.append(
+                (
+                    uuid.UUID(record.id),
+                    datetime.fromtimestamp(record.at, UTC),
+                    decision.model,
+                    decision.group_idx,
+                    decision.request_id,
+                    decision.origin,
+                    decision.instance if isinstance(decision, Decision) else None,
+                    record.chosen_state,
+                    record.block_size,
+                    record.prompt_blocks,
+                    first,
+                    last,
+                    hashes if record.captured_hashes is not None else None,
+                    record.available_blocks,
+                    record.available_tier,
+                    record.captured_blocks,
+                    record.captured_tier,
+                    record.silent_blocks,
+                    json.dumps(offered),
+                    self.topic,
+                    partition,
+                    offset,
+                )
+            )
         conn = self._conn
+        assert conn is not None
         with conn.cursor() as cur:
             if rows:
                 cur.executemany(_INSERT, rows)
             if rejects:
                 cur.executemany(_REJECT, rejects)
                 for _, p, o, _, why in rejects:
-                    logger.warning("decisions topic %s: partition %d offset %d is not a "
-                                   "decision (%s); kept in kvledger.rejected_decisions",
-                                   self.topic, p, o, why)  # fmt: skip
-            cur.executemany(_OFFSET, [(self.group_id, self.topic, p, n)
-                                      for p, n in nexts.items()])  # fmt: skip
+                    logger.warning(
+                        "decisions topic %s: partition %d offset %d is not a "
+                        "decision (%s); kept in kvledger.rejected_decisions",
+                        self.topic,
+                        p,
+                        o,
+                        why,
+                    )
+            cur.executemany(_OFFSET, [(self.group_id, self.topic, p, n) for p, n in nexts.items()])
         conn.commit()
+        self._hints.update({(self.topic, p): n for p, n in nexts.items()})
         self.recorded += len(rows)
         self.rejected += len(rejects)
-        return len(taken)
 
 
 def summary(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
@@ -207,7 +294,14 @@ def summary(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
         (since,),
     ).fetchone()
     assert row is not None
-    keys = ("decisions", "prompt_blocks", "available_blocks", "captured_blocks",
-            "delivered_blocks", "delivered_known", "unreported",
-            "unreported_available_blocks")  # fmt: skip
+    keys = (
+        "decisions",
+        "prompt_blocks",
+        "available_blocks",
+        "captured_blocks",
+        "delivered_blocks",
+        "delivered_known",
+        "unreported",
+        "unreported_available_blocks",
+    )
     return {k: int(v) for k, v in zip(keys, row, strict=True)}

@@ -3,7 +3,8 @@
 :meth:`IndexConsumer.run` polls up to ``batch_size`` messages (or ``batch_timeout_s``) and
 hands them to :class:`~kvledger.consumer.applier.BatchApplier`, which applies each exactly
 once (in one transaction with the offsets, retried, isolated, planned ahead: its docstring);
-then it commits the offsets to Kafka only as a hint for lag tools (auto-commit is off).
+then its loop commits the offsets to Kafka only as a hint for lag tools (auto-commit is
+off): the consumer is a :class:`~kvledger.consumer.loop.TransactionSink`.
 
 What stays here: assignment (seek to the offsets stored in PostgreSQL, so a crash at any
 instant neither loses nor double-applies a message), error triage (a fatal client error
@@ -27,7 +28,7 @@ from kvledger.consumer.applier import BatchApplier
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.log_loss import act_on_losses, below_start
-from kvledger.consumer.loop import LogLoop, Polled
+from kvledger.consumer.loop import LogLoop, Polled, filled, kafka_consumer
 from kvledger.consumer.pipeline import BatchResult
 from kvledger.consumer.retention import Retainer, ensure_partitions
 from kvledger.consumer.store.base import FencedError
@@ -63,19 +64,24 @@ class IndexConsumer:
         # each batch it applied (the batches' fence points).
         self._read_from: dict[tuple[str, int], int] = {}
         self._batches = BatchApplier(
-            config, self.codec, self._stop, self.summary, self._read_from, self._done,
-            self._fenced,
-        )  # fmt: skip
+            config, self.codec, self._stop, self.summary, self._read_from, self._done, self._fenced
+        )
+        # The next offsets of the batches committed since the loop last hinted them to Kafka
+        # (batches commit on the writer's thread too).
+        self._hints: dict[tuple[str, int], int] = {}
+        self._hints_lock = threading.Lock()
         self._consumer: Consumer | None = None
         # The client's assignment and read positions as its own thread last saw them: other
         # threads (lag(), a demo's progress) read these, never the client, whose calls
         # wait on one another (a consume() of the loop would starve them).
         self._assigned: frozenset[int] = frozenset()
         self._positions: dict[int, int] = {}
-        self._admin = AdminClient(client_logging(
-            {**admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
-             "log_level": 4}
-        ))  # fmt: skip
+        settings = {
+            **admin_settings(config.kafka),
+            "bootstrap.servers": config.bootstrap_servers,
+            "log_level": 4,
+        }
+        self._admin = AdminClient(client_logging(settings))
 
     def stop(self) -> None:
         """Ask the loop to finish its current batch and return (signal-handler safe)."""
@@ -101,14 +107,10 @@ class IndexConsumer:
                 ensure_partitions(conn)
             if cfg.plan_ahead:
                 self._batches.plan_ahead()
-            # Batches are filled (each is a PostgreSQL transaction): a busy topic's stay
-            # large. The router's loop takes promptly instead (consumer/loop.py).
-            LogLoop(
-                cfg.topic, f"the consumer of group {cfg.group_id!r}", self,
-                lambda client: client.consume(cfg.batch_size, timeout=cfg.batch_timeout_s),
-                self, self._stop, cfg.stop_at, needs=f" and READ on group {cfg.group_id!r}",
-            ).run()  # fmt: skip
+            loop = self.loop()
+            loop.run()
             self._batches.drain()
+            loop.hint()
         finally:
             self.summary.seconds = time.monotonic() - started
             self._batches.close()  # what it holds ends, committed or not, first
@@ -118,7 +120,22 @@ class IndexConsumer:
                 self._consumer.close()
         return self.summary
 
-    # The loop's client owner and sink (consumer/loop.py's Client and Sink).
+    def loop(self) -> LogLoop:
+        """The log's loop, this consumer its client's owner and its sink. Batches are
+        filled (each is a PostgreSQL transaction): a busy topic's stay large."""
+        cfg = self.config
+        return LogLoop(
+            cfg.topic,
+            f"the consumer of group {cfg.group_id!r}",
+            self,
+            filled(cfg.batch_size, cfg.batch_timeout_s),
+            self,
+            self._stop,
+            cfg.stop_at,
+            needs=f" and READ on group {cfg.group_id!r}",
+        )
+
+    # The loop's client owner and sink (consumer/loop.py's Client and TransactionSink).
     @property
     def client(self) -> Consumer:
         assert self._consumer is not None
@@ -146,12 +163,16 @@ class IndexConsumer:
             return True
         return bool(cfg.until_caught_up and polled.received < cfg.batch_size and self._caught_up())
 
+    def committed(self) -> dict[tuple[str, int], int]:
+        with self._hints_lock:
+            hints, self._hints = self._hints, {}
+        return hints
+
     def _new_consumer(self) -> Consumer:
         cfg = self.config
         settings: dict[str, object] = {
             "bootstrap.servers": cfg.bootstrap_servers,
             "group.id": cfg.group_id,
-            "enable.auto.commit": False,
             # A stored offset out of the log's range is an error to act on (records lost
             # before they were read: log_loss.py), never a silent jump.
             "auto.offset.reset": "error",
@@ -164,7 +185,7 @@ class IndexConsumer:
         if cfg.group_instance_id:
             settings["group.instance.id"] = cfg.group_instance_id
         settings.update(cfg.kafka)
-        consumer = Consumer(client_logging(settings))
+        consumer = kafka_consumer(settings)
         consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         return consumer
 
@@ -181,16 +202,13 @@ class IndexConsumer:
         self._consumer = self._new_consumer()
 
     def _done(self, result: BatchResult, started: float) -> None:
-        """A batch committed: counted, its offsets read on from, and hinted to Kafka."""
+        """A batch committed: counted, its offsets read on from, and kept for the loop to
+        hint to Kafka."""
         metrics.record_batch(result.plan, time.monotonic() - started)
         self._read_from.update(result.next_offsets)
+        with self._hints_lock:
+            self._hints.update(result.next_offsets)
         self._account(result)
-        if self._consumer is not None:
-            hint = [TopicPartition(t, p, n) for (t, p), n in result.next_offsets.items()]
-            try:
-                self._consumer.commit(offsets=hint, asynchronous=True)
-            except KafkaException as exc:  # a hint only
-                logger.debug("offset hint not committed: %s", exc)
 
     def _fenced(self, exc: FencedError) -> None:
         """A batch was abandoned: another consumer holds its partitions now."""
@@ -255,9 +273,9 @@ class IndexConsumer:
         for p in past:
             logger.error(
                 "%s[%d]: the stored offset %d is past the log's end %d (was the topic made "
-                "again?); reading the partition from its start", self.config.topic, p,
-                stored[p], ends[p],
-            )  # fmt: skip
+                "again?); reading the partition from its start",
+                *(self.config.topic, p, stored[p], ends[p]),
+            )
         self._reseek(start_over=set(past))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -265,6 +283,8 @@ class IndexConsumer:
         logger.info("revoked partitions %s", ", ".join(str(tp.partition) for tp in partitions))
         for tp in partitions:
             self._read_from.pop((tp.topic, tp.partition), None)
+            with self._hints_lock:  # another consumer's to hint now
+                self._hints.pop((tp.topic, tp.partition), None)
             with contextlib.suppress(KeyError):  # no longer ours: another consumer reports it
                 metrics.LAG.remove(tp.topic, str(tp.partition))
         consumer.unassign()

@@ -15,6 +15,11 @@ keeps in PostgreSQL (consumer/decision_records.py) for the funnel of available, 
 and delivered reuse. Version 3 is an answer no router reported a choice for (Dynamo's
 ``/query``): ``{"v": 3, "model", "group_idx", "origin", "record"}``, recorded for the funnel,
 never held. Replicas read every version.
+
+The log reads on the one log loop (:class:`~kvledger.consumer.loop.LogLoop`), its client's
+owner and its sink, reading promptly; its positions live in memory (a new client after a
+fatal error reads on from them), and between turns its thread records the answers noted
+and serves the producer's callbacks.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from kvledger.consumer.inbound import Inbound
+from kvledger.consumer.loop import LogLoop, Polled, kafka_consumer, prompt
 from kvledger.schemas.decisions import Answered, Decision, Record, decode, encode
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings, ensure_topic
@@ -41,6 +48,10 @@ logger = logging.getLogger(__name__)
 RETENTION_MS = 24 * 3600 * 1000
 # Answers waiting for the log's thread to record them; past this, dropped and counted.
 MAX_PENDING_ANSWERS = 10_000
+# Records read per turn, and how long a turn waits for the first.
+READ_LIMIT, READ_WAIT_S = 500, 0.1
+# How long the thread waits after its loop failed (a refusal, no new client) to start again.
+RESTART_S = 2.0
 
 
 class DecisionLog:
@@ -56,8 +67,7 @@ class DecisionLog:
         kafka: dict[str, object] | None = None,
     ) -> None:
         self.topic, self.provisional = topic, provisional
-        self.settings: dict[str, object] = {"bootstrap.servers": bootstrap_servers,
-                                            **(kafka or {})}  # fmt: skip
+        self.settings: dict[str, object] = {"bootstrap.servers": bootstrap_servers, **(kafka or {})}
         self.origin = uuid.uuid4().hex[:16]  # this replica, in the records it writes
         self.shared = 0  # others' decisions held
         self.rejected = 0  # records that were not decisions
@@ -66,6 +76,7 @@ class DecisionLog:
         self._answers: deque[tuple[Answered, Callable[[], Record]]] = deque()
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
+        self._next: dict[int, int] = {}  # partition -> the next offset to read (memory)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._warned = 0.0
@@ -73,32 +84,63 @@ class DecisionLog:
     def start(self) -> None:
         admin = AdminClient(admin_settings(self.settings))
         # Any retention will do for hints kept seconds: only a topic made here gets an hour's.
-        ensure_topic(admin, self.topic, partitions=1, exact_partitions=False,
-                     config={"retention.ms": str(RETENTION_MS)},
-                     timeout=STARTUP_TIMEOUT_S)  # fmt: skip
-        self._producer = Producer(client_logging({
-            **self.settings, "linger.ms": 0, "acks": 1, "enable.idempotence": False,
-            "queue.buffering.max.messages": 100_000, "message.timeout.ms": 5000,
-            "client.id": "kvledger-decisions",
-        }))  # fmt: skip
-        consumer = Consumer(client_logging({
-            **self.settings, "group.id": f"kvledger-decisions-{self.origin}",  # joins none
-            "enable.auto.commit": False, "enable.auto.offset.store": False,
-            "auto.offset.reset": "latest", "fetch.wait.max.ms": 10, "client.id":
-            "kvledger-decisions", "log_level": 4,
-        }))  # fmt: skip
+        config = {"retention.ms": str(RETENTION_MS)}
+        ensure_topic(
+            admin,
+            self.topic,
+            partitions=1,
+            exact_partitions=False,
+            config=config,
+            timeout=STARTUP_TIMEOUT_S,
+        )
+        self._producer = Producer(
+            client_logging(
+                {
+                    **self.settings,
+                    "linger.ms": 0,
+                    "acks": 1,
+                    "enable.idempotence": False,
+                    "queue.buffering.max.messages": 100_000,
+                    "message.timeout.ms": 5000,
+                    "client.id": "kvledger-decisions",
+                }
+            )
+        )
+        self._consumer = self._new_client()
+        self._thread = threading.Thread(target=self._tail, name="kvledger-decisions", daemon=True)
+        self._thread.start()
+
+    def _new_client(self) -> Consumer:
+        """A client of its own assignment of every partition: where this log read up to,
+        else from the start of the provisional window (or the end)."""
+        consumer = kafka_consumer(
+            {
+                **self.settings,
+                "group.id": f"kvledger-decisions-{self.origin}",  # joins none
+                "auto.offset.reset": "latest",
+                "fetch.wait.max.ms": 10,
+                "client.id": "kvledger-decisions",
+                "log_level": 4,
+            }
+        )
         metadata = consumer.list_topics(self.topic, timeout=STARTUP_TIMEOUT_S)
         since = int((time.time() - self.provisional.ttl_s) * 1000)
         partitions = metadata.topics[self.topic].partitions
-        wanted = [TopicPartition(self.topic, p, since) for p in partitions]
-        found = consumer.offsets_for_times(wanted, timeout=STARTUP_TIMEOUT_S)
-        consumer.assign([TopicPartition(tp.topic, tp.partition,
-                                        tp.offset if tp.offset >= 0 else OFFSET_END)
-                         for tp in found])  # fmt: skip
-        self._consumer = consumer
-        self._thread = threading.Thread(target=self._tail, name="kvledger-decisions",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
+        wanted = [TopicPartition(self.topic, p, since) for p in partitions if p not in self._next]
+        found = consumer.offsets_for_times(wanted, timeout=STARTUP_TIMEOUT_S) if wanted else []
+        at = [TopicPartition(self.topic, p, n) for p, n in self._next.items() if p in partitions]
+        at += [
+            TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_END)
+            for tp in found
+        ]
+        consumer.assign(at)
+        return consumer
+
+    def loop(self) -> LogLoop:
+        """The log's loop, this log its client's owner and its sink, reading promptly."""
+        return LogLoop(
+            self.topic, "the decision log", self, prompt(READ_LIMIT, READ_WAIT_S), self, self._stop
+        )
 
     def publish(self, decision: Decision | Answered, record: Record | None = None) -> None:
         """Write ``decision`` (and what was offered) for the other replicas and the
@@ -109,8 +151,11 @@ class DecisionLog:
             self._producer.produce(self.topic, wire)
         except BufferError:
             self.dropped += 1
-            self._warn("decisions topic %s: the producer's queue is full; %d decisions not "
-                       "shared", self.topic, self.dropped)  # fmt: skip
+            self._warn(
+                "decisions topic %s: the producer's queue is full; %d decisions not shared",
+                self.topic,
+                self.dropped,
+            )
         self._producer.poll(0)
 
     def note_answer(self, answered: Answered, build: Callable[[], Record]) -> None:
@@ -146,32 +191,68 @@ class DecisionLog:
             self._producer.flush(2)
 
     def _tail(self) -> None:
-        consumer = self._consumer
-        assert consumer is not None
         while not self._stop.is_set():
-            self._record_answers()
-            first = consumer.poll(0.1)  # at once when one comes (consume() waits for all)
-            if first is None:
+            try:
+                if self._consumer is None:  # the last new client failed
+                    self._consumer = self._new_client()
+                self.loop().run()
+            except Exception as exc:  # a hint channel outlives any one fault
+                self._warn(
+                    "decisions topic %s: %s; reading again in %.0f s", self.topic, exc, RESTART_S
+                )
+                self._stop.wait(RESTART_S)
+
+    # The loop's client owner and sink (consumer/loop.py's Client and Sink: positions in
+    # memory).
+    @property
+    def client(self) -> Consumer:
+        assert self._consumer is not None
+        return self._consumer
+
+    def renew(self) -> None:
+        """A fatal client error: a new client, from where this log read up to."""
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except KafkaException as exc:
+                self._warn("decisions topic %s: closing the failed client: %s", self.topic, exc)
+        self._consumer = None
+        self._consumer = self._new_client()
+
+    def apply(self, batch: list[Inbound]) -> None:
+        """Hold the other replicas' decisions; skip (counted, logged) what is not one."""
+        for msg in batch:
+            self._next[msg.partition] = msg.offset + 1
+            try:
+                decision = decode(msg.value)
+            except ValueError as exc:
+                self.rejected += 1
+                self._warn(
+                    "decisions topic %s: record at partition %d offset %d is not "
+                    "a decision (%s); skipped",
+                    self.topic,
+                    msg.partition,
+                    msg.offset,
+                    exc,
+                )
                 continue
-            for msg in [first, *consumer.consume(499, 0)]:
-                err = msg.error()
-                if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        self._warn("decisions topic %s: %s", self.topic, err)
-                    continue
-                try:
-                    decision = decode(msg.value() or b"")
-                except ValueError as exc:
-                    self.rejected += 1
-                    self._warn("decisions topic %s: record at partition %d offset %d is not "
-                               "a decision (%s); skipped", self.topic, msg.partition(),
-                               msg.offset(), exc)  # fmt: skip
-                    continue
-                if isinstance(decision, Decision) and decision.origin != self.origin:
-                    self.provisional.add(decision)
-                    self.shared += 1
-            if self._producer is not None:
-                self._producer.poll(0)
+            if isinstance(decision, Decision) and decision.origin != self.origin:
+                self.provisional.add(decision)
+                self.shared += 1
+
+    def lost(self, partitions: set[int]) -> None:
+        """Hints deleted before they were read: a lookup's freshness, never the index's."""
+        self._warn(
+            "decisions topic %s: partitions %s fell out of the log's range",
+            self.topic,
+            sorted(partitions),
+        )
+
+    def turned(self, client: Consumer, polled: Polled) -> bool:
+        self._record_answers()
+        if self._producer is not None:
+            self._producer.poll(0)
+        return False
 
     def _warn(self, fmt: str, *args: object) -> None:
         now = time.monotonic()

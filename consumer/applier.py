@@ -98,10 +98,13 @@ class BatchApplier:
         self.conn = self.connect()
         if cfg.dead_letter_topic:
             self.dlq = DeadLetterProducer(
-                cfg.bootstrap_servers, cfg.dead_letter_topic, settings=cfg.kafka,
+                cfg.bootstrap_servers,
+                cfg.dead_letter_topic,
+                settings=cfg.kafka,
                 replication_factor=cfg.dlq_replication_factor,
-                topic_config=cfg.dlq_topic_config, derived=cfg.dlq_topic == "",
-            )  # fmt: skip
+                topic_config=cfg.dlq_topic_config,
+                derived=cfg.dlq_topic == "",
+            )
         return self.conn
 
     def plan_ahead(self) -> None:
@@ -200,9 +203,14 @@ class BatchApplier:
             conn = store.conn
             try:
                 result = run_batch(
-                    batch, self.codec, store, self.config.group_id, self.dlq,
-                    read_from=self._read_from, poisoned=poisoned,
-                )  # fmt: skip
+                    batch,
+                    self.codec,
+                    store,
+                    self.config.group_id,
+                    self.dlq,
+                    read_from=self._read_from,
+                    poisoned=poisoned,
+                )
                 break
             except FencedError as exc:
                 self._fenced(exc)
@@ -216,8 +224,10 @@ class BatchApplier:
                     logger.error(
                         "batch of %d failed %d times with %s on a working connection; "
                         "isolating the message that causes it",
-                        len(batch), tries, exc,
-                    )  # fmt: skip
+                        len(batch),
+                        tries,
+                        exc,
+                    )
                     self._isolate(batch, exc, poisoned)
                     return
                 metrics.RETRIES.inc()
@@ -251,8 +261,12 @@ class BatchApplier:
                 raise exc
             logger.error(
                 "message %s[%d]@%d cannot be applied (%s: %s); rejecting it as apply_error",
-                m.topic, m.partition, m.offset, type(exc).__name__, exc,
-            )  # fmt: skip
+                m.topic,
+                m.partition,
+                m.offset,
+                type(exc).__name__,
+                exc,
+            )
             metrics.ISOLATED.inc()
             text = f"{type(exc).__name__}: {exc}"[:4000]
             self._apply(batch, {**(poisoned or {}), where: text})

@@ -73,8 +73,14 @@ def end_lost(
 ) -> LogLoss | None:
     """Records ``stored`` .. ``first`` - 1 of ``topic[partition]`` lost for ``group``: end
     what they could have changed and move the stored offset to ``first``, at once."""
-    args = {"group": group, "topic": topic, "partition": partition, "stored": stored,
-            "first": first, "last": first - 1}  # fmt: skip
+    args = {
+        "group": group,
+        "topic": topic,
+        "partition": partition,
+        "stored": stored,
+        "first": first,
+        "last": first - 1,
+    }
     with conn.transaction():
         moved = conn.execute(_MOVE, args).rowcount
         if moved != 1:  # another member of the group moved it first: its loss to record
@@ -100,9 +106,12 @@ def below_start(
 
 
 def act_on_losses(
-    conn: psycopg.Connection, group: str, topic: str, stored: Mapping[int, int],
+    conn: psycopg.Connection,
+    group: str,
+    topic: str,
+    stored: Mapping[int, int],
     lost: Mapping[int, int],
-) -> list[LogLoss]:  # fmt: skip
+) -> list[LogLoss]:
     """Each lost range recorded and acted on (:func:`end_lost`), said aloud and counted."""
     out = []
     for p, first in sorted(lost.items()):
@@ -116,6 +125,13 @@ def act_on_losses(
             "%s[%d]: %d record(s), offsets %d..%d, were deleted from the log before this index "
             "read them: the %d residencies of the streams on that partition are ended (sources: "
             "%s), as a lost gap ends them, and reading goes on at %d",
-            topic, p, first - stored[p], stored[p], first - 1, loss.ended, whose, first,
-        )  # fmt: skip
+            topic,
+            p,
+            first - stored[p],
+            stored[p],
+            first - 1,
+            loss.ended,
+            whose,
+            first,
+        )
     return out

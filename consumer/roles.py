@@ -99,9 +99,12 @@ def ensure_read_only(url: str) -> None:
 
 
 def create_reader(
-    admin_url: str, owner_url: str, password: str, name: str = DEFAULT_LOGIN,
+    admin_url: str,
+    owner_url: str,
+    password: str,
+    name: str = DEFAULT_LOGIN,
     reset_password: bool = False,
-) -> bool:  # fmt: skip
+) -> bool:
     """Create the login role ``name``, a member of kvledger_reader, with the admin's
     connection; then grant the reads with the owner's. A role that exists already raises
     :class:`RoleExistsError` unless ``reset_password`` (then it gets ``password``, and the

@@ -39,13 +39,21 @@ class RunSummary:
             by_reason[r.reason] = by_reason.get(r.reason, 0) + 1
             logger.debug(
                 "rejected %s[%d]@%d: %s (%s)",
-                r.message.topic, r.message.partition, r.message.offset, r.reason, r.detail,
-            )  # fmt: skip
+                r.message.topic,
+                r.message.partition,
+                r.message.offset,
+                r.reason,
+                r.detail,
+            )
         for reason, count in by_reason.items():
             self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + count
             example = next(r for r in plan.rejected if r.reason == reason)
             logger.info(
                 "rejected %d message(s) as %s, e.g. %s[%d]@%d: %s",
-                count, reason, example.message.topic, example.message.partition,
-                example.message.offset, example.detail,
-            )  # fmt: skip
+                count,
+                reason,
+                example.message.topic,
+                example.message.partition,
+                example.message.offset,
+                example.detail,
+            )

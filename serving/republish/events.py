@@ -194,10 +194,14 @@ def delta_maps(
         k = d.key
         if d.before > 0 and d.refcount == 0:
             yield _tail(
-                {"type": "BlockRemoved", "block_hashes": [wire_hash(k.block_hash)],
-                 "medium": k.medium},
-                k.group_idx, k.ownership,
-            )  # fmt: skip
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": [wire_hash(k.block_hash)],
+                    "medium": k.medium,
+                },
+                k.group_idx,
+                k.ownership,
+            )
         elif d.before == 0 and d.refcount > 0:
             opened.setdefault((k.model, k.group_idx, k.medium, k.ownership), []).append(
                 k.block_hash

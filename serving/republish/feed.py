@@ -125,9 +125,10 @@ class Feed:
                     self.out.append(self.snapshot(source))
                 continue  # not live: nothing until it is
             self.out.append(
-                Output(source, self._model(source), self._ranks.get(source), pending.ts,
-                       pending.events)
-            )  # fmt: skip
+                Output(
+                    source, self._model(source), self._ranks.get(source), pending.ts, pending.events
+                )
+            )
         self._pending.clear()
         self.wake()
 
@@ -152,8 +153,9 @@ class Feed:
             if not live and source not in self._cleared:
                 self._cleared.add(source)
                 ts = time.time()
-                self.out.append(Output(source, self._model(source), self._ranks.get(source),
-                                       ts, [CLEARED]))  # fmt: skip
+                self.out.append(
+                    Output(source, self._model(source), self._ranks.get(source), ts, [CLEARED])
+                )
             elif live and source in self._cleared:
                 self.out.append(self.snapshot(source))
 

@@ -302,9 +302,13 @@ class Publisher:
         if outlet is None:
             e = self.endpoints.get(source)
             outlet = self.outlets[source] = Outlet(
-                source, self.base_seq, e is not None and e.replay is not None,
-                self.buffer_steps, self.buffer_bytes, topic=self.topic,
-            )  # fmt: skip
+                source,
+                self.base_seq,
+                e is not None and e.replay is not None,
+                self.buffer_steps,
+                self.buffer_bytes,
+                topic=self.topic,
+            )
         return outlet
 
     def _publish(self, output: Output) -> None:

@@ -11,8 +11,16 @@ from typing import Any, Protocol
 
 from kvledger.native import MissingCoreError, missing_core
 
-__all__ = ["BlockFields", "BlockGroup", "Group", "MissingCoreError", "Run", "SlotTable",
-           "copies_hashes", "dynamo_slots"]  # fmt: skip
+__all__ = [
+    "BlockFields",
+    "BlockGroup",
+    "Group",
+    "MissingCoreError",
+    "Run",
+    "SlotTable",
+    "copies_hashes",
+    "dynamo_slots",
+]
 
 Run = tuple[int, int, int, int]  # a Dynamo walk's: (slot, blocks on GPU, through CPU, storage)
 
@@ -25,10 +33,17 @@ class BlockGroup(Protocol):
     (tests/helpers/pure_router/group.py, tests/unit/test_group.py)."""
 
     def add_row(
-        self, key: bytes, parent: bytes | None, token_start: int | None,
-        tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
-        plain: bool, salt: str | None = None,
-    ) -> None: ...  # fmt: skip
+        self,
+        key: bytes,
+        parent: bytes | None,
+        token_start: int | None,
+        tokens: Sequence[int],
+        block_size: int,
+        partial: bool,
+        lora_name: str | None,
+        plain: bool,
+        salt: str | None = None,
+    ) -> None: ...
     def row(self, key: bytes) -> BlockFields | None: ...
     def meta(self, key: bytes) -> tuple[str | None, bool, str | None] | None: ...
     def set_meta(
@@ -36,10 +51,17 @@ class BlockGroup(Protocol):
     ) -> None: ...
     def hold(self, key: bytes, hid: int, refcount: int) -> None: ...
     def store_run(
-        self, hashes: Sequence[bytes], parent: bytes | None, token_start: int | None,
-        tokens: Sequence[int], block_size: int, partial: bool, lora_name: str | None,
-        hid: int, reports: bool,
-    ) -> int | None: ...  # fmt: skip
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        token_start: int | None,
+        tokens: Sequence[int],
+        block_size: int,
+        partial: bool,
+        lora_name: str | None,
+        hid: int,
+        reports: bool,
+    ) -> int | None: ...
     def release_run(self, hashes: Sequence[bytes], hid: int) -> int: ...
     def refcount(self, key: bytes, hid: int) -> int: ...
     def held_by(self, hid: int) -> list[bytes]: ...
@@ -49,13 +71,21 @@ class BlockGroup(Protocol):
     def runs(self, hashes: Sequence[bytes]) -> list[tuple[int, int, int]]: ...
     def runs_covered(self, hashes: Sequence[bytes], ratio: int) -> list[tuple[int, int]]: ...
     def match_tokens(
-        self, tokens: Sequence[int], block_size: int, hash_block_size: int,
-        lora_name: str | None, salt: str | None = None,
-    ) -> list[tuple[int, int, int]]: ...  # fmt: skip
-    def held_path(
-        self, tokens: Sequence[int], block_size: int, lora_name: str | None, hid: int,
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        hash_block_size: int,
+        lora_name: str | None,
         salt: str | None = None,
-    ) -> list[bytes]: ...  # fmt: skip
+    ) -> list[tuple[int, int, int]]: ...
+    def held_path(
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        lora_name: str | None,
+        hid: int,
+        salt: str | None = None,
+    ) -> list[bytes]: ...
     def enable_dynamo(self) -> None: ...
     def dynamo_local(self, key: bytes) -> int | None: ...
     def dynamo_levels(self, locals: Sequence[int], block_size: int) -> list[tuple[int, int]]: ...

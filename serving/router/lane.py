@@ -173,9 +173,16 @@ class _Lane:
             if ev.extra_keys or check_stored(ev, spec) is not None:
                 return False
             reused = g.store_run(
-                ev.block_hashes, ev.parent_block_hash, ev.token_start, ev.token_ids,
-                ev.block_size, ev.partial, ev.lora_name, hid, state.reports_reuse,
-            )  # fmt: skip
+                ev.block_hashes,
+                ev.parent_block_hash,
+                ev.token_start,
+                ev.token_ids,
+                ev.block_size,
+                ev.partial,
+                ev.lora_name,
+                hid,
+                state.reports_reuse,
+            )
             if reused is None:
                 return False
             if self.observer is not None:

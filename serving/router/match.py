@@ -43,9 +43,13 @@ def held_prefix(
 
 
 def held_tokens(
-    store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None,
+    store: RouterStore,
+    model: str,
+    group: int,
+    tokens: Sequence[int],
+    lora: str | None,
     salt: str | None = None,
-) -> list[Run]:  # fmt: skip
+) -> list[Run]:
     """The token walk of ``held_tokens``: full blocks from the start (the first under the
     cache salt ``salt``), then partial tails (one call into the group:
     :meth:`~.store.BlockGroup.match_tokens`)."""
@@ -57,9 +61,14 @@ def held_tokens(
 
 
 def held_path(
-    store: RouterStore, model: str, group: int, tokens: Sequence[int], lora: str | None,
-    salt: str | None, holder: tuple[str, str, str],
-) -> list[bytes]:  # fmt: skip
+    store: RouterStore,
+    model: str,
+    group: int,
+    tokens: Sequence[int],
+    lora: str | None,
+    salt: str | None,
+    holder: tuple[str, str, str],
+) -> list[bytes]:
     """The engine's hashes of the prompt's leading full blocks that ``holder`` (instance,
     medium, ownership) holds, as the token walk finds them (:meth:`Group.held_path`)."""
     held = store.specs.get(GroupKey(model, group))

@@ -57,9 +57,20 @@ def _load_blocks(
         "FROM kvledger.blocks) TO STDOUT (FORMAT BINARY)"
     ) as copy:
         copy.set_types(
-            ["text", "int4", "bytea", "bytea", "int8", "int4", "bool", "text", "text", "int4[]",
-             "int8"]
-        )  # fmt: skip
+            [
+                "text",
+                "int4",
+                "bytea",
+                "bytea",
+                "int8",
+                "int4",
+                "bool",
+                "text",
+                "text",
+                "int4[]",
+                "int8",
+            ]
+        )
         for model, group, raw, up, start, size, partial, lora, extra, tokens, seen in copy.rows():
             h = canon(raw)
             parent = canon(up) if up is not None else None

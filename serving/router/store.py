@@ -173,9 +173,14 @@ class RouterStore(StagedStore):
 
     def load(self, needs: Needs) -> Snapshot:
         return Snapshot(
-            self.specs, _Blocks(self), _Residencies(self), _Held(self), self.sources, self.lives,
+            self.specs,
+            _Blocks(self),
+            _Residencies(self),
+            _Held(self),
+            self.sources,
+            self.lives,
             history=False,
-        )  # fmt: skip
+        )
 
     def apply_now(self, plan: Plan) -> None:
         """Apply a plan at once, inside an open transaction (the router's lane plans the

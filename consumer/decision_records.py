@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -33,12 +34,15 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.loop import LogLoop, Polled, filled, kafka_consumer
 from kvledger.consumer.store.postgres import PostgresStore
-from kvledger.schemas.decisions import Decision, decode_record
+from kvledger.schemas.decisions import Answered, Decision, Record, decode_record
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
 BATCH = 500
+# How far a record's time may be from its message's log time (its writer's clock against
+# the broker's, and the lookup's time before the write): past it, refused.
+MAX_SKEW_S = 600.0
 # How long the recorder's thread waits for a batch to fill.
 BATCH_WAIT_S = 0.5
 _INSERT = """
@@ -75,7 +79,7 @@ class DecisionRecorder:
         self.database_url, self.topic = database_url, topic
         self.group_id = f"{group_id}:decisions"  # its offsets' name: kept by a rebuild
         self.settings: dict[str, object] = {"bootstrap.servers": bootstrap_servers, **(kafka or {})}
-        self.recorded = self.skipped = self.rejected = 0
+        self.recorded = self.skipped = self.rejected = self.duplicates = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
@@ -206,81 +210,159 @@ class DecisionRecorder:
         return self._taken
 
     def apply(self, batch: list[Inbound]) -> None:
-        """The batch's rows, rejections and next offsets, in one transaction."""
+        """The batch's rows, rejections and next offsets, in one transaction. A record that
+        is not a decision, or one no decision could be (:func:`refusal`), is rejected with
+        its bytes; one whose id is already recorded (a producer's retry, a replay) is a
+        duplicate, and changes nothing; a row the database still refuses is rejected alone,
+        the rest of the batch recorded."""
         self._taken = len(batch)
         nexts: dict[int, int] = {}
-        rows, rejects = [], []
+        rows: dict[uuid.UUID, tuple[Any, ...]] = {}  # by decision id: the first one counts
+        rejects: list[tuple[str, int, int, bytes, str]] = []
+        duplicates = 0
         for m in batch:
-            partition, offset, raw = m.partition, m.offset, m.value
-            nexts[partition] = offset + 1
+            nexts[m.partition] = m.offset + 1
             try:
-                decision, record = decode_record(raw)
+                decision, record = decode_record(m.value)
+                if record is not None and (why := refusal(decision, record, m)) is not None:
+                    raise ValueError(why)
             except ValueError as exc:
-                rejects.append((self.topic, partition, offset, raw, str(exc)[:1000]))
+                rejects.append((self.topic, m.partition, m.offset, m.value, str(exc)[:1000]))
                 continue
             if record is None:
                 self.skipped += 1
                 continue
-            hashes = [bytes.fromhex(h) for h in record.captured_hashes or ()]
-            first = bytes.fromhex(record.first_hash) if record.first_hash else None
-            last = bytes.fromhex(record.last_hash) if record.last_hash else None
-            offered = [
-                {
-                    "instance": o.instance,
-                    "medium": o.medium,
-                    "ownership": o.ownership,
-                    "blocks": o.blocks,
-                    "state": o.state,
-                }
-                for o in record.offered
-            ]
-            rows.append(
-                (
-                    uuid.UUID(record.id),
-                    datetime.fromtimestamp(record.at, UTC),
-                    decision.model,
-                    decision.group_idx,
-                    decision.request_id,
-                    decision.origin,
-                    decision.instance if isinstance(decision, Decision) else None,
-                    record.chosen_state,
-                    record.block_size,
-                    record.prompt_blocks,
-                    first,
-                    last,
-                    hashes if record.captured_hashes is not None else None,
-                    record.available_blocks,
-                    record.available_tier,
-                    record.captured_blocks,
-                    record.captured_tier,
-                    record.silent_blocks,
-                    json.dumps(offered),
-                    self.topic,
-                    partition,
-                    offset,
-                )
-            )
+            key = uuid.UUID(record.id)
+            if key in rows:
+                duplicates += 1
+                continue
+            rows[key] = self._row(decision, record, m)
         conn = self._conn
         assert conn is not None
         with conn.cursor() as cur:
-            if rows:
-                cur.executemany(_INSERT, rows)
+            known = cur.execute(
+                "SELECT DISTINCT decision_id FROM kvledger.decisions WHERE decision_id = ANY(%s)",
+                (list(rows),),
+            ).fetchall()
+            for (key,) in known:
+                del rows[key]
+                duplicates += 1
+            recorded = self._insert(cur, list(rows.values()), rejects)
             if rejects:
                 cur.executemany(_REJECT, rejects)
                 for _, p, o, _, why in rejects:
                     logger.warning(
-                        "decisions topic %s: partition %d offset %d is not a "
-                        "decision (%s); kept in kvledger.rejected_decisions",
-                        self.topic,
-                        p,
-                        o,
-                        why,
+                        "decisions topic %s: partition %d offset %d is not a decision (%s); "
+                        "kept in kvledger.rejected_decisions",
+                        *(self.topic, p, o, why),
                     )
             cur.executemany(_OFFSET, [(self.group_id, self.topic, p, n) for p, n in nexts.items()])
         conn.commit()
         self._hints.update({(self.topic, p): n for p, n in nexts.items()})
-        self.recorded += len(rows)
+        self.recorded += recorded
         self.rejected += len(rejects)
+        self.duplicates += duplicates
+
+    def _insert(
+        self,
+        cur: psycopg.Cursor[Any],
+        rows: list[tuple[Any, ...]],
+        rejects: list[tuple[str, int, int, bytes, str]],
+    ) -> int:
+        """Insert ``rows``: together, or, when the database refuses them together, one at
+        a time, each refused one added to ``rejects`` with the database's reason."""
+        if not rows:
+            return 0
+        try:
+            with cur.connection.transaction():  # a savepoint: undone alone
+                cur.executemany(_INSERT, [row[:-1] for row in rows])
+            return len(rows)
+        except (psycopg.DataError, psycopg.IntegrityError):
+            pass
+        done = 0
+        for row in rows:
+            try:
+                with cur.connection.transaction():
+                    cur.execute(_INSERT, row[:-1])
+                done += 1
+            except (psycopg.DataError, psycopg.IntegrityError) as exc:
+                topic, partition, offset, raw = row[-4:]
+                rejects.append((topic, partition, offset, raw, f"the database: {exc}"[:1000]))
+        return done
+
+    def _row(self, decision: Decision | Answered, record: Record, m: Inbound) -> tuple[Any, ...]:
+        """The decisions table's row of one record (its raw bytes last: not a column)."""
+        offered = [
+            {
+                "instance": o.instance,
+                "medium": o.medium,
+                "ownership": o.ownership,
+                "blocks": o.blocks,
+                "state": o.state,
+            }
+            for o in record.offered
+        ]
+        return (
+            uuid.UUID(record.id),
+            datetime.fromtimestamp(record.at, UTC),
+            decision.model,
+            decision.group_idx,
+            decision.request_id,
+            decision.origin,
+            decision.instance if isinstance(decision, Decision) else None,
+            record.chosen_state,
+            record.block_size,
+            record.prompt_blocks,
+            bytes.fromhex(record.first_hash) if record.first_hash else None,
+            bytes.fromhex(record.last_hash) if record.last_hash else None,
+            [bytes.fromhex(h) for h in record.captured_hashes]
+            if record.captured_hashes is not None
+            else None,
+            record.available_blocks,
+            record.available_tier,
+            record.captured_blocks,
+            record.captured_tier,
+            record.silent_blocks,
+            json.dumps(offered),
+            self.topic,
+            m.partition,
+            m.offset,
+            m.value,
+        )
+
+
+def refusal(decision: Decision | Answered, record: Record, message: Inbound) -> str | None:
+    """Why ``record`` cannot be a decision the index offered, or None: a NUL in a text
+    (PostgreSQL's text holds none), counts out of order (what a holder had is within the
+    prompt; the chosen instance had at most what the best holder, live or silent, had),
+    or a time more than :data:`MAX_SKEW_S` from when the message was written."""
+    texts = [
+        decision.model,
+        decision.origin,
+        decision.request_id,
+        record.chosen_state,
+        record.available_tier,
+        record.captured_tier,
+    ]
+    if isinstance(decision, Decision):
+        texts.append(decision.instance)
+    for o in record.offered:
+        texts += (o.instance, o.medium, o.ownership, o.state)
+    if any(t is not None and "\x00" in t for t in texts):
+        return "a text holds NUL (0x00), which PostgreSQL's text cannot"
+    prompt = record.prompt_blocks
+    most = max(record.available_blocks, record.silent_blocks)
+    if most > prompt or any(o.blocks > prompt for o in record.offered):
+        return f"a holder had more blocks than the prompt's {prompt}"
+    captured = record.captured_blocks
+    if captured is not None and captured > most:
+        return f"captured {captured} blocks, more than any holder had ({most})"
+    if captured is not None and len(record.captured_hashes or ()) > captured:
+        return f"{len(record.captured_hashes or ())} captured hashes for {captured} blocks"
+    written = message.timestamp_ms / 1000 if message.timestamp_ms is not None else time.time()
+    if abs(record.at - written) > MAX_SKEW_S:
+        return f"decided at {record.at:.0f}, {record.at - written:+.0f} s from when it was written"
+    return None
 
 
 def summary(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
@@ -290,7 +372,8 @@ def summary(conn: psycopg.Connection, since: datetime) -> dict[str, Any]:
         "coalesce(sum(available_blocks), 0), coalesce(sum(captured_blocks), 0), "
         "coalesce(sum(delivered_blocks), 0), coalesce(sum(delivered_known), 0), "
         "coalesce(sum(unreported), 0), coalesce(sum(unreported_available_blocks), 0) "
-        "FROM kvledger.decision_funnel WHERE minute >= date_trunc('minute', %s::timestamptz)",
+        "FROM kvledger.decision_funnel WHERE minute >= date_trunc('minute', %s::timestamptz) "
+        "AND minute <= now()",
         (since,),
     ).fetchone()
     assert row is not None

@@ -7,6 +7,7 @@ answers are recorded too, with no chosen instance."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -269,3 +270,72 @@ def test_answers_noted_as_the_service_stops_are_still_recorded(
     log.stop()
     records = by_partition(kafka_bootstrap, topic, group_id, 3)[0]
     assert sorted(decode(r).request_id or "" for r in records) == ["r0", "r1", "r2"]
+
+
+def test_poison_and_lying_records_are_refused_one_by_one_and_duplicates_change_nothing(
+    kafka_bootstrap, fresh_database, make_topic, group_id
+) -> None:
+    """Records no honest replica writes, mixed with good ones on the decisions topic: NUL in
+    a text, counts no index offered, times in 1970 and in the year 5135, one decision id
+    twice in a batch and again in a later one. Each bad record is kept in
+    kvledger.rejected_decisions with its reason and bytes, each good one is recorded once,
+    and the recorder goes on past them (it once retried such a batch for ever)."""
+    decisions = make_topic("decisions-poison", partitions=1)
+    now = time.time()
+
+    def wire(**changes: Any) -> bytes:
+        offer = {"instance": "e-0", "medium": "GPU", "ownership": "", "blocks": 2,
+                 "state": "live"}  # fmt: skip
+        record = {
+            "id": changes.pop("id", uuid.uuid4().hex), "at": changes.pop("at", now),
+            "block_size": BLOCK, "prompt_blocks": 4, "available_blocks": 2, "silent_blocks": 0,
+            "offered": [{**offer, **changes.pop("offer", {})}], "chosen_state": "live",
+            "captured_blocks": 2, "captured_tier": "GPU", "available_tier": "GPU",
+        }  # fmt: skip
+        body = {"v": 2, "model": MODEL, "group_idx": 0, "origin": "o", "instance": "e-0",
+                "kind": "hashes", "keys": [1, 2], "record": record}  # fmt: skip
+        for k, v in changes.items():
+            (record if k in record else body)[k] = v
+        return json.dumps(body).encode()
+
+    twice = uuid.uuid4().hex
+    good = [wire(id=twice), wire(id=twice), wire()]  # the second: a duplicate in the batch
+    bad = {
+        "nul model": wire(model="m\u0000"),
+        "nul offer": wire(offer={"instance": "e\u0000"}),
+        "lying counts": wire(
+            prompt_blocks=1, available_blocks=2**31 - 1, captured_blocks=2**31 - 1
+        ),
+        "1970": wire(at=0.0),
+        "5135": wire(at=99_999_999_999.0),
+    }
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for raw in [*good[:2], *bad.values(), good[2]]:
+        producer.produce(decisions, raw)
+    producer.flush(10)
+    recorder = DecisionRecorder(fresh_database, kafka_bootstrap, decisions, group_id)
+    assert recorder.open()
+    try:
+        until("every record read", lambda: recorder.run_batch(0.5) >= 0 and (
+            recorder.recorded + recorder.rejected + recorder.duplicates == 8))  # fmt: skip
+        producer.produce(decisions, wire(id=twice))  # the same decision in a later batch
+        producer.flush(10)
+        until("the repeat read", lambda: recorder.run_batch(0.5) >= 0 and (
+            recorder.duplicates == 2))  # fmt: skip
+    finally:
+        recorder.close()
+    assert (recorder.recorded, recorder.rejected, recorder.duplicates) == (2, 5, 2)
+    with connect(fresh_database, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT decision_id::text, count(*) FROM kvledger.decisions GROUP BY 1"
+        ).fetchall()
+        refused = conn.execute(
+            "SELECT raw, reason FROM kvledger.rejected_decisions ORDER BY kafka_offset"
+        ).fetchall()
+    assert len(rows) == 2 and all(n == 1 for _, n in rows)
+    assert str(uuid.UUID(twice)) in {r for r, _ in rows}
+    assert [bytes(raw) for raw, _ in refused] == list(bad.values())
+    reasons = [why for _, why in refused]
+    assert "NUL" in reasons[0] and "NUL" in reasons[1], reasons
+    assert "more blocks than the prompt" in reasons[2], reasons
+    assert "from when it was written" in reasons[3] and "from when it was written" in reasons[4]

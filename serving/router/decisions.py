@@ -98,8 +98,10 @@ class DecisionLog:
                 {
                     **self.settings,
                     "linger.ms": 0,
-                    "acks": 1,
-                    "enable.idempotence": False,
+                    # Idempotent, every replica acknowledging: a retried send is never a
+                    # second record (the recorder also drops a decision id it holds).
+                    "acks": "all",
+                    "enable.idempotence": True,
                     "queue.buffering.max.messages": 100_000,
                     "message.timeout.ms": 5000,
                     "client.id": "kvledger-decisions",

@@ -36,6 +36,11 @@ class Status:
     partitions: int | None = None
     # Routing decisions recorded in the last hour (kvledger.decision_funnel's sums).
     decisions: dict[str, int] = field(default_factory=dict)
+    # The decision recorder's topic and how far behind it is (None: it has recorded none).
+    decisions_topic: str | None = None
+    recorder_behind: int | None = None
+    # Readers behind the log that have made no progress for --stalled-after seconds.
+    stalled: list[str] = field(default_factory=list)
 
     @property
     def attention(self) -> list[str]:
@@ -47,7 +52,7 @@ class Status:
             out.append(f"{pending} rejected event(s) pending: `kvledger dlq list`")
         out += [f"source {s} changed model: give each model its own source id"
                 for s in self.model_changes]  # fmt: skip
-        return out
+        return out + self.stalled
 
 
 def gather(args: argparse.Namespace) -> Status:
@@ -75,17 +80,44 @@ def gather(args: argparse.Namespace) -> Status:
             if int(str(pending)):
                 status.rejected_pending[str(reason)] = int(str(pending))
         if getattr(args, "bootstrap", None) or settings.from_env(settings.ENV_KAFKA):
-            status.topic, status.consumer_group = args.topic, args.consumer_group
-            rows = conn.execute(
-                "SELECT kafka_partition, next_offset FROM kvledger.consumer_offsets "
-                "WHERE consumer_group = %s AND kafka_topic = %s",
-                (args.consumer_group, args.topic),
-            ).fetchall()
-            stored: dict[int, int] = {int(p): int(o) for p, o in rows}
-            ends = _log_ends(args)
-            status.partitions = len(ends)
-            status.behind = sum(max(0, end - stored.get(p, 0)) for p, end in ends.items())
+            _lag(conn, args, status)
     return status
+
+
+def _lag(conn: Any, args: argparse.Namespace, status: Status) -> None:
+    """How far the index consumer (and the decision recorder, when it has recorded any)
+    is behind the log, and which of them is stalled: behind, with no offsets stored for
+    ``--stalled-after`` seconds."""
+    group = args.consumer_group
+    status.topic, status.consumer_group = args.topic, group
+    rows = conn.execute(
+        "SELECT consumer_group, kafka_topic, kafka_partition, next_offset, "
+        "extract(epoch FROM now() - updated_at) FROM kvledger.consumer_offsets "
+        "WHERE consumer_group = %s OR (consumer_group = %s AND kafka_topic <> %s)",
+        (group, f"{group}:decisions", args.topic),
+    ).fetchall()
+    readers: dict[tuple[str, str], dict[int, tuple[int, float]]] = {(group, args.topic): {}}
+    for g, topic, partition, offset, age in rows:
+        readers.setdefault((g, topic), {})[int(partition)] = (int(offset), float(age))
+    stalled_after = getattr(args, "stalled_after", None)
+    for (g, topic), stored in readers.items():
+        if g == group and topic != args.topic:
+            continue  # another topic this group once read
+        ends = _log_ends(args, topic)
+        behind = sum(max(0, end - stored.get(p, (0, 0.0))[0]) for p, end in ends.items())
+        idle = min((age for _, age in stored.values()), default=None)
+        if g == group:
+            status.partitions, status.behind = len(ends), behind
+            what, run = f"the consumer (group {g} on {topic})", "kvledger consume"
+        else:
+            status.decisions_topic, status.recorder_behind = topic, behind
+            what = f"the decision recorder (on {topic})"
+            run = f"kvledger consume --decisions-topic {topic}"
+        if behind and idle is not None and stalled_after is not None and idle > stalled_after:
+            status.stalled.append(
+                f"{what} is {behind:,} message(s) behind and has stored nothing for "
+                f"{idle:.0f} s: is `{run}` running? Its log says why it stopped"
+            )
 
 
 def _funnel(d: dict[str, int]) -> str:
@@ -99,7 +131,7 @@ def _funnel(d: dict[str, int]) -> str:
     return f"{captured}, delivered {d['delivered_blocks']:,} (where the prompt's hashes are known)"
 
 
-def _log_ends(args: argparse.Namespace) -> dict[int, int]:
+def _log_ends(args: argparse.Namespace, topic: str) -> dict[int, int]:
     from confluent_kafka.admin import AdminClient
 
     from kvledger.schemas.kafka_log import client_logging
@@ -107,7 +139,7 @@ def _log_ends(args: argparse.Namespace) -> dict[int, int]:
 
     kafka = {**settings.kafka_settings(args), "bootstrap.servers": settings.kafka_bootstrap(args)}
     admin = AdminClient(client_logging({**admin_settings(kafka), "log_level": 3}))
-    return partition_offsets(admin, args.topic, timeout=10)
+    return partition_offsets(admin, topic, timeout=10)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
     if status.behind is not None:
         print(f"consumer   group {status.consumer_group} on {status.topic} "
               f"({status.partitions} partitions): {status.behind:,} message(s) behind")  # fmt: skip
+    if status.recorder_behind is not None:
+        print(f"recorder   decisions on {status.decisions_topic}: "
+              f"{status.recorder_behind:,} record(s) behind")  # fmt: skip
     for line in status.attention:
         print(f"attention  {line}")
     return 1 if status.attention else 0

@@ -273,7 +273,7 @@ def test_answers_noted_as_the_service_stops_are_still_recorded(
 
 
 def test_poison_and_lying_records_are_refused_one_by_one_and_duplicates_change_nothing(
-    kafka_bootstrap, fresh_database, make_topic, group_id
+    kafka_bootstrap, fresh_database, make_topic, group_id, capsys
 ) -> None:
     """Records no honest replica writes, mixed with good ones on the decisions topic: NUL in
     a text, counts no index offered, times in 1970 and in the year 5135, one decision id
@@ -325,6 +325,17 @@ def test_poison_and_lying_records_are_refused_one_by_one_and_duplicates_change_n
     finally:
         recorder.close()
     assert (recorder.recorded, recorder.rejected, recorder.duplicates) == (2, 5, 2)
+    # A record written while the recorder is down: `kvledger status` names it stalled.
+    producer.produce(decisions, wire())
+    producer.flush(10)
+    events = make_topic("decided-status")
+    common = ["status", "--database-url", fresh_database, "--bootstrap", kafka_bootstrap,
+              "--topic", events, "--consumer-group", group_id]  # fmt: skip
+    assert cli([*common, "--json"]) == 0, "behind, not yet stalled: said, not alarming"
+    assert json.loads(capsys.readouterr().out)["recorder_behind"] == 1
+    assert cli([*common, "--stalled-after", "0"]) == 1
+    said = capsys.readouterr().out
+    assert f"the decision recorder (on {decisions}) is 1 message(s) behind" in said, said
     with connect(fresh_database, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT decision_id::text, count(*) FROM kvledger.decisions GROUP BY 1"

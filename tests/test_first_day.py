@@ -350,6 +350,11 @@ def test_status_shows_the_index_at_a_glance(
     producer.flush(30)
     assert cli(["status", *common]) == 0  # one message not applied yet: said, not alarming
     assert "1 message(s) behind" in capsys.readouterr().out
+    # Behind, with nothing stored for longer than --stalled-after: a stalled consumer.
+    assert cli(["status", *common, "--stalled-after", "0"]) == 1
+    said = capsys.readouterr().out
+    assert f"attention  the consumer (group {group} on {topic}) is 1 message(s) behind" in said
+    assert "is `kvledger consume` running?" in said
     assert cli(["consume", "--until-caught-up", *common, "--dlq-topic", dlq]) == 0
     capsys.readouterr()
     assert cli(["status", *common]) == 1

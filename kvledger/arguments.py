@@ -295,7 +295,7 @@ def add_republish(subparsers: Subparsers) -> None:
             "clears what the index cleared, a source silent past --silent-after is cleared "
             "(and restated when it speaks again), a rejected event is not republished. A new "
             "subscriber, and a replay older than what is retained, get the source's holdings "
-            "first. docs/republish.md has the details."
+            "first. docs/routers.md (kvledger republish) has the details."
         ),
     )  # fmt: skip
     p.add_argument(

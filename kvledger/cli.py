@@ -112,6 +112,23 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     arguments.add_commands(subparsers)
+    for path, sub in envopts.commands(parser):
+        if path:  # after a command too: `kvledger sources --debug`
+            sub.add_argument(
+                "-v",
+                "--verbose",
+                "--debug",
+                dest="verbose",
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
+            sub.add_argument(
+                "--log-format",
+                choices=("text", "json"),
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
     envopts.bind(parser, environ)
     _describe(parser)
     return parser

@@ -55,7 +55,15 @@ def lookup_database_url(flag: str | None) -> str:
     """The lookup service's URL: the flag, else $KVLEDGER_LOOKUP_DATABASE_URL (a read-only
     role), else $KVLEDGER_DATABASE_URL (which `kvledger serve` then refuses if its role can
     write, unless --allow-writer)."""
-    return flag or from_env(ENV_LOOKUP_DATABASE) or database_url(None)
+    found = flag or from_env(ENV_LOOKUP_DATABASE) or from_env(ENV_DATABASE)
+    if not found:
+        raise SystemExit(
+            f"kvledger: no database: pass --database-url, or set {ENV_LOOKUP_DATABASE} (a "
+            "read-only role: `kvledger roles create-reader`) or else "
+            f"{ENV_DATABASE} (refused if its role can write, unless --allow-writer); "
+            '`eval "$(scripts/services env)"` sets both'
+        )
+    return found
 
 
 ENV_KAFKA_CONFIG = "KVLEDGER_KAFKA_CONFIG"

@@ -19,7 +19,7 @@ def _walk(parser: argparse.ArgumentParser, path: list[str]) -> list[tuple[str, s
             for name, sub in action.choices.items():
                 out.append((" ".join(path), name, helps.get(name, "")))
                 out += _walk(sub, [*path, name])
-        elif action.option_strings and action.dest != "help":
+        elif action.option_strings and action.dest != "help" and action.help != argparse.SUPPRESS:
             out.append((" ".join(path), action.option_strings[0], action.help or ""))
     return out
 
@@ -335,3 +335,17 @@ def test_serving_a_public_address_without_a_token_warns(
     assert (said is not None) == warned
     if said:
         assert host in said and "without a token" in said
+
+
+def test_debug_and_log_format_work_after_the_command_too() -> None:
+    """`kvledger sources --debug` was refused ("unrecognized argument"): the options taken
+    before any command are taken after it as well, and only when given."""
+    from kvledger.cli import build_parser
+
+    parser = build_parser(environ={})
+    assert parser.parse_args(["sources", "--debug"]).verbose is True
+    assert parser.parse_args(["groups", "list", "-v"]).verbose is True
+    assert parser.parse_args(["--debug", "sources"]).verbose is True
+    assert parser.parse_args(["sources"]).verbose is False
+    assert parser.parse_args(["sources", "--log-format", "json"]).log_format == "json"
+    assert parser.parse_args(["--log-format", "json", "sources"]).log_format == "json"

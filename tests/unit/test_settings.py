@@ -67,3 +67,22 @@ def test_a_secret_or_settings_file_is_read_to_a_bound(read: str) -> None:
         else:
             lookup_cmds.parse_token_ids("@/dev/zero")
     assert "/dev/zero" in str(refused.value) and "MiB" in str(refused.value)
+
+
+def test_the_lookup_service_without_a_database_names_what_it_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`serve` reads $KVLEDGER_LOOKUP_DATABASE_URL first and refuses a role that can write:
+    its error says so, not only --database-url and $KVLEDGER_DATABASE_URL."""
+    from kvledger.settings import lookup_database_url
+
+    for name in ("KVLEDGER_LOOKUP_DATABASE_URL", "KVLEDGER_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(f"{name}_FILE", raising=False)
+    with pytest.raises(SystemExit) as refused:
+        lookup_database_url(None)
+    said = str(refused.value)
+    assert "KVLEDGER_LOOKUP_DATABASE_URL" in said and "read-only" in said
+    assert "--allow-writer" in said
+    monkeypatch.setenv("KVLEDGER_DATABASE_URL", "postgresql+psycopg://u@h/d")
+    assert lookup_database_url(None) == "postgresql+psycopg://u@h/d"

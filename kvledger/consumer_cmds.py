@@ -105,34 +105,22 @@ def _missing_topic(config: ConsumerConfig) -> str | None:
     """Why ``--until-caught-up`` on this topic would end at once having read nothing (the
     topic does not exist: a typo), naming the topics that do; None when it exists or the
     broker cannot say (the consumer then reports the broker itself)."""
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient
+    from kvledger.schemas.topics import STARTUP_TIMEOUT_S
+    from kvledger.topic_check import missing_topic
 
-    from kvledger.schemas.kafka_log import client_logging
-    from kvledger.schemas.topics import STARTUP_TIMEOUT_S, admin_settings
+    kafka = {**config.kafka, "bootstrap.servers": config.bootstrap_servers}
+    why = missing_topic(kafka, config.topic, STARTUP_TIMEOUT_S)
+    return None if why is None else f"kvledger consume: {why}"
 
-    admin = AdminClient(client_logging(
-        {**admin_settings(config.kafka), "bootstrap.servers": config.bootstrap_servers,
-         "log_level": 3}
-    ))  # fmt: skip
-    try:
-        asked = admin.list_topics(config.topic, timeout=STARTUP_TIMEOUT_S).topics
-        found = asked.get(config.topic)
-        # Only a broker's "no such topic" counts: one the client may not describe (ACLs)
-        # is hidden from a plain listing, and the consumer then says what it lacks.
-        if found is None or found.error is None:
-            return None
-        if found.error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-            return None
-        topics = admin.list_topics(timeout=STARTUP_TIMEOUT_S).topics
-    except KafkaException:
-        return None
-    names = sorted(t for t in topics if not t.startswith("__"))
-    close = difflib.get_close_matches(config.topic, names, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"kvledger consume: topic {config.topic!r} does not exist on the broker: {hint}" + (
-        f"topics there: {', '.join(names[:20])}" if names else "the broker has no topics"
-    )
+
+def _refuse_missing_topic(args: argparse.Namespace, command: str) -> None:
+    """Exit with one line when ``args.topic`` does not exist on the broker."""
+    from kvledger.schemas.topics import STARTUP_TIMEOUT_S
+    from kvledger.topic_check import missing_topic
+
+    kafka = {**settings.kafka_settings(args), "bootstrap.servers": settings.kafka_bootstrap(args)}
+    if (why := missing_topic(kafka, args.topic, STARTUP_TIMEOUT_S)) is not None:
+        raise SystemExit(f"kvledger {command}: {why}")
 
 
 def consume(args: argparse.Namespace) -> int:
@@ -273,6 +261,8 @@ def dlq_replay(args: argparse.Namespace) -> int:
 def verify_cmd(args: argparse.Namespace) -> int:
     from kvledger.consumer.verify import describe_row, verify
 
+    _refuse_missing_topic(args, "verify")
+
     result = verify(
         settings.kafka_bootstrap(args),
         settings.database_url(args.database_url),
@@ -347,6 +337,7 @@ def rebuild_cmd(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    _refuse_missing_topic(args, "rebuild")
     try:
         summary = rebuild(
             settings.kafka_bootstrap(args),

@@ -41,6 +41,8 @@ class Status:
     recorder_behind: int | None = None
     # Readers behind the log that have made no progress for --stalled-after seconds.
     stalled: list[str] = field(default_factory=list)
+    # Why the events topic cannot be read (it does not exist), when it cannot.
+    missing_topic: str | None = None
 
     @property
     def attention(self) -> list[str]:
@@ -52,6 +54,8 @@ class Status:
             out.append(f"{pending} rejected event(s) pending: `kvledger dlq list`")
         out += [f"source {s} changed model: give each model its own source id"
                 for s in self.model_changes]  # fmt: skip
+        if self.missing_topic is not None:
+            out.append(self.missing_topic)
         return out + self.stalled
 
 
@@ -88,8 +92,15 @@ def _lag(conn: Any, args: argparse.Namespace, status: Status) -> None:
     """How far the index consumer (and the decision recorder, when it has recorded any)
     is behind the log, and which of them is stalled: behind, with no offsets stored for
     ``--stalled-after`` seconds."""
+    from kvledger.schemas.topics import STARTUP_TIMEOUT_S
+    from kvledger.topic_check import missing_topic
+
     group = args.consumer_group
     status.topic, status.consumer_group = args.topic, group
+    kafka = {**settings.kafka_settings(args), "bootstrap.servers": settings.kafka_bootstrap(args)}
+    status.missing_topic = missing_topic(kafka, args.topic, STARTUP_TIMEOUT_S)
+    if status.missing_topic is not None:
+        return
     rows = conn.execute(
         "SELECT consumer_group, kafka_topic, kafka_partition, next_offset, "
         "extract(epoch FROM now() - updated_at) FROM kvledger.consumer_offsets "

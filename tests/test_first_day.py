@@ -264,6 +264,19 @@ def test_a_mistyped_topic_is_refused_not_consumed_as_empty(
     group, dlq = f"g-{uuid.uuid4().hex[:8]}", make_topic("kv-events-typo-dlq")
     assert cli([*argv, real, "--consumer-group", group, "--dlq-topic", dlq]) == 0
     assert "consumed 0 messages" in capsys.readouterr().out
+    # status, verify and rebuild said "0 behind", "DIFFERENT" or rebuilt nothing: each
+    # now names the missing topic in one line, and fails.
+    where = ["--bootstrap", kafka_bootstrap, "--database-url", fresh_database, "--topic", typo]
+    assert cli(["status", *where]) == 1
+    said = capsys.readouterr().out
+    assert f"attention  topic {typo!r} does not exist on the broker" in said, said
+    assert "message(s) behind" not in said
+    for command in (["verify"], ["rebuild", "--yes"]):
+        with pytest.raises(SystemExit) as refused:
+            cli([*command, *where])
+        said = str(refused.value.code)
+        assert said.startswith(f"kvledger {command[0]}: topic {typo!r} does not exist"), said
+        assert f"did you mean {real!r}" in said
 
 
 def test_ctrl_c_is_one_line_not_a_traceback(kafka_bootstrap: str, make_topic) -> None:  # type: ignore[no-untyped-def]

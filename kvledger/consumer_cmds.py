@@ -105,8 +105,8 @@ def _missing_topic(config: ConsumerConfig) -> str | None:
     """Why ``--until-caught-up`` on this topic would end at once having read nothing (the
     topic does not exist: a typo), naming the topics that do; None when it exists or the
     broker cannot say (the consumer then reports the broker itself)."""
+    from kvledger.schemas.topic_check import missing_topic
     from kvledger.schemas.topics import STARTUP_TIMEOUT_S
-    from kvledger.topic_check import missing_topic
 
     kafka = {**config.kafka, "bootstrap.servers": config.bootstrap_servers}
     why = missing_topic(kafka, config.topic, STARTUP_TIMEOUT_S)
@@ -115,8 +115,8 @@ def _missing_topic(config: ConsumerConfig) -> str | None:
 
 def _refuse_missing_topic(args: argparse.Namespace, command: str) -> None:
     """Exit with one line when ``args.topic`` does not exist on the broker."""
+    from kvledger.schemas.topic_check import missing_topic
     from kvledger.schemas.topics import STARTUP_TIMEOUT_S
-    from kvledger.topic_check import missing_topic
 
     kafka = {**settings.kafka_settings(args), "bootstrap.servers": settings.kafka_bootstrap(args)}
     if (why := missing_topic(kafka, args.topic, STARTUP_TIMEOUT_S)) is not None:

@@ -92,8 +92,8 @@ def _lag(conn: Any, args: argparse.Namespace, status: Status) -> None:
     """How far the index consumer (and the decision recorder, when it has recorded any)
     is behind the log, and which of them is stalled: behind, with no offsets stored for
     ``--stalled-after`` seconds."""
+    from kvledger.schemas.topic_check import missing_topic
     from kvledger.schemas.topics import STARTUP_TIMEOUT_S
-    from kvledger.topic_check import missing_topic
 
     group = args.consumer_group
     status.topic, status.consumer_group = args.topic, group

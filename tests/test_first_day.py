@@ -373,3 +373,42 @@ def test_status_shows_the_index_at_a_glance(
     assert cli(["status", *common]) == 1
     said = capsys.readouterr().out
     assert "rejected   1 pending (undecodable 1)" in said and "kvledger dlq list" in said
+
+
+def test_a_router_started_before_its_topic_says_so_then_follows_it(
+    kafka_bootstrap: str,
+    fresh_database: str,
+    kafka_admin,  # type: ignore[no-untyped-def]
+) -> None:
+    """`serve --memory` on a topic that does not exist answered /healthz 200 with
+    "offsets {}", and never read the topic once it was made. The router now says why it
+    is not following (position's error: /healthz 503), and follows the topic once it is
+    made."""
+    from confluent_kafka.admin import NewTopic
+
+    from kvledger.consumer.db import connect
+    from kvledger.serving.router.index import RouterIndex
+
+    topic = f"late-{uuid.uuid4().hex[:12]}"
+    router = RouterIndex(kafka_bootstrap, topic, f"g-{uuid.uuid4().hex[:8]}")
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    router.start()
+    try:
+        why = router.position().error or ""
+        assert f"topic {topic!r} does not exist on the broker" in why, why
+        kafka_admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+        deadline = time.monotonic() + 30
+        while router.position().error is not None:
+            assert time.monotonic() < deadline, router.position()
+            time.sleep(0.2)
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(topic, b"not an envelope", b"engine-x/0")
+        producer.flush(30)
+        while router.position().applied.get(0) != 1:
+            assert time.monotonic() < deadline + 30, router.position()
+            time.sleep(0.2)
+    finally:
+        router.stop()
+        with contextlib.suppress(Exception):
+            kafka_admin.delete_topics([topic])[topic].result(timeout=30)

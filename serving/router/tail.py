@@ -26,6 +26,7 @@ from kvledger.consumer.loop import LogLoop, Polled, StopLoop, kafka_consumer, pr
 from kvledger.consumer.store.base import FencedError
 from kvledger.schemas.errors import NotAuthorizedError
 from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.topic_check import missing_topic
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, partition_offsets
 from kvledger.serving.router.store import RouterStore
 
@@ -40,6 +41,7 @@ _LOST = (
 )
 # How long a turn waits for the first message (the loop takes what came at once).
 TAKE_WAIT_S = 0.2
+TOPIC_WAIT_S = 2.0  # how often a router started before its topic looks for it again
 # How often position() asks the broker for the log's end (else the last answer stands).
 LOG_END_REFRESH_S = 1.0
 
@@ -144,7 +146,11 @@ class Tail:
         """Tail the topic from the bootstrapped offsets in a background thread: the same
         loop as the consumer's (:class:`~kvledger.consumer.loop.LogLoop`), this index its
         sink, reading promptly."""
-        self._consumer = self._new_client()
+        self.error = missing_topic(self._client_settings(), self.topic, STARTUP_TIMEOUT_S)
+        if self.error is None:
+            self._consumer = self._new_client()
+        else:  # said by position() (/healthz: 503) until the topic is made
+            logger.error("router: %s; waiting for it", self.error)
         self._thread = threading.Thread(target=self._tail, name="kvledger-router", daemon=True)
         self._thread.start()
 
@@ -163,11 +169,26 @@ class Tail:
 
     def _tail(self) -> None:
         try:
+            while self._consumer is None:  # the topic does not exist yet
+                if self._stop.wait(TOPIC_WAIT_S):
+                    return
+                try:
+                    why = missing_topic(self._client_settings(), self.topic, STARTUP_TIMEOUT_S)
+                except KafkaException as exc:  # the broker away: still waiting
+                    self.error = f"waiting for topic {self.topic!r}: {exc}"
+                    continue
+                if why is None:
+                    self._consumer = self._new_client()
+                    self.error = None
+                    logger.info("router: topic %s now exists; following it", self.topic)
             self.loop().run()
         except Exception as exc:  # a refusal, or no new client after a fatal error
             refusal = isinstance(exc, NotAuthorizedError)
             self.error = str(exc) if refusal else f"{type(exc).__name__}: {exc}"
             logger.error("router stopped following the topic: %s", self.error)
+
+    def _client_settings(self) -> dict[str, object]:
+        return {**self.kafka, "bootstrap.servers": self.bootstrap_servers}
 
     def _new_client(self) -> Consumer:
         """A client of its own assignment of every partition, at the stored offsets."""

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 def missing_topic(kafka: Mapping[str, object], topic: str, timeout: float) -> str | None:
     """Why ``topic`` cannot be read: it does not exist on the broker (``kafka``: the client
     settings, ``bootstrap.servers`` among them), naming the topics there; None when it
-    exists or the broker cannot say (the command then reports the broker itself)."""
+    exists or the broker will not say (an authorization: the command then says what it
+    lacks). A broker that does not answer raises its ``KafkaException``, at once: the
+    command reports it, without waiting for it a second time."""
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
 
@@ -27,7 +29,11 @@ def missing_topic(kafka: Mapping[str, object], topic: str, timeout: float) -> st
         if found.error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
             return None
         topics = admin.list_topics(timeout=timeout).topics
-    except KafkaException:
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else None
+        name = error.name() if error is not None and hasattr(error, "name") else ""
+        if name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
+            raise
         return None
     names = sorted(t for t in topics if not t.startswith("__"))
     close = difflib.get_close_matches(topic, names, n=1)

@@ -147,28 +147,32 @@ class Door:
             return
         if scope["type"] != "http":
             return  # nothing here speaks another protocol
+        reply = await self._reply(scope, receive)
+        if reply is None:  # the client went away
+            return
+        status, body_bytes, headers = reply
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body_bytes})
+
+    async def _reply(self, scope: Scope, receive: Receive) -> Reply | None:
         started = time.perf_counter()
         route, params, missing = self.table.find(scope["method"], scope["path"])
         if route is None:
             assert missing is not None
-            reply = render(missing)  # no route: not counted
-        elif (reply_ := self.refusal(route, scope["headers"], scope.get("client"))) is not None:
-            reply = reply_
-        else:
-            body = b""
-            if route.body is not None:
-                read = await read_body(receive)
-                if read is None:  # the client went away
-                    return
-                body = read
-            call = Call(body, params, scope.get("query_string", b""))
-            if route.on_loop(self.in_memory):
-                reply = self.answer(route, call, started)
-            else:
-                reply = await run_in_threadpool(self.answer, route, call, started)
-        status, body_bytes, headers = reply
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body_bytes})
+            return render(missing)  # no route: not counted
+        refused = self.refusal(route, scope["headers"], scope.get("client"))
+        if refused is not None:
+            return refused
+        body = b""
+        if route.body is not None:
+            read = await read_body(receive)
+            if read is None:
+                return None
+            body = read
+        call = Call(body, params, scope.get("query_string", b""))
+        if route.on_loop(self.in_memory):
+            return self.answer(route, call, started)
+        return await run_in_threadpool(self.answer, route, call, started)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         opened, closed = self.lifespan

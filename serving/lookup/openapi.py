@@ -291,6 +291,60 @@ SCHEMAS: dict[str, Any] = {
     },
 }
 
+# The routes' parameters and answers (the table's entries name them).
+BLOCK_HASH = {
+    "name": "block_hash",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "The hash as hex (0x optional), or as a 64-bit int in decimal (vLLM's "
+    "unsigned form, or SGLang's signed one with a minus sign). Digits alone of an even count "
+    "read as hex first, then as the int (the first with rows answers); 0x makes it hex only.",
+}
+MINUTES = {
+    "name": "minutes",
+    "in": "query",
+    "required": False,
+    "schema": DASHBOARD_MINUTES,
+    "description": "The window of the series, in minutes",
+}
+INDEX = {
+    "type": "object",
+    "required": ["service", "version", "mode", "routes", "openapi"],
+    "properties": {
+        "service": {"type": "string"},
+        "version": {"type": "string"},
+        "mode": {"enum": ["sql", "memory"]},
+        "dynamo_api": {"type": "boolean"},
+        "routes": {"type": "array", "items": {"type": "string"}},
+        "openapi": {"type": "string"},
+    },
+}
+UI_PAGE = {
+    "description": "The page (no data: it asks GET /v1/dashboard with the user's token)",
+    "content": {"text/html": {"schema": {"type": "string"}}},
+}
+UI_SCRIPT = {
+    "description": "The script",
+    "content": {"text/javascript": {"schema": {"type": "string"}}},
+}
+UI_MISSING = response(ERROR_REF, "Not installed here (scripts/vendor-ui vendors it)")
+GONE = response(
+    ERROR_REF,
+    "`at` is before the retained history (retention dropped it); `error` says where the "
+    "retained history starts",
+)
+
+
+# The documented answers of the gate's refusals, added to each route's own.
+UNAUTHORIZED = ERRORS["401"]
+NO_LENGTH = response(ERROR_REF, "A body without Content-Length")
+OVER_RATE = {
+    **response(ERROR_REF, "This client reported over 2,000 decisions a second"),
+    "headers": RETRY_AFTER,
+}
+
+
 INFO = {
     "title": "kvledger lookup service",
     "version": "1",
@@ -304,8 +358,6 @@ def document(routes: Iterable[Route]) -> dict[str, Any]:
     """The OpenAPI document of ``routes`` (the service's table, :mod:`.table`): each
     route's own facts, and the answers of the gate's refusals its entry implies (401 where
     it needs a token, its body's 411/413, 429 past its rate)."""
-    from kvledger.serving.lookup.table import NO_LENGTH, OVER_RATE, UNAUTHORIZED
-
     schemas = dict(SCHEMAS)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

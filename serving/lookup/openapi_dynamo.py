@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvledger.serving.lookup.openapi import ERROR_REF, response
+
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
 ROUTING = {
     "type": "string",
@@ -94,5 +96,20 @@ DYNAMO_SCHEMAS: dict[str, Any] = {
         "type": "object",
         "required": ["status"],
         "properties": {"status": {"type": "string"}},
+    },
+}
+
+DYNAMO_ERRORS = {
+    "400": response(ERROR_REF, "The body is not JSON (or not valid text)"),
+    "413": response(ERROR_REF, "The body, or a list in it, is over its bound"),
+    "422": response(ERROR_REF, "A field is missing or of the wrong type (all of them are named)"),
+}
+UNREGISTER = {
+    "type": "object",
+    "required": ["instance_id", "model_name"],
+    "properties": {
+        "instance_id": {"type": "integer"},
+        "model_name": {"type": "string"},
+        "routing_group": ROUTING,
     },
 }

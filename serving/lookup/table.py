@@ -19,14 +19,19 @@ from urllib.parse import parse_qsl
 
 from kvledger.serving.lookup import dynamo_requests, requests
 from kvledger.serving.lookup.openapi import (
-    DASHBOARD_MINUTES,
+    BLOCK_HASH,
     ERROR_REF,
     ERRORS,
-    RETRY_AFTER,
+    GONE,
+    INDEX,
+    MINUTES,
+    UI_MISSING,
+    UI_PAGE,
+    UI_SCRIPT,
     ref,
     response,
 )
-from kvledger.serving.lookup.openapi_dynamo import ROUTING
+from kvledger.serving.lookup.openapi_dynamo import DYNAMO_ERRORS, UNREGISTER
 
 if TYPE_CHECKING:
     from kvledger.serving.lookup.http import Parts
@@ -116,50 +121,6 @@ def _json(schema: Mapping[str, Any], description: str) -> dict[str, Any]:
     return response(dict(schema), description)
 
 
-_BLOCK_HASH = {
-    "name": "block_hash",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-    "description": "The hash as hex (0x optional), or as a 64-bit int in decimal (vLLM's "
-    "unsigned form, or SGLang's signed one with a minus sign). Digits alone of an even count "
-    "read as hex first, then as the int (the first with rows answers); 0x makes it hex only.",
-}
-_MINUTES = {
-    "name": "minutes",
-    "in": "query",
-    "required": False,
-    "schema": DASHBOARD_MINUTES,
-    "description": "The window of the series, in minutes",
-}
-_INDEX = {
-    "type": "object",
-    "required": ["service", "version", "mode", "routes", "openapi"],
-    "properties": {
-        "service": {"type": "string"},
-        "version": {"type": "string"},
-        "mode": {"enum": ["sql", "memory"]},
-        "dynamo_api": {"type": "boolean"},
-        "routes": {"type": "array", "items": {"type": "string"}},
-        "openapi": {"type": "string"},
-    },
-}
-_UI_PAGE = {
-    "description": "The page (no data: it asks GET /v1/dashboard with the user's token)",
-    "content": {"text/html": {"schema": {"type": "string"}}},
-}
-_UI_SCRIPT = {
-    "description": "The script",
-    "content": {"text/javascript": {"schema": {"type": "string"}}},
-}
-_UI_MISSING = response(ERROR_REF, "Not installed here (scripts/vendor-ui vendors it)")
-_GONE = response(
-    ERROR_REF,
-    "`at` is before the retained history (retention dropped it); `error` says where the "
-    "retained history starts",
-)
-
-
 def _ui(path: str, name: str, file: str, page: bool = False) -> Route:
     return Route(
         "GET",
@@ -167,7 +128,7 @@ def _ui(path: str, name: str, file: str, page: bool = False) -> Route:
         name,
         lambda p, _: p.ui_file(file),
         "The dashboard's page (no token needed)" if page else f"The dashboard's {file}",
-        {"200": _UI_PAGE if page else _UI_SCRIPT, "503": _UI_MISSING},
+        {"200": UI_PAGE if page else UI_SCRIPT, "503": UI_MISSING},
         role="open",
         counted=False,
     )
@@ -180,7 +141,7 @@ SERVICE: tuple[Route, ...] = (
         "match",
         lambda p, c: p.lookups.match(c.body),
         "Holders of a prompt's prefix, their ranking, and who was left out",
-        {"200": _json(ref("MatchAnswer"), "The match"), **ERRORS, "410": _GONE},
+        {"200": _json(ref("MatchAnswer"), "The match"), **ERRORS, "410": GONE},
         body=_lookup_body("MatchRequest"),
         run="memory",
         hot=True,
@@ -211,7 +172,7 @@ SERVICE: tuple[Route, ...] = (
             "404": response(ERROR_REF, "Unknown block hash"),
             **ERRORS,
         },
-        parameters=(_BLOCK_HASH,),
+        parameters=(BLOCK_HASH,),
     ),
     Route(
         "GET",
@@ -227,7 +188,7 @@ SERVICE: tuple[Route, ...] = (
             ),
             **ERRORS,
         },
-        parameters=(_MINUTES,),
+        parameters=(MINUTES,),
     ),
     Route(
         "GET",
@@ -258,7 +219,7 @@ SERVICE: tuple[Route, ...] = (
         "index",
         lambda p, _: (200, p.index, {}),
         "What this service is, its mode and its routes (no token needed)",
-        {"200": _json(_INDEX, "The service")},
+        {"200": _json(INDEX, "The service")},
         role="open",
         run="loop",
         counted=False,
@@ -279,21 +240,6 @@ SERVICE: tuple[Route, ...] = (
     _ui("/ui/chart.umd.min.js", "ui_chart", "vendor/chart.umd.min.js"),
 )
 
-_DYNAMO_ERRORS = {
-    "400": response(ERROR_REF, "The body is not JSON (or not valid text)"),
-    "413": response(ERROR_REF, "The body, or a list in it, is over its bound"),
-    "422": response(ERROR_REF, "A field is missing or of the wrong type (all of them are named)"),
-}
-_UNREGISTER = {
-    "type": "object",
-    "required": ["instance_id", "model_name"],
-    "properties": {
-        "instance_id": {"type": "integer"},
-        "model_name": {"type": "string"},
-        "routing_group": ROUTING,
-    },
-}
-
 
 def _dynamo_post(
     path: str,
@@ -310,7 +256,7 @@ def _dynamo_post(
         name,
         handler,
         summary,
-        {status: _json(ref(schema), "Done"), **_DYNAMO_ERRORS},
+        {status: _json(ref(schema), "Done"), **DYNAMO_ERRORS},
         role="read" if path.startswith("/query") else "write",
         body=_dynamo_body(request),
         run="loop",
@@ -348,7 +294,7 @@ DYNAMO: tuple[Route, ...] = (
         "/unregister",
         "Dynamo: unregister a worker's registrations",
         lambda p, c: (*p.dynamo.unregister(c.body), {}),
-        _UNREGISTER,
+        UNREGISTER,
         ("200", "DynamoStatus"),
     ),
     Route(
@@ -386,14 +332,6 @@ DYNAMO: tuple[Route, ...] = (
         dynamo=True,
     ),
 )
-
-# The documented answers of the gate's refusals, added to each route's own.
-UNAUTHORIZED = ERRORS["401"]
-NO_LENGTH = response(ERROR_REF, "A body without Content-Length")
-OVER_RATE = {
-    **response(ERROR_REF, "This client reported over 2,000 decisions a second"),
-    "headers": RETRY_AFTER,
-}
 
 
 def routes(dynamo_api: bool) -> tuple[Route, ...]:

@@ -60,11 +60,11 @@ def main(prompts: int = 3000) -> dict[str, Any]:
         run_batch(messages[i : i + 500], Codec(), router.store, "g")
     written: list[bytes] = []
     http.DECISIONS_PER_CLIENT_S = 10**9  # the limit lifted (see the module docstring)
-    app = http.create_app(
+    app = http.create_app(http.ServiceConfig(
         router=router, provisional=Provisional(5.0),
         silent_after=timedelta(days=36500),  # the simulated engines stopped long ago
         share=lambda d, r: written.append(encode(d, r)),
-    )  # fmt: skip
+    ))  # fmt: skip
     bodies = [
         {"model": FLEET.model, "token_ids": p} for p in fleet_prompts(FLEET, prompts, 7) if p
     ]  # (a prompt cut to nothing is no prompt)

@@ -53,7 +53,7 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
     from kvledger.schemas.codec import Codec
     from kvledger.serving.lookup.guarded_protocol import HttpLimits
     from kvledger.serving.lookup.hot_protocol import protocol
-    from kvledger.serving.lookup.http import create_app
+    from kvledger.serving.lookup.http import ServiceConfig, create_app
     from kvledger.serving.router.index import RouterIndex
     from tests.helpers.streams import fleet_stream
 
@@ -63,10 +63,10 @@ def serve(protocol_name: str, port: int, ready: Any) -> None:
     messages = fleet_stream(FleetConfig(instances=4, requests=400, seed=7)).messages
     for i in range(0, len(messages), 500):
         run_batch(messages[i : i + 500], Codec(), router.store, "g")
-    app = create_app(router=router, silent_after=timedelta(days=9999))
+    app = create_app(ServiceConfig(router=router, silent_after=timedelta(days=9999)))
     http: Any = "httptools"
     if protocol_name == "kvledger":
-        http = protocol(app.routes, HttpLimits())  # type: ignore[attr-defined]
+        http = protocol(app, HttpLimits())
     freeze_startup_objects()  # as `kvledger serve` does before it serves (both protocols)
     collect_less_often()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="critical",

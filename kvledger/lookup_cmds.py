@@ -47,9 +47,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvledger.serving.lookup.guarded_protocol import HttpLimits
-    from kvledger.serving.lookup.hot import HotPath
     from kvledger.serving.lookup.hot_protocol import protocol
-    from kvledger.serving.lookup.http import create_app
+    from kvledger.serving.lookup.http import ServiceConfig, create_app
 
     window = timedelta(seconds=args.silent_after) if args.silent_after else None
     database = settings.lookup_database_url(args.database_url)
@@ -75,22 +74,30 @@ def serve(args: argparse.Namespace) -> int:
         if args.memory:
             assert router is not None
             provisional, decisions = _decisions(args, router)
-            app = create_app(
-                silent_after=window, router=router, token=token, dynamo_api=args.dynamo_api,
+            config = ServiceConfig(
+                silent_after=window,
+                router=router,
+                token=token,
+                dynamo_api=args.dynamo_api,
                 provisional=provisional,
                 share=decisions.publish if decisions is not None else None,
                 record_answer=decisions.note_answer if decisions is not None else None,
-            )  # fmt: skip
+            )
         else:
-            app = create_app(
-                database, args.pool_size, window, token=token,
+            config = ServiceConfig(
+                database,
+                args.pool_size,
+                window,
+                token=token,
                 statement_timeout_ms=int(args.statement_timeout * 1000),
-                pool_timeout_s=args.pool_timeout, allow_writer=args.allow_writer,
-                dynamo_api=args.dynamo_api, dynamo_router=router,
-            )  # fmt: skip
+                pool_timeout_s=args.pool_timeout,
+                allow_writer=args.allow_writer,
+                dynamo_api=args.dynamo_api,
+                dynamo_router=router,
+            )
+        app = create_app(config)
         # Within the HTTP limits, its hot routes answered in uvicorn's HTTP parsing.
-        routes = app.routes if isinstance(app, HotPath) else {}
-        server["http"] = protocol(routes, HttpLimits(max_connections=args.max_connections))
+        server["http"] = protocol(app, HttpLimits(max_connections=args.max_connections))
         _raise_open_files(args.max_connections)
         freeze_startup_objects()
         collect_less_often()

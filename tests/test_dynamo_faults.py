@@ -25,7 +25,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvledger.consumer.db import connect
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.router.index import RouterIndex
 from tests.helpers.procs import require_dynamo
 from tests.helpers.scripted_engines import (
@@ -61,7 +61,9 @@ def test_kvledger_stays_exact_where_dynamos_indexer_does_not(
     with connect(fresh_database) as conn:
         router.bootstrap(conn)
     router.start()
-    ours = TestClient(create_app(router=router, silent_after=timedelta(hours=1), dynamo_api=True))
+    ours = TestClient(
+        create_app(ServiceConfig(router=router, silent_after=timedelta(hours=1), dynamo_api=True))
+    )
     sentinels = iter(range(CHAINS, len(TOKENS)))
 
     def settle(*moved: Engine, theirs: bool = True) -> None:

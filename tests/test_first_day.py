@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 from kvledger.cli import main as cli
 from kvledger.consumer.db import SCHEMA_MISSING, create_database, drop_database
 from kvledger.schemas.events import GroupSpec
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from tests.helpers.consuming import consume
 from tests.helpers.procs import free_port
 from tests.helpers.streams import Stream, removed, spec, stored
@@ -51,7 +51,7 @@ def test_a_database_never_migrated_says_run_migrate(
         assert err.count("\n") == 1 and SCHEMA_MISSING in err, (argv, err)
     # The SQL-backed service starts anyway (containers may start it before the migration)
     # and answers every lookup 503 with the reason until the schema is there.
-    with TestClient(create_app(empty_database, pool_size=1)) as client:
+    with TestClient(create_app(ServiceConfig(empty_database, pool_size=1))) as client:
         for response in (
             client.get("/healthz"),
             client.post("/v1/match", json={"model": "m", "token_ids": [1, 2]}),

@@ -22,7 +22,7 @@ from kvledger.schemas.codec import Codec, released_schemas
 from kvledger.schemas.events import BlockStored, Envelope, GroupSpec, Heartbeat
 from kvledger.schemas.topics import DEFAULT_RETENTION_MS, ensure_topic, message_key
 from kvledger.serving.lookup import PrefixIndex
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from tests.helpers.consuming import consume
 from tests.helpers.kafka import consume_all
 
@@ -121,7 +121,7 @@ def test_a_silent_source_leaves_the_answers_and_comes_back(
         ("engine-q", "silent"), ("engine-b", "live"),
     }  # fmt: skip
     assert states == {"engine-q": "silent", "engine-b": "live"}
-    with TestClient(create_app(as_reader(fresh_database), 2, window)) as client:
+    with TestClient(create_app(ServiceConfig(as_reader(fresh_database), 2, window))) as client:
         answer = client.post("/v1/match", json={"model": MODEL, "hashes": [h(1).hex()]}).json()
     assert [x["instance"] for x in answer["holders"]] == ["engine-b"]
     assert [(x["instance"], x["source_state"]) for x in answer["left_out"]] == [
@@ -165,7 +165,7 @@ def test_an_engines_load_reaches_the_sources_and_the_sql_lookups(
     table = capsys.readouterr().out
     assert "3/2" in table and "load: requests the engine was running/waiting" in table
     body = {"model": MODEL, "hashes": [h(1).hex()], "load": True}
-    with TestClient(create_app(as_reader(fresh_database), 2)) as client:
+    with TestClient(create_app(ServiceConfig(as_reader(fresh_database), 2))) as client:
         answer = client.post("/v1/match", json=body).json()
         plain = client.post("/v1/match", json={**body, "load": False}).json()
     assert list(answer["load"]) == ["engine-busy"]

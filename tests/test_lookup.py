@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from kvledger.consumer.db import connect
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.serving.lookup import Holder, PrefixIndex, rank
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.brute_force import (
     BLOCK,
@@ -165,7 +165,7 @@ def test_rank_weights_tiers() -> None:
 
 def test_http_bearer_token(filled, as_reader) -> None:
     url = as_reader(filled[0])
-    with TestClient(create_app(url, pool_size=2, token="s3cret")) as client:
+    with TestClient(create_app(ServiceConfig(url, pool_size=2, token="s3cret"))) as client:
         assert client.get("/healthz").status_code == 200  # probes need no token
         body = {"model": MODEL, "hashes": ["00" * 8]}
         assert client.post("/v1/match", json=body).status_code == 401
@@ -182,7 +182,7 @@ def test_http_endpoints(filled, as_reader) -> None:
     url, fleet, _ = filled
     tokens = system_prompts(fleet)[0] + [1, 2, 3]
     hashes = prompt_hashes(tokens, fleet)
-    with TestClient(create_app(as_reader(url), pool_size=2)) as client:
+    with TestClient(create_app(ServiceConfig(as_reader(url), pool_size=2))) as client:
         assert client.get("/healthz").json() == {"status": "ok"}
         by_hash = client.post(
             "/v1/match", json={"model": MODEL, "hashes": [h.hex() for h in hashes]}
@@ -332,7 +332,7 @@ def test_http_hostile_bodies_get_a_400_with_a_reason(
     filled, as_reader, body: bytes, reason: str
 ) -> None:
     url = as_reader(filled[0])
-    with TestClient(create_app(url, pool_size=2)) as client:
+    with TestClient(create_app(ServiceConfig(url, pool_size=2))) as client:
         response = client.post(
             "/v1/match", content=body, headers={"content-type": "application/json"}
         )
@@ -344,7 +344,7 @@ def test_http_a_lookup_past_its_statement_timeout_is_a_503(filled, as_reader) ->
     url, fleet, _ = filled
     url = as_reader(url)
     tokens = system_prompts(fleet)[0] * 40  # a long token walk over the whole index
-    with TestClient(create_app(url, pool_size=1, statement_timeout_ms=1)) as client:
+    with TestClient(create_app(ServiceConfig(url, pool_size=1, statement_timeout_ms=1))) as client:
         response = client.post("/v1/match", json={"model": MODEL, "token_ids": tokens})
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
@@ -407,7 +407,10 @@ def test_the_lookup_role_reads_and_cannot_write(
                 conn.execute(statement)
     with connect(fresh_database, autocommit=True) as conn:
         assert can_write(conn)
-    with pytest.raises(WriterRoleError, match="can write"), TestClient(create_app(fresh_database)):
+    with (
+        pytest.raises(WriterRoleError, match="can write"),
+        TestClient(create_app(ServiceConfig(fresh_database))),
+    ):
         pass
     refused = subprocess.run(
         [sys.executable, "-m", "kvledger", "serve", "--database-url", fresh_database,
@@ -456,7 +459,9 @@ def test_the_lookup_role_reads_and_cannot_write(
             assert conn.execute("SELECT count(*) FROM kvledger.blocks").fetchone() == (0,)
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute("DELETE FROM kvledger.blocks")
-        with TestClient(create_app(login.render_as_string(hide_password=False))) as client:
+        with TestClient(
+            create_app(ServiceConfig(login.render_as_string(hide_password=False)))
+        ) as client:
             assert client.get("/healthz").status_code == 200
     finally:
         with connect(admin, autocommit=True) as conn:
@@ -470,10 +475,11 @@ def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader
     import json
 
     from kvledger.client import LookupClient, LookupServiceError
-    from kvledger.serving.lookup.openapi import DOCUMENT
+    from kvledger.serving.lookup.table import document
     from tests.helpers.openapi import conformance
 
-    conforms = conformance(DOCUMENT)
+    spec = document(dynamo_api=False)
+    conforms = conformance(spec)
 
     url, fleet, _ = filled
     tokens = system_prompts(fleet)[0] + [7, 8, 9]
@@ -488,7 +494,7 @@ def test_the_openapi_document_and_the_client_match_the_service(filled, as_reader
     base = f"http://127.0.0.1:{port}"
     assert first_answer(f"{base}/healthz", "the service").status_code == 200
     document = httpx.get(f"{base}/openapi.json")  # no token needed, like /healthz
-    assert document.status_code == 200 and document.json() == json.loads(json.dumps(DOCUMENT))
+    assert document.status_code == 200 and document.json() == json.loads(json.dumps(spec))
     auth = {"Authorization": "Bearer tok"}
     raw = httpx.post(
         f"{base}/v1/match", headers=auth,

@@ -22,7 +22,7 @@ from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
 from kvledger.schemas.events import BlockStored
 from kvledger.serving.lookup import PrefixIndex
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.router.index import RouterIndex
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.consuming import consume, wait_caught_up
@@ -148,8 +148,8 @@ def test_router_and_sql_give_the_same_answers(
         body = {"model": fleet.model, "token_ids": lora_prompt, "lora_name": LORA,
                 "silent_after_s": 86400}  # fmt: skip
         with (
-            TestClient(create_app(router=router)) as mem,
-            TestClient(create_app(as_reader(fresh_database), 2)) as sql_app,
+            TestClient(create_app(ServiceConfig(router=router))) as mem,
+            TestClient(create_app(ServiceConfig(as_reader(fresh_database), 2))) as sql_app,
         ):
             health = mem.get("/healthz").json()
             assert health["mode"] == "memory" and health["position"]["behind_messages"] == 0

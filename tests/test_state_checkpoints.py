@@ -11,7 +11,7 @@ from kvledger.consumer.db import connect
 from kvledger.consumer.pipeline import run_batch
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.serving.lookup import PrefixIndex
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import MODEL, Stream, checkpoint, h, removed, spec, stored
 
@@ -59,11 +59,11 @@ def test_sql_and_memory_say_where_each_instances_usable_state_is(fresh_database:
 
     body = {"model": MODEL, "hashes": [x.hex() for x in PROMPT], "state_group": 1,
             "include_silent": True}  # fmt: skip
-    memory = TestClient(create_app(router=router))
+    memory = TestClient(create_app(ServiceConfig(router=router)))
     answer = memory.post("/v1/match", json=body).json()
     assert answer["state_checkpoints"] == want
     assert {x["instance"]: x["matched_blocks"] for x in answer["holders"]} == upto
-    sql = create_app(fresh_database, allow_writer=True)
+    sql = create_app(ServiceConfig(fresh_database, allow_writer=True))
     with TestClient(sql) as client:
         assert client.post("/v1/match", json=body).json()["state_checkpoints"] == want
         without = client.post("/v1/match", json={**body, "state_group": None}).json()

@@ -14,8 +14,8 @@ POST /register       {"instance_id", "model_name", "endpoint", "block_size", "so
 POST /unregister     {"instance_id", "model_name", ...}
 GET  /health         200
 
-Its HTTP face: :mod:`.dynamo_http`. The mapping (docs/routers.md, "kvledger as Dynamo's KV
-indexer"):
+Its HTTP face: the route table's entries (:data:`.table.DYNAMO`). The mapping
+(docs/routers.md, "kvledger as Dynamo's KV indexer"):
 - a (model, routing group) is kvledger's (model, group): routing group ``default`` is
   group 0, a routing group ``N`` (digits) is group N;
 - a worker is a kvledger source at data-parallel rank 0; its id is the integer a source's

@@ -1,10 +1,10 @@
-"""uvicorn's httptools protocol, answering the service's hot routes itself (lookup/hot.py):
-the request is answered in the HTTP parser's own callbacks and its response written to the
-connection, with no ASGI task, scope or receive/send coroutines per request. Every other
-request, and any hot one it cannot answer that way (one pipelined behind a response still
-being written, ``Expect: 100-continue``, an upgrade, a connection whose writes are paused),
-goes to the app as uvicorn's own protocol sends it, where :class:`~.hot.HotPath` answers
-the hot ones alike.
+"""uvicorn's httptools protocol, answering the service's hot routes itself: the request is
+answered in the HTTP parser's own callbacks and its response written to the connection,
+with no ASGI task, scope or receive/send coroutines per request, through the same door
+(:class:`~.door.Door`'s gate, handler call, metrics and rendering) as the ASGI path. Every
+other request, and any hot one it cannot answer that way (one pipelined behind a response
+still being written, ``Expect: 100-continue``, an upgrade, a connection whose writes are
+paused), goes to the door as uvicorn's own protocol sends it.
 
 It overrides four of the parser callbacks of uvicorn's ``HttpToolsProtocol``
 (constraints.txt pins uvicorn; tests/unit/test_hot_protocol.py runs it in real servers),
@@ -22,13 +22,14 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from kvledger.serving.lookup.door import Door, Reply
 from kvledger.serving.lookup.guarded_protocol import (
     GuardedProtocol,
     HttpLimits,
     RefusedError,
     guarded,
 )
-from kvledger.serving.lookup.hot import HotRoute, Reply, head
+from kvledger.serving.lookup.table import Call, Route
 
 SMALL_BODY_BYTES = 64 * 1024
 
@@ -39,11 +40,12 @@ class _HotProtocol(GuardedProtocol):
     when its route did not refuse it, and a route refuses a body without a Content-Length
     or over its bound, so what is kept is bounded."""
 
-    routes: ClassVar[dict[bytes, HotRoute]] = {}  # POST path -> route (protocol() sets it)
+    door: ClassVar[Door | None] = None  # protocol() sets it
+    routes: ClassVar[dict[bytes, Route]] = {}  # its hot POST paths -> route
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._route: HotRoute | None = None
+        self._route: Route | None = None
         self._refused: Reply | None = None
         self._body: list[bytes] = []
         self._started = 0.0
@@ -63,14 +65,15 @@ class _HotProtocol(GuardedProtocol):
         self._keep_alive = (
             self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         )
-        self._refused = route.refused(self.headers)
+        assert self.door is not None
+        self._refused = self.door.refusal(route, self.headers, self.client if route.rate else None)
         if self._refused is not None and (self.content_length() or 0) > SMALL_BODY_BYTES:
             self._keep_alive = False
             raise RefusedError(
                 self._refused[0], "refused by its route", self._rendered(self._refused)
             )
 
-    def _hot_route(self) -> HotRoute | None:
+    def _hot_route(self) -> Route | None:
         """The route of the request whose headers were just read, when this protocol can
         answer it itself (None: uvicorn's own way)."""
         if self.parser.get_method() != b"POST":
@@ -105,10 +108,19 @@ class _HotProtocol(GuardedProtocol):
         self._route = None
         self.message_read()
         try:
-            reply = self._refused or route.reply(b"".join(self._body), self._started)
+            assert self.door is not None
+            reply = self._refused or self.door.answer(
+                route, Call(b"".join(self._body), {}, b""), self._started
+            )
         except Exception:  # a bug (routes answer their own errors): a 500, as uvicorn's
             self.logger.exception("hot route %s failed", self.url.decode("latin-1"))
-            reply, self._keep_alive = (500, b'{"error":"internal error"}', []), False
+            body = b'{"error":"internal error"}'
+            reply = (
+                500,
+                body,
+                [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")],
+            )
+            self._keep_alive = False
         self._body = []
         self.transport.write(self._rendered(reply))
         if not self._keep_alive:
@@ -118,7 +130,7 @@ class _HotProtocol(GuardedProtocol):
     def _rendered(self, reply: Reply) -> bytes:
         status, body, headers = reply
         out = [STATUS_LINE[status]]
-        for name, value in (*self.server_state.default_headers, *head(body, headers)):
+        for name, value in (*self.server_state.default_headers, *headers):
             out += [name, b": ", value, b"\r\n"]
         if not self._keep_alive:
             out.append(b"connection: close\r\n")
@@ -126,8 +138,7 @@ class _HotProtocol(GuardedProtocol):
         return b"".join(out)
 
 
-def protocol(routes: dict[str, HotRoute], limits: HttpLimits | None = None) -> type[Any]:
+def protocol(door: Door, limits: HttpLimits | None = None) -> type[Any]:
     """uvicorn's ``http`` protocol class for one server, within ``limits`` (default:
-    :class:`HttpLimits`'), answering ``routes`` (POST path -> route) itself."""
-    paths = {path.encode(): route for path, route in routes.items()}
-    return guarded(_HotProtocol, limits or HttpLimits(), routes=paths)
+    :class:`HttpLimits`'), answering ``door``'s hot routes itself."""
+    return guarded(_HotProtocol, limits or HttpLimits(), door=door, routes=dict(door.hot))

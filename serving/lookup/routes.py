@@ -1,14 +1,14 @@
 """What the lookup service's routes answer, apart from HTTP: where a lookup is answered (the
 database, through a pool of read-only connections, or a RouterIndex in memory), the answers
 of /v1/match, /v1/blocks/{hash} and /healthz, and every error a lookup can meet as the answer
-that says why (:func:`answer`). :mod:`.http` serves them: authentication, timing, metrics,
-the app.
+that says why (:func:`error_answer`). :mod:`.table` routes to them and :mod:`.door` serves
+them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 from datetime import UTC, datetime, timedelta
@@ -36,6 +36,7 @@ from kvledger.serving.lookup.api import (
     split_live,
     unknown_group,
 )
+from kvledger.serving.lookup.dynamo_requests import DynamoRequestError
 from kvledger.serving.lookup.metrics import CAPTURED_FRACTION, DECISION_BLOCKS
 from kvledger.serving.lookup.offer import offer_record
 from kvledger.serving.lookup.requests import (
@@ -50,9 +51,8 @@ from kvledger.serving.router import provisional as pv
 from kvledger.serving.router.match import holder_order
 
 if TYPE_CHECKING:
-    from kvledger.schemas.decisions import Record
+    from kvledger.serving.lookup.config import ServiceConfig
     from kvledger.serving.router.index import RouterIndex
-    from kvledger.serving.router.provisional import Provisional
 
 logger = logging.getLogger(__name__)
 
@@ -69,63 +69,55 @@ SELECT pg_is_in_recovery(),
 """
 
 
-def answer(route: str, fn: Callable[[Any], Answer], arg: Any) -> Answer:
-    """``fn(arg)``'s answer, or the error answer of what it raised."""
-    try:
-        return fn(arg)
-    except BadRequestError as exc:
+def error_answer(route: str, exc: Exception) -> Answer:
+    """The answer that says why route ``route`` failed with ``exc``: the request's fault
+    (400, or Dynamo's own status), history not retained (410), the database busy, slow or
+    missing (503 with Retry-After), else a bug (500, logged)."""
+    if isinstance(exc, DynamoRequestError):
+        return exc.status, {"error": str(exc)}, {}
+    if isinstance(exc, BadRequestError):
         return 400, {"error": str(exc)}, {}
-    except NotRetainedError as exc:  # the history asked about is gone, for good
+    if isinstance(exc, NotRetainedError):  # the history asked about is gone, for good
         return 410, {"error": str(exc)}, {}
-    except (PoolTimeout, psycopg.errors.QueryCanceled) as exc:
-        why = "no database connection free" if isinstance(exc, PoolTimeout) else (
-            "the lookup ran past the statement timeout"
-        )  # fmt: skip
-        return 503, {"error": why}, {"Retry-After": "1"}
-    except SCHEMA_MISSING_ERRORS:
+    if isinstance(exc, PoolTimeout):
+        return 503, {"error": "no database connection free"}, {"Retry-After": "1"}
+    if isinstance(exc, psycopg.errors.QueryCanceled):
+        return 503, {"error": "the lookup ran past the statement timeout"}, {"Retry-After": "1"}
+    if isinstance(exc, SCHEMA_MISSING_ERRORS):
         return 503, {"error": SCHEMA_MISSING}, {"Retry-After": "30"}
-    except WriterRoleError as exc:
+    if isinstance(exc, WriterRoleError):
         return 503, {"error": str(exc)}, {"Retry-After": "30"}
-    except psycopg.OperationalError as exc:
+    if isinstance(exc, psycopg.OperationalError):
         return 503, {"error": f"database unavailable: {redact(str(exc))}"}, {"Retry-After": "5"}
-    except Exception:  # a bug: answered and counted as a 500, never a dropped request
-        logger.exception("lookup %s failed", route)
-        return 500, {"error": "internal error"}, {}
+    # a bug: answered and counted as a 500, never a dropped request
+    logger.error("route %s failed", route, exc_info=exc)
+    return 500, {"error": "internal error"}, {}
 
 
 class Lookups:
-    """The routes' answers, from ``router`` in memory or else from the database at
-    ``database_url`` (through a pool of ``pool_size`` read-only connections, opened by
-    :meth:`open`); ``silent_after``: the liveness window where a request gives none.
+    """The routes' answers, from ``config.router`` in memory or else from the database at
+    ``config.database_url`` (through a pool of ``pool_size`` read-only connections, opened
+    by :meth:`open`); ``silent_after``: the liveness window where a request gives none.
 
     A lookup that runs past ``statement_timeout_ms`` or waits more than ``pool_timeout_s``
-    for a connection raises (a 503 through :func:`answer`). The database role must not be
+    for a connection raises (a 503 through :func:`error_answer`). The database role must not be
     able to write to the index (:class:`WriterRoleError`, raised here) unless
     ``allow_writer``; on a database not migrated yet (the service started first, as
     containers may) it is checked again before each lookup until the schema is there, and
     until then every lookup is a 503 that says why."""
 
-    def __init__(
-        self,
-        database_url: str | None,
-        pool_size: int,
-        silent_after: timedelta | None,
-        router: RouterIndex | None,
-        statement_timeout_ms: int,
-        pool_timeout_s: float,
-        allow_writer: bool,
-        provisional: Provisional | None = None,
-        share: Callable[[Decision, Record | None], None] | None = None,
-    ) -> None:
+    def __init__(self, config: ServiceConfig) -> None:
+        database_url, router, provisional = config.database_url, config.router, config.provisional
         if database_url is None and router is None:
             raise ValueError("create_app needs a database URL or a router")
         if provisional is not None and router is None:
             raise ValueError("provisional holders are answered from memory: they need a router")
+        statement_timeout_ms = config.statement_timeout_ms
         self.router = router
         self.provisional = provisional
-        self.share = share  # the other replicas are told (a DecisionLog's publish)
-        self.silent_after = silent_after
-        self.pool_timeout_s = pool_timeout_s
+        self.share = config.share  # the other replicas are told (a DecisionLog's publish)
+        self.silent_after = config.silent_after
+        self.pool_timeout_s = config.pool_timeout_s
         # Computed and encoded once per refresh, not per tab.
         self.dashboards: dashboard.SharedAnswers[bytes] = dashboard.SharedAnswers()
         self.database_url = database_url
@@ -133,7 +125,7 @@ class Lookups:
             ConnectionPool(
                 conninfo(database_url),
                 min_size=1,
-                max_size=pool_size,
+                max_size=config.pool_size,
                 configure=lambda conn: _configure(conn, statement_timeout_ms),
                 kwargs={"autocommit": True},
                 open=False,
@@ -141,7 +133,7 @@ class Lookups:
             if database_url is not None
             else None
         )
-        self.role_unchecked = database_url is not None and not allow_writer
+        self.role_unchecked = database_url is not None and not config.allow_writer
         if self.role_unchecked:
             try:
                 self._check_role()
@@ -189,9 +181,14 @@ class Lookups:
         with self.index() as idx:
             if req.token_ids is not None:
                 holders = idx.match_tokens(
-                    req.model, req.group_idx, req.token_ids, req.lora_name, True,
-                    self._window(req), req.cache_salt,
-                )  # fmt: skip
+                    req.model,
+                    req.group_idx,
+                    req.token_ids,
+                    req.lora_name,
+                    True,
+                    self._window(req),
+                    req.cache_salt,
+                )
             elif req.at is not None:
                 assert req.hashes is not None
                 holders = idx.match_at(
@@ -200,9 +197,13 @@ class Lookups:
             else:
                 assert req.hashes is not None
                 holders = idx.match(
-                    req.model, req.group_idx, req.hashes, req.granularity, True,
+                    req.model,
+                    req.group_idx,
+                    req.hashes,
+                    req.granularity,
+                    True,
                     self._window(req),
-                )  # fmt: skip
+                )
             # Only an empty answer asks whether the group is known: a hit pays nothing.
             unknown = not holders and not idx.knows_group(req.model, req.group_idx)
             states = None
@@ -280,8 +281,9 @@ class Lookups:
         else:
             assert req.hashes is not None
             kind, keys = HASHES, pv.hash_keys(req.hashes)
-        decision = Decision(req.model, req.group_idx, req.instance, kind, tuple(keys),
-                               request_id=req.request_id)  # fmt: skip
+        decision = Decision(
+            req.model, req.group_idx, req.instance, kind, tuple(keys), request_id=req.request_id
+        )
         held = self.provisional.add(decision)
         if self.share is not None:  # the other replicas, and the record for the funnel
             record = offer_record(self.router, req, block_size, state, self.silent_after)
@@ -292,8 +294,15 @@ class Lookups:
             DECISION_BLOCKS.labels("captured").inc(captured)
             if record.available_blocks:
                 CAPTURED_FRACTION.observe(captured / record.available_blocks)
-        return 202, {"instance": req.instance, "provisional_blocks": held,
-                     "expires_in_s": self.provisional.ttl_s}, {}  # fmt: skip
+        return (
+            202,
+            {
+                "instance": req.instance,
+                "provisional_blocks": held,
+                "expires_in_s": self.provisional.ttl_s,
+            },
+            {},
+        )
 
     def dashboard(self, params: dict[str, str]) -> Answer:
         """GET /v1/dashboard: the fleet at a glance (serving/lookup/dashboard.py)."""
@@ -309,7 +318,7 @@ class Lookups:
 
         return 200, self.dashboards.get(minutes, compute), {}
 
-    def block(self, params: dict[str, Any]) -> Answer:
+    def block(self, params: Mapping[str, str]) -> Answer:
         """GET /v1/blocks/{hash}: the block rows of a hash and their holders."""
         rows = []
         with self.index() as idx:
@@ -335,11 +344,16 @@ class Lookups:
             return 200, {"status": "ok"}, {}
         # A hot standby: how far its replay is behind (None before any replayed commit).
         lag = row[1]
-        return 200, {
-            "status": "ok", "standby": True,
-            "replay_lag_s": lag.total_seconds() if lag is not None else None,
-            "replay_lsn": str(row[2]) if row[2] is not None else None,
-        }, {}  # fmt: skip
+        return (
+            200,
+            {
+                "status": "ok",
+                "standby": True,
+                "replay_lag_s": lag.total_seconds() if lag is not None else None,
+                "replay_lsn": str(row[2]) if row[2] is not None else None,
+            },
+            {},
+        )
 
 
 class _MemoryLookups:

@@ -77,14 +77,15 @@ def metrics_section() -> str:
 
 def http_section() -> str:
     """A row per route of the OpenAPI document (Dynamo's with `--dynamo-api`)."""
-    from kvledger.serving.lookup.openapi import document
-    from kvledger.serving.lookup.openapi_dynamo import DYNAMO_PATHS
+    from kvledger.serving.lookup.table import DYNAMO, document
+
+    dynamo_paths = {route.path for route in DYNAMO}
 
     rows = ["| route | what it answers | statuses | token |", "| --- | --- | --- | --- |"]
     for path, operations in document(dynamo_api=True)["paths"].items():
         for method, op in operations.items():
             open_route = op.get("security") == [{}]  # the default: a token when one is set
-            dynamo = " (`--dynamo-api`)" if path in DYNAMO_PATHS else ""
+            dynamo = " (`--dynamo-api`)" if path in dynamo_paths else ""
             rows.append(
                 f"| `{method.upper()} {path}`{dynamo} | {_cell(op.get('summary', ''))} "
                 f"| {', '.join(sorted(op['responses']))} | {'no' if open_route else 'yes'} |"

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from kvledger.consumer.pipeline import run_batch
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.router.index import RouterIndex
 from kvledger.serving.router.provisional import Provisional
 from tests.helpers.streams import fleet_stream
@@ -43,8 +43,13 @@ def client() -> TestClient:
     messages = fleet_stream(FLEET).messages
     for i in range(0, len(messages), 200):
         run_batch(messages[i : i + 200], Codec(), router.store, "g")
-    app = create_app(router=router, dynamo_api=True, silent_after=timedelta(days=9999),
-                     provisional=Provisional(5.0))  # fmt: skip
+    config = ServiceConfig(
+        router=router,
+        dynamo_api=True,
+        silent_after=timedelta(days=9999),
+        provisional=Provisional(5.0),
+    )
+    app = create_app(config)
     return TestClient(app)
 
 

@@ -16,7 +16,7 @@ from kvledger.schemas.codec import Codec
 from kvledger.schemas.decisions import Answered, Decision, decode_record, encode
 from kvledger.schemas.lookup import Holder
 from kvledger.serving.lookup.dashboard import VENDOR
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.lookup.offer import MAX_CAPTURED_HASHES, answer_record, build_record
 from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import fleet_stream
@@ -32,7 +32,7 @@ def router() -> RouterIndex:
 
 
 def test_the_page_holds_no_data_and_runs_only_its_own_scripts(router: RouterIndex) -> None:
-    client = TestClient(create_app(router=router, token="t0k"))
+    client = TestClient(create_app(ServiceConfig(router=router, token="t0k")))
     page = client.get("/ui")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
@@ -49,7 +49,7 @@ def test_the_page_holds_no_data_and_runs_only_its_own_scripts(router: RouterInde
 
 
 def test_the_memory_fleet_counts_every_block(router: RouterIndex) -> None:
-    client = TestClient(create_app(router=router, silent_after=timedelta(days=9999)))
+    client = TestClient(create_app(ServiceConfig(router=router, silent_after=timedelta(days=9999))))
     body = client.get("/v1/dashboard?minutes=5").json()
     assert body["mode"] == "memory" and body["minutes"] == 5
     total = 0
@@ -179,7 +179,7 @@ def test_decision_reports_over_the_rate_are_429(
     from kvledger.serving.router.provisional import Provisional
 
     monkeypatch.setattr(http, "DECISIONS_PER_CLIENT_S", 3)
-    client = TestClient(create_app(router=router, provisional=Provisional(5)))
+    client = TestClient(create_app(ServiceConfig(router=router, provisional=Provisional(5))))
     codes = [client.post("/v1/decisions", json={"model": "nope", "instance": "x",
                                                 "hashes": ["00"]}).status_code
              for _ in range(4)]  # fmt: skip

@@ -18,7 +18,7 @@ from kvledger.consumer.pipeline import run_batch
 from kvledger.fleet import FleetConfig
 from kvledger.schemas.codec import Codec
 from kvledger.serving.lookup.hot_protocol import protocol
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.router.index import RouterIndex
 from kvledger.serving.router.provisional import Provisional
 from tests.helpers.streams import fleet_stream
@@ -34,11 +34,11 @@ def service() -> Iterator[tuple[str, int]]:
     messages = fleet_stream(FLEET).messages
     for i in range(0, len(messages), 200):
         run_batch(messages[i : i + 200], Codec(), router.store, "g")
-    app = create_app(router=router, provisional=Provisional(60.0),
-                     silent_after=timedelta(days=9999))  # fmt: skip
+    app = create_app(ServiceConfig(router=router, provisional=Provisional(60.0),
+                     silent_after=timedelta(days=9999)))  # fmt: skip
     block = router.block_size(FLEET.model, 0)
     assert block is not None
-    with serving(app, protocol(getattr(app, "routes", {}))) as port:
+    with serving(app, protocol(app)) as port:
         yield f"http://127.0.0.1:{port}", block
 
 

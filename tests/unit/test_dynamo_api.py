@@ -22,7 +22,7 @@ from kvledger.schemas.dynamo import dynamo_seed
 from kvledger.serving.lookup import dynamo as api
 from kvledger.serving.lookup import dynamo_requests as requests
 from kvledger.serving.lookup import dynamo_workers
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.router import groups
 from kvledger.serving.router import store as store_module
 from kvledger.serving.router.index import RouterIndex
@@ -54,7 +54,7 @@ def router(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> R
 
 @pytest.fixture
 def client(router: RouterIndex) -> TestClient:
-    return TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
+    return TestClient(create_app(ServiceConfig(router=router, silent_after=WIDE, dynamo_api=True)))
 
 
 def prompts(count: int, seed: int = 3) -> list[list[int]]:
@@ -137,10 +137,12 @@ def test_every_answer_is_recorded_with_what_each_instance_was_offered(
     noted: list[tuple[Any, Any]] = []
     client = TestClient(
         create_app(
-            router=router,
-            silent_after=WIDE,
-            dynamo_api=True,
-            record_answer=lambda a, build: noted.append((a, build)),
+            ServiceConfig(
+                router=router,
+                silent_after=WIDE,
+                dynamo_api=True,
+                record_answer=lambda a, build: noted.append((a, build)),
+            )
         )
     )
     offered = 0
@@ -165,7 +167,7 @@ def test_every_answer_is_recorded_with_what_each_instance_was_offered(
             offered += len(rec.offered)
     assert len(noted) == 80 and offered > 40
     # Where nothing is recorded, nothing is noted.
-    quiet = TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
+    quiet = TestClient(create_app(ServiceConfig(router=router, silent_after=WIDE, dynamo_api=True)))
     query(quiet, prompts(1)[0])
     assert len(noted) == 80
 
@@ -297,7 +299,9 @@ def test_answers_sum_a_workers_ranks_alike_in_both_twins() -> None:
 
 
 def test_a_source_that_is_not_live_is_not_scored_nor_dumped(router: RouterIndex) -> None:
-    client = TestClient(create_app(router=router, silent_after=WIDE, dynamo_api=True))
+    client = TestClient(
+        create_app(ServiceConfig(router=router, silent_after=WIDE, dynamo_api=True))
+    )
     tokens = next(p for p in prompts(50) if query(client, p)["scores"])
     wid = next(iter(query(client, tokens)["scores"]))
     name = f"engine-{wid}"
@@ -483,5 +487,5 @@ def test_dynamos_routes_are_in_the_openapi_document(client: TestClient) -> None:
     done = client.post("/register", json=reg)
     assert done.status_code == 201
     conforms(done.json(), "DynamoStatus")
-    plain = TestClient(create_app(router=RouterIndex("127.0.0.1:9", "t", "g")))
+    plain = TestClient(create_app(ServiceConfig(router=RouterIndex("127.0.0.1:9", "t", "g"))))
     assert "/query" not in plain.get("/openapi.json").json()["paths"]  # no Dynamo API: none

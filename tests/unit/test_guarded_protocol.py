@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from kvledger.serving.lookup.door import Door
 from kvledger.serving.lookup.guarded_protocol import GuardedProtocol, HttpLimits, guarded
-from kvledger.serving.lookup.hot import HotPath
 from tests.unit.test_hot_protocol import (
     BEARER,
     exchange,
@@ -28,7 +28,7 @@ from tests.unit.test_hot_protocol import (
 
 
 @pytest.fixture(scope="module")
-def app() -> HotPath:
+def app() -> Door:
     return make_app()
 
 
@@ -52,7 +52,7 @@ def refusal(sock: socket.socket) -> tuple[int, str, bool]:
     return status, json.loads(body)["error"], closed and headers.get("connection") == "close"
 
 
-def test_a_head_that_never_ends_is_refused_at_its_bound(app: HotPath) -> None:
+def test_a_head_that_never_ends_is_refused_at_its_bound(app: Door) -> None:
     with server(app, hot=True) as port:
         for path in ("/query", "/openapi.json"):  # a hot route and the app's
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -75,7 +75,7 @@ def test_a_head_that_never_ends_is_refused_at_its_bound(app: HotPath) -> None:
         assert answered(port) == 200
 
 
-def test_a_body_over_the_bound_is_refused_before_it_is_read(app: HotPath) -> None:
+def test_a_body_over_the_bound_is_refused_before_it_is_read(app: Door) -> None:
     with server(app, hot=True) as port:
         for path, bound in (("/register", 8 << 20), ("/v1/match", 1 << 20), ("/query", 8 << 20)):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -100,7 +100,7 @@ def test_a_body_over_the_bound_is_refused_before_it_is_read(app: HotPath) -> Non
         assert answered(port) == 200
 
 
-def test_a_request_that_does_not_arrive_in_time_is_refused(app: HotPath) -> None:
+def test_a_request_that_does_not_arrive_in_time_is_refused(app: Door) -> None:
     with server(app, hot=True, limits=FAST) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"POST /query HTTP/1.1\r\nhost: t\r\n")  # then nothing
@@ -120,7 +120,7 @@ def test_a_request_that_does_not_arrive_in_time_is_refused(app: HotPath) -> None
         assert answered(port) == 200
 
 
-def test_no_body_is_smuggled_past_an_upgrade(app: HotPath) -> None:
+def test_no_body_is_smuggled_past_an_upgrade(app: Door) -> None:
     """A POST asking to upgrade had its body ignored and, arriving in a later packet, read
     as a second request: a hidden GET /workers was answered."""
     hidden = b"GET /workers HTTP/1.1\r\nhost: t\r\n\r\n"
@@ -137,7 +137,7 @@ def test_no_body_is_smuggled_past_an_upgrade(app: HotPath) -> None:
         assert answered(port) == 200
 
 
-def test_more_connections_than_the_bound_close_the_longest_waiting(app: HotPath) -> None:
+def test_more_connections_than_the_bound_close_the_longest_waiting(app: Door) -> None:
     limits = HttpLimits(max_connections=32)
     with server(app, hot=True, limits=limits) as port:
         idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100)]

@@ -18,10 +18,10 @@ import pytest
 from kvledger.consumer.pipeline import run_batch
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
+from kvledger.serving.lookup.door import Door
 from kvledger.serving.lookup.guarded_protocol import HttpLimits
-from kvledger.serving.lookup.hot import HotPath
 from kvledger.serving.lookup.hot_protocol import protocol
-from kvledger.serving.lookup.http import create_app
+from kvledger.serving.lookup.http import ServiceConfig, create_app
 from kvledger.serving.lookup.metrics import REQUESTS
 from kvledger.serving.router.index import RouterIndex
 from tests.helpers.streams import fleet_stream
@@ -33,11 +33,11 @@ WIDE = 9e8  # a silence window that keeps the 2025 stream's sources live
 
 
 @pytest.fixture(scope="module")
-def app() -> HotPath:
+def app() -> Door:
     return make_app()
 
 
-def make_app() -> HotPath:
+def make_app(extra: tuple[Any, ...] = ()) -> Door:
     """The service from memory with Dynamo's API, its index filled through the pipeline."""
     router = RouterIndex("127.0.0.1:9", "t", "g", dynamo=True)  # never started: filled here
     messages = fleet_stream(FLEET).messages
@@ -45,9 +45,11 @@ def make_app() -> HotPath:
         run_batch(messages[i : i + 200], Codec(), router.store, "g")
     from datetime import timedelta
 
-    made = create_app(router=router, token="s3cret", dynamo_api=True,
-                      silent_after=timedelta(seconds=WIDE))  # fmt: skip
-    assert isinstance(made, HotPath)
+    config = ServiceConfig(
+        router=router, token="s3cret", dynamo_api=True, silent_after=timedelta(seconds=WIDE)
+    )
+    made = create_app(config, extra)
+    assert isinstance(made, Door)
     return made
 
 
@@ -58,7 +60,7 @@ def server(
     """A uvicorn server on a free loopback port: with the hot protocol (within ``limits``),
     uvicorn's own, or ``http`` when given."""
     if http is None:
-        http = protocol(app.routes, limits) if hot else "httptools"
+        http = protocol(app, limits) if hot else "httptools"
     with serving(app, http) as port:
         yield port
 
@@ -121,7 +123,7 @@ def requests() -> list[bytes]:
     ]
 
 
-def test_every_request_is_answered_as_uvicorns_own_protocol_answers_it(app: HotPath) -> None:
+def test_every_request_is_answered_as_uvicorns_own_protocol_answers_it(app: Door) -> None:
     with server(app, hot=True) as hot, server(app, hot=False) as plain:
         statuses = []
         for raw in requests():
@@ -137,7 +139,7 @@ def test_every_request_is_answered_as_uvicorns_own_protocol_answers_it(app: HotP
         assert found and all(s["longest_matched"] for s in found.values()), found
 
 
-def test_one_connection_keeps_its_answers_in_order_pipelined_or_not(app: HotPath) -> None:
+def test_one_connection_keeps_its_answers_in_order_pipelined_or_not(app: Door) -> None:
     """All the requests in one write (pipelined: a hot one may wait behind the app's), then
     one at a time on the same connection: the same answers, in order, as each alone."""
     raws = requests()
@@ -152,7 +154,7 @@ def test_one_connection_keeps_its_answers_in_order_pipelined_or_not(app: HotPath
                 assert read_responses(sock, 1)[0] == want
 
 
-def test_connection_close_and_http_1_0_end_the_connection(app: HotPath) -> None:
+def test_connection_close_and_http_1_0_end_the_connection(app: Door) -> None:
     raw = requests()[1]
     closing = raw.replace(b"host: t\r\n", b"host: t\r\nconnection: close\r\n")
     old = raw.replace(b"HTTP/1.1", b"HTTP/1.0", 1)
@@ -165,25 +167,44 @@ def test_connection_close_and_http_1_0_end_the_connection(app: HotPath) -> None:
                 assert sock.recv(1) == b""  # the server closed it
 
 
-def test_a_malformed_request_is_refused_and_the_server_goes_on(app: HotPath) -> None:
+def test_a_malformed_request_is_refused_and_the_server_goes_on(app: Door) -> None:
     with server(app, hot=True) as port:
         bad = exchange(port, b"POST /query HTTP/1.1\r\ncontent-length: x\r\n\r\n", 1)
         assert bad[0][0] == 400
         assert exchange(port, requests()[1], 1)[0][0] == 200
 
 
-def test_a_route_that_raises_is_a_500_and_the_server_goes_on(app: HotPath) -> None:
-    from kvledger.serving.lookup.hot import HotRoute
+def test_a_route_that_raises_is_a_500_and_the_server_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler's bug is the door's 500 (counted, the connection kept); a bug in the door
+    itself is the protocol's own 500, and the connection closed. The server goes on."""
+    from kvledger.serving.lookup.table import Body, Route
 
-    def broken(raw: bytes, started: float) -> Any:
+    def broken(parts: Any, call: Any) -> Any:
         raise RuntimeError("a bug")
 
-    routes = dict(app.routes) | {"/broken": HotRoute(lambda a, n: None, broken)}
-    with server(HotPath(app.app, routes), hot=True) as port:
+    extra = Route("POST", "/broken", "broken", broken, "A bug", {}, role="open",
+                  body=Body(1024, 400, 400, {}), run="loop", hot=True)  # fmt: skip
+    made = make_app(extra=(extra,))
+    assert b"/broken" in made.hot
+    with server(made, hot=True) as port:
+        before = REQUESTS.labels("broken", "500")._value.get()
+        status, headers, body = exchange(port, post("/broken", b"{}"), 1)[0]
+        assert (status, json.loads(body)) == (500, {"error": "internal error"})
+        assert "connection" not in headers
+        assert REQUESTS.labels("broken", "500")._value.get() == before + 1
+        assert exchange(port, requests()[1], 1)[0][0] == 200
+
+        def door_bug(*args: Any) -> Any:
+            raise RuntimeError("a bug in the door")
+
+        monkeypatch.setattr(made, "answer", door_bug)
         status, headers, body = exchange(port, post("/broken", b"{}"), 1)[0]
         assert (status, headers["connection"], json.loads(body)) == (
             500,
             "close",
             {"error": "internal error"},
         )
+        monkeypatch.undo()
         assert exchange(port, requests()[1], 1)[0][0] == 200

@@ -72,7 +72,7 @@ def compiled_parts() -> dict[str, bool]:
     """Which parts of the compiled core (kvledger._core, rust/) are in use. The router index
     is the core's alone (an install without it cannot serve from memory, and says so); the
     Avro codec without it, or with KVLEDGER_PURE_AVRO=1, is fastavro's, with the same
-    answers."""
+    bytes (its decoding then lenient where the core refuses: see schemas/codec.py)."""
     import importlib.util
 
     from kvledger.schemas.codec import Codec

@@ -30,7 +30,7 @@ for the batches before it, so the stream keeps the order of the calls.
 Transactions (``PublisherConfig.transactional_id``, the relay's mode): the caller brackets
 its publishes with ``begin``/``commit`` (or ``abort``); readers that read committed messages
 (librdkafka's default) see each transaction whole or not at all. No heartbeat thread then:
-the caller sends its own.
+the caller sends its own. Those methods and the epoch's are in :mod:`.stream_control`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from kvledger.producer.errors import PublishError, QueueFullError
 from kvledger.producer.handoff import Handoff
 from kvledger.producer.prepared import Prepared, WireForm
 from kvledger.producer.stream import NO_STAMP, SourceStream, Stamp
+from kvledger.producer.stream_control import StreamControl
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -73,8 +74,9 @@ logger = logging.getLogger(__name__)
 _N = TypeVar("_N", int, int | None)  # what a stream's write returns
 
 
-class KVEventPublisher:
-    """Publishes a source's KV cache events to Kafka (see the module docstring)."""
+class KVEventPublisher(StreamControl):
+    """Publishes a source's KV cache events to Kafka (see the module docstring); its
+    transactions and epochs, the relay's, are :class:`~.stream_control.StreamControl`'s."""
 
     def __init__(
         self,
@@ -254,58 +256,6 @@ class KVEventPublisher:
         """The publisher's counters. ``acked``: produced, less failed, less still queued
         (librdkafka reports failures only; exact once flushed)."""
         return self._deliveries.counted(queued=len(self._producer))
-
-    # ------------------------------------------------------------------ transactions
-    def init_transactions(self, timeout: float = 30.0) -> None:
-        """Register the transactional id with the broker, fencing any earlier producer of
-        that id and aborting its open transaction."""
-        self._producer.init_transactions(timeout)
-
-    def begin(self) -> None:
-        self._producer.begin_transaction()
-
-    def commit(self, timeout: float = 30.0) -> None:
-        """Commit the open transaction: every message of it is acknowledged, or this raises
-        (``KafkaException``; ``txn_requires_abort()`` says whether to abort)."""
-        self._producer.commit_transaction(timeout)
-        self._deliveries.raise_failures()
-
-    def abort(self, timeout: float = 30.0) -> None:
-        self._producer.abort_transaction(timeout)
-        with self._lock:  # the aborted messages' failures belong to the aborted transaction
-            self._deliveries.forget_failures()
-
-    # ------------------------------------------------------------------ epochs
-    @property
-    def epoch(self) -> int:
-        """This stream's epoch (ms at the publisher's start, unless set)."""
-        return self._stream.epoch
-
-    @epoch.setter
-    def epoch(self, epoch: int) -> None:
-        with self._lock:
-            self._stream.epoch = epoch
-
-    def resume(self, epoch: int, next_seqs: dict[int, int]) -> None:
-        """Continue a stream another process wrote (a relay after its restart): its epoch
-        and each group's next sequence number."""
-        with self._lock:
-            self._stream.epoch = epoch
-            self._stream.seqs = dict(next_seqs)
-
-    def new_epoch(self, epoch: int) -> None:
-        """Start a new epoch (an engine restart seen by its relay): sequences from 0, each
-        announced group announced again as the new epoch's first message."""
-        with self._lock:
-            self._stream.epoch = epoch
-            self._stream.seqs = {}
-            for group, spec in sorted(self._form.specs.items()):
-                self._stream.encode(group, spec)
-
-    def next_seqs(self) -> dict[int, int]:
-        """Each group's next sequence number in this epoch."""
-        with self._lock:
-            return dict(self._stream.seqs)
 
     @property
     def groups(self) -> list[int]:

@@ -62,14 +62,20 @@ class DeadLetterProducer:
         }
         self._producer = Producer(client_logging(producer_settings))
         self._failed: dict[int, KafkaError] = {}
-        admin = AdminClient(client_logging(
-            {**admin_settings(settings or {}), "bootstrap.servers": bootstrap, "log_level": 4}
-        ))  # fmt: skip
+        admin = AdminClient(
+            client_logging(
+                {**admin_settings(settings or {}), "bootstrap.servers": bootstrap, "log_level": 4}
+            )
+        )
         ensure_topic(
-            admin, topic, DLQ_PARTITIONS, timeout=min(timeout, STARTUP_TIMEOUT_S),
+            admin,
+            topic,
+            DLQ_PARTITIONS,
+            timeout=min(timeout, STARTUP_TIMEOUT_S),
             exact_partitions=False,
-            replication_factor=replication_factor, config=dict(topic_config or {}),
-        )  # fmt: skip
+            replication_factor=replication_factor,
+            config=dict(topic_config or {}),
+        )
         self.truncated = 0
         # A topic's own dead-letter topic (not named by the user): earlier rejections may be
         # in the one every topic shared before.
@@ -78,8 +84,11 @@ class DeadLetterProducer:
             logger.warning(
                 "dead letters now go to %s; before kvledger 0.3 every topic's went to %s, "
                 "which holds earlier ones (each is in kvledger.rejected_events too; "
-                "--dlq-topic %s keeps using it)", topic, self.earlier, self.earlier,
-            )  # fmt: skip
+                "--dlq-topic %s keeps using it)",
+                topic,
+                self.earlier,
+                self.earlier,
+            )
 
     def send(self, rejections: Sequence[Rejection]) -> None:
         """Produce every rejection and wait for the acknowledgements (raises on failure)."""
@@ -100,9 +109,12 @@ class DeadLetterProducer:
                 self.truncated += 1
                 logger.warning(
                     "rejection %s[%d]@%d (%d bytes) is too large for %s: sent truncated",
-                    rejections[i].message.topic, rejections[i].message.partition,
-                    rejections[i].message.offset, len(rejections[i].message.value), self.topic,
-                )  # fmt: skip
+                    rejections[i].message.topic,
+                    rejections[i].message.partition,
+                    rejections[i].message.offset,
+                    len(rejections[i].message.value),
+                    self.topic,
+                )
             remaining = self._producer.flush(self.timeout)
             errors = [str(err) for err in self._failed.values()]
         if remaining or errors:

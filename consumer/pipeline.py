@@ -146,8 +146,11 @@ def warn_model_changes(plan: Plan) -> None:
     for change in plan.model_changes:
         logger.warning(
             "source %s changed model from %s to %s: one source id per engine and model "
-            "(`kvledger sources` shows the change)", change.source, change.previous, change.model,
-        )  # fmt: skip
+            "(`kvledger sources` shows the change)",
+            change.source,
+            change.previous,
+            change.model,
+        )
 
 
 def replay_batch(batch: Sequence[Decoded], store: IndexStore) -> Plan:

@@ -164,10 +164,14 @@ def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
 
 
 def _replay_log(
-    bootstrap: str, scratch_url: str, topic: str, group_prefix: str,
-    kafka: Mapping[str, object] | None, stop_at: Mapping[int, int] | None = None,
+    bootstrap: str,
+    scratch_url: str,
+    topic: str,
+    group_prefix: str,
+    kafka: Mapping[str, object] | None,
+    stop_at: Mapping[int, int] | None = None,
     codec: Codec | None = None,
-) -> RunSummary:  # fmt: skip
+) -> RunSummary:
     """Apply the topic from its start into the index at ``scratch_url``, up to ``stop_at``
     (else to its end), under a Kafka group of its own (``group_prefix`` + a random suffix:
     joining the live group would take its partitions); rejections are stored, not re-sent."""
@@ -233,11 +237,14 @@ def verify(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
             targets = stored_offsets(live, group, topic)
-            others = [str(t) for (t,) in live.execute(
-                "SELECT DISTINCT kafka_topic FROM kvledger.consumer_offsets "
-                "WHERE kafka_topic <> %s AND consumer_group NOT LIKE %s ORDER BY 1",
-                (topic, DECISIONS_GROUP),
-            ).fetchall()]  # fmt: skip
+            others = [
+                str(t)
+                for (t,) in live.execute(
+                    "SELECT DISTINCT kafka_topic FROM kvledger.consumer_offsets "
+                    "WHERE kafka_topic <> %s AND consumer_group NOT LIKE %s ORDER BY 1",
+                    (topic, DECISIONS_GROUP),
+                ).fetchall()
+            ]
         summary = _replay_log(
             bootstrap,
             scratch_url,
@@ -254,10 +261,15 @@ def verify(
             a, b = dump(live, filters), dump(scratch, filters)
             out_live, out_rebuilt = left_out(live, filters), left_out(scratch, filters)
         return VerifyResult(
-            diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()},
-            windows, {t: (out_live[t], out_rebuilt[t]) for t in filters},
-            starts, others,
-        )  # fmt: skip
+            diff(a, b),
+            summary,
+            targets,
+            {t: sum(c.values()) for t, c in a.items()},
+            windows,
+            {t: (out_live[t], out_rebuilt[t]) for t in filters},
+            starts,
+            others,
+        )
     finally:
         if created:
             drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
@@ -349,8 +361,13 @@ def _refuse_unsafe(
 DECISIONS_GROUP = "%:decisions"
 # The live index's own bookkeeping of its partitions and retention, and the routing
 # decisions recorded from their own topic: not rebuilt from the events topic.
-_KEPT_ON_SWAP = ("time_partitions", "retention_settings", "retained_windows", "decisions",
-                 "rejected_decisions")  # fmt: skip
+_KEPT_ON_SWAP = (
+    "time_partitions",
+    "retention_settings",
+    "retained_windows",
+    "decisions",
+    "rejected_decisions",
+)
 
 
 def _swap_in(
@@ -372,8 +389,9 @@ def _swap_in(
     # decisions themselves do.
     other_offsets = live.execute(
         "SELECT consumer_group, kafka_topic, kafka_partition, next_offset "
-        "FROM kvledger.consumer_offsets WHERE consumer_group LIKE %s", (DECISIONS_GROUP,),
-    ).fetchall()  # fmt: skip
+        "FROM kvledger.consumer_offsets WHERE consumer_group LIKE %s",
+        (DECISIONS_GROUP,),
+    ).fetchall()
     with live.transaction():
         # One TRUNCATE takes every table's lock before anything changes (readers wait for
         # the swap, then see the new index).
@@ -388,8 +406,9 @@ def _swap_in(
                     inp.write(chunk)
         live.cursor().executemany(
             "INSERT INTO kvledger.consumer_offsets (consumer_group, kafka_topic, "
-            "kafka_partition, next_offset) VALUES (%s, %s, %s, %s)", other_offsets,
-        )  # fmt: skip
+            "kafka_partition, next_offset) VALUES (%s, %s, %s, %s)",
+            other_offsets,
+        )
         # The rebuild's offsets are the live group's from now on.
         live.execute(
             "UPDATE kvledger.consumer_offsets SET consumer_group = %s WHERE consumer_group LIKE %s",

@@ -15,11 +15,20 @@ from kvledger.schemas.redact import redact
 
 # A module missing at run time → the extra that brings it.
 _EXTRA_OF = {
-    "psycopg": "consumer", "psycopg_pool": "consumer", "sqlalchemy": "consumer",
-    "alembic": "consumer", "prometheus_client": "consumer", "starlette": "lookup",
-    "uvicorn": "lookup", "zmq": "relay", "msgspec": "relay", "authlib": "registry",
-    "httpx": "registry", "attrs": "registry", "cachetools": "registry",
-}  # fmt: skip
+    "psycopg": "consumer",
+    "psycopg_pool": "consumer",
+    "sqlalchemy": "consumer",
+    "alembic": "consumer",
+    "prometheus_client": "consumer",
+    "starlette": "lookup",
+    "uvicorn": "lookup",
+    "zmq": "relay",
+    "msgspec": "relay",
+    "authlib": "registry",
+    "httpx": "registry",
+    "attrs": "registry",
+    "cachetools": "registry",
+}
 
 
 def _needs(command: str, extra: str, module: str | None) -> int:
@@ -97,17 +106,25 @@ class _Version(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     parser = parsers.Parser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument(
-        "--version", action=_Version, nargs=0,
+        "--version",
+        action=_Version,
+        nargs=0,
         help="the version, and which compiled parts this install uses (else pure Python)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "-v", "--verbose", "--debug", dest="verbose", action="store_true",
+        "-v",
+        "--verbose",
+        "--debug",
+        dest="verbose",
+        action="store_true",
         help="debug logging, and the traceback of an error (else one line)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--log-format", choices=("text", "json"), default="text",
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
         help="log lines as text, or as one JSON object each (for log collectors)",
-    )  # fmt: skip
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     arguments.add_commands(subparsers)
     envopts.bind(parser)
@@ -191,9 +208,11 @@ def _one_line(exc: BaseException) -> tuple[str, str]:
     """A usual failure as (what failed, the one line that says so and what to check)."""
     from confluent_kafka import KafkaException
 
-    what = "Kafka" if isinstance(exc, KafkaException) else (
-        "error" if isinstance(exc, KvledgerError) else "database"
-    )  # fmt: skip
+    what = (
+        "Kafka"
+        if isinstance(exc, KafkaException)
+        else ("error" if isinstance(exc, KvledgerError) else "database")
+    )
     first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
     if what == "database" and not isinstance(exc, sys.modules["psycopg"].OperationalError):
         from kvledger.consumer.db import SCHEMA_MISSING

@@ -48,9 +48,13 @@ def pasteable(query: str, params: object) -> str:
 
 
 def relayed(
-    conn: psycopg.Connection, source: str, relay: Relay, engine: ZmqEngine, wire: VllmWireSink,
+    conn: psycopg.Connection,
+    source: str,
+    relay: Relay,
+    engine: ZmqEngine,
+    wire: VllmWireSink,
     done: bool,
-) -> None:  # fmt: skip
+) -> None:
     m = relay.metrics
 
     def count(metric: Any) -> int:

@@ -169,9 +169,16 @@ class SimulatedEngine:
             block_tokens = tuple(tokens[j * size : (j + 1) * size])
             block = raw[(j + 1) * per - 1]
             stored_event = BlockStored(
-                (block,), parent, block_tokens, size, None, "GPU", None,
-                group_idx=self.full.group_idx, token_start=j * size,
-            )  # fmt: skip
+                (block,),
+                parent,
+                block_tokens,
+                size,
+                None,
+                "GPU",
+                None,
+                group_idx=self.full.group_idx,
+                token_start=j * size,
+            )
             events.append(stored_event)
         evicted = []
         while len(self.gpu) > self.config.gpu_capacity_blocks:

@@ -97,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
         gpu_capacity_blocks=args.gpu_blocks,
     )
     result = run_simulation(
-        settings.kafka_bootstrap(args), args.topic, fleet, args.partitions,
-        rate=args.rate, kafka=settings.kafka_settings(args),
+        settings.kafka_bootstrap(args),
+        args.topic,
+        fleet,
+        args.partitions,
+        rate=args.rate,
+        kafka=settings.kafka_settings(args),
         codec=settings.codec(args, args.topic, writer=True),
-    )  # fmt: skip
+    )
     s = result.summary
     print(f"instances:      {', '.join(s.instances)}")
     print(

@@ -49,9 +49,14 @@ class Deliveries:
         self._forgotten = 0  # produced in aborted transactions and failed there
 
     def send(
-        self, producer: Producer, topic: str, key: bytes, value: bytes, kind: str,
+        self,
+        producer: Producer,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        kind: str,
         healthy: Callable[[], None],
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Produce one message; while the client's queue is full, wait for the broker
         (backpressure: ``healthy`` raises if the publisher cannot go on). False when the
         topic refuses it as too large (said by :meth:`raise_refused`)."""
@@ -68,8 +73,10 @@ class Deliveries:
                     self.refused.append(f"{kind} of {len(value)} bytes")
                     logger.error(
                         "%s of %d bytes is larger than %s takes: not produced",
-                        kind, len(value), topic,
-                    )  # fmt: skip
+                        kind,
+                        len(value),
+                        topic,
+                    )
                     return False
                 raise PublishError(f"could not produce to {topic}: {exc}") from exc
         self.produced(kind)

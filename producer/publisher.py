@@ -88,9 +88,10 @@ class KVEventPublisher(StreamControl):
     ) -> None:
         self.config = config
         self.tracker = (
-            tracker if tracker is not None
+            tracker
+            if tracker is not None
             else OffloadingEventsTracker(vllm_version=config.vllm_version)
-        )  # fmt: skip
+        )
         self.codec = codec if codec is not None else Codec()
         self._deliveries = Deliveries(config.topic)
         self._lock = threading.Lock()
@@ -98,9 +99,10 @@ class KVEventPublisher(StreamControl):
         settings = config.sized_settings()
         limit = int(str(settings.get("message.max.bytes", 1_000_000)))
         self._form = WireForm(
-            config.hash_format == "digest", codec=self.codec,
+            config.hash_format == "digest",
+            codec=self.codec,
             max_bytes=limit - envelope_reserve(config),
-        )  # fmt: skip
+        )
         settings["error_cb"] = self._deliveries.on_error
         # Reports of failures only: a message leaves librdkafka's queue delivered or failed,
         # so the acknowledged are counted without a callback each (``stats``).
@@ -108,10 +110,15 @@ class KVEventPublisher(StreamControl):
         settings["delivery.report.only.error"] = True
         self._producer = Producer(client_logging(settings))
         self._stream = SourceStream(
-            config, self.codec, self._form, self._deliveries, self._producer,
-            healthy=self._check_healthy, clock=clock,
+            config,
+            self.codec,
+            self._form,
+            self._deliveries,
+            self._producer,
+            healthy=self._check_healthy,
+            clock=clock,
             epoch=epoch if epoch is not None else int(clock() * 1000),
-        )  # fmt: skip
+        )
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._transactional = config.transactional_id is not None
@@ -175,8 +182,9 @@ class KVEventPublisher(StreamControl):
     ) -> int:
         """Produce events that are already self-describing (kvledger's types); the keywords
         as :meth:`publish_prepared` takes them."""
-        return self.publish_prepared(events, time_ms=time_ms, engine_seq=engine_seq,
-                                     dp_rank=dp_rank)  # fmt: skip
+        return self.publish_prepared(
+            events, time_ms=time_ms, engine_seq=engine_seq, dp_rank=dp_rank
+        )
 
     def publish_vllm_batch(
         self, batch: Any, engine_seq: int | None = None, wait_s: float | None = None

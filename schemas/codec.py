@@ -60,8 +60,14 @@ from kvledger.schemas.records import envelope_to_record, record_to_envelope
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
 EVENT_CLASSES = (
-    BlockStored, BlockRemoved, AllBlocksCleared, GroupSpec, Heartbeat, Goodbye, EventsLost,
-)  # fmt: skip
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    GroupSpec,
+    Heartbeat,
+    Goodbye,
+    EventsLost,
+)
 EVENT_TYPES = tuple(cls.__name__ for cls in EVENT_CLASSES)  # the union's branches, in order
 NAMESPACE = "kvledger"
 _FP = struct.Struct("<Q")

@@ -54,8 +54,12 @@ def xxhash_cbor(value: Any) -> bytes:
 
 
 def hash_function(algorithm: str) -> Callable[[Any], bytes]:
-    functions = {"sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash,
-                 "xxhash_cbor": xxhash_cbor}  # fmt: skip
+    functions = {
+        "sha256": sha256,
+        "sha256_cbor": sha256_cbor,
+        "xxhash": xxhash,
+        "xxhash_cbor": xxhash_cbor,
+    }
     try:
         return functions[algorithm]
     except KeyError:

@@ -35,21 +35,39 @@ def admin_settings(settings: Mapping[str, object]) -> dict[str, str | int | floa
     cluster's address and security, client ids, socket options): scalar values, without the
     settings only producers or only consumers know."""
     return {
-        k: v for k, v in settings.items()
+        k: v
+        for k, v in settings.items()
         if isinstance(v, str | int | float | bool) and not k.startswith(_ONE_KIND_ONLY)
-    }  # fmt: skip
+    }
 
 
 _ONE_KIND_ONLY = (
     # producers
-    "enable.idempotence", "acks", "compression.", "linger.ms", "batch.", "queue.",
-    "message.timeout.ms", "transactional.id", "transaction.timeout.ms", "partitioner",
-    "message.max.bytes", "error_cb",
+    "enable.idempotence",
+    "acks",
+    "compression.",
+    "linger.ms",
+    "batch.",
+    "queue.",
+    "message.timeout.ms",
+    "transactional.id",
+    "transaction.timeout.ms",
+    "partitioner",
+    "message.max.bytes",
+    "error_cb",
     # consumers
-    "group.", "enable.auto.", "auto.offset.reset", "session.timeout.ms", "isolation.level",
-    "queued.", "fetch.", "max.poll.interval.ms", "partition.assignment.strategy",
-    "heartbeat.interval.ms", "enable.partition.eof",
-)  # fmt: skip
+    "group.",
+    "enable.auto.",
+    "auto.offset.reset",
+    "session.timeout.ms",
+    "isolation.level",
+    "queued.",
+    "fetch.",
+    "max.poll.interval.ms",
+    "partition.assignment.strategy",
+    "heartbeat.interval.ms",
+    "enable.partition.eof",
+)
 
 
 # How long a topic kvledger creates keeps its records (Kafka's own default, stated on the
@@ -82,9 +100,16 @@ def ensure_topic(
     """
     try:
         return _ensure_topic(
-            admin, name, partitions, retention_ms, replication_factor, timeout,
-            exact_partitions, log_append_time, config,
-        )  # fmt: skip
+            admin,
+            name,
+            partitions,
+            retention_ms,
+            replication_factor,
+            timeout,
+            exact_partitions,
+            log_append_time,
+            config,
+        )
     except KafkaException as exc:
         if refused(exc.args[0]):
             raise NotAuthorizedError(

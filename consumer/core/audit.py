@@ -18,19 +18,46 @@ def audit_row(
     msg, env = d.message, d.envelope
     if env is None:
         values: tuple[object, ...] = (
-            msg.topic, msg.partition, msg.offset, None, None, None, None, None, None,
-            None, None, hashes, 0, status, reason, None,
-        )  # fmt: skip
+            msg.topic,
+            msg.partition,
+            msg.offset,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            hashes,
+            0,
+            status,
+            reason,
+            None,
+        )
     else:
         ev = env.event
         medium = (
             ev.medium if isinstance(ev, BlockStored | BlockRemoved | AllBlocksCleared) else None
         )
         values = (
-            msg.topic, msg.partition, msg.offset, env.source, env.model, env.epoch,
-            env.seq, type(ev).__name__, group_of(ev), medium,
-            getattr(ev, "ownership", None), hashes, noop, status, reason, when,
-        )  # fmt: skip
+            msg.topic,
+            msg.partition,
+            msg.offset,
+            env.source,
+            env.model,
+            env.epoch,
+            env.seq,
+            type(ev).__name__,
+            group_of(ev),
+            medium,
+            getattr(ev, "ownership", None),
+            hashes,
+            noop,
+            status,
+            reason,
+            when,
+        )
     return new_tuple(AuditRow, values)
 
 

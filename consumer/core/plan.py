@@ -158,8 +158,9 @@ class _Planner:
             if verdict is Verdict.DUPLICATE:  # skipped, but kept with its bytes (replayable)
                 plan.duplicates += 1
                 detail = f"seq {env.seq} of epoch {env.epoch} was already applied"
-                plan.rejected.append(Rejection(d.message, Reason.DUPLICATE.value, detail,
-                                               env.source))  # fmt: skip
+                plan.rejected.append(
+                    Rejection(d.message, Reason.DUPLICATE.value, detail, env.source)
+                )
                 self._audit(d, "duplicate", None, 0, 0, when)
                 return
             if verdict is Verdict.GAP:
@@ -230,9 +231,19 @@ class _Planner:
             parent = ev.parent_block_hash
             start = 0 if parent is None else self.rows.token_end(model, group, parent)
         when_us = micros(when)
-        why = self.rows.store(model, group, ev.block_hashes, ev.token_ids, ev.block_size, start,
-                              ev.parent_block_hash, ev.partial, ev.lora_name, ev.extra_keys,
-                              when_us)  # fmt: skip
+        why = self.rows.store(
+            model,
+            group,
+            ev.block_hashes,
+            ev.token_ids,
+            ev.block_size,
+            start,
+            ev.parent_block_hash,
+            ev.partial,
+            ev.lora_name,
+            ev.extra_keys,
+            when_us,
+        )
         if why is not None:
             return Invalid(Reason.HASH_CONFLICT, why), 0, 0
         hashes = ev.block_hashes
@@ -240,8 +251,9 @@ class _Planner:
         if self.late and (msg.topic, msg.partition, msg.offset) in self.late:
             return None, len(hashes), 0  # its rows, no holders (see the module's docstring)
         source = env.source
-        holder = new_tuple(HolderKey, (model, group, source, medium_of(ev),
-                                       ev.ownership or PRIMARY_OWNERSHIP))  # fmt: skip
+        holder = new_tuple(
+            HolderKey, (model, group, source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP)
+        )
         stream = new_tuple(SourceKey, (source, model, group))
         state = self.sources.get(stream) or self.snap.sources.get(stream)
         reports = state is not None and state.reports_reuse
@@ -256,8 +268,10 @@ class _Planner:
         invalid = check_removed(ev, self.specs.get(new_tuple(GroupKey, (env.model, group))))
         if invalid is not None:
             return invalid, 0, 0
-        holder = new_tuple(HolderKey, (env.model, group, env.source, medium_of(ev),
-                                       ev.ownership or PRIMARY_OWNERSHIP))  # fmt: skip
+        holder = new_tuple(
+            HolderKey,
+            (env.model, group, env.source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP),
+        )
         noop = self.refs.remove(holder, ev.block_hashes, when, ev.locality, msg)
         self.plan.noop_removals += noop
         self.plan.block_events += len(ev.block_hashes)
@@ -322,17 +336,25 @@ class _Planner:
     def _goodbye(self, env: Envelope, msg: Inbound, when: datetime) -> int:
         """A clean shutdown: the source's residencies on non-surviving media end, every group."""
         keys = [
-            k for k in self.refs.live(HolderScope(env.model, None, env.source, None, None))
+            k
+            for k in self.refs.live(HolderScope(env.model, None, env.source, None, None))
             if k.medium not in self._policy(SourceKey(env.source, env.model, k.group_idx))
-        ]  # fmt: skip
+        ]
         ended = self.refs.end(keys, "closed", when, msg)
         self._lifecycle(env, None, "closed", None, msg, when, ended)
         return len(keys)
 
     def _lifecycle(
-        self, env: Envelope, group: int | None, kind: str, previous: int | None, msg: Inbound,
-        when: datetime, ended: dict[str, int], lost: tuple[int, int] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        env: Envelope,
+        group: int | None,
+        kind: str,
+        previous: int | None,
+        msg: Inbound,
+        when: datetime,
+        ended: dict[str, int],
+        lost: tuple[int, int] | None = None,
+    ) -> None:
         counts = (ended.get("GPU", 0), ended.get("CPU", 0), ended.get("STORAGE", 0))
         where = (msg.topic, msg.partition, msg.offset)
         event = LifecycleEvent(
@@ -351,9 +373,14 @@ class _Planner:
 
     # ------------------------------------------------------------------ audit
     def _audit(
-        self, d: Decoded, status: str, reason: str | None, hashes: int, noop: int,
+        self,
+        d: Decoded,
+        status: str,
+        reason: str | None,
+        hashes: int,
+        noop: int,
         when: datetime | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """One audit row, unless the store keeps none."""
         if self.snap.history:
             self.plan.audit.append(audit_row(d, status, reason, hashes, noop, when))

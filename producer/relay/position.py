@@ -52,21 +52,27 @@ class _Last:
 
 
 def recover(
-    settings: Mapping[str, object], topic: str, source: str, groups: Iterable[int],
-    codec: Codec | None = None, timeout_s: float = 30.0,
-) -> StreamPosition | None:  # fmt: skip
+    settings: Mapping[str, object],
+    topic: str,
+    source: str,
+    groups: Iterable[int],
+    codec: Codec | None = None,
+    timeout_s: float = 30.0,
+) -> StreamPosition | None:
     """The source's position on ``topic`` from its groups' last messages (None: nothing)."""
     codec = codec or Codec()
     consumer = Consumer(
-        client_logging({
-            **settings,
-            "group.id": f"kvledger-relay-recover-{uuid.uuid4().hex[:12]}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-            "log_level": 3,
-        })
-    )  # fmt: skip
+        client_logging(
+            {
+                **settings,
+                "group.id": f"kvledger-relay-recover-{uuid.uuid4().hex[:12]}",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                "isolation.level": "read_committed",
+                "log_level": 3,
+            }
+        )
+    )
     try:
         meta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
@@ -126,9 +132,15 @@ def _last_of(
 
 
 def _read(
-    consumer: Consumer, codec: Codec, topic: str, partition: int, start: int, end: int,
-    timeout_s: float, key: bytes,
-) -> list[Envelope | None]:  # fmt: skip
+    consumer: Consumer,
+    codec: Codec,
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    timeout_s: float,
+    key: bytes,
+) -> list[Envelope | None]:
     """The envelopes of ``key`` at offsets [start, end), in order (undecodable: skipped)."""
     consumer.assign([TopicPartition(topic, partition, start)])
     out: list[Envelope | None] = []

@@ -64,10 +64,12 @@ class RankState:
         self.load: LoadReader | None = None
         if config.engine_metrics_url is not None:
             self.load = LoadReader(
-                config.engine_metrics_url, config.heartbeat_interval_s,
-                rank if config.dp_size > 1 else None, config.health_timeout_s,
+                config.engine_metrics_url,
+                config.heartbeat_interval_s,
+                rank if config.dp_size > 1 else None,
+                config.health_timeout_s,
                 on_error=self.metrics.load_errors.labels(self.source).inc,
-            )  # fmt: skip
+            )
         self.ready = threading.Event()  # set once resynchronised with the engine
 
     @property
@@ -120,8 +122,10 @@ class RankState:
         reason = str(exc) if isinstance(exc, VllmEventError | PublishError) else repr(exc)
         logger.error(
             "relay %s: engine batch %d cannot be relayed (%.300s); recorded as lost",
-            self.source, seq, reason,
-        )  # fmt: skip
+            self.source,
+            seq,
+            reason,
+        )
 
     def _lost(self, first: int, last: int) -> None:
         """Engine batches first..last cannot be recovered: every group is cleared."""
@@ -131,8 +135,11 @@ class RankState:
         logger.error(
             "relay %s: engine batches %d..%d are lost (the engine no longer holds them); "
             "clearing the source's blocks in groups %s",
-            self.source, first, last, groups,
-        )  # fmt: skip
+            self.source,
+            first,
+            last,
+            groups,
+        )
         pub.publish_events([EventsLost(first, last, group_idx=g) for g in groups], engine_seq=None)
         self.metrics.unrecoverable.labels(self.source).inc()
         # A range wider than any engine sends (its numbering jumped) counts as that bound.

@@ -84,8 +84,9 @@ class RankRelay(RankState):
             if not self._healthy():  # a starting engine is not there yet
                 logger.warning(
                     "relay %s: waiting for the engine's health route %s to answer 200",
-                    self.source, cfg.health_url,
-                )  # fmt: skip
+                    self.source,
+                    cfg.health_url,
+                )
                 while not self._healthy():
                     if self._stop.wait(max(cfg.heartbeat_interval_s, 0.2)):
                         return
@@ -125,8 +126,10 @@ class RankRelay(RankState):
         self.sequence.committed()
         logger.info(
             "relay %s: resuming epoch %d after engine batch %d",
-            self.source, position.epoch, position.engine_seq,
-        )  # fmt: skip
+            self.source,
+            position.epoch,
+            position.engine_seq,
+        )
         return self._replay_from(position.engine_seq, verify=position.engine_time_ms)
 
     def _replay_from(self, start: int, verify: int | None = None, upto: int | None = None) -> bool:
@@ -177,8 +180,10 @@ class RankRelay(RankState):
         epoch = max(self._now_ms(), pub.epoch + 1)
         logger.warning(
             "relay %s: the engine restarted (batch numbers went back%s); new epoch %d",
-            self.source, f" to {seen}" if seen is not None else "", epoch,
-        )  # fmt: skip
+            self.source,
+            f" to {seen}" if seen is not None else "",
+            epoch,
+        )
         self.metrics.engine_restarts.labels(self.source).inc()
         self.txn.begin()
         pub.new_epoch(epoch)
@@ -232,8 +237,10 @@ class RankRelay(RankState):
             else:
                 logger.info(
                     "relay %s: batches %d..%d missed; asking for replay",
-                    self.source, start, seq - 1,
-                )  # fmt: skip
+                    self.source,
+                    start,
+                    seq - 1,
+                )
                 self._replay_from(start, upto=seq)
                 again = self.sequence.classify(seq, time_ms if time_ms is not None else -1)
                 if again is not Seen.NEXT:

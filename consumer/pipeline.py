@@ -38,7 +38,7 @@ class BatchResult:
     next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
 
 
-def run_batch(
+def run_batch(  # noqa: PLR0913 - the batch and its sink, then 3 optional inputs by name
     messages: Sequence[Inbound],
     codec: Codec,
     store: IndexStore,
@@ -96,7 +96,7 @@ def decode_batch(
     ]
 
 
-def write_batch(
+def write_batch(  # noqa: PLR0913 - run_batch's, the plan and offsets for the messages
     store: IndexStore,
     plan: Plan,
     consumer_group: str,

@@ -163,32 +163,37 @@ def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
     return len(declared)
 
 
+@dataclass(frozen=True)
+class _TopicLog:
+    """The topic a verify or a rebuild replays: its broker, its name, the client's
+    settings and the codec."""
+
+    bootstrap: str
+    topic: str
+    kafka: Mapping[str, object] | None
+    codec: Codec | None
+
+
 def _replay_log(
-    bootstrap: str,
-    scratch_url: str,
-    topic: str,
-    group_prefix: str,
-    kafka: Mapping[str, object] | None,
-    stop_at: Mapping[int, int] | None = None,
-    codec: Codec | None = None,
+    log: _TopicLog, scratch_url: str, group_prefix: str, stop_at: Mapping[int, int] | None = None
 ) -> RunSummary:
     """Apply the topic from its start into the index at ``scratch_url``, up to ``stop_at``
     (else to its end), under a Kafka group of its own (``group_prefix`` + a random suffix:
     joining the live group would take its partitions); rejections are stored, not re-sent."""
     return IndexConsumer(
         ConsumerConfig(
-            bootstrap_servers=bootstrap,
+            bootstrap_servers=log.bootstrap,
             database_url=scratch_url,
-            topic=topic,
+            topic=log.topic,
             group_id=f"{group_prefix}{uuid.uuid4().hex[:8]}",
             dlq_topic=None,
             stop_at=stop_at,
             until_caught_up=not stop_at,
             batch_size=5000,
             batch_timeout_s=0.2,
-            kafka=kafka or {},
+            kafka=log.kafka or {},
         ),
-        codec=codec,
+        codec=log.codec,
     ).run()
 
 
@@ -214,7 +219,7 @@ class VerifyResult:
         return not self.differences
 
 
-def verify(
+def verify(  # noqa: PLR0913 - `kvledger verify`'s options; the last three optional, by name
     bootstrap: str,
     live_url: str,
     topic: str,
@@ -245,15 +250,8 @@ def verify(
                     (topic, DECISIONS_GROUP),
                 ).fetchall()
             ]
-        summary = _replay_log(
-            bootstrap,
-            scratch_url,
-            topic,
-            f"{group}-verify-",
-            kafka,
-            stop_at=targets,
-            codec=codec,
-        )
+        log = _TopicLog(bootstrap, topic, kafka, codec)
+        summary = _replay_log(log, scratch_url, f"{group}-verify-", stop_at=targets)
         starts = _trimmed(admin, topic)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             windows = retention.windows(live)
@@ -294,7 +292,7 @@ class RebuildRefusedError(KvledgerError):
     """A rebuild that would lose data or race a running consumer, refused with the reason."""
 
 
-def rebuild(
+def rebuild(  # noqa: PLR0913 - `kvledger rebuild`'s options; the last three optional, by name
     bootstrap: str,
     live_url: str,
     topic: str,
@@ -322,9 +320,8 @@ def rebuild(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
         # The live group's offsets are written into the index when it is swapped in.
-        summary = _replay_log(
-            bootstrap, scratch_url, topic, f"{group}-rebuild-", kafka, codec=codec
-        )
+        log = _TopicLog(bootstrap, topic, kafka, codec)
+        summary = _replay_log(log, scratch_url, f"{group}-rebuild-")
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _swap_in(scratch, live, summary_group=f"{group}-rebuild-", live_group=group)
         return summary

@@ -106,7 +106,7 @@ class LookupClient:
         else:
             self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
 
-    def match(
+    def match(  # noqa: PLR0913 - the lookup API's query parameters, one keyword each
         self,
         model: str,
         hashes: Sequence[bytes | int | str] | None = None,
@@ -154,7 +154,7 @@ class LookupClient:
             load=data.get("load"),
         )
 
-    def decide(
+    def decide(  # noqa: PLR0913 - POST /v1/decisions' fields, one keyword each
         self,
         model: str,
         instance: str,
@@ -260,7 +260,7 @@ class DecisionReporter:
     failure after a success is logged, with the service's reason.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - LookupClient's four, then its queue's two
         self,
         base_url: str,
         token: str | None = None,
@@ -282,7 +282,7 @@ class DecisionReporter:
         self._thread = threading.Thread(target=self._run, name="kvledger-decisions", daemon=True)
         self._thread.start()
 
-    def report(
+    def report(  # noqa: PLR0913 - decide's fields, as LookupClient.decide takes them
         self,
         model: str,
         instance: str,
@@ -363,7 +363,7 @@ class DecisionReporter:
         self._client.close()
 
 
-def decision_body(
+def decision_body(  # noqa: PLR0913 - POST /v1/decisions' fields, as decide takes them
     model: str,
     instance: str,
     token_ids: Sequence[int] | None = None,

@@ -33,7 +33,7 @@ class SimulationResult:
     seconds: float
 
 
-def run_simulation(
+def run_simulation(  # noqa: PLR0913 - where, then options with defaults, set by name
     bootstrap: str,
     topic: str,
     fleet: FleetConfig,

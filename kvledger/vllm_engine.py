@@ -146,7 +146,7 @@ def encode_batch(ts: float, events: Sequence[Event], rank: int | None, positiona
 class ZmqEngine:
     """One engine rank: PUB on ``port``, ROUTER replay on ``replay_port``."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - vLLM's ZmqEventPublisher's settings, and the wire's form
         self,
         port: int,
         replay_port: int,

@@ -49,17 +49,12 @@ class Deliveries:
         self._forgotten = 0  # produced in aborted transactions and failed there
 
     def send(
-        self,
-        producer: Producer,
-        topic: str,
-        key: bytes,
-        value: bytes,
-        kind: str,
-        healthy: Callable[[], None],
+        self, producer: Producer, key: bytes, value: bytes, kind: str, healthy: Callable[[], None]
     ) -> bool:
-        """Produce one message; while the client's queue is full, wait for the broker
-        (backpressure: ``healthy`` raises if the publisher cannot go on). False when the
-        topic refuses it as too large (said by :meth:`raise_refused`)."""
+        """Produce one message to the topic; while the client's queue is full, wait for the
+        broker (backpressure: ``healthy`` raises if the publisher cannot go on). False when
+        the topic refuses it as too large (said by :meth:`raise_refused`)."""
+        topic = self.topic
         while True:
             try:
                 producer.produce(topic, value, key)

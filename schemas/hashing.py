@@ -104,7 +104,7 @@ def hash_block_tokens(
     return hash_function(algorithm)((parent, tuple(token_ids), extra_keys))
 
 
-def prompt_block_hashes(
+def prompt_block_hashes(  # noqa: PLR0913 - vLLM's block hash inputs, as vLLM takes them
     token_ids: Sequence[int],
     block_size: int,
     algorithm: str = "sha256",

@@ -10,12 +10,14 @@ from kvledger.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored,
 
 
 def audit_row(
-    d: Decoded, status: str, reason: str | None, hashes: int, noop: int, when: datetime | None
+    d: Decoded, status: str, reason: str | None, counts: tuple[int, int], when: datetime | None
 ) -> AuditRow:
     """A message's audit row: its coordinates, what it was, what became of it (``status``,
-    ``reason``), the hashes it named and its no-op hashes (removals that found nothing, reused
-    blocks a store reported); ``when`` is the event time (None for an undecodable message)."""
+    ``reason``), ``counts``: the hashes it named and its no-op hashes (removals that found
+    nothing, reused blocks a store reported); ``when`` is the event time (None for an
+    undecodable message)."""
     msg, env = d.message, d.envelope
+    hashes, noop = counts
     if env is None:
         values: tuple[object, ...] = (
             msg.topic,

@@ -31,7 +31,7 @@ class References:
             snapshot.residencies, snapshot.held, snapshot.residency_base, snapshot.history, micros
         )
 
-    def store(
+    def store(  # noqa: PLR0913 - the core's Residencies.store (PyO3), argument for argument
         self,
         holder: HolderKey,
         hashes: tuple[bytes, ...],

@@ -74,8 +74,14 @@ class Overlay:
         the next batch's planner changes its own)."""
         out = cls()
         for spec, _ in plan.new_specs:  # as the store reads a spec back: its shape only
-            shape = GroupSpec(spec.model, spec.group_idx, spec.kind, spec.block_size,
-                              spec.hash_block_size, spec.sliding_window)  # fmt: skip
+            shape = GroupSpec(
+                spec.model,
+                spec.group_idx,
+                spec.kind,
+                spec.block_size,
+                spec.hash_block_size,
+                spec.sliding_window,
+            )
             out.specs.setdefault(GroupKey(spec.model, spec.group_idx), HeldSpec(shape, "announced"))
         out.blocks, out.refs = plan.rows, plan.refs
         out.sources = {key: copy.copy(state) for key, state in plan.sources.items()}
@@ -175,8 +181,15 @@ class Ahead:
         """Write ``planned`` on the writer thread (nothing may be in flight)."""
         if self._flight is not None:
             raise RuntimeError("Ahead.submit: a batch is still in flight (take it first)")
-        future = self._pool.submit(write_batch, writer, planned.plan, self.consumer_group,
-                                   starts, next_offsets, dead_letters)  # fmt: skip
+        future = self._pool.submit(
+            write_batch,
+            writer,
+            planned.plan,
+            self.consumer_group,
+            starts,
+            next_offsets,
+            dead_letters,
+        )
         self._flight = InFlight(planned, Overlay.of(planned.plan), future)
 
     def take(self) -> InFlight | None:

@@ -31,7 +31,7 @@ from kvledger.consumer import metrics
 from kvledger.consumer.ahead import Ahead
 from kvledger.consumer.config import ConsumerConfig
 from kvledger.consumer.db import connect
-from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer
+from kvledger.consumer.dlq import DeadLetterError, DeadLetterProducer, DeadLetterTopic
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import BatchResult, decode_batch, fence_points, run_batch
 from kvledger.consumer.store.base import FencedError
@@ -97,14 +97,13 @@ class BatchApplier:
         cfg = self.config
         self.conn = self.connect()
         if cfg.dead_letter_topic:
-            self.dlq = DeadLetterProducer(
-                cfg.bootstrap_servers,
+            topic = DeadLetterTopic(
                 cfg.dead_letter_topic,
-                settings=cfg.kafka,
-                replication_factor=cfg.dlq_replication_factor,
-                topic_config=cfg.dlq_topic_config,
+                cfg.dlq_replication_factor,
+                cfg.dlq_topic_config,
                 derived=cfg.dlq_topic == "",
             )
+            self.dlq = DeadLetterProducer(cfg.bootstrap_servers, topic, settings=cfg.kafka)
         return self.conn
 
     def plan_ahead(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient
@@ -27,6 +28,20 @@ class DeadLetterError(KvledgerError):
     """The dead-letter topic did not acknowledge; the batch is retried, nothing is lost."""
 
 
+@dataclass(frozen=True)
+class DeadLetterTopic:
+    """The dead-letter topic: its name, and how it is created: with the cluster's default
+    replication factor (``replication_factor=-1``) and ``config`` (e.g.
+    ``min.insync.replicas``), so a cluster that requires more than one replica works.
+    ``derived``: the topic is the events topic's own (``<topic>.dlq``, not named by the
+    user): where the shared one of earlier releases exists, that is said."""
+
+    name: str
+    replication_factor: int = -1
+    config: Mapping[str, str] = field(default_factory=dict)
+    derived: bool = False
+
+
 class DeadLetterProducer:
     """Produces rejections to the dead-letter topic and waits for every acknowledgement.
 
@@ -34,23 +49,17 @@ class DeadLetterProducer:
     add to the original bytes) is sent as a truncated record instead, an empty value with a
     ``kvledger.truncated`` header giving the original size: its whole bytes are in
     kvledger.rejected_events either way, and the consumer never stalls on it. The topic is
-    created with the cluster's default replication factor (``replication_factor=-1``) and
-    ``topic_config`` (e.g. ``min.insync.replicas``), so a cluster that requires more than one
-    replica works. ``derived``: the topic is the events topic's own (``<topic>.dlq``, not
-    named by the user): where the shared one of earlier releases exists, that is said.
+    created as :class:`DeadLetterTopic` says.
     """
 
     def __init__(
         self,
         bootstrap: str,
-        topic: str,
+        dead_letters: DeadLetterTopic,
         timeout: float = 30.0,
         settings: Mapping[str, object] | None = None,
-        replication_factor: int = -1,
-        topic_config: Mapping[str, str] | None = None,
-        derived: bool = False,
     ) -> None:
-        self.topic = topic
+        topic = self.topic = dead_letters.name
         self.timeout = timeout
         producer_settings: dict[str, object] = {
             "enable.idempotence": True,
@@ -62,24 +71,33 @@ class DeadLetterProducer:
         }
         self._producer = Producer(client_logging(producer_settings))
         self._failed: dict[int, KafkaError] = {}
-        admin = AdminClient(client_logging(
-            {**admin_settings(settings or {}), "bootstrap.servers": bootstrap, "log_level": 4}
-        ))  # fmt: skip
+        admin = AdminClient(
+            client_logging(
+                {**admin_settings(settings or {}), "bootstrap.servers": bootstrap, "log_level": 4}
+            )
+        )
         ensure_topic(
-            admin, topic, DLQ_PARTITIONS, timeout=min(timeout, STARTUP_TIMEOUT_S),
+            admin,
+            topic,
+            DLQ_PARTITIONS,
+            timeout=min(timeout, STARTUP_TIMEOUT_S),
             exact_partitions=False,
-            replication_factor=replication_factor, config=dict(topic_config or {}),
-        )  # fmt: skip
+            replication_factor=dead_letters.replication_factor,
+            config=dict(dead_letters.config),
+        )
         self.truncated = 0
         # A topic's own dead-letter topic (not named by the user): earlier rejections may be
         # in the one every topic shared before.
-        self.earlier = earlier_dead_letters(admin, topic) if derived else None
+        self.earlier = earlier_dead_letters(admin, topic) if dead_letters.derived else None
         if self.earlier is not None:
             logger.warning(
                 "dead letters now go to %s; before kvledger 0.3 every topic's went to %s, "
                 "which holds earlier ones (each is in kvledger.rejected_events too; "
-                "--dlq-topic %s keeps using it)", topic, self.earlier, self.earlier,
-            )  # fmt: skip
+                "--dlq-topic %s keeps using it)",
+                topic,
+                self.earlier,
+                self.earlier,
+            )
 
     def send(self, rejections: Sequence[Rejection]) -> None:
         """Produce every rejection and wait for the acknowledgements (raises on failure)."""
@@ -100,9 +118,12 @@ class DeadLetterProducer:
                 self.truncated += 1
                 logger.warning(
                     "rejection %s[%d]@%d (%d bytes) is too large for %s: sent truncated",
-                    rejections[i].message.topic, rejections[i].message.partition,
-                    rejections[i].message.offset, len(rejections[i].message.value), self.topic,
-                )  # fmt: skip
+                    rejections[i].message.topic,
+                    rejections[i].message.partition,
+                    rejections[i].message.offset,
+                    len(rejections[i].message.value),
+                    self.topic,
+                )
             remaining = self._producer.flush(self.timeout)
             errors = [str(err) for err in self._failed.values()]
         if remaining or errors:

@@ -38,7 +38,7 @@ class BatchResult:
     next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
 
 
-def run_batch(
+def run_batch(  # noqa: PLR0913 - the batch and its sink, then 3 optional inputs by name
     messages: Sequence[Inbound],
     codec: Codec,
     store: IndexStore,
@@ -96,7 +96,7 @@ def decode_batch(
     ]
 
 
-def write_batch(
+def write_batch(  # noqa: PLR0913 - run_batch's, the plan and offsets for the messages
     store: IndexStore,
     plan: Plan,
     consumer_group: str,
@@ -146,8 +146,11 @@ def warn_model_changes(plan: Plan) -> None:
     for change in plan.model_changes:
         logger.warning(
             "source %s changed model from %s to %s: one source id per engine and model "
-            "(`kvledger sources` shows the change)", change.source, change.previous, change.model,
-        )  # fmt: skip
+            "(`kvledger sources` shows the change)",
+            change.source,
+            change.previous,
+            change.model,
+        )
 
 
 def replay_batch(batch: Sequence[Decoded], store: IndexStore) -> Plan:

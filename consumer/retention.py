@@ -259,8 +259,10 @@ class Retainer:
                 if self.last.dropped or self.last.blocks_deleted:
                     logger.info(
                         "retention: dropped %d partitions, deleted %d blocks in %.2f s",
-                        len(self.last.dropped), self.last.blocks_deleted, self.last.seconds,
-                    )  # fmt: skip
+                        len(self.last.dropped),
+                        self.last.blocks_deleted,
+                        self.last.seconds,
+                    )
             except psycopg.Error as exc:
                 logger.warning("retention pass failed (next in %.0f s): %s", self.every_s, exc)
                 if conn is not None:

@@ -78,8 +78,10 @@ class Retention:
         whole on time, and one of more than :data:`MAX_PARTITIONS` intervals would keep that
         many partitions of each table (an as-of lookup probes each): refused, naming the
         option."""
-        for option, value in (("--history-retention", self.history),
-                              ("--audit-retention", self.audit)):  # fmt: skip
+        for option, value in (
+            ("--history-retention", self.history),
+            ("--audit-retention", self.audit),
+        ):
             if value < interval:
                 raise DurationError(
                     f"{option} {show_duration(value)} is shorter than the partition interval "

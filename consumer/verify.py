@@ -163,28 +163,37 @@ def _copy_declared(live: psycopg.Connection, target: psycopg.Connection) -> int:
     return len(declared)
 
 
+@dataclass(frozen=True)
+class _TopicLog:
+    """The topic a verify or a rebuild replays: its broker, its name, the client's
+    settings and the codec."""
+
+    bootstrap: str
+    topic: str
+    kafka: Mapping[str, object] | None
+    codec: Codec | None
+
+
 def _replay_log(
-    bootstrap: str, scratch_url: str, topic: str, group_prefix: str,
-    kafka: Mapping[str, object] | None, stop_at: Mapping[int, int] | None = None,
-    codec: Codec | None = None,
-) -> RunSummary:  # fmt: skip
+    log: _TopicLog, scratch_url: str, group_prefix: str, stop_at: Mapping[int, int] | None = None
+) -> RunSummary:
     """Apply the topic from its start into the index at ``scratch_url``, up to ``stop_at``
     (else to its end), under a Kafka group of its own (``group_prefix`` + a random suffix:
     joining the live group would take its partitions); rejections are stored, not re-sent."""
     return IndexConsumer(
         ConsumerConfig(
-            bootstrap_servers=bootstrap,
+            bootstrap_servers=log.bootstrap,
             database_url=scratch_url,
-            topic=topic,
+            topic=log.topic,
             group_id=f"{group_prefix}{uuid.uuid4().hex[:8]}",
             dlq_topic=None,
             stop_at=stop_at,
             until_caught_up=not stop_at,
             batch_size=5000,
             batch_timeout_s=0.2,
-            kafka=kafka or {},
+            kafka=log.kafka or {},
         ),
-        codec=codec,
+        codec=log.codec,
     ).run()
 
 
@@ -210,7 +219,7 @@ class VerifyResult:
         return not self.differences
 
 
-def verify(
+def verify(  # noqa: PLR0913 - `kvledger verify`'s options; the last three optional, by name
     bootstrap: str,
     live_url: str,
     topic: str,
@@ -233,20 +242,16 @@ def verify(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
             targets = stored_offsets(live, group, topic)
-            others = [str(t) for (t,) in live.execute(
-                "SELECT DISTINCT kafka_topic FROM kvledger.consumer_offsets "
-                "WHERE kafka_topic <> %s AND consumer_group NOT LIKE %s ORDER BY 1",
-                (topic, DECISIONS_GROUP),
-            ).fetchall()]  # fmt: skip
-        summary = _replay_log(
-            bootstrap,
-            scratch_url,
-            topic,
-            f"{group}-verify-",
-            kafka,
-            stop_at=targets,
-            codec=codec,
-        )
+            others = [
+                str(t)
+                for (t,) in live.execute(
+                    "SELECT DISTINCT kafka_topic FROM kvledger.consumer_offsets "
+                    "WHERE kafka_topic <> %s AND consumer_group NOT LIKE %s ORDER BY 1",
+                    (topic, DECISIONS_GROUP),
+                ).fetchall()
+            ]
+        log = _TopicLog(bootstrap, topic, kafka, codec)
+        summary = _replay_log(log, scratch_url, f"{group}-verify-", stop_at=targets)
         starts = _trimmed(admin, topic)
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             windows = retention.windows(live)
@@ -254,10 +259,15 @@ def verify(
             a, b = dump(live, filters), dump(scratch, filters)
             out_live, out_rebuilt = left_out(live, filters), left_out(scratch, filters)
         return VerifyResult(
-            diff(a, b), summary, targets, {t: sum(c.values()) for t, c in a.items()},
-            windows, {t: (out_live[t], out_rebuilt[t]) for t in filters},
-            starts, others,
-        )  # fmt: skip
+            diff(a, b),
+            summary,
+            targets,
+            {t: sum(c.values()) for t, c in a.items()},
+            windows,
+            {t: (out_live[t], out_rebuilt[t]) for t in filters},
+            starts,
+            others,
+        )
     finally:
         if created:
             drop_database(live_url, str(sa.engine.make_url(scratch_url).database))
@@ -282,7 +292,7 @@ class RebuildRefusedError(KvledgerError):
     """A rebuild that would lose data or race a running consumer, refused with the reason."""
 
 
-def rebuild(
+def rebuild(  # noqa: PLR0913 - `kvledger rebuild`'s options; the last three optional, by name
     bootstrap: str,
     live_url: str,
     topic: str,
@@ -310,9 +320,8 @@ def rebuild(
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _copy_declared(live, scratch)
         # The live group's offsets are written into the index when it is swapped in.
-        summary = _replay_log(
-            bootstrap, scratch_url, topic, f"{group}-rebuild-", kafka, codec=codec
-        )
+        log = _TopicLog(bootstrap, topic, kafka, codec)
+        summary = _replay_log(log, scratch_url, f"{group}-rebuild-")
         with connect(live_url, autocommit=True) as live, connect(scratch_url, True) as scratch:
             _swap_in(scratch, live, summary_group=f"{group}-rebuild-", live_group=group)
         return summary
@@ -349,8 +358,13 @@ def _refuse_unsafe(
 DECISIONS_GROUP = "%:decisions"
 # The live index's own bookkeeping of its partitions and retention, and the routing
 # decisions recorded from their own topic: not rebuilt from the events topic.
-_KEPT_ON_SWAP = ("time_partitions", "retention_settings", "retained_windows", "decisions",
-                 "rejected_decisions")  # fmt: skip
+_KEPT_ON_SWAP = (
+    "time_partitions",
+    "retention_settings",
+    "retained_windows",
+    "decisions",
+    "rejected_decisions",
+)
 
 
 def _swap_in(
@@ -372,8 +386,9 @@ def _swap_in(
     # decisions themselves do.
     other_offsets = live.execute(
         "SELECT consumer_group, kafka_topic, kafka_partition, next_offset "
-        "FROM kvledger.consumer_offsets WHERE consumer_group LIKE %s", (DECISIONS_GROUP,),
-    ).fetchall()  # fmt: skip
+        "FROM kvledger.consumer_offsets WHERE consumer_group LIKE %s",
+        (DECISIONS_GROUP,),
+    ).fetchall()
     with live.transaction():
         # One TRUNCATE takes every table's lock before anything changes (readers wait for
         # the swap, then see the new index).
@@ -388,8 +403,9 @@ def _swap_in(
                     inp.write(chunk)
         live.cursor().executemany(
             "INSERT INTO kvledger.consumer_offsets (consumer_group, kafka_topic, "
-            "kafka_partition, next_offset) VALUES (%s, %s, %s, %s)", other_offsets,
-        )  # fmt: skip
+            "kafka_partition, next_offset) VALUES (%s, %s, %s, %s)",
+            other_offsets,
+        )
         # The rebuild's offsets are the live group's from now on.
         live.execute(
             "UPDATE kvledger.consumer_offsets SET consumer_group = %s WHERE consumer_group LIKE %s",

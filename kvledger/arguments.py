@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvledger.arguments_consumer import add_consumer
+from kvledger.arguments_relay import add_relay
 from kvledger.consumer.config import DEFAULT_GROUP
 from kvledger.consumer.retention_policy import duration_arg, seconds_arg
 from kvledger.options import (
     DEFAULT_MODEL,
     DEFAULT_PARTITIONS,
     DEFAULT_TOPIC,
-    ENGINES,
     ENV_ADMIN,
     ENV_LOOKUP_TOKEN,
     ENV_READER_PASSWORD,
@@ -28,7 +28,6 @@ from kvledger.parsers import (
     NON_NEGATIVE,
     PORT,
     SECONDS,
-    SECONDS_OR_OFF,
     add,
     command,
 )
@@ -44,29 +43,35 @@ def add_simulate(subparsers: Subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="the simulation's random seed")
     p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic to publish to")
     p.add_argument(
-        "--partitions", type=COUNT, default=DEFAULT_PARTITIONS,
+        "--partitions",
+        type=COUNT,
+        default=DEFAULT_PARTITIONS,
         help="partitions when it creates the topic",
-    )  # fmt: skip
+    )
     bootstrap_arg(p)
     add_kafka_args(p)
     add_registry_args(p)
     p.add_argument("--model", default=DEFAULT_MODEL, help="the simulated model's name")
     p.add_argument("--rate", type=SECONDS, help="pace publishing to this many messages per second")
     p.add_argument(
-        "--gpu-blocks", type=NON_NEGATIVE, default=256, metavar="N",
+        "--gpu-blocks",
+        type=NON_NEGATIVE,
+        default=256,
+        metavar="N",
         help="each engine's GPU block pool, in blocks, published as vLLM's pool does (least "
         "recently used evicted); 0: engines that publish their CPU and storage tiers only",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--misconfigured-source",
         action="store_true",
         help="add a source whose block_size disagrees with its announced group spec",
     )
     p.add_argument(
-        "--prompt-out", metavar="FILE",
+        "--prompt-out",
+        metavar="FILE",
         help="write the token ids of the last prompt the fleet served to FILE (for "
         "`kvledger lookup --token-ids @FILE`)",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("simulate_cmd:run"))
 
 
@@ -79,10 +84,11 @@ def add_demo(subparsers: Subparsers) -> None:
     p.add_argument("--seed", type=int, default=7, help="the simulation's random seed")
     p.add_argument("--keep", action="store_true", help="leave the services up afterwards")
     p.add_argument(
-        "--name", default="demo",
+        "--name",
+        default="demo",
         help="its database <database>_NAME, topic kv-events-NAME and group kvledger-NAME "
         "(a-z, 0-9, _; default demo)",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("demo:run"))
 
 
@@ -94,9 +100,10 @@ def add_lookup(subparsers: Subparsers) -> None:
         "$KVLEDGER_DATABASE_URL; either may be given as a file with the _FILE suffix)",
     )
     p.add_argument(
-        "--allow-writer", action="store_true",
+        "--allow-writer",
+        action="store_true",
         help="start even when the database role can write to the index (development only)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--memory",
         action="store_true",
@@ -104,11 +111,12 @@ def add_lookup(subparsers: Subparsers) -> None:
         "following the topic (as-of lookups and block rows stay with the SQL mode)",
     )
     p.add_argument(
-        "--dynamo-api", action="store_true",
+        "--dynamo-api",
+        action="store_true",
         help="also serve NVIDIA Dynamo's KV-indexer API (/query, /query_by_hash, /dump, "
         "/workers, /register, /unregister) for Dynamo's routers, from an in-memory router "
         "index (the --memory one; without --memory, one of its own beside SQL)",
-    )  # fmt: skip
+    )
     bootstrap_arg(p, "with --memory or --dynamo-api: ")
     add_kafka_args(p)
     add_registry_args(p)
@@ -125,13 +133,17 @@ def add_lookup(subparsers: Subparsers) -> None:
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument(
-        "--statement-timeout", type=SECONDS, default=5.0,
+        "--statement-timeout",
+        type=SECONDS,
+        default=5.0,
         help="seconds a lookup may run in the database before it is answered 503",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--pool-timeout", type=SECONDS, default=5.0,
+        "--pool-timeout",
+        type=SECONDS,
+        default=5.0,
         help="seconds a request may wait for a free database connection before a 503",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--token-file",
         help="require `Authorization: Bearer <token>` on every route but /healthz and the "
@@ -140,28 +152,37 @@ def add_lookup(subparsers: Subparsers) -> None:
     )
     p.add_argument("--port", type=PORT, default=8080, help="port to listen on")
     p.add_argument(
-        "--max-connections", type=COUNT, default=4096,
+        "--max-connections",
+        type=COUNT,
+        default=4096,
         help="open client connections at most; past it, the one waiting longest for a request "
         "head is closed (default 4096)",
-    )  # fmt: skip
+    )
     p.add_argument("--pool-size", type=COUNT, default=8, help="database connections at most")
     silent_after_arg(p, "after which a silent source leaves routing answers")
     p.add_argument(
-        "--block-retention", type=duration_arg, default="1d", metavar="D",
+        "--block-retention",
+        type=duration_arg,
+        default="1d",
+        metavar="D",
         help="with --memory or --dynamo-api: forget a block this long after it was last "
         "stored or held, once no one holds it and no block names it as its parent",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--provisional-window", type=seconds_arg, default=5.0, metavar="S",
+        "--provisional-window",
+        type=seconds_arg,
+        default=5.0,
+        metavar="S",
         help="with --memory: how long (5, 2s) an instance a router reported sending a "
         "prompt to (POST /v1/decisions) is answered as a provisional holder of it, unless "
         "its engine's events show the blocks first (default 5 s)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--decisions-topic", metavar="TOPIC",
+        "--decisions-topic",
+        metavar="TOPIC",
         help="with --memory: share routers' decisions with every replica of the service "
         "through this topic (created if missing); without it, each replica holds its own",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("lookup_cmds:serve"))
 
     p = add(subparsers, "lookup", "consumer", "which instances hold a prompt's prefix")
@@ -180,110 +201,31 @@ def add_lookup(subparsers: Subparsers) -> None:
     )
     silent_after_arg(p, "after which a silent source is left out")
     p.add_argument(
-        "--json", action="store_true",
+        "--json",
+        action="store_true",
         help='{"holders": [...], "ranked": [...]} as JSON (the HTTP API\'s shapes)',
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("lookup_cmds:lookup"))
 
 
 def add_sources(subparsers: Subparsers) -> None:
     p = add(
-        subparsers, "sources", "consumer",
+        subparsers,
+        "sources",
+        "consumer",
         "every source: live, silent, closed or restarted; epoch, last seen, gaps, blocks",
-    )  # fmt: skip
+    )
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
     silent_after_arg(p, "without a message after which a source is silent")
     p.add_argument("--json", action="store_true", help="one JSON object per source, as a list")
     p.set_defaults(run=command("sources_cmd:run"))
 
 
-def add_relay(subparsers: Subparsers) -> None:
-    p = add(
-        subparsers, "relay", "relay",
-        "relay a stock vLLM or SGLang engine's ZMQ KV events into Kafka",
-        description=(
-            "Subscribe to a vLLM engine's KV-event publisher (started with --kv-events-config "
-            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
-            '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'), or an SGLang engine\'s '
-            "(--engine sglang; SGLang's --kv-events-config takes the same JSON), or poll a "
-            "TensorRT-LLM server's events (--engine trtllm, --endpoint http://HOST:PORT), and "
-            "publish its events to Kafka, recovering missed batches from the engine's replay "
-            "socket where it has one. One relay per engine; data-parallel ranks listen on "
-            "consecutive ports."
-        ),
-    )  # fmt: skip
-    p.add_argument(
-        "--engine", choices=ENGINES, default="vllm",
-        help="whose events: vLLM's or SGLang's ZMQ stream (the same framing and replay), or "
-        "TensorRT-LLM's HTTP endpoint (trtllm-serve's POST /kv_cache_events, polled; no "
-        "replay): docs/engines.md's table says how each is read",
-    )  # fmt: skip
-    p.add_argument(
-        "--endpoint", required=True,
-        help="the engine's PUB endpoint, tcp://HOST:PORT (trtllm: http://HOST:PORT)",
-    )  # fmt: skip
-    p.add_argument(
-        "--poll-interval", type=SECONDS, default=0.2,
-        help="trtllm: seconds between polls of the engine's events",
-    )  # fmt: skip
-    p.add_argument(
-        "--replay-endpoint",
-        help="the engine's replay (ROUTER) endpoint; without it gaps cannot be recovered",
-    )
-    p.add_argument("--source", required=True, help="the engine's source id in the index")
-    p.add_argument("--model", required=True, help="the model the engine serves")
-    p.add_argument(
-        "--dp-size", type=COUNT, default=1,
-        help="data-parallel ranks: rank r listens on the endpoints' ports + r and is source "
-        "<source>-dp<r>",
-    )  # fmt: skip
-    p.add_argument(
-        "--group", action="append", default=[], metavar="IDX:KIND:BLOCK_SIZE[:HASH_BLOCK_SIZE]",
-        help="a KV-cache group's spec to announce (repeat per group); groups without one "
-        "need an operator's `kvledger groups declare`",
-    )  # fmt: skip
-    p.add_argument("--topic", default=DEFAULT_TOPIC, help="the Kafka topic")
-    p.add_argument("--engine-topic", default="", help="the engine's ZMQ topic (vLLM's `topic`)")
-    bootstrap_arg(p)
-    add_kafka_args(p)
-    add_registry_args(p)
-    p.add_argument(
-        "--partitions", type=COUNT, default=DEFAULT_PARTITIONS,
-        help="partitions when the relay creates the topic",
-    )  # fmt: skip
-    p.add_argument(
-        "--surviving-media", default=None,
-        help="comma-separated media whose blocks outlive an engine restart (default STORAGE)",
-    )  # fmt: skip
-    p.add_argument(
-        "--report-mode", choices=("incremental", "full"), default="incremental",
-        help="full: the engine serves requests with vLLM's kv_cache_report_mode=\"full\", "
-        "which announce the blocks they reuse as stores; the index takes a store of a block "
-        "the engine already holds as that report, not a second copy (needs --group)",
-    )  # fmt: skip
-    metrics_args(p)
-    p.add_argument(
-        "--heartbeat-interval", type=SECONDS_OR_OFF, default=5.0,
-        help="seconds of engine silence before probing it and sending a heartbeat (0: never)",
-    )  # fmt: skip
-    p.add_argument(
-        "--health-url", default=None, metavar="URL",
-        help="the engine's HTTP health route (vLLM: http://HOST:PORT/health): the engine is "
-        "said to be there (start-up, a new life, heartbeats) only once it answers 200, so a "
-        "starting engine is not routed to before it serves; without it, the replay socket decides",
-    )  # fmt: skip
-    p.add_argument(
-        "--engine-metrics-url", default=None, metavar="URL",
-        help="the engine's Prometheus route (vLLM: http://HOST:PORT/metrics): its requests "
-        "running and waiting are read every heartbeat interval and sent in heartbeats, busy "
-        "or idle, so lookups answer each engine's load (vLLM engines only)",
-    )  # fmt: skip
-    p.set_defaults(run=command("relay_cmd:run"))
-
-
 def add_republish(subparsers: Subparsers) -> None:
     p = add(
-        subparsers, "republish", "republish",
+        subparsers,
+        "republish",
+        "republish",
         "republish each engine's events, as the index holds them, on vLLM's ZMQ sockets",
         description=(
             "Follow the index (bootstrapped from the database, then the topic) and publish "
@@ -297,28 +239,35 @@ def add_republish(subparsers: Subparsers) -> None:
             "subscriber, and a replay older than what is retained, get the source's holdings "
             "first. docs/routers.md (kvledger republish) has the details."
         ),
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--source", action="append", default=[], metavar="NAME=PORT[:REPLAY_PORT]",
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=PORT[:REPLAY_PORT]",
         help="republish source NAME on a PUB socket at PORT (and its replay at REPLAY_PORT); "
         "repeat per source",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--mux-port", type=PORT,
+        "--mux-port",
+        type=PORT,
         help="also one PUB socket for every source, topics kv@<source>@<model>",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--host", default="127.0.0.1",
+        "--host",
+        default="127.0.0.1",
         help="interface the sockets bind (* for all, as vLLM binds tcp://*:PORT)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--zmq-topic", default="", help="the topic frame of each source's PUB (vLLM's `topic`)"
     )
     p.add_argument(
-        "--buffer-steps", type=COUNT, default=10_000,
+        "--buffer-steps",
+        type=COUNT,
+        default=10_000,
         help="batches each source's replay retains (vLLM's buffer_steps); older requests get "
         "the source's holdings",
-    )  # fmt: skip
+    )
     silent_after_arg(p, "after which a silent source is republished as holding nothing")
     p.add_argument(
         "--database-url",
@@ -330,24 +279,31 @@ def add_republish(subparsers: Subparsers) -> None:
     add_registry_args(p)
     p.add_argument("--topic", default=DEFAULT_TOPIC, help="the events topic")
     p.add_argument(
-        "--consumer-group", default=DEFAULT_GROUP,
+        "--consumer-group",
+        default=DEFAULT_GROUP,
         help="the consumer group whose stored offsets the bootstrap snapshot is at",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--block-retention", type=duration_arg, default="1d", metavar="D",
+        "--block-retention",
+        type=duration_arg,
+        default="1d",
+        metavar="D",
         help="forget a block this long after it was last stored or held, once no one holds "
         "it and no block names it as its parent",
-    )  # fmt: skip
+    )
     metrics_args(p)
     p.set_defaults(run=command("republish_cmd:run"))
 
 
 def add_roles(subparsers: Subparsers) -> None:
     roles = add(
-        subparsers, "roles", "consumer", "database roles",
+        subparsers,
+        "roles",
+        "consumer",
+        "database roles",
         description="Database roles: the index's owner (the consumer) and a read-only login "
         "for the lookup service.",
-    )  # fmt: skip
+    )
     sub = roles.add_subparsers(dest="roles_command", metavar="ACTION", required=True)
     p = sub.add_parser(
         "create-reader",
@@ -366,9 +322,10 @@ def add_roles(subparsers: Subparsers) -> None:
         f"${ENV_READER_PASSWORD}_FILE)",
     )
     p.add_argument(
-        "--reset-password", action="store_true",
+        "--reset-password",
+        action="store_true",
         help="the role exists: give it this password (else an existing role is refused)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--admin-database-url",
         help=f"a role that may create roles (else ${ENV_ADMIN}, else the owner's URL)",
@@ -381,10 +338,12 @@ def add_roles(subparsers: Subparsers) -> None:
 
 def add_status(subparsers: Subparsers) -> None:
     p = add(
-        subparsers, "status", "consumer",
+        subparsers,
+        "status",
+        "consumer",
         "the index at a glance: schema, sources by state, blocks by tier, rejections pending, "
         "and (given a broker) how far the consumer group is behind",
-    )  # fmt: skip
+    )
     p.add_argument("--database-url", help="SQLAlchemy URL (else $KVLEDGER_DATABASE_URL)")
     bootstrap_arg(p, "optional: the consumer group's lag from this broker; ")
     add_kafka_args(p)
@@ -402,17 +361,27 @@ def add_status(subparsers: Subparsers) -> None:
 
 def add_completion(subparsers: Subparsers) -> None:
     p = add(
-        subparsers, "completion", "",
-        "a shell completion script: eval \"$(kvledger completion bash)\" in ~/.bashrc",
-    )  # fmt: skip
+        subparsers,
+        "completion",
+        "",
+        'a shell completion script: eval "$(kvledger completion bash)" in ~/.bashrc',
+    )
     p.add_argument("shell", choices=("bash", "zsh"), help="the shell")
     p.set_defaults(run=command("completion:run"))
 
 
 ADDERS = (
-    add_simulate, add_consumer, add_demo, add_lookup, add_sources, add_status, add_relay,
-    add_republish, add_roles, add_completion,
-)  # fmt: skip
+    add_simulate,
+    add_consumer,
+    add_demo,
+    add_lookup,
+    add_sources,
+    add_status,
+    add_relay,
+    add_republish,
+    add_roles,
+    add_completion,
+)
 
 
 def add_commands(subparsers: Subparsers) -> None:

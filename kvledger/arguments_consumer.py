@@ -18,18 +18,27 @@ if TYPE_CHECKING:
 def _retention_args(p: argparse.ArgumentParser) -> None:
     """How long history, audit and blocks no one holds are kept (consume and retention)."""
     p.add_argument(
-        "--history-retention", type=duration_arg, default="7d", metavar="D",
+        "--history-retention",
+        type=duration_arg,
+        default="7d",
+        metavar="D",
         help="keep residency history intervals this long after they closed",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--audit-retention", type=duration_arg, default="7d", metavar="D",
+        "--audit-retention",
+        type=duration_arg,
+        default="7d",
+        metavar="D",
         help="keep the audit log (events) and rejected events this long",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--block-retention", type=duration_arg, default="1d", metavar="D",
+        "--block-retention",
+        type=duration_arg,
+        default="1d",
+        metavar="D",
         help="delete a block row this long after it was last stored, once no residency "
         "holds it and no retained history names it",
-    )  # fmt: skip
+    )
 
 
 def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one statement per option
@@ -38,11 +47,13 @@ def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one stateme
     db_arg(p)
     p.add_argument("--revision", default="head", help="the Alembic revision to reach")
     p.add_argument(
-        "--partition-interval", type=duration_arg, metavar="D",
+        "--partition-interval",
+        type=duration_arg,
+        metavar="D",
         help="the time span of each history and audit partition (90s, 10m, 1d; a new index "
         "starts at 1d); applies from now where the partitions made so far are empty, else "
         "from the end of the newest one in use",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("consumer_cmds:migrate_cmd"))
 
     p = add(subparsers, "consume", extra, "materialize the topic into the index")
@@ -53,41 +64,51 @@ def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one stateme
         help="the dead-letter topic (default: the topic's own, TOPIC.dlq: kv-events.dlq)",
     )
     p.add_argument(
-        "--dlq-replication-factor", type=int, default=-1,
+        "--dlq-replication-factor",
+        type=int,
+        default=-1,
         help="replication factor when the consumer creates the dead-letter topic (-1: the "
         "cluster's default)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-batch-retries", type=NON_NEGATIVE, default=5,
+        "--max-batch-retries",
+        type=NON_NEGATIVE,
+        default=5,
         help="tries of a batch failing with a transient-looking error on a working "
         "connection before its failing message is isolated and rejected",
-    )  # fmt: skip
+    )
     p.add_argument("--batch-size", type=COUNT, default=5000, help="messages per transaction")
     p.add_argument(
-        "--decisions-topic", metavar="TOPIC",
+        "--decisions-topic",
+        metavar="TOPIC",
         help="also record the routing decisions `serve --memory --decisions-topic` writes "
         "there into the index (kvledger.decisions: the funnel of available, captured and "
         "delivered reuse)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--batch-timeout", type=SECONDS, default=0.5,
+        "--batch-timeout",
+        type=SECONDS,
+        default=0.5,
         help="seconds a batch may wait to fill up to --batch-size before it is applied",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--until-caught-up",
         action="store_true",
         help="exit 0 once the stored offsets reach the partitions' end offsets",
     )
     p.add_argument(
-        "--no-plan-ahead", dest="plan_ahead", action="store_false",
+        "--no-plan-ahead",
+        dest="plan_ahead",
+        action="store_false",
         help="apply one batch at a time, on one database connection (by default each batch "
         "is planned while the one before it is written, on a second connection)",
-    )  # fmt: skip
+    )
     p.add_argument("--metrics-port", type=PORT_OR_OFF, help="serve Prometheus metrics on this port")
     p.add_argument(
-        "--metrics-host", default="127.0.0.1",
+        "--metrics-host",
+        default="127.0.0.1",
         help="interface for the metrics (0.0.0.0 to reach them from other hosts)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--group-instance-id",
         help="static group membership id: a restart with the same id resumes at once",
@@ -95,15 +116,20 @@ def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one stateme
     p.add_argument("--no-migrate", action="store_true", help="do not run migrations first")
     _retention_args(p)
     p.add_argument(
-        "--retention-every", type=SECONDS, default=60.0, metavar="SECONDS",
+        "--retention-every",
+        type=SECONDS,
+        default=60.0,
+        metavar="SECONDS",
         help="seconds between retention passes (each from a thread of its own)",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("consumer_cmds:consume"))
 
     p = add(
-        subparsers, "retention", extra,
+        subparsers,
+        "retention",
+        extra,
         "show the retained windows and partitions, or run one retention pass (--once)",
-    )  # fmt: skip
+    )
     db_arg(p)
     _retention_args(p)
     p.add_argument("--once", action="store_true", help="run one retention pass now")
@@ -151,24 +177,28 @@ def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one stateme
     p.set_defaults(run=command("consumer_cmds:dlq_replay"))
 
     p = add(
-        subparsers, "verify", extra,
+        subparsers,
+        "verify",
+        extra,
         "rebuild the index from the topic into a scratch database and diff it",
-    )  # fmt: skip
+    )
     log_args(p, "the live index's consumer group")
     p.add_argument("--scratch-url", help="an empty database to rebuild into (else created)")
     p.add_argument("--show", type=NON_NEGATIVE, default=5, help="example rows per difference")
     p.add_argument(
-        "--json", action="store_true",
+        "--json",
+        action="store_true",
         help='{"ok", "rebuilt_messages", "targets", "rows", "differences"} as JSON',
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("consumer_cmds:verify_cmd"))
 
     p = add(subparsers, "rebuild", extra, "replace the live index with one rebuilt from the topic")
     log_args(p, "the live index's consumer group")
     p.add_argument("--yes", action="store_true", help="confirm: the live index is replaced")
     p.add_argument(
-        "--accept-partial", action="store_true",
+        "--accept-partial",
+        action="store_true",
         help="rebuild even when retention has deleted the start of the topic (the rebuilt "
         "index then lacks what only those messages said)",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("consumer_cmds:rebuild_cmd"))

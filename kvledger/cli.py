@@ -15,11 +15,20 @@ from kvledger.schemas.redact import redact
 
 # A module missing at run time → the extra that brings it.
 _EXTRA_OF = {
-    "psycopg": "consumer", "psycopg_pool": "consumer", "sqlalchemy": "consumer",
-    "alembic": "consumer", "prometheus_client": "consumer", "starlette": "lookup",
-    "uvicorn": "lookup", "zmq": "relay", "msgspec": "relay", "authlib": "registry",
-    "httpx": "registry", "attrs": "registry", "cachetools": "registry",
-}  # fmt: skip
+    "psycopg": "consumer",
+    "psycopg_pool": "consumer",
+    "sqlalchemy": "consumer",
+    "alembic": "consumer",
+    "prometheus_client": "consumer",
+    "starlette": "lookup",
+    "uvicorn": "lookup",
+    "zmq": "relay",
+    "msgspec": "relay",
+    "authlib": "registry",
+    "httpx": "registry",
+    "attrs": "registry",
+    "cachetools": "registry",
+}
 
 
 def _needs(command: str, extra: str, module: str | None) -> int:
@@ -72,7 +81,7 @@ def compiled_parts() -> dict[str, bool]:
     """Which parts of the compiled core (kvledger._core, rust/) are in use. The router index
     is the core's alone (an install without it cannot serve from memory, and says so); the
     Avro codec without it, or with KVLEDGER_PURE_AVRO=1, is fastavro's, with the same
-    answers."""
+    bytes (its decoding then lenient where the core refuses: see schemas/codec.py)."""
     import importlib.util
 
     from kvledger.schemas.codec import Codec
@@ -99,17 +108,25 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     this process's environment)."""
     parser = parsers.Parser(prog="kvledger", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument(
-        "--version", action=_Version, nargs=0,
+        "--version",
+        action=_Version,
+        nargs=0,
         help="the version, and which compiled parts this install uses (else pure Python)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "-v", "--verbose", "--debug", dest="verbose", action="store_true",
+        "-v",
+        "--verbose",
+        "--debug",
+        dest="verbose",
+        action="store_true",
         help="debug logging, and the traceback of an error (else one line)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--log-format", choices=("text", "json"), default="text",
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
         help="log lines as text, or as one JSON object each (for log collectors)",
-    )  # fmt: skip
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     arguments.add_commands(subparsers)
     for path, sub in envopts.commands(parser):
@@ -210,9 +227,11 @@ def _one_line(exc: BaseException) -> tuple[str, str]:
     """A usual failure as (what failed, the one line that says so and what to check)."""
     from confluent_kafka import KafkaException
 
-    what = "Kafka" if isinstance(exc, KafkaException) else (
-        "error" if isinstance(exc, KvledgerError) else "database"
-    )  # fmt: skip
+    what = (
+        "Kafka"
+        if isinstance(exc, KafkaException)
+        else ("error" if isinstance(exc, KvledgerError) else "database")
+    )
     first = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
     if what == "database" and not isinstance(exc, sys.modules["psycopg"].OperationalError):
         from kvledger.consumer.db import SCHEMA_MISSING

@@ -38,8 +38,17 @@ from typing import Any, Literal
 # The same answer types as the Python API's (kvledger.serving.lookup).
 from kvledger.schemas.lookup import Block, Holder, Ranked, Residency
 
-__all__ = ["Block", "DecisionReporter", "Holder", "LookupClient", "LookupServiceError",
-           "MatchAnswer", "Ranked", "ReporterStats", "Residency"]  # fmt: skip
+__all__ = [
+    "Block",
+    "DecisionReporter",
+    "Holder",
+    "LookupClient",
+    "LookupServiceError",
+    "MatchAnswer",
+    "Ranked",
+    "ReporterStats",
+    "Residency",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +85,12 @@ class LookupClient:
     with --token-file; ``ssl_context`` to trust a private CA."""
 
     def __init__(
-        self, base_url: str, token: str | None = None, timeout: float = 5.0,
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 5.0,
         ssl_context: ssl.SSLContext | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -94,7 +106,7 @@ class LookupClient:
         else:
             self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
 
-    def match(
+    def match(  # noqa: PLR0913 - the lookup API's query parameters, one keyword each
         self,
         model: str,
         hashes: Sequence[bytes | int | str] | None = None,
@@ -118,9 +130,12 @@ class LookupClient:
             body["granularity"] = granularity
         if token_ids is not None:
             body["token_ids"] = list(token_ids)
-        for key, value in (("lora_name", lora_name), ("weights", weights),
-                           ("silent_after_s", silent_after_s),
-                           ("cache_salt", cache_salt)):  # fmt: skip
+        for key, value in (
+            ("lora_name", lora_name),
+            ("weights", weights),
+            ("silent_after_s", silent_after_s),
+            ("cache_salt", cache_salt),
+        ):
             if value is not None:
                 body[key] = dict(value) if isinstance(value, Mapping) else value
         if at is not None:
@@ -139,7 +154,7 @@ class LookupClient:
             load=data.get("load"),
         )
 
-    def decide(
+    def decide(  # noqa: PLR0913 - POST /v1/decisions' fields, one keyword each
         self,
         model: str,
         instance: str,
@@ -153,8 +168,9 @@ class LookupClient:
         """POST /v1/decisions: the prompt went to ``instance``; the service answers it as a
         provisional holder of the prompt's full blocks for a short window. Returns the
         number of blocks held."""
-        body = decision_body(model, instance, token_ids, hashes, group_idx, lora_name,
-                             cache_salt, request_id)  # fmt: skip
+        body = decision_body(
+            model, instance, token_ids, hashes, group_idx, lora_name, cache_salt, request_id
+        )
         held: int = self._request("POST", "/v1/decisions", body)["provisional_blocks"]
         return held
 
@@ -204,9 +220,11 @@ class LookupClient:
         except ValueError:
             data = None
         if response.status >= 400:
-            reason = data.get("error", "") if isinstance(data, dict) else (
-                raw.decode("utf-8", "replace")[:200]
-            )  # fmt: skip
+            reason = (
+                data.get("error", "")
+                if isinstance(data, dict)
+                else (raw.decode("utf-8", "replace")[:200])
+            )
             retry = response.getheader("Retry-After")
             raise LookupServiceError(response.status, reason, float(retry) if retry else None)
         return data
@@ -242,11 +260,15 @@ class DecisionReporter:
     failure after a success is logged, with the service's reason.
     """
 
-    def __init__(
-        self, base_url: str, token: str | None = None, timeout: float = 2.0,
-        ssl_context: ssl.SSLContext | None = None, capacity: int = 1024,
+    def __init__(  # noqa: PLR0913 - LookupClient's four, then its queue's two
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 2.0,
+        ssl_context: ssl.SSLContext | None = None,
+        capacity: int = 1024,
         max_age_s: float = 1.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if capacity < 1 or max_age_s <= 0:
             raise ValueError(f"capacity {capacity} and max_age_s {max_age_s} must be positive")
         self._client = LookupClient(base_url, token, timeout, ssl_context)
@@ -260,7 +282,7 @@ class DecisionReporter:
         self._thread = threading.Thread(target=self._run, name="kvledger-decisions", daemon=True)
         self._thread.start()
 
-    def report(
+    def report(  # noqa: PLR0913 - decide's fields, as LookupClient.decide takes them
         self,
         model: str,
         instance: str,
@@ -272,8 +294,9 @@ class DecisionReporter:
         request_id: str | None = None,
     ) -> None:
         """Queue a decision (as :meth:`LookupClient.decide` takes it) and return at once."""
-        body = decision_body(model, instance, token_ids, hashes, group_idx, lora_name,
-                             cache_salt, request_id)  # fmt: skip
+        body = decision_body(
+            model, instance, token_ids, hashes, group_idx, lora_name, cache_salt, request_id
+        )
         with self._cond:
             if self._closed:
                 raise RuntimeError("DecisionReporter.report() after close()")
@@ -340,7 +363,7 @@ class DecisionReporter:
         self._client.close()
 
 
-def decision_body(
+def decision_body(  # noqa: PLR0913 - POST /v1/decisions' fields, as decide takes them
     model: str,
     instance: str,
     token_ids: Sequence[int] | None = None,
@@ -356,8 +379,11 @@ def decision_body(
         body["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
     if token_ids is not None:
         body["token_ids"] = list(token_ids)
-    for key, value in (("lora_name", lora_name), ("cache_salt", cache_salt),
-                       ("request_id", request_id)):  # fmt: skip
+    for key, value in (
+        ("lora_name", lora_name),
+        ("cache_salt", cache_salt),
+        ("request_id", request_id),
+    ):
         if value is not None:
             body[key] = value
     return body
@@ -366,16 +392,26 @@ def decision_body(
 def _block(row: Mapping[str, Any]) -> Block:
     parent = row["parent_hash"]
     return Block(
-        model=row["model"], group_idx=row["group_idx"],
+        model=row["model"],
+        group_idx=row["group_idx"],
         block_hash=bytes.fromhex(row["block_hash"]),
         parent_hash=bytes.fromhex(parent) if parent is not None else None,
-        token_start=row["token_start"], token_end=row["token_end"],
-        block_size=row["block_size"], partial=row["partial"], lora_name=row["lora_name"],
+        token_start=row["token_start"],
+        token_end=row["token_end"],
+        block_size=row["block_size"],
+        partial=row["partial"],
+        lora_name=row["lora_name"],
         first_seen=datetime.fromisoformat(row["first_seen"]),
         last_seen=datetime.fromisoformat(row["last_seen"]),
         holders=tuple(
-            Residency(h["instance"], h["medium"], h["ownership"], h["locality"],
-                      datetime.fromisoformat(h["since"]), h["refcount"])
+            Residency(
+                h["instance"],
+                h["medium"],
+                h["ownership"],
+                h["locality"],
+                datetime.fromisoformat(h["since"]),
+                h["refcount"],
+            )
             for h in row["holders"]
         ),
-    )  # fmt: skip
+    )

@@ -144,9 +144,13 @@ def consume(args: argparse.Namespace) -> int:
     if getattr(args, "decisions_topic", None):
         from kvledger.consumer.decision_records import DecisionRecorder
 
-        recorder = DecisionRecorder(config.database_url, config.bootstrap_servers,
-                                    args.decisions_topic, config.group_id,
-                                    kafka=dict(config.kafka or {}))  # fmt: skip
+        recorder = DecisionRecorder(
+            config.database_url,
+            config.bootstrap_servers,
+            args.decisions_topic,
+            config.group_id,
+            kafka=dict(config.kafka or {}),
+        )
         recorder.start()
     freeze_startup_objects()
     collect_less_often()
@@ -198,8 +202,17 @@ def groups_list(args: argparse.Namespace) -> int:
         rows = admin.list_groups(conn)
     header = ["model", "group", "kind", "block", "hash", "window", "origin", "by", "updated"]
     if args.json:
-        keys = ["model", "group_idx", "kind", "block_size", "hash_block_size", "sliding_window",
-                "origin", "announced_by", "updated_at"]  # fmt: skip
+        keys = [
+            "model",
+            "group_idx",
+            "kind",
+            "block_size",
+            "hash_block_size",
+            "sliding_window",
+            "origin",
+            "announced_by",
+            "updated_at",
+        ]
         print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], default=str))
         return 0
     print_table(header, rows)
@@ -227,13 +240,26 @@ def dlq_list(args: argparse.Namespace) -> int:
         rows = admin.dlq_rows(conn, args.reason, args.limit)
     if args.json:
         totals = ["reason", "pending", "replayed", "first_seen", "last_seen"]
-        keys = ["id", "kafka_topic", "kafka_partition", "kafka_offset", "source", "reason",
-                "detail", "first_seen", "replayed_at"]  # fmt: skip
-        print(json.dumps(
-            {"summary": [dict(zip(totals, r, strict=True)) for r in summary],
-             "rows": [dict(zip(keys, r, strict=True)) for r in rows]},
-            default=str,
-        ))  # fmt: skip
+        keys = [
+            "id",
+            "kafka_topic",
+            "kafka_partition",
+            "kafka_offset",
+            "source",
+            "reason",
+            "detail",
+            "first_seen",
+            "replayed_at",
+        ]
+        print(
+            json.dumps(
+                {
+                    "summary": [dict(zip(totals, r, strict=True)) for r in summary],
+                    "rows": [dict(zip(keys, r, strict=True)) for r in rows],
+                },
+                default=str,
+            )
+        )
         return 0
     if not summary:
         print("no rejected events")
@@ -241,8 +267,7 @@ def dlq_list(args: argparse.Namespace) -> int:
     print_table(["reason", "pending", "replayed", "first", "last"], summary)
     if rows:
         print()
-        header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen",
-                  "replayed"]  # fmt: skip
+        header = ["id", "topic", "part", "offset", "source", "reason", "detail", "seen", "replayed"]
         print_table(header, rows)
     return 0
 
@@ -273,21 +298,31 @@ def verify_cmd(args: argparse.Namespace) -> int:
         codec=settings.codec(args, args.topic, writer=False),
     )
     if args.json:
-        print(json.dumps({
-            "ok": result.ok, "rebuilt_messages": result.rebuilt.messages,
-            "targets": {str(p): o for p, o in sorted(result.targets.items())},
-            "rows": result.rows,
-            "retained_since": result.windows,
-            "log_starts": {str(p): o for p, o in result.log_starts.items()},
-            "other_topics": result.other_topics,
-            "not_compared": {t: {"live": a, "rebuilt": b}
-                             for t, (a, b) in result.not_compared.items()},
-            "differences": [
-                {"table": d.table, "only_live": len(d.only_live),
-                 "only_rebuilt": len(d.only_rebuilt)}
-                for d in result.differences
-            ],
-        }, default=str))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "ok": result.ok,
+                    "rebuilt_messages": result.rebuilt.messages,
+                    "targets": {str(p): o for p, o in sorted(result.targets.items())},
+                    "rows": result.rows,
+                    "retained_since": result.windows,
+                    "log_starts": {str(p): o for p, o in result.log_starts.items()},
+                    "other_topics": result.other_topics,
+                    "not_compared": {
+                        t: {"live": a, "rebuilt": b} for t, (a, b) in result.not_compared.items()
+                    },
+                    "differences": [
+                        {
+                            "table": d.table,
+                            "only_live": len(d.only_live),
+                            "only_rebuilt": len(d.only_rebuilt),
+                        }
+                        for d in result.differences
+                    ],
+                },
+                default=str,
+            )
+        )
         return 0 if result.ok else 1
     targets = ", ".join(f"{p}@{o}" for p, o in sorted(result.targets.items())) or "(none)"
     print(f"rebuilt {result.rebuilt.messages} messages from {args.topic} up to {targets}")

@@ -225,7 +225,7 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
 """,
         )
         report.restarted(conn)
-        report.relayed(conn, relayed, relay, engine, wire, all_relayed)
+        report.relayed(conn, relay, engine, wire, all_relayed)
         report.routing(conn, fleet)
         report.audits(conn)
     report.section("explore")

@@ -48,10 +48,12 @@ def pasteable(query: str, params: object) -> str:
 
 
 def relayed(
-    conn: psycopg.Connection, source: str, relay: Relay, engine: ZmqEngine, wire: VllmWireSink,
-    done: bool,
-) -> None:  # fmt: skip
+    conn: psycopg.Connection, relay: Relay, engine: ZmqEngine, wire: VllmWireSink, done: bool
+) -> None:
+    """The relayed engine's part: what it sent, what its relay did (``done``: it committed
+    every batch), what the index holds of it."""
     m = relay.metrics
+    source = relay.config.source  # one rank: its source is the relay's
 
     def count(metric: Any) -> int:
         return int(metric.labels(source)._value.get())

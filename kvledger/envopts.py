@@ -114,9 +114,12 @@ def _apply(parser: argparse.ArgumentParser, action: argparse.Action, name: str, 
 
 
 def _convert(
-    parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str,
+    parser: argparse.ArgumentParser,
+    action: argparse.Action,
+    name: str,
+    raw: str,
     kind: Any = None,
-) -> Any:  # fmt: skip
+) -> Any:
     kind = kind or action.type or str
     try:
         value = kind(raw)

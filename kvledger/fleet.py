@@ -60,6 +60,7 @@ SLIDING_GROUP = GroupOffloadConfig(
     sliding_window_size_in_chunks=16,
 )
 MISCONFIGURED_FULL_GROUP = FULL_GROUP._replace(tokens_per_block=16)
+MISCONFIGURED_ID = "engine-misconfigured"  # the misconfigured source's instance id
 SLIDING_CHUNKS_STORED = 2
 STORAGE_OWNER = "disk"
 VOCAB = 65536  # token ids are drawn as 16-bit values
@@ -111,19 +112,14 @@ class SimulatedEngine:
     """One engine instance: a CPU tier and a STORAGE tier with LRU bounds."""
 
     def __init__(
-        self,
-        instance_id: str,
-        sink: EventSink,
-        config: FleetConfig,
-        prompts: Sequence[list[int]],
-        rng: random.Random,
-        misconfigured: bool = False,
+        self, instance_id: str, sink: EventSink, config: FleetConfig, prompts: Sequence[list[int]]
     ) -> None:
         self.instance_id = instance_id
         self.sink = sink
         self.config = config
         self.prompts = prompts
-        self.rng = rng
+        self.rng = random.Random(f"{config.seed}/{instance_id}")  # its own, from the seed
+        misconfigured = instance_id == MISCONFIGURED_ID
         self.full = MISCONFIGURED_FULL_GROUP if misconfigured else FULL_GROUP
         self.misconfigured = misconfigured
         self.cpu: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -169,9 +165,16 @@ class SimulatedEngine:
             block_tokens = tuple(tokens[j * size : (j + 1) * size])
             block = raw[(j + 1) * per - 1]
             stored_event = BlockStored(
-                (block,), parent, block_tokens, size, None, "GPU", None,
-                group_idx=self.full.group_idx, token_start=j * size,
-            )  # fmt: skip
+                (block,),
+                parent,
+                block_tokens,
+                size,
+                None,
+                "GPU",
+                None,
+                group_idx=self.full.group_idx,
+                token_start=j * size,
+            )
             events.append(stored_event)
         evicted = []
         while len(self.gpu) > self.config.gpu_capacity_blocks:
@@ -317,7 +320,7 @@ def prompt_hashes(
 def instance_ids(config: FleetConfig) -> list[str]:
     ids = [f"engine-{i}" for i in range(config.instances)]
     if config.misconfigured_source:
-        ids.append("engine-misconfigured")
+        ids.append(MISCONFIGURED_ID)
     return ids
 
 
@@ -329,15 +332,7 @@ class Fleet:
         self.sink_factory = sink_factory
         prompts = system_prompts(config)
         self.engines = [
-            SimulatedEngine(
-                iid,
-                sink_factory(iid),
-                config,
-                prompts,
-                random.Random(f"{config.seed}/{iid}"),
-                misconfigured=iid == "engine-misconfigured",
-            )
-            for iid in instance_ids(config)
+            SimulatedEngine(iid, sink_factory(iid), config, prompts) for iid in instance_ids(config)
         ]
 
     def run(

@@ -1,6 +1,7 @@
 """What several commands' arguments share: defaults, settings' variables, and the options
-for Kafka, the registry, the database and the log (kvledger.arguments and
-kvledger.arguments_consumer use them). Light, as the parser must be."""
+for Kafka, the registry, the database and the log (kvledger.arguments,
+kvledger.arguments_consumer and kvledger.arguments_relay use them). Light, as the parser
+must be."""
 
 from __future__ import annotations
 
@@ -27,34 +28,41 @@ def add_kafka_args(p: argparse.ArgumentParser) -> None:
     """--kafka-config FILE and --kafka-set KEY=VALUE: the cluster's client settings
     (security.protocol, sasl.*, ssl.*, …) for every Kafka client the command opens."""
     p.add_argument(
-        "--kafka-config", metavar="FILE",
+        "--kafka-config",
+        metavar="FILE",
         help=f"librdkafka settings as a properties file (else ${ENV_KAFKA_CONFIG}), for every "
         "Kafka client the command opens",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--kafka-set", action="append", default=[], metavar="KEY=VALUE",
+        "--kafka-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="one more Kafka client setting (repeat; wins over the file)",
-    )  # fmt: skip
+    )
 
 
 def add_registry_args(p: argparse.ArgumentParser) -> None:
     """--schema-registry URL (with its client settings and the subject strategy): Confluent
     Schema Registry framing, for every command that reads or writes the topic."""
     p.add_argument(
-        "--schema-registry", metavar="URL",
+        "--schema-registry",
+        metavar="URL",
         help=f"Confluent Schema Registry (else ${ENV_REGISTRY}): readers resolve writer schemas "
         "by id and never register; publishers register under the topic's subject",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--schema-registry-config", metavar="FILE",
+        "--schema-registry-config",
+        metavar="FILE",
         help=f"registry client settings as properties, e.g. basic.auth.user.info, ssl.ca.location "
         f"(else ${ENV_REGISTRY_CONFIG})",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--subject-strategy", choices=("topic", "record", "topic_record"),
+        "--subject-strategy",
+        choices=("topic", "record", "topic_record"),
         help="how publishers name the subject: <topic>-value (topic, the default; "
         "$KVLEDGER_SUBJECT_STRATEGY), kvledger.Envelope (record), <topic>-kvledger.Envelope",
-    )  # fmt: skip
+    )
 
 
 def db_arg(p: argparse.ArgumentParser) -> None:
@@ -79,10 +87,11 @@ def log_args(p: argparse.ArgumentParser, group_help: str) -> None:
 def silent_after_arg(p: argparse.ArgumentParser, what: str) -> None:
     """--silent-after, the liveness window (units or plain seconds), ``what`` it decides."""
     p.add_argument(
-        "--silent-after", type=seconds_arg,
+        "--silent-after",
+        type=seconds_arg,
         help=f"how long (30, 90s, 5m) {what} (else the database's kvledger.silent_after, 30 s "
         "by default)",
-    )  # fmt: skip
+    )
 
 
 def metrics_args(p: argparse.ArgumentParser) -> None:

@@ -44,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
     relay.start()
     logger.info(
         "relaying %s (%d rank(s)) from %s to %s on %s",
-        args.source, args.dp_size, args.endpoint, args.topic, bootstrap,
-    )  # fmt: skip
+        args.source,
+        args.dp_size,
+        args.endpoint,
+        args.topic,
+        bootstrap,
+    )
     while not stopping.wait(0.5):
         if not relay.alive():
             break
@@ -64,9 +68,11 @@ def _config(args: argparse.Namespace, bootstrap: str, kafka: dict[str, str]) -> 
         raise SystemExit(f"kvledger relay: {exc}") from None
     if args.dp_size < 1:
         raise SystemExit("kvledger relay: --dp-size must be at least 1")
-    survivors = tuple(m.strip() for m in args.surviving_media.split(",")) if (
-        args.surviving_media
-    ) else None  # fmt: skip
+    survivors = (
+        tuple(m.strip() for m in args.surviving_media.split(","))
+        if (args.surviving_media)
+        else None
+    )
     try:
         return RelayConfig(
             endpoint=args.endpoint,
@@ -105,14 +111,18 @@ def _topic_checked(
             )
             # Any existing partition count does: keys keep each stream on one partition.
             ensure_topic(
-                admin, args.topic, args.partitions, exact_partitions=False,
+                admin,
+                args.topic,
+                args.partitions,
+                exact_partitions=False,
                 timeout=STARTUP_TIMEOUT_S,
-            )  # fmt: skip
+            )
         except Exception as exc:  # the relay waits for the broker itself
             logger.warning(
                 "could not check topic %s yet (%s); relaying once the broker answers",
-                args.topic, exc,
-            )  # fmt: skip
+                args.topic,
+                exc,
+            )
 
     # In a thread: the client's wait does not let the signal handler run until it ends.
     checker = threading.Thread(target=check_topic, name="kvledger-topic-check", daemon=True)

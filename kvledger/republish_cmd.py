@@ -57,18 +57,24 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     window = args.silent_after or DEFAULT_SILENT_AFTER.total_seconds()
     router = RouterIndex(
-        settings.kafka_bootstrap(args), args.topic, args.consumer_group,
+        settings.kafka_bootstrap(args),
+        args.topic,
+        args.consumer_group,
         kafka=dict(settings.kafka_settings(args)),
         codec=settings.codec(args, args.topic, writer=False),
         block_retention=args.block_retention,
-    )  # fmt: skip
+    )
     with connect(settings.lookup_database_url(args.database_url)) as conn:
         router.bootstrap(conn)
     mux = f"tcp://{args.host}:{args.mux_port}" if args.mux_port is not None else None
     publisher = Publisher(
-        router, endpoints, mux, silent_after_s=window, topic=args.zmq_topic,
+        router,
+        endpoints,
+        mux,
+        silent_after_s=window,
+        topic=args.zmq_topic,
         buffer_steps=args.buffer_steps,
-    )  # fmt: skip
+    )
     try:
         publisher.start()
     except Exception as exc:  # an address in use, or one no socket can bind

@@ -33,7 +33,7 @@ class SimulationResult:
     seconds: float
 
 
-def run_simulation(
+def run_simulation(  # noqa: PLR0913 - where, then options with defaults, set by name
     bootstrap: str,
     topic: str,
     fleet: FleetConfig,
@@ -97,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
         gpu_capacity_blocks=args.gpu_blocks,
     )
     result = run_simulation(
-        settings.kafka_bootstrap(args), args.topic, fleet, args.partitions,
-        rate=args.rate, kafka=settings.kafka_settings(args),
+        settings.kafka_bootstrap(args),
+        args.topic,
+        fleet,
+        args.partitions,
+        rate=args.rate,
+        kafka=settings.kafka_settings(args),
         codec=settings.codec(args, args.topic, writer=True),
-    )  # fmt: skip
+    )
     s = result.summary
     print(f"instances:      {', '.join(s.instances)}")
     print(

@@ -39,16 +39,42 @@ def run(args: argparse.Namespace) -> int:
         print("no source has published to this index yet")
         return 0
     print_table(
-        ("source", "model", "state", "started", "last seen", "restarts", "gaps", "GPU", "CPU",
-         "STORAGE", "load"),
-        [(s.source, _model(s), s.state, _started(s.epoch), _utc(s.last_seen),
-          s.restarts, s.gaps, s.held["GPU"], s.held["CPU"], s.held["STORAGE"], _load(s))
-         for s in sources],
-    )  # fmt: skip
+        (
+            "source",
+            "model",
+            "state",
+            "started",
+            "last seen",
+            "restarts",
+            "gaps",
+            "GPU",
+            "CPU",
+            "STORAGE",
+            "load",
+        ),
+        [
+            (
+                s.source,
+                _model(s),
+                s.state,
+                _started(s.epoch),
+                _utc(s.last_seen),
+                s.restarts,
+                s.gaps,
+                s.held["GPU"],
+                s.held["CPU"],
+                s.held["STORAGE"],
+                _load(s),
+            )
+            for s in sources
+        ],
+    )
     print("times in UTC; started: the epoch of the source's current process")
     if any(s.load_at is not None for s in sources):
-        print("load: requests the engine was running/waiting as its relay last read them "
-              "(--engine-metrics-url), shown while the source is live")  # fmt: skip
+        print(
+            "load: requests the engine was running/waiting as its relay last read them "
+            "(--engine-metrics-url), shown while the source is live"
+        )
     if retained:
         print(
             "retained (older rows dropped by retention): "

@@ -52,8 +52,10 @@ class Status:
             out.append("the index schema is missing: run `kvledger migrate`")
         if pending := sum(self.rejected_pending.values()):
             out.append(f"{pending} rejected event(s) pending: `kvledger dlq list`")
-        out += [f"source {s} changed model: give each model its own source id"
-                for s in self.model_changes]  # fmt: skip
+        out += [
+            f"source {s} changed model: give each model its own source id"
+            for s in self.model_changes
+        ]
         if self.missing_topic is not None:
             out.append(self.missing_topic)
         return out + self.stalled
@@ -159,13 +161,17 @@ def run(args: argparse.Namespace) -> int:
         out: dict[str, Any] = {**status.__dict__, "attention": status.attention}
         print(json.dumps(out, indent=2))
         return 1 if status.attention else 0
-    print(f"index      {status.database}: " + (
-        f"schema {status.schema}" if status.schema else "no kvledger schema (kvledger migrate)"
-    ))  # fmt: skip
+    print(
+        f"index      {status.database}: "
+        + (f"schema {status.schema}" if status.schema else "no kvledger schema (kvledger migrate)")
+    )
     if status.schema is not None:
         states = ", ".join(f"{n} {state}" for state, n in sorted(status.sources.items()))
-        print(f"sources    {sum(status.sources.values())}" + (f" ({states})" if states else "")
-              + ": kvledger sources")  # fmt: skip
+        print(
+            f"sources    {sum(status.sources.values())}"
+            + (f" ({states})" if states else "")
+            + ": kvledger sources"
+        )
         tiers = "  ".join(f"{t} {status.held.get(t, 0):,}" for t in ("GPU", "CPU", "STORAGE"))
         print(f"held       {tiers} (blocks held, by tier)")
         pending = sum(status.rejected_pending.values())
@@ -175,14 +181,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"routing    {n:,} decision(s) in the last hour: {_funnel(status.decisions)}")
         if n := status.decisions.get("unreported"):
             offered = status.decisions.get("unreported_available_blocks", 0)
-            print(f"answers    {n:,} with no choice reported (Dynamo's /query) in the last "
-                  f"hour, {offered:,} blocks available")  # fmt: skip
+            print(
+                f"answers    {n:,} with no choice reported (Dynamo's /query) in the last "
+                f"hour, {offered:,} blocks available"
+            )
     if status.behind is not None:
-        print(f"consumer   group {status.consumer_group} on {status.topic} "
-              f"({status.partitions} partitions): {status.behind:,} message(s) behind")  # fmt: skip
+        print(
+            f"consumer   group {status.consumer_group} on {status.topic} "
+            f"({status.partitions} partitions): {status.behind:,} message(s) behind"
+        )
     if status.recorder_behind is not None:
-        print(f"recorder   decisions on {status.decisions_topic}: "
-              f"{status.recorder_behind:,} record(s) behind")  # fmt: skip
+        print(
+            f"recorder   decisions on {status.decisions_topic}: "
+            f"{status.recorder_behind:,} record(s) behind"
+        )
     for line in status.attention:
         print(f"attention  {line}")
     return 1 if status.attention else 0

@@ -41,13 +41,18 @@ END = b"\xff" * 8
 # The defaults vLLM leaves out (omit_defaults) per event type.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "BlockStored": {
-        "extra_keys": None, "group_idx": None, "kv_cache_spec_kind": None,
-        "kv_cache_spec_sliding_window": None, "locality": None, "ownership": None,
-        "session_id": None, "lookahead_token_ids": None,
+        "extra_keys": None,
+        "group_idx": None,
+        "kv_cache_spec_kind": None,
+        "kv_cache_spec_sliding_window": None,
+        "locality": None,
+        "ownership": None,
+        "session_id": None,
+        "lookahead_token_ids": None,
     },
     "BlockRemoved": {"group_idx": None, "locality": None, "ownership": None},
     "AllBlocksCleared": {},
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -58,13 +63,27 @@ class Event:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-def stored(hashes: Sequence[int], parent: int | None, tokens: Sequence[int], size: int,
-           medium: str | None = "GPU", **more: Any) -> Event:  # fmt: skip
+def stored(
+    hashes: Sequence[int],
+    parent: int | None,
+    tokens: Sequence[int],
+    size: int,
+    medium: str | None = "GPU",
+    **more: Any,
+) -> Event:
     return Event(
         "BlockStored",
-        {"block_hashes": list(hashes), "parent_block_hash": parent, "token_ids": list(tokens),
-         "block_size": size, "lora_id": None, "medium": medium, "lora_name": None, **more},
-    )  # fmt: skip
+        {
+            "block_hashes": list(hashes),
+            "parent_block_hash": parent,
+            "token_ids": list(tokens),
+            "block_size": size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+            **more,
+        },
+    )
 
 
 def removed(hashes: Sequence[int], medium: str | None = "GPU", **more: Any) -> Event:
@@ -80,16 +99,19 @@ def _vllm_class(kind: str) -> type[msgspec.Struct]:
     past the required ones None by default, encoded as vLLM 0.33.0 encodes it (a tagged map)."""
     names = FIELDS[kind]
     fields = [(n, Any) if i < REQUIRED[kind] else (n, Any, None) for i, n in enumerate(names)]
-    return msgspec.defstruct(kind, fields, module=__name__, tag=True, omit_defaults=True,
-                             gc=False)  # fmt: skip
+    return msgspec.defstruct(kind, fields, module=__name__, tag=True, omit_defaults=True, gc=False)
 
 
 # The objects an embedded vLLM engine hands its publisher (vLLM's KVEventBatch and events).
 VLLM_CLASSES: dict[str, type[msgspec.Struct]] = {kind: _vllm_class(kind) for kind in FIELDS}
 KVEventBatch = msgspec.defstruct(
-    "KVEventBatch", [("ts", float), ("events", list), ("data_parallel_rank", Any, None)],
-    module=__name__, array_like=True, omit_defaults=True, gc=False,
-)  # fmt: skip
+    "KVEventBatch",
+    [("ts", float), ("events", list), ("data_parallel_rank", Any, None)],
+    module=__name__,
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
+)
 
 
 def vllm_batch(ts: float, events: Iterable[Event], rank: int | None = 0) -> Any:
@@ -124,10 +146,16 @@ def encode_batch(ts: float, events: Sequence[Event], rank: int | None, positiona
 class ZmqEngine:
     """One engine rank: PUB on ``port``, ROUTER replay on ``replay_port``."""
 
-    def __init__(
-        self, port: int, replay_port: int, buffer_steps: int = 10_000, rank: int = 0,
-        positional: bool = False, topic: bytes = b"", send_hwm: int = 100_000,
-    ) -> None:  # fmt: skip
+    def __init__(  # noqa: PLR0913 - vLLM's ZmqEventPublisher's settings, and the wire's form
+        self,
+        port: int,
+        replay_port: int,
+        buffer_steps: int = 10_000,
+        rank: int = 0,
+        positional: bool = False,
+        topic: bytes = b"",
+        send_hwm: int = 100_000,
+    ) -> None:
         self.port, self.replay_port = port, replay_port
         self.buffer_steps = buffer_steps
         self.rank = rank
@@ -201,8 +229,9 @@ class ZmqEngine:
             with self.lock:
                 held = [(s, p) for s, p in self.buffer if s >= first]
             for seq, payload in held:
-                self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"),
-                                            payload])  # fmt: skip
+                self.router.send_multipart(
+                    [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                )
             self.router.send_multipart([client, b"", b"", END, b""])
 
     def forget_before(self, seq: int) -> None:
@@ -258,24 +287,33 @@ def to_vllm(event: KVEvent) -> Event | None:
         )
         parent = event.parent_block_hash
         more = {
-            "group_idx": event.group_idx, "kv_cache_spec_kind": event.kv_cache_spec_kind,
+            "group_idx": event.group_idx,
+            "kv_cache_spec_kind": event.kv_cache_spec_kind,
             "kv_cache_spec_sliding_window": event.kv_cache_spec_sliding_window,
-            "locality": event.locality, "ownership": event.ownership,
-            "lora_name": event.lora_name, "extra_keys": extra,
-        }  # fmt: skip
+            "locality": event.locality,
+            "ownership": event.ownership,
+            "lora_name": event.lora_name,
+            "extra_keys": extra,
+        }
         return stored(
             [_int_hash(h) for h in event.block_hashes],
             _int_hash(parent) if parent is not None else None,
-            event.token_ids, event.block_size, event.medium,
+            event.token_ids,
+            event.block_size,
+            event.medium,
             **{k: v for k, v in more.items() if v is not None},
-        )  # fmt: skip
+        )
     if isinstance(event, BlockRemoved):
-        more = {"group_idx": event.group_idx, "locality": event.locality,
-                "ownership": event.ownership}  # fmt: skip
+        more = {
+            "group_idx": event.group_idx,
+            "locality": event.locality,
+            "ownership": event.ownership,
+        }
         return removed(
-            [_int_hash(h) for h in event.block_hashes], event.medium,
+            [_int_hash(h) for h in event.block_hashes],
+            event.medium,
             **{k: v for k, v in more.items() if v is not None},
-        )  # fmt: skip
+        )
     if isinstance(event, AllBlocksCleared):
         return cleared()
     return None  # announcements, heartbeats, goodbyes: a relay speaks for the engine

@@ -49,12 +49,12 @@ class Deliveries:
         self._forgotten = 0  # produced in aborted transactions and failed there
 
     def send(
-        self, producer: Producer, topic: str, key: bytes, value: bytes, kind: str,
-        healthy: Callable[[], None],
-    ) -> bool:  # fmt: skip
-        """Produce one message; while the client's queue is full, wait for the broker
-        (backpressure: ``healthy`` raises if the publisher cannot go on). False when the
-        topic refuses it as too large (said by :meth:`raise_refused`)."""
+        self, producer: Producer, key: bytes, value: bytes, kind: str, healthy: Callable[[], None]
+    ) -> bool:
+        """Produce one message to the topic; while the client's queue is full, wait for the
+        broker (backpressure: ``healthy`` raises if the publisher cannot go on). False when
+        the topic refuses it as too large (said by :meth:`raise_refused`)."""
+        topic = self.topic
         while True:
             try:
                 producer.produce(topic, value, key)
@@ -68,8 +68,10 @@ class Deliveries:
                     self.refused.append(f"{kind} of {len(value)} bytes")
                     logger.error(
                         "%s of %d bytes is larger than %s takes: not produced",
-                        kind, len(value), topic,
-                    )  # fmt: skip
+                        kind,
+                        len(value),
+                        topic,
+                    )
                     return False
                 raise PublishError(f"could not produce to {topic}: {exc}") from exc
         self.produced(kind)

@@ -138,14 +138,18 @@ def split_store(event: BlockStored, parts: int) -> list[BlockStored]:
     out = []
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):
         last = k == parts - 1
-        out.append(dataclasses.replace(
-            event,
-            block_hashes=hashes[a:b],
-            parent_block_hash=event.parent_block_hash if a == 0 else hashes[a - 1],
-            token_ids=event.token_ids[a * per:] if last else event.token_ids[a * per:b * per],
-            extra_keys=event.extra_keys[a:b] if event.extra_keys is not None else None,
-            token_start=event.token_start + a * per if event.token_start is not None else None,
-            partial=event.partial and last,
-            lookahead_token_ids=event.lookahead_token_ids if last else None,
-        ))  # fmt: skip
+        out.append(
+            dataclasses.replace(
+                event,
+                block_hashes=hashes[a:b],
+                parent_block_hash=event.parent_block_hash if a == 0 else hashes[a - 1],
+                token_ids=event.token_ids[a * per :]
+                if last
+                else event.token_ids[a * per : b * per],
+                extra_keys=event.extra_keys[a:b] if event.extra_keys is not None else None,
+                token_start=event.token_start + a * per if event.token_start is not None else None,
+                partial=event.partial and last,
+                lookahead_token_ids=event.lookahead_token_ids if last else None,
+            )
+        )
     return out

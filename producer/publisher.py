@@ -30,7 +30,7 @@ for the batches before it, so the stream keeps the order of the calls.
 Transactions (``PublisherConfig.transactional_id``, the relay's mode): the caller brackets
 its publishes with ``begin``/``commit`` (or ``abort``); readers that read committed messages
 (librdkafka's default) see each transaction whole or not at all. No heartbeat thread then:
-the caller sends its own.
+the caller sends its own. Those methods and the epoch's are in :mod:`.stream_control`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from kvledger.producer.errors import PublishError, QueueFullError
 from kvledger.producer.handoff import Handoff
 from kvledger.producer.prepared import Prepared, WireForm
 from kvledger.producer.stream import NO_STAMP, SourceStream, Stamp
+from kvledger.producer.stream_control import StreamControl
 from kvledger.producer.tracker import (
     GroupConfigLike,
     OffloadingEvent,
@@ -73,8 +74,9 @@ logger = logging.getLogger(__name__)
 _N = TypeVar("_N", int, int | None)  # what a stream's write returns
 
 
-class KVEventPublisher:
-    """Publishes a source's KV cache events to Kafka (see the module docstring)."""
+class KVEventPublisher(StreamControl):
+    """Publishes a source's KV cache events to Kafka (see the module docstring); its
+    transactions and epochs, the relay's, are :class:`~.stream_control.StreamControl`'s."""
 
     def __init__(
         self,
@@ -86,9 +88,10 @@ class KVEventPublisher:
     ) -> None:
         self.config = config
         self.tracker = (
-            tracker if tracker is not None
+            tracker
+            if tracker is not None
             else OffloadingEventsTracker(vllm_version=config.vllm_version)
-        )  # fmt: skip
+        )
         self.codec = codec if codec is not None else Codec()
         self._deliveries = Deliveries(config.topic)
         self._lock = threading.Lock()
@@ -96,9 +99,10 @@ class KVEventPublisher:
         settings = config.sized_settings()
         limit = int(str(settings.get("message.max.bytes", 1_000_000)))
         self._form = WireForm(
-            config.hash_format == "digest", codec=self.codec,
+            config.hash_format == "digest",
+            codec=self.codec,
             max_bytes=limit - envelope_reserve(config),
-        )  # fmt: skip
+        )
         settings["error_cb"] = self._deliveries.on_error
         # Reports of failures only: a message leaves librdkafka's queue delivered or failed,
         # so the acknowledged are counted without a callback each (``stats``).
@@ -106,10 +110,15 @@ class KVEventPublisher:
         settings["delivery.report.only.error"] = True
         self._producer = Producer(client_logging(settings))
         self._stream = SourceStream(
-            config, self.codec, self._form, self._deliveries, self._producer,
-            healthy=self._check_healthy, clock=clock,
+            config,
+            self.codec,
+            self._form,
+            self._deliveries,
+            self._producer,
+            healthy=self._check_healthy,
+            clock=clock,
             epoch=epoch if epoch is not None else int(clock() * 1000),
-        )  # fmt: skip
+        )
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._transactional = config.transactional_id is not None
@@ -173,8 +182,9 @@ class KVEventPublisher:
     ) -> int:
         """Produce events that are already self-describing (kvledger's types); the keywords
         as :meth:`publish_prepared` takes them."""
-        return self.publish_prepared(events, time_ms=time_ms, engine_seq=engine_seq,
-                                     dp_rank=dp_rank)  # fmt: skip
+        return self.publish_prepared(
+            events, time_ms=time_ms, engine_seq=engine_seq, dp_rank=dp_rank
+        )
 
     def publish_vllm_batch(
         self, batch: Any, engine_seq: int | None = None, wait_s: float | None = None
@@ -254,58 +264,6 @@ class KVEventPublisher:
         """The publisher's counters. ``acked``: produced, less failed, less still queued
         (librdkafka reports failures only; exact once flushed)."""
         return self._deliveries.counted(queued=len(self._producer))
-
-    # ------------------------------------------------------------------ transactions
-    def init_transactions(self, timeout: float = 30.0) -> None:
-        """Register the transactional id with the broker, fencing any earlier producer of
-        that id and aborting its open transaction."""
-        self._producer.init_transactions(timeout)
-
-    def begin(self) -> None:
-        self._producer.begin_transaction()
-
-    def commit(self, timeout: float = 30.0) -> None:
-        """Commit the open transaction: every message of it is acknowledged, or this raises
-        (``KafkaException``; ``txn_requires_abort()`` says whether to abort)."""
-        self._producer.commit_transaction(timeout)
-        self._deliveries.raise_failures()
-
-    def abort(self, timeout: float = 30.0) -> None:
-        self._producer.abort_transaction(timeout)
-        with self._lock:  # the aborted messages' failures belong to the aborted transaction
-            self._deliveries.forget_failures()
-
-    # ------------------------------------------------------------------ epochs
-    @property
-    def epoch(self) -> int:
-        """This stream's epoch (ms at the publisher's start, unless set)."""
-        return self._stream.epoch
-
-    @epoch.setter
-    def epoch(self, epoch: int) -> None:
-        with self._lock:
-            self._stream.epoch = epoch
-
-    def resume(self, epoch: int, next_seqs: dict[int, int]) -> None:
-        """Continue a stream another process wrote (a relay after its restart): its epoch
-        and each group's next sequence number."""
-        with self._lock:
-            self._stream.epoch = epoch
-            self._stream.seqs = dict(next_seqs)
-
-    def new_epoch(self, epoch: int) -> None:
-        """Start a new epoch (an engine restart seen by its relay): sequences from 0, each
-        announced group announced again as the new epoch's first message."""
-        with self._lock:
-            self._stream.epoch = epoch
-            self._stream.seqs = {}
-            for group, spec in sorted(self._form.specs.items()):
-                self._stream.encode(group, spec)
-
-    def next_seqs(self) -> dict[int, int]:
-        """Each group's next sequence number in this epoch."""
-        with self._lock:
-            return dict(self._stream.seqs)
 
     @property
     def groups(self) -> list[int]:

@@ -47,7 +47,7 @@ class SourceStream:
     publisher cannot go on (closed, a fatal error, failed deliveries); ``clock`` gives the
     event time of messages the caller did not stamp."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the publisher's parts it writes through (one caller)
         self,
         config: PublisherConfig,
         codec: Codec,
@@ -204,8 +204,7 @@ class SourceStream:
         key = self._keys.get(group)
         if key is None:
             key = self._keys[group] = message_key(self.config.source_id, group)
-        topic = self.config.topic
-        if self.deliveries.send(self.producer, topic, key, value, kind, self._healthy):
+        if self.deliveries.send(self.producer, key, value, kind, self._healthy):
             self.last_produce = time.monotonic()
         else:
             self.seqs[group] = seq

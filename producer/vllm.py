@@ -37,14 +37,25 @@ from kvledger.schemas.hashing import int_to_hash_bytes
 # vLLM 0.33.0's fields per event type, in declaration order (positional encodings follow it).
 FIELDS: Mapping[str, tuple[str, ...]] = {
     "BlockStored": (
-        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
         "lookahead_token_ids",
     ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
     "AllBlocksCleared": (),
-}  # fmt: skip
+}
 # Fields without a default: every engine sends them.
 REQUIRED: Mapping[str, int] = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
 # kvledger's extensions an engine that knows them may set on its objects.

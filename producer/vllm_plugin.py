@@ -91,11 +91,15 @@ class PluginSettings:
                 raise PluginConfigError(str(exc)) from None
         groups = tuple(g.strip() for g in env.get("KVLEDGER_VLLM_GROUPS", "").split(",") if g)
         return cls(
-            source, bootstrap, env.get("KVLEDGER_TOPIC") or "kv-events", kafka,
-            env.get("KVLEDGER_VLLM_MODEL") or None, groups,
+            source,
+            bootstrap,
+            env.get("KVLEDGER_TOPIC") or "kv-events",
+            kafka,
+            env.get("KVLEDGER_VLLM_MODEL") or None,
+            groups,
             _number(env, "KVLEDGER_VLLM_MAX_WAIT_MS", 1.0, 0.0) / 1000,
             int(_number(env, "KVLEDGER_VLLM_QUEUE", 1024, 1)),
-        )  # fmt: skip
+        )
 
     def source_for(self, rank: int) -> str:
         if "{rank}" in self.source:
@@ -132,15 +136,18 @@ def register() -> None:
     def make(data_parallel_rank: int = 0, **config: Any) -> Any:
         return KvledgerPublisher(
             zmq_publisher(data_parallel_rank=data_parallel_rank, **config),
-            settings, data_parallel_rank,
-        )  # fmt: skip
+            settings,
+            data_parallel_rank,
+        )
 
     make.kvledger = True  # type: ignore[attr-defined]
     registry["zmq"] = make
     logger.info(
         "kvledger: KV events of this engine go to Kafka %s, topic %s, as source %s",
-        settings.bootstrap, settings.topic, settings.source,
-    )  # fmt: skip
+        settings.bootstrap,
+        settings.topic,
+        settings.source,
+    )
 
 
 def _engine_defaults() -> tuple[str | None, int | None]:
@@ -198,10 +205,14 @@ class KvledgerPublisher:
             raise PluginConfigError("KVLEDGER_VLLM_MODEL is not set and the engine has no name")
         groups = _groups(settings, model, block_size)
         config = PublisherConfig(
-            bootstrap_servers=settings.bootstrap, source_id=settings.source_for(rank),
-            model=model, topic=settings.topic, dp_rank=rank, kafka=settings.kafka,
+            bootstrap_servers=settings.bootstrap,
+            source_id=settings.source_for(rank),
+            model=model,
+            topic=settings.topic,
+            dp_rank=rank,
+            kafka=settings.kafka,
             handoff_batches=settings.queue,
-        )  # fmt: skip
+        )
         self._config, self._groups = config, groups
         self._kv = self._open()
         self._reopened_at = time.monotonic()
@@ -211,9 +222,10 @@ class KvledgerPublisher:
         self._said_at = float("-inf")
         logger.info(
             "kvledger: publishing source %s (model %s, groups %s)",
-            config.source_id, model, ", ".join(f"{g.group_idx}:{g.kind}:{g.block_size}"
-                                               for g in groups),
-        )  # fmt: skip
+            config.source_id,
+            model,
+            ", ".join(f"{g.group_idx}:{g.kind}:{g.block_size}" for g in groups),
+        )
 
     def _open(self, check: bool = True) -> Any:
         """A publisher with the groups announced; ``check``: ask the broker first (at the

@@ -32,9 +32,15 @@ Decoder = Callable[
 Encoder = Callable[[Program, Any, bytes], bytes]  # (program, value, header) -> header + body
 
 _PRIMITIVES: dict[str, Program] = {
-    "null": (NULL,), "boolean": (BOOLEAN,), "int": (INT,), "long": (LONG,),
-    "float": (FLOAT,), "double": (DOUBLE,), "bytes": (BYTES,), "string": (STRING,),
-}  # fmt: skip
+    "null": (NULL,),
+    "boolean": (BOOLEAN,),
+    "int": (INT,),
+    "long": (LONG,),
+    "float": (FLOAT,),
+    "double": (DOUBLE,),
+    "bytes": (BYTES,),
+    "string": (STRING,),
+}
 
 
 class UnsupportedSchemaError(ValueError):

@@ -10,6 +10,15 @@ the writer schema fetched from the registry by id.
 
 Every decoding failure raises :class:`~schemas.errors.DecodeError`; nothing else escapes.
 The records fastavro reads and writes map onto the types in :mod:`.records`.
+
+Strictness is the compiled core's (rust/src/wire.rs): a message written with the codec's
+own schema is decoded by it; one written with another schema (an older release's, a
+registry's) is read through it first, on that writer's program, and only then resolved by
+fastavro, which alone is lenient (it takes a negative union branch as one counted from the
+end, and varints past 10 bytes or 64 bits). Every reader of the index (the consumer, the
+router) needs the core anyway. Without it (an engine's install built without cargo, or
+KVLEDGER_PURE_AVRO=1) the codec still encodes the same bytes, and decodes with fastavro
+alone: only the relay decodes there, reading back the last messages it wrote.
 """
 
 from __future__ import annotations
@@ -34,7 +43,6 @@ from kvledger.schemas.avro_program import (
     decoder,
     encoder,
 )
-from kvledger.schemas.avro_strict import Check, MalformedAvroError, compile_check
 from kvledger.schemas.errors import DecodeError
 from kvledger.schemas.events import (
     AllBlocksCleared,
@@ -52,8 +60,14 @@ from kvledger.schemas.records import envelope_to_record, record_to_envelope
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
 EVENT_CLASSES = (
-    BlockStored, BlockRemoved, AllBlocksCleared, GroupSpec, Heartbeat, Goodbye, EventsLost,
-)  # fmt: skip
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    GroupSpec,
+    Heartbeat,
+    Goodbye,
+    EventsLost,
+)
 EVENT_TYPES = tuple(cls.__name__ for cls in EVENT_CLASSES)  # the union's branches, in order
 NAMESPACE = "kvledger"
 _FP = struct.Struct("<Q")
@@ -126,7 +140,10 @@ class Codec:
         # Messages written with this very schema decode through the compiled decoder where
         # it was built (the same values as fastavro and record_to_envelope, ~6x faster);
         # the others with fastavro.
-        self._program, self._objects, self._compiled = _compiled_programs(self.schema_json)
+        self._core = _core_decoder()
+        self._program, self._objects, self._compiled = _compiled_programs(
+            self.schema_json, self._core
+        )
         # And encode through the compiled encoder (the same bytes, ~8x faster).
         self._encode = encoder() if self._compiled is not None else None
         self.fingerprint = schema_fingerprint(self.schema_json)
@@ -134,13 +151,13 @@ class Codec:
         self.frames_current = self.fingerprint == schema_fingerprint(envelope_schema_json())
         self._header = SINGLE_OBJECT_MAGIC + _FP.pack(self.fingerprint)
         self._writers: dict[int, Any] = {self.fingerprint: self._schema}
-        # Each writer schema's check of the compiled decoder's rules (avro_strict), run
-        # before fastavro reads a body: both paths refuse the same bytes.
-        self._strict: dict[int, Check] = {id(self._schema): compile_check(self.schema_json)}
+        # Each writer schema's program, which the core reads a body with before fastavro
+        # resolves it (None: a schema beyond the core, refused where the core is in use).
+        self._checks: dict[int, Program | None] = {id(self._schema): _check(self.schema_json)}
         for writer in released_schemas() if known_writers is None else known_writers:
             parsed = fastavro.parse_schema(json.loads(writer))
             self._writers[schema_fingerprint(writer)] = parsed
-            self._strict[id(parsed)] = compile_check(writer)
+            self._checks[id(parsed)] = _check(writer)
         # The single-object header of this codec's own schema where the compiled decoder
         # reads it: such a message (nearly every one) goes to it at once.
         own = self._compiled is not None and self._writers.get(self.fingerprint) is self._schema
@@ -253,10 +270,11 @@ class Codec:
         return data, writer, 10 if data[:2] == SINGLE_OBJECT_MAGIC else 5
 
     def _run(self, program: Program, data: bytes, header_len: int) -> Any:
-        """The compiled decoder on the body (written with this codec's own schema)."""
-        assert self._compiled is not None
+        """The compiled decoder on the body, with the program of the schema it was written
+        with."""
+        assert self._core is not None
         try:
-            value, end = self._compiled(program, data, header_len)
+            value, end = self._core(program, data, header_len)
         except Exception as exc:
             raise DecodeError("undecodable", f"Avro body does not decode: {exc!r}") from exc
         if end != len(data):
@@ -264,12 +282,13 @@ class Codec:
         return value
 
     def _fastavro(self, data: bytes, writer: Any, header_len: int) -> dict[str, Any]:
-        try:
-            self._strict[id(writer)](data, header_len)
-        except MalformedAvroError as exc:
-            raise DecodeError("undecodable", f"Avro body does not decode: {exc}") from None
-        except RecursionError:
-            raise DecodeError("undecodable", "Avro body nested too deeply") from None
+        if self._core is not None:  # the core's refusals first: fastavro alone is lenient
+            check = self._checks.get(id(writer))
+            if check is None:
+                raise DecodeError(
+                    "unknown_schema", "the writer schema is beyond the compiled decoder"
+                )
+            self._run(check, data, header_len)
         stream = io.BytesIO(data)
         stream.seek(header_len)
         try:
@@ -304,7 +323,7 @@ class Codec:
                 try:
                     schema = self._registry.get_schema(schema_id)
                     writer = fastavro.parse_schema(json.loads(schema.schema_str))
-                    self._strict[id(writer)] = compile_check(schema.schema_str)
+                    self._checks[id(writer)] = _check(schema.schema_str)
                 except Exception as exc:
                     raise DecodeError(
                         "unknown_schema", f"registry has no schema id {schema_id}: {exc!r}"
@@ -316,12 +335,30 @@ class Codec:
         )
 
 
-def _compiled_programs(schema_json: str) -> tuple[Program, Program, Decoder | None]:
+def _core_decoder() -> Decoder | None:
+    """The compiled decoder; None where the extension was not built or
+    KVLEDGER_PURE_AVRO=1."""
+    if os.environ.get("KVLEDGER_PURE_AVRO", "") not in ("", "0"):
+        return None
+    return decoder()
+
+
+def _check(schema_json: str) -> Program | None:
+    """A writer schema's program (records as dicts), which the compiled decoder reads a
+    body with to refuse malformed bytes; None where the schema is beyond it."""
+    try:
+        return compile_schema(json.loads(schema_json))
+    except UnsupportedSchemaError:
+        return None
+
+
+def _compiled_programs(
+    schema_json: str, decode: Decoder | None
+) -> tuple[Program, Program, Decoder | None]:
     """The schema's programs for the compiled decoder (records as dicts; records as the
     codec's own types), and the decoder (None: fastavro only, when the extension was not
     built, the schema is beyond it, or KVLEDGER_PURE_AVRO=1)."""
-    decode = decoder()
-    if decode is None or os.environ.get("KVLEDGER_PURE_AVRO", "") not in ("", "0"):
+    if decode is None:
         return (), (), None
     schema = json.loads(schema_json)
     types = {f"{NAMESPACE}.{cls.__name__}": cls for cls in (Envelope, *EVENT_CLASSES)}

@@ -117,10 +117,22 @@ def encode(d: Decision | Answered, record: Record | None = None) -> bytes:
     if isinstance(d, Answered):
         if record is None:
             raise ValueError("an answer is recorded with what it offered")
-        return _encode(_Wire(3, d.model, d.group_idx, d.origin, request_id=d.request_id,
-                             record=record))  # fmt: skip
-    return _encode(_Wire(1 if record is None else 2, d.model, d.group_idx, d.origin,
-                         d.instance, d.kind, list(d.keys), d.request_id, record))  # fmt: skip
+        return _encode(
+            _Wire(3, d.model, d.group_idx, d.origin, request_id=d.request_id, record=record)
+        )
+    return _encode(
+        _Wire(
+            1 if record is None else 2,
+            d.model,
+            d.group_idx,
+            d.origin,
+            d.instance,
+            d.kind,
+            list(d.keys),
+            d.request_id,
+            record,
+        )
+    )
 
 
 def decode(raw: bytes) -> Decision | Answered:
@@ -142,17 +154,18 @@ def decode_record(raw: bytes) -> tuple[Decision | Answered, Record | None]:
     if w.v == 3:
         if w.instance is not None or w.kind is not None or w.keys:
             raise ValueError("v 3 (an answer) names no instance, kind or keys")
-        if w.record is not None and (w.record.chosen_state is not None
-                                     or w.record.captured_blocks is not None):  # fmt: skip
+        if w.record is not None and (
+            w.record.chosen_state is not None or w.record.captured_blocks is not None
+        ):
             raise ValueError("v 3 (an answer) has no chosen_state or captured_blocks")
         return Answered(w.model, w.group_idx, w.origin, w.request_id), w.record
     if w.instance is None or w.kind is None:
         raise ValueError(f"v {w.v} without {'instance' if w.instance is None else 'kind'}")
-    if w.record is not None and (w.record.chosen_state is None
-                                 or w.record.captured_blocks is None):  # fmt: skip
+    if w.record is not None and (w.record.chosen_state is None or w.record.captured_blocks is None):
         raise ValueError(f"v {w.v} without the record's chosen_state or captured_blocks")
     if w.keys and max(w.keys) > _U64:
         raise ValueError("a key over 2^64-1")
-    decision = Decision(w.model, w.group_idx, w.instance, w.kind, tuple(w.keys), w.origin,
-                        w.request_id)  # fmt: skip
+    decision = Decision(
+        w.model, w.group_idx, w.instance, w.kind, tuple(w.keys), w.origin, w.request_id
+    )
     return decision, w.record

@@ -54,8 +54,12 @@ def xxhash_cbor(value: Any) -> bytes:
 
 
 def hash_function(algorithm: str) -> Callable[[Any], bytes]:
-    functions = {"sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash,
-                 "xxhash_cbor": xxhash_cbor}  # fmt: skip
+    functions = {
+        "sha256": sha256,
+        "sha256_cbor": sha256_cbor,
+        "xxhash": xxhash,
+        "xxhash_cbor": xxhash_cbor,
+    }
     try:
         return functions[algorithm]
     except KeyError:
@@ -100,7 +104,7 @@ def hash_block_tokens(
     return hash_function(algorithm)((parent, tuple(token_ids), extra_keys))
 
 
-def prompt_block_hashes(
+def prompt_block_hashes(  # noqa: PLR0913 - vLLM's block hash inputs, as vLLM takes them
     token_ids: Sequence[int],
     block_size: int,
     algorithm: str = "sha256",

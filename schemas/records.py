@@ -110,9 +110,12 @@ def _event_to_branch(event: KVEvent) -> tuple[str, dict[str, Any]]:
     if isinstance(event, EventsLost):
         return (
             "kvledger.EventsLost",
-            {"group_idx": event.group_idx, "first_seq": event.first_seq,
-             "last_seq": event.last_seq},
-        )  # fmt: skip
+            {
+                "group_idx": event.group_idx,
+                "first_seq": event.first_seq,
+                "last_seq": event.last_seq,
+            },
+        )
     raise TypeError(f"not a kvledger event: {type(event).__name__}")
 
 

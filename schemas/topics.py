@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -35,21 +36,39 @@ def admin_settings(settings: Mapping[str, object]) -> dict[str, str | int | floa
     cluster's address and security, client ids, socket options): scalar values, without the
     settings only producers or only consumers know."""
     return {
-        k: v for k, v in settings.items()
+        k: v
+        for k, v in settings.items()
         if isinstance(v, str | int | float | bool) and not k.startswith(_ONE_KIND_ONLY)
-    }  # fmt: skip
+    }
 
 
 _ONE_KIND_ONLY = (
     # producers
-    "enable.idempotence", "acks", "compression.", "linger.ms", "batch.", "queue.",
-    "message.timeout.ms", "transactional.id", "transaction.timeout.ms", "partitioner",
-    "message.max.bytes", "error_cb",
+    "enable.idempotence",
+    "acks",
+    "compression.",
+    "linger.ms",
+    "batch.",
+    "queue.",
+    "message.timeout.ms",
+    "transactional.id",
+    "transaction.timeout.ms",
+    "partitioner",
+    "message.max.bytes",
+    "error_cb",
     # consumers
-    "group.", "enable.auto.", "auto.offset.reset", "session.timeout.ms", "isolation.level",
-    "queued.", "fetch.", "max.poll.interval.ms", "partition.assignment.strategy",
-    "heartbeat.interval.ms", "enable.partition.eof",
-)  # fmt: skip
+    "group.",
+    "enable.auto.",
+    "auto.offset.reset",
+    "session.timeout.ms",
+    "isolation.level",
+    "queued.",
+    "fetch.",
+    "max.poll.interval.ms",
+    "partition.assignment.strategy",
+    "heartbeat.interval.ms",
+    "enable.partition.eof",
+)
 
 
 # How long a topic kvledger creates keeps its records (Kafka's own default, stated on the
@@ -58,7 +77,7 @@ _ONE_KIND_ONLY = (
 DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
 
 
-def ensure_topic(
+def ensure_topic(  # noqa: PLR0913 - Kafka's topic settings, each with a default, set by name
     admin: AdminClient,
     name: str,
     partitions: int = DEFAULT_PARTITIONS,
@@ -81,10 +100,10 @@ def ensure_topic(
     takes the cluster's default.
     """
     try:
-        return _ensure_topic(
-            admin, name, partitions, retention_ms, replication_factor, timeout,
-            exact_partitions, log_append_time, config,
-        )  # fmt: skip
+        wanted = _Wanted(
+            partitions, retention_ms, replication_factor, exact_partitions, log_append_time, config
+        )
+        return _ensure_topic(admin, name, wanted, timeout)
     except KafkaException as exc:
         if refused(exc.args[0]):
             raise NotAuthorizedError(
@@ -211,29 +230,32 @@ def _until_served(admin: AdminClient, name: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def _ensure_topic(
-    admin: AdminClient,
-    name: str,
-    partitions: int,
-    retention_ms: int | None,
-    replication_factor: int,
-    timeout: float,
-    exact_partitions: bool,
-    log_append_time: bool,
-    config: Mapping[str, str] | None,
-) -> bool:
+@dataclass(frozen=True)
+class _Wanted:
+    """What :func:`ensure_topic` is asked of a topic (its arguments of the same names)."""
+
+    partitions: int
+    retention_ms: int | None
+    replication_factor: int
+    exact_partitions: bool
+    log_append_time: bool
+    config: Mapping[str, str] | None
+
+
+def _ensure_topic(admin: AdminClient, name: str, wanted: _Wanted, timeout: float) -> bool:
+    partitions, retention_ms = wanted.partitions, wanted.retention_ms
     topic = _described(admin, name, timeout)
     if topic is not None and topic.error is not None and refused(topic.error):
         raise KafkaException(topic.error)
     exists = topic is not None and topic.error is None
     if not exists:
-        settings = {"retention.ms": str(DEFAULT_RETENTION_MS), **(config or {})}
+        settings = {"retention.ms": str(DEFAULT_RETENTION_MS), **(wanted.config or {})}
         if retention_ms is not None:
             settings["retention.ms"] = str(retention_ms)
-        if log_append_time:
+        if wanted.log_append_time:
             settings["message.timestamp.type"] = "LogAppendTime"
         futures = admin.create_topics(
-            [NewTopic(name, partitions, replication_factor, config=settings)],
+            [NewTopic(name, partitions, wanted.replication_factor, config=settings)],
             operation_timeout=timeout,
         )
         try:
@@ -252,7 +274,7 @@ def _ensure_topic(
             else KafkaError(KafkaError._UNKNOWN_TOPIC, f"topic {name!r} is not in the metadata")
         )
     have = len(topic.partitions)
-    if exact_partitions and have != partitions:
+    if wanted.exact_partitions and have != partitions:
         raise TopicMismatchError(
             f"topic {name!r} has {have} partitions, expected {partitions}; use the existing "
             "count or another topic (Kafka cannot shrink a topic)"

@@ -37,7 +37,6 @@ from kvledger.consumer.ahead import apply_in_turn
 from kvledger.consumer.db import connect, create_database, drop_database, migrate
 from kvledger.consumer.inbound import decode
 from kvledger.consumer.pipeline import replay_batch, run_batch
-from kvledger.consumer.store.memory import MemoryStore
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.verify import diff
 from kvledger.consumer.verify import dump as dump_postgres
@@ -55,6 +54,7 @@ from tests.helpers.brute_force import (
     held_now,
     prompts,
 )
+from tests.helpers.memory_store import MemoryStore
 from tests.helpers.reference_index import Reference, build
 from tests.helpers.streams import MODEL as STREAM_MODEL
 from tests.helpers.streams import Stream, edge_stream, fleet_stream, messy_stream, spec

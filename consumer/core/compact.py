@@ -45,10 +45,11 @@ def from_micros(us: int) -> datetime:
 def block_writes(rows: BlockRows) -> dict[BlockKey, BlockWrite]:
     """``rows`` as BlockWrites by key, in the order written."""
     return {
-        new_tuple(BlockKey, key): BlockWrite(new_tuple(BlockRow, row), lora, extra,
-                                             from_micros(first), from_micros(last), stored)
+        new_tuple(BlockKey, key): BlockWrite(
+            new_tuple(BlockRow, row), lora, extra, from_micros(first), from_micros(last), stored
+        )
         for key, row, (lora, extra, first, last, stored) in rows.items()
-    }  # fmt: skip
+    }
 
 
 def residency_deltas(refs: Residencies) -> list[ResidencyDelta]:
@@ -57,14 +58,29 @@ def residency_deltas(refs: Residencies) -> list[ResidencyDelta]:
     for key, before, refcount, existed, now, close, intervals in refs.touched():
         locality, since, topic, partition, offset = now
         delta = ResidencyDelta(
-            new_tuple(ResidencyKey, key), before, refcount, existed, locality,
-            None if since is None else from_micros(since), topic, partition, offset,
+            new_tuple(ResidencyKey, key),
+            before,
+            refcount,
+            existed,
+            locality,
+            None if since is None else from_micros(since),
+            topic,
+            partition,
+            offset,
             None if close is None else from_micros(close[0]),
             None if close is None else close[1],
-            [Interval(from_micros(stored), where, part, off,
-                      None if removed is None else from_micros(removed), by)
-             for stored, where, part, off, removed, by in intervals],
+            [
+                Interval(
+                    from_micros(stored),
+                    where,
+                    part,
+                    off,
+                    None if removed is None else from_micros(removed),
+                    by,
+                )
+                for stored, where, part, off, removed, by in intervals
+            ],
             True,
-        )  # fmt: skip
+        )
         out.append(delta)
     return out

@@ -82,8 +82,12 @@ def seen(life: SourceLife | None, env: Envelope, at: datetime) -> SourceLife:
 def _with_load(life: SourceLife, ev: object, at: datetime | None) -> SourceLife:
     """``life`` with the load ``ev`` carries (a heartbeat's), or none (``ev`` None)."""
     if isinstance(ev, Heartbeat):
-        return replace(life, requests_running=ev.requests_running,
-                       requests_waiting=ev.requests_waiting, load_at=at)  # fmt: skip
+        return replace(
+            life,
+            requests_running=ev.requests_running,
+            requests_waiting=ev.requests_waiting,
+            load_at=at,
+        )
     return replace(life, requests_running=None, requests_waiting=None, load_at=None)
 
 

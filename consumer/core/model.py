@@ -129,10 +129,18 @@ class SourceState:
 
     def copy(self) -> SourceState:
         return SourceState(
-            self.epoch, self.last_seq, self.gap_count, self.missing_events, self.epoch_changes,
-            self.duplicates, self.last_event_time, self.surviving_media, self.lost_gaps,
-            self.lost_batches, self.reports_reuse,
-        )  # fmt: skip
+            self.epoch,
+            self.last_seq,
+            self.gap_count,
+            self.missing_events,
+            self.epoch_changes,
+            self.duplicates,
+            self.last_event_time,
+            self.surviving_media,
+            self.lost_gaps,
+            self.lost_batches,
+            self.reports_reuse,
+        )
 
 
 @dataclass(frozen=True, slots=True)

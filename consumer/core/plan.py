@@ -39,6 +39,7 @@ Reference counts and history intervals: :mod:`.refs`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from kvledger.consumer.core.audit import audit_row
@@ -100,6 +101,18 @@ def make_plan(batch: Sequence[Decoded], snapshot: Snapshot, replay: bool = False
     return planner.finish()
 
 
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """What a restart, a goodbye or a lost range ended: its kind, its group (None: every
+    group), residencies ended per medium, the epoch before a restart, a lost range."""
+
+    kind: str  # restart | closed | lost
+    group: int | None
+    ended: dict[str, int]
+    previous: int | None = None
+    lost: tuple[int, int] | None = None
+
+
 class _Planner:
     """The walk over one batch: the snapshot, overlaid with the batch's changes."""
 
@@ -158,9 +171,10 @@ class _Planner:
             if verdict is Verdict.DUPLICATE:  # skipped, but kept with its bytes (replayable)
                 plan.duplicates += 1
                 detail = f"seq {env.seq} of epoch {env.epoch} was already applied"
-                plan.rejected.append(Rejection(d.message, Reason.DUPLICATE.value, detail,
-                                               env.source))  # fmt: skip
-                self._audit(d, "duplicate", None, 0, 0, when)
+                plan.rejected.append(
+                    Rejection(d.message, Reason.DUPLICATE.value, detail, env.source)
+                )
+                self._audit(d, "duplicate", None, (0, 0), when)
                 return
             if verdict is Verdict.GAP:
                 plan.gaps += 1
@@ -181,7 +195,7 @@ class _Planner:
                 and ((m.topic, m.partition, m.offset) in self.late)
             ):
                 reason = "replayed_without_holders"
-            self._audit(d, "applied", reason, hashes, noop, when)
+            self._audit(d, "applied", reason, (hashes, noop), when)
 
     def _event(
         self, env: Envelope, msg: Inbound, when: datetime
@@ -230,9 +244,19 @@ class _Planner:
             parent = ev.parent_block_hash
             start = 0 if parent is None else self.rows.token_end(model, group, parent)
         when_us = micros(when)
-        why = self.rows.store(model, group, ev.block_hashes, ev.token_ids, ev.block_size, start,
-                              ev.parent_block_hash, ev.partial, ev.lora_name, ev.extra_keys,
-                              when_us)  # fmt: skip
+        why = self.rows.store(
+            model,
+            group,
+            ev.block_hashes,
+            ev.token_ids,
+            ev.block_size,
+            start,
+            ev.parent_block_hash,
+            ev.partial,
+            ev.lora_name,
+            ev.extra_keys,
+            when_us,
+        )
         if why is not None:
             return Invalid(Reason.HASH_CONFLICT, why), 0, 0
         hashes = ev.block_hashes
@@ -240,8 +264,9 @@ class _Planner:
         if self.late and (msg.topic, msg.partition, msg.offset) in self.late:
             return None, len(hashes), 0  # its rows, no holders (see the module's docstring)
         source = env.source
-        holder = new_tuple(HolderKey, (model, group, source, medium_of(ev),
-                                       ev.ownership or PRIMARY_OWNERSHIP))  # fmt: skip
+        holder = new_tuple(
+            HolderKey, (model, group, source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP)
+        )
         stream = new_tuple(SourceKey, (source, model, group))
         state = self.sources.get(stream) or self.snap.sources.get(stream)
         reports = state is not None and state.reports_reuse
@@ -256,8 +281,10 @@ class _Planner:
         invalid = check_removed(ev, self.specs.get(new_tuple(GroupKey, (env.model, group))))
         if invalid is not None:
             return invalid, 0, 0
-        holder = new_tuple(HolderKey, (env.model, group, env.source, medium_of(ev),
-                                       ev.ownership or PRIMARY_OWNERSHIP))  # fmt: skip
+        holder = new_tuple(
+            HolderKey,
+            (env.model, group, env.source, medium_of(ev), ev.ownership or PRIMARY_OWNERSHIP),
+        )
         noop = self.refs.remove(holder, ev.block_hashes, when, ev.locality, msg)
         self.plan.noop_removals += noop
         self.plan.block_events += len(ev.block_hashes)
@@ -294,7 +321,9 @@ class _Planner:
         if state is not None:  # None when replaying a rejected message
             state.lost_gaps += 1
             state.lost_batches += ev.last_seq - ev.first_seq + 1
-        self._lifecycle(env, group, "lost", None, msg, when, ended, (ev.first_seq, ev.last_seq))
+        self._lifecycle(
+            env, msg, when, _Ended("lost", group, ended, lost=(ev.first_seq, ev.last_seq))
+        )
         return None, sum(ended.values()), 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -317,50 +346,54 @@ class _Planner:
         scope = HolderScope(env.model, stream.group_idx, env.source, None, None)
         keys = [k for k in self.refs.live(scope) if k.medium not in keep]
         ended = self.refs.end(keys, "restart", when, msg)
-        self._lifecycle(env, stream.group_idx, "restart", previous[0], msg, when, ended)
+        self._lifecycle(env, msg, when, _Ended("restart", stream.group_idx, ended, previous[0]))
 
     def _goodbye(self, env: Envelope, msg: Inbound, when: datetime) -> int:
         """A clean shutdown: the source's residencies on non-surviving media end, every group."""
         keys = [
-            k for k in self.refs.live(HolderScope(env.model, None, env.source, None, None))
+            k
+            for k in self.refs.live(HolderScope(env.model, None, env.source, None, None))
             if k.medium not in self._policy(SourceKey(env.source, env.model, k.group_idx))
-        ]  # fmt: skip
+        ]
         ended = self.refs.end(keys, "closed", when, msg)
-        self._lifecycle(env, None, "closed", None, msg, when, ended)
+        self._lifecycle(env, msg, when, _Ended("closed", None, ended))
         return len(keys)
 
-    def _lifecycle(
-        self, env: Envelope, group: int | None, kind: str, previous: int | None, msg: Inbound,
-        when: datetime, ended: dict[str, int], lost: tuple[int, int] | None = None,
-    ) -> None:  # fmt: skip
+    def _lifecycle(self, env: Envelope, msg: Inbound, when: datetime, what: _Ended) -> None:
+        ended = what.ended
         counts = (ended.get("GPU", 0), ended.get("CPU", 0), ended.get("STORAGE", 0))
         where = (msg.topic, msg.partition, msg.offset)
         event = LifecycleEvent(
             env.source,
             env.model,
-            group,
-            kind,
+            what.group,
+            what.kind,
             env.epoch,
-            previous,
+            what.previous,
             when,
             *where,
             *counts,
-            *(lost or (None, None)),
+            *(what.lost or (None, None)),
         )
         self.plan.lifecycle.append(event)
 
     # ------------------------------------------------------------------ audit
     def _audit(
-        self, d: Decoded, status: str, reason: str | None, hashes: int, noop: int,
+        self,
+        d: Decoded,
+        status: str,
+        reason: str | None,
+        counts: tuple[int, int],
         when: datetime | None,
-    ) -> None:  # fmt: skip
-        """One audit row, unless the store keeps none."""
+    ) -> None:
+        """One audit row, unless the store keeps none; ``counts``: the hashes the message
+        named, its no-op hashes."""
         if self.snap.history:
-            self.plan.audit.append(audit_row(d, status, reason, hashes, noop, when))
+            self.plan.audit.append(audit_row(d, status, reason, counts, when))
 
     def _reject(self, d: Decoded, reason: Reason, detail: str, when: datetime | None) -> None:
         env = d.envelope
         source = env.source if env is not None else None
         self.plan.rejected.append(Rejection(d.message, reason.value, detail, source))
         hashes = len(getattr(env.event, "block_hashes", ())) if env is not None else 0
-        self._audit(d, "rejected", reason.value, hashes, 0, when)
+        self._audit(d, "rejected", reason.value, (hashes, 0), when)

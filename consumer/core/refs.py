@@ -27,13 +27,19 @@ class References:
     """The batch's residencies: the snapshot's, overlaid with the batch's changes."""
 
     def __init__(self, snapshot: Snapshot) -> None:
-        self.native = Residencies(snapshot.residencies, snapshot.held, snapshot.residency_base,
-                                  snapshot.history, micros)  # fmt: skip
+        self.native = Residencies(
+            snapshot.residencies, snapshot.held, snapshot.residency_base, snapshot.history, micros
+        )
 
-    def store(
-        self, holder: HolderKey, hashes: tuple[bytes, ...], when_us: int,
-        locality: str | None, msg: Inbound, reports_reuse: bool,
-    ) -> int:  # fmt: skip
+    def store(  # noqa: PLR0913 - the core's Residencies.store (PyO3), argument for argument
+        self,
+        holder: HolderKey,
+        hashes: tuple[bytes, ...],
+        when_us: int,
+        locality: str | None,
+        msg: Inbound,
+        reports_reuse: bool,
+    ) -> int:
         """One reference more per hash (none for a hash the holder holds, when it reports
         reused blocks as stores); how many it held that way. ``when_us``: the event's time
         as :func:`~.compact.micros` gives it (the planner has it for the block rows too)."""
@@ -41,17 +47,22 @@ class References:
         return self.native.store(holder, hashes, when_us, locality, at, reports_reuse)
 
     def remove(
-        self, holder: HolderKey, hashes: tuple[bytes, ...], when: datetime,
-        locality: str | None, msg: Inbound,
-    ) -> int:  # fmt: skip
+        self,
+        holder: HolderKey,
+        hashes: tuple[bytes, ...],
+        when: datetime,
+        locality: str | None,
+        msg: Inbound,
+    ) -> int:
         """One reference less per hash; how many had none left (recorded no-ops)."""
         at = (msg.topic, msg.partition, msg.offset)
         return self.native.remove(holder, hashes, micros(when), locality, at)
 
     def live(self, scope: HolderScope) -> list[ResidencyKey]:
         """Every residency in ``scope`` with a reference, in key order."""
-        found = self.native.live(scope.model, scope.group_idx, scope.instance, scope.medium,
-                                 scope.ownership)  # fmt: skip
+        found = self.native.live(
+            scope.model, scope.group_idx, scope.instance, scope.medium, scope.ownership
+        )
         return [new_tuple(ResidencyKey, key) for key in found]
 
     def end(

@@ -107,8 +107,10 @@ def check_envelope(env: Envelope, key: bytes | None, log_time_ms: int | None) ->
 def _check_heartbeat(ev: Heartbeat) -> Invalid | None:
     if ev.interval_ms is not None and ev.interval_ms < 0:
         return Invalid(Reason.INVALID_EVENT, f"negative heartbeat interval {ev.interval_ms}")
-    for name, n in (("requests_running", ev.requests_running),
-                    ("requests_waiting", ev.requests_waiting)):  # fmt: skip
+    for name, n in (
+        ("requests_running", ev.requests_running),
+        ("requests_waiting", ev.requests_waiting),
+    ):
         if n is not None and n < 0:
             return Invalid(Reason.INVALID_EVENT, f"negative {name} {n}")
     return None

@@ -1,7 +1,7 @@
 """The PostgreSQL store's SQL: the session's temporary tables and one merge per table.
 
-Each merge states in SQL the rule its memory twin states in Python (store/memory.py), and
-the store test suite checks that they agree.
+Each merge states in SQL the rule the tests' in-memory store states in Python
+(tests/helpers/memory_store.py), and the conformance suite checks that they agree.
 """
 
 from __future__ import annotations

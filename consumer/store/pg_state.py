@@ -38,10 +38,18 @@ def upsert_group_specs(
         else "DO NOTHING"
     )
     rows = [
-        (s.model, s.group_idx, s.kind, s.block_size, s.hash_block_size, s.sliding_window,
-         origin, by)
+        (
+            s.model,
+            s.group_idx,
+            s.kind,
+            s.block_size,
+            s.hash_block_size,
+            s.sliding_window,
+            origin,
+            by,
+        )
         for s, by in specs
-    ]  # fmt: skip
+    ]
     if not rows:
         return
     cur = conn.cursor() if isinstance(conn, psycopg.Connection) else conn
@@ -80,9 +88,18 @@ def load_source_states(
     for row in cur.fetchall():
         epoch, last, gaps, missing, changes, dups, when, media, lost_gaps, lost, reuse = row[3:]
         out[SourceKey(*row[:3])] = SourceState(
-            epoch, last, gaps, missing, changes, dups, when,
-            tuple(media) if media is not None else None, lost_gaps, lost, reuse,
-        )  # fmt: skip
+            epoch,
+            last,
+            gaps,
+            missing,
+            changes,
+            dups,
+            when,
+            tuple(media) if media is not None else None,
+            lost_gaps,
+            lost,
+            reuse,
+        )
     return out
 
 
@@ -102,17 +119,52 @@ def load_source_lives(
 
 def source_row(s: SourceState) -> tuple[object, ...]:
     media = list(s.surviving_media) if s.surviving_media is not None else None
-    return (s.epoch, s.last_seq, s.gap_count, s.missing_events, s.epoch_changes, s.duplicates,
-            s.last_event_time, media, s.lost_gaps, s.lost_batches, s.reports_reuse)  # fmt: skip
+    return (
+        s.epoch,
+        s.last_seq,
+        s.gap_count,
+        s.missing_events,
+        s.epoch_changes,
+        s.duplicates,
+        s.last_event_time,
+        media,
+        s.lost_gaps,
+        s.lost_batches,
+        s.reports_reuse,
+    )
 
 
 def life_row(life: SourceLife) -> tuple[object, ...]:
-    return (life.model, life.epoch, life.last_seen, life.closed_at, life.heartbeat_ms,
-            life.restarts, life.previous_model, life.model_changed_at, life.requests_running,
-            life.requests_waiting, life.load_at)  # fmt: skip
+    return (
+        life.model,
+        life.epoch,
+        life.last_seen,
+        life.closed_at,
+        life.heartbeat_ms,
+        life.restarts,
+        life.previous_model,
+        life.model_changed_at,
+        life.requests_running,
+        life.requests_waiting,
+        life.load_at,
+    )
 
 
 def lifecycle_row(e: LifecycleEvent) -> tuple[object, ...]:
-    return (e.source, e.model, e.group_idx, e.kind, e.epoch, e.previous_epoch, e.event_time,
-            e.kafka_topic, e.kafka_partition, e.kafka_offset, e.ended_gpu, e.ended_cpu,
-            e.ended_storage, e.first_lost_seq, e.last_lost_seq)  # fmt: skip
+    return (
+        e.source,
+        e.model,
+        e.group_idx,
+        e.kind,
+        e.epoch,
+        e.previous_epoch,
+        e.event_time,
+        e.kafka_topic,
+        e.kafka_partition,
+        e.kafka_offset,
+        e.ended_gpu,
+        e.ended_cpu,
+        e.ended_storage,
+        e.first_lost_seq,
+        e.last_lost_seq,
+    )

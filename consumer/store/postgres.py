@@ -178,9 +178,17 @@ class PostgresStore:
                 "AND (%s::int IS NULL OR r.group_idx = %s::int) "
                 "AND (%s::text IS NULL OR r.medium = %s::text) "
                 "AND (%s::text IS NULL OR r.ownership = %s::text)",
-                (c.model, c.instance, c.group_idx, c.group_idx, c.medium, c.medium,
-                 c.ownership, c.ownership),
-            )  # fmt: skip
+                (
+                    c.model,
+                    c.instance,
+                    c.group_idx,
+                    c.group_idx,
+                    c.medium,
+                    c.medium,
+                    c.ownership,
+                    c.ownership,
+                ),
+            )
             self._hold(cur.fetchall(), c.model, c.instance, residencies, held)
         if needs.restarts:
             # Every residency of the streams this batch moves to a newer epoch.
@@ -193,9 +201,13 @@ class PostgresStore:
                 "AND s.group_idx = q.group_idx AND s.epoch < q.epoch "
                 "JOIN kvledger.residencies r ON r.instance = q.source AND r.model = q.model "
                 "AND r.group_idx = q.group_idx",
-                ([k.source for k, _ in streams], [k.model for k, _ in streams],
-                 [k.group_idx for k, _ in streams], [e for _, e in streams]),
-            )  # fmt: skip
+                (
+                    [k.source for k, _ in streams],
+                    [k.model for k, _ in streams],
+                    [k.group_idx for k, _ in streams],
+                    [e for _, e in streams],
+                ),
+            )
             for row in cur.fetchall():
                 self._hold([row[:10]], row[10], row[11], residencies, held)
         wanted = list(needs.sources)
@@ -254,9 +266,11 @@ class PostgresStore:
             )
         if plan.lifecycle:
             copy_rows(
-                cur, LIFECYCLE_EVENTS.qualified, LIFECYCLE_EVENTS.columns,
+                cur,
+                LIFECYCLE_EVENTS.qualified,
+                LIFECYCLE_EVENTS.columns,
                 [lifecycle_row(e) for e in plan.lifecycle],
-            )  # fmt: skip
+            )
         if plan.sources:
             cur.executemany(
                 sql.UPSERT_SOURCE, [(*k, *source_row(s)) for k, s in plan.sources.items()]
@@ -269,12 +283,22 @@ class PostgresStore:
                 cur.executemany(
                     sql.INSERT_REJECTED,
                     [
-                        (r.message.topic, r.message.partition, r.message.offset,
-                         r.message.key, r.message.value, r.reason, r.detail, r.source,
-                         r.message.topic, r.message.partition, r.message.offset)
+                        (
+                            r.message.topic,
+                            r.message.partition,
+                            r.message.offset,
+                            r.message.key,
+                            r.message.value,
+                            r.reason,
+                            r.detail,
+                            r.source,
+                            r.message.topic,
+                            r.message.partition,
+                            r.message.offset,
+                        )
                         for r in plan.rejected
                     ],
-                )  # fmt: skip
+                )
         if consumer_group is not None and next_offsets:
             self._write_offsets(consumer_group, next_offsets)
 
@@ -338,9 +362,18 @@ class PostgresStore:
                 hash_count = %s, noop_count = %s, applied_at = now()
             WHERE kafka_topic = %s AND kafka_partition = %s AND kafka_offset = %s
             """,
-            [(replay_reason(r.reason), r.hash_count, r.noop_count, r.kafka_topic,
-              r.kafka_partition, r.kafka_offset) for r in applied],
-        )  # fmt: skip
+            [
+                (
+                    replay_reason(r.reason),
+                    r.hash_count,
+                    r.noop_count,
+                    r.kafka_topic,
+                    r.kafka_partition,
+                    r.kafka_offset,
+                )
+                for r in applied
+            ],
+        )
         self.cur.executemany(
             """
             UPDATE kvledger.rejected_events SET replayed_at = now()

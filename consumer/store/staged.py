@@ -1,5 +1,6 @@
-"""What the in-process stores (memory, router) share: one batch's transaction, fencing and
-offsets, with the batch's writes staged and applied only when the transaction ends well."""
+"""What the in-process stores (the router's, and the tests' tests/helpers/memory_store.py)
+share: one batch's transaction, fencing and offsets, with the batch's writes staged and
+applied only when the transaction ends well."""
 
 from __future__ import annotations
 

@@ -72,11 +72,21 @@ BLOCKS = Table(
         ("last_seen", "timestamptz"),
     ),
     (
-        "model", "group_idx", "block_hash", "parent_hash", "token_start", "token_end",
-        "token_ids", "block_size", "partial", "lora_name", "extra_keys", "first_seen",
+        "model",
+        "group_idx",
+        "block_hash",
+        "parent_hash",
+        "token_start",
+        "token_end",
+        "token_ids",
+        "block_size",
+        "partial",
+        "lora_name",
+        "extra_keys",
+        "first_seen",
         "last_seen",
     ),
-)  # fmt: skip
+)
 RESIDENCIES = Table(
     "residencies",
     (
@@ -89,10 +99,20 @@ RESIDENCIES = Table(
         ("refcount", "int4"),
     ),
     (
-        "model", "group_idx", "block_hash", "instance", "medium", "ownership", "locality",
-        "since", "kafka_topic", "kafka_partition", "kafka_offset", "refcount",
+        "model",
+        "group_idx",
+        "block_hash",
+        "instance",
+        "medium",
+        "ownership",
+        "locality",
+        "since",
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "refcount",
     ),
-)  # fmt: skip
+)
 RESIDENCY_HISTORY = Table(
     "residency_history",
     (
@@ -106,10 +126,20 @@ RESIDENCY_HISTORY = Table(
         ("closed_at", "timestamptz"),  # when the index closed it: the partition key
     ),
     (
-        "model", "group_idx", "block_hash", "instance", "medium", "ownership", "locality",
-        "stored_at", "removed_at", "removed_by", "stored_partition", "stored_offset",
+        "model",
+        "group_idx",
+        "block_hash",
+        "instance",
+        "medium",
+        "ownership",
+        "locality",
+        "stored_at",
+        "removed_at",
+        "removed_by",
+        "stored_partition",
+        "stored_offset",
     ),
-)  # fmt: skip
+)
 # A history interval to close: the residency key, when and why.
 HISTORY_CLOSE: tuple[Column, ...] = (
     *_RESIDENCY_KEY,
@@ -137,11 +167,24 @@ EVENTS = Table(
         ("event_time", "timestamptz"),
     ),
     (
-        "kafka_topic", "kafka_partition", "kafka_offset", "source", "model", "epoch", "seq",
-        "event_type", "group_idx", "medium", "ownership", "hash_count", "noop_count", "status",
-        "reason", "event_time",
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "source",
+        "model",
+        "epoch",
+        "seq",
+        "event_type",
+        "group_idx",
+        "medium",
+        "ownership",
+        "hash_count",
+        "noop_count",
+        "status",
+        "reason",
+        "event_time",
     ),
-)  # fmt: skip
+)
 REJECTED_EVENTS = Table(
     "rejected_events",
     (
@@ -155,10 +198,16 @@ REJECTED_EVENTS = Table(
         ("source", "text"),
     ),
     (
-        "kafka_topic", "kafka_partition", "kafka_offset", "kafka_key", "raw", "reason", "detail",
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_key",
+        "raw",
+        "reason",
+        "detail",
         "source",
     ),
-)  # fmt: skip
+)
 SOURCE_HEALTH = Table(
     "source_health",
     (
@@ -178,11 +227,22 @@ SOURCE_HEALTH = Table(
         ("reports_reuse", "bool"),
     ),
     (
-        "source", "model", "group_idx", "epoch", "last_seq", "gap_count", "missing_events",
-        "epoch_changes", "duplicates", "last_event_time", "surviving_media", "lost_gaps",
-        "lost_batches", "reports_reuse",
+        "source",
+        "model",
+        "group_idx",
+        "epoch",
+        "last_seq",
+        "gap_count",
+        "missing_events",
+        "epoch_changes",
+        "duplicates",
+        "last_event_time",
+        "surviving_media",
+        "lost_gaps",
+        "lost_batches",
+        "reports_reuse",
     ),
-)  # fmt: skip
+)
 SOURCES = Table(
     "sources",
     (
@@ -197,9 +257,19 @@ SOURCES = Table(
         ("requests_waiting", "int4"),
         ("load_at", "timestamptz"),
     ),
-    ("source", "model", "epoch", "last_seen", "closed_at", "heartbeat_ms", "restarts",
-     "requests_running", "requests_waiting", "load_at"),
-)  # fmt: skip
+    (
+        "source",
+        "model",
+        "epoch",
+        "last_seen",
+        "closed_at",
+        "heartbeat_ms",
+        "restarts",
+        "requests_running",
+        "requests_waiting",
+        "load_at",
+    ),
+)
 LIFECYCLE_EVENTS = Table(
     "lifecycle_events",
     (
@@ -220,11 +290,23 @@ LIFECYCLE_EVENTS = Table(
         ("last_lost_seq", "int8"),
     ),
     (
-        "source", "model", "group_idx", "kind", "epoch", "previous_epoch", "event_time",
-        "kafka_topic", "kafka_partition", "kafka_offset", "ended_gpu", "ended_cpu",
-        "ended_storage", "first_lost_seq", "last_lost_seq",
+        "source",
+        "model",
+        "group_idx",
+        "kind",
+        "epoch",
+        "previous_epoch",
+        "event_time",
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "ended_gpu",
+        "ended_cpu",
+        "ended_storage",
+        "first_lost_seq",
+        "last_lost_seq",
     ),
-)  # fmt: skip
+)
 
 # The tables an index comparison covers, in the order it reports them.
 COMPARED: Mapping[str, Table] = {

@@ -79,8 +79,10 @@ class RelayConfig:
             raise ValueError(f"--health-url {self.health_url!r}: expected http(s)://HOST:PORT/PATH")
         self._check_engine_metrics()
         if self.engine != "trtllm":
-            for flag, endpoint in (("--endpoint", self.endpoint),
-                                   ("--replay-endpoint", self.replay_endpoint)):  # fmt: skip
+            for flag, endpoint in (
+                ("--endpoint", self.endpoint),
+                ("--replay-endpoint", self.replay_endpoint),
+            ):
                 if endpoint is not None and not ZMQ_ENDPOINT.match(endpoint):
                     raise ValueError(
                         f"{flag} {endpoint!r}: a {self.engine} engine's ZMQ endpoint is "
@@ -99,8 +101,10 @@ class RelayConfig:
             url = self.engine_metrics_url
             raise ValueError(f"--engine-metrics-url {url!r}: expected http(s)://HOST:PORT/PATH")
         if self.heartbeat_interval_s <= 0:
-            raise ValueError("--engine-metrics-url: the load travels in heartbeats; give "
-                             "--heartbeat-interval above 0")  # fmt: skip
+            raise ValueError(
+                "--engine-metrics-url: the load travels in heartbeats; give "
+                "--heartbeat-interval above 0"
+            )
 
     def rank_source(self, rank: int) -> str:
         return self.source if self.dp_size == 1 else f"{self.source}-dp{rank}"

@@ -86,7 +86,7 @@ class LoadReader:
     """Reads ``url`` every ``interval_s`` on a daemon thread; :meth:`latest` is the newest
     reading younger than two intervals. ``on_error`` is told of each failed read."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the route's reading (4), its error count, the tests' clock
         self,
         url: str,
         interval_s: float,

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 PARTITIONER = "consistent_random"  # the relay's producers pin it: partition = CRC-32 % n
 _FIRST_WINDOW = 512
+_TIMEOUT_S = 30.0  # each of the reads of a partition
 
 
 def partition_for(key: bytes, partitions: int) -> int:
@@ -52,30 +53,34 @@ class _Last:
 
 
 def recover(
-    settings: Mapping[str, object], topic: str, source: str, groups: Iterable[int],
-    codec: Codec | None = None, timeout_s: float = 30.0,
-) -> StreamPosition | None:  # fmt: skip
+    settings: Mapping[str, object],
+    topic: str,
+    source: str,
+    groups: Iterable[int],
+    codec: Codec | None = None,
+) -> StreamPosition | None:
     """The source's position on ``topic`` from its groups' last messages (None: nothing)."""
-    codec = codec or Codec()
     consumer = Consumer(
-        client_logging({
-            **settings,
-            "group.id": f"kvledger-relay-recover-{uuid.uuid4().hex[:12]}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-            "log_level": 3,
-        })
-    )  # fmt: skip
+        client_logging(
+            {
+                **settings,
+                "group.id": f"kvledger-relay-recover-{uuid.uuid4().hex[:12]}",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                "isolation.level": "read_committed",
+                "log_level": 3,
+            }
+        )
+    )
+    reader = _Reader(consumer, codec or Codec(), topic)
     try:
-        meta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        meta = consumer.list_topics(topic, timeout=_TIMEOUT_S).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             return None
         lasts = {}
         for group in sorted(set(groups)):
             key = message_key(source, group)
-            part = partition_for(key, len(meta.partitions))
-            last = _last_of(consumer, codec, topic, part, key, timeout_s)
+            last = reader.last_of(partition_for(key, len(meta.partitions)), key)
             if last is not None:
                 lasts[group] = last
     finally:
@@ -99,61 +104,64 @@ def recover(
     return position
 
 
-def _last_of(
-    consumer: Consumer, codec: Codec, topic: str, partition: int, key: bytes, timeout_s: float
-) -> _Last | None:
-    low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout_s)
-    last: Envelope | None = None
-    window = _FIRST_WINDOW
-    end = high
-    while end > low:
-        start = max(low, end - window)
-        found = [
-            env
-            for env in _read(consumer, codec, topic, partition, start, end, timeout_s, key)
-            if env is not None
-        ]
-        for env in reversed(found):
-            if last is None:
-                last = env
-            elif env.epoch != last.epoch:
-                return _Last(last, None)  # the epoch has no engine batch in this group
-            if env.engine_seq is not None:
-                return _Last(last, env)
-        end = start
-        window *= 4
-    return _Last(last, None) if last is not None else None
+@dataclass(frozen=True)
+class _Reader:
+    """One topic's partitions read backwards by a consumer of its own."""
 
+    consumer: Consumer
+    codec: Codec
+    topic: str
 
-def _read(
-    consumer: Consumer, codec: Codec, topic: str, partition: int, start: int, end: int,
-    timeout_s: float, key: bytes,
-) -> list[Envelope | None]:  # fmt: skip
-    """The envelopes of ``key`` at offsets [start, end), in order (undecodable: skipped)."""
-    consumer.assign([TopicPartition(topic, partition, start)])
-    out: list[Envelope | None] = []
-    try:
-        while True:
-            msg = consumer.poll(timeout_s)
-            if msg is None:
-                raise KafkaException(
-                    KafkaError(KafkaError._TIMED_OUT, f"reading {topic}[{partition}] stalled")
-                )
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
+    def last_of(self, partition: int, key: bytes) -> _Last | None:
+        low, high = self.consumer.get_watermark_offsets(
+            TopicPartition(self.topic, partition), timeout=_TIMEOUT_S
+        )
+        last: Envelope | None = None
+        window = _FIRST_WINDOW
+        end = high
+        while end > low:
+            start = max(low, end - window)
+            found = [env for env in self.read(partition, (start, end), key) if env is not None]
+            for env in reversed(found):
+                if last is None:
+                    last = env
+                elif env.epoch != last.epoch:
+                    return _Last(last, None)  # the epoch has no engine batch in this group
+                if env.engine_seq is not None:
+                    return _Last(last, env)
+            end = start
+            window *= 4
+        return _Last(last, None) if last is not None else None
+
+    def read(self, partition: int, offsets: tuple[int, int], key: bytes) -> list[Envelope | None]:
+        """The envelopes of ``key`` at ``offsets`` [start, end), in order (undecodable:
+        skipped)."""
+        consumer, topic = self.consumer, self.topic
+        start, end = offsets
+        consumer.assign([TopicPartition(topic, partition, start)])
+        out: list[Envelope | None] = []
+        try:
+            while True:
+                msg = consumer.poll(_TIMEOUT_S)
+                if msg is None:
+                    raise KafkaException(
+                        KafkaError(KafkaError._TIMED_OUT, f"reading {topic}[{partition}] stalled")
+                    )
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        break
+                    raise KafkaException(err)
+                offset = msg.offset()
+                if offset is not None and offset >= end:
                     break
-                raise KafkaException(err)
-            offset = msg.offset()
-            if offset is not None and offset >= end:
-                break
-            if msg.key() != key:
-                continue
-            try:
-                out.append(codec.decode(msg.value() or b""))
-            except DecodeError as exc:
-                logger.warning("skipping an undecodable message of %r: %s", key, exc)
-    finally:
-        consumer.assign([TopicPartition(topic, partition, OFFSET_END)])
-        consumer.unassign()
-    return out
+                if msg.key() != key:
+                    continue
+                try:
+                    out.append(self.codec.decode(msg.value() or b""))
+                except DecodeError as exc:
+                    logger.warning("skipping an undecodable message of %r: %s", key, exc)
+        finally:
+            consumer.assign([TopicPartition(topic, partition, OFFSET_END)])
+            consumer.unassign()
+        return out

@@ -179,8 +179,9 @@ class RelayTransactions:
                 if retriable and not self._stop.is_set():
                     logger.warning(
                         "relay %s: Kafka unreachable, not reading the engine (%s); retrying",
-                        self.source, exc,
-                    )  # fmt: skip
+                        self.source,
+                        exc,
+                    )
                     time.sleep(delay)
                     delay = min(delay * 2, 5)
                     continue
@@ -199,8 +200,10 @@ class RelayTransactions:
         logger.warning(
             "relay %s: transaction failed (%s); it is aborted and batches after %s will be "
             "replayed from the engine once Kafka is back",
-            self.source, exc, self.committed_seq,
-        )  # fmt: skip
+            self.source,
+            exc,
+            self.committed_seq,
+        )
         self.metrics.kafka_paused.labels(self.source).set(1)  # until a commit goes through
         try:
             self.pub.abort(30)

@@ -160,9 +160,12 @@ class TrtllmReader:
             yield from self._flush(run, parent, medium, group)
 
     def _flush(
-        self, run: list[tuple[bytes, tuple[int, ...], str | None]], parent: bytes | None,
-        medium: str, group: int,
-    ) -> Iterator[KVEvent]:  # fmt: skip
+        self,
+        run: list[tuple[bytes, tuple[int, ...], str | None]],
+        parent: bytes | None,
+        medium: str,
+        group: int,
+    ) -> Iterator[KVEvent]:
         """One store of consecutive blocks on one tier (their tokens end to end)."""
         size = len(run[0][1])
         if any(len(ids) != size for _, ids, _ in run):
@@ -178,9 +181,16 @@ class TrtllmReader:
             up = h
         tokens = tuple(t for _, ids, _ in run for t in ids)
         yield BlockStored(
-            tuple(h for h, _, _ in run), parent, tokens, size, None, medium, None,
-            extra_keys=extra, group_idx=group,
-        )  # fmt: skip
+            tuple(h for h, _, _ in run),
+            parent,
+            tokens,
+            size,
+            None,
+            medium,
+            None,
+            extra_keys=extra,
+            group_idx=group,
+        )
 
 
 class TrtllmLink:
@@ -190,9 +200,13 @@ class TrtllmLink:
     to ``max_backoff_s``, logged once per outage and counted (``poll_errors``)."""
 
     def __init__(
-        self, endpoint: str, interval_s: float = 0.2, timeout_s: float = 5.0,
-        max_backoff_s: float = 5.0, on_error: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        endpoint: str,
+        interval_s: float = 0.2,
+        timeout_s: float = 5.0,
+        max_backoff_s: float = 5.0,
+        on_error: Any = None,
+    ) -> None:
         self.url = endpoint.rstrip("/") + "/kv_cache_events"
         self.endpoint, self.replay_endpoint = endpoint, None
         self.interval_s, self.max_backoff_s = interval_s, max_backoff_s

@@ -205,8 +205,10 @@ _TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
 _POSITIONAL = msgspec.msgpack.Decoder(_PositionalBatch)
 
 
-for _kind, _classes in (("BlockStored", (_Stored, _StoredArray)),
-                        ("BlockRemoved", (_Removed, _RemovedArray)),
-                        ("AllBlocksCleared", (_Cleared, _ClearedArray))):  # fmt: skip
+for _kind, _classes in (
+    ("BlockStored", (_Stored, _StoredArray)),
+    ("BlockRemoved", (_Removed, _RemovedArray)),
+    ("AllBlocksCleared", (_Cleared, _ClearedArray)),
+):
     for _cls in _classes:
         register_kind(_cls, _kind)

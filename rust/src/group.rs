@@ -20,8 +20,9 @@
 //!   same event as the block before it: most rows) is looked at there, not by a probe, so
 //!   the content index holds only the others.
 //!
-//! The answers are those of `serving/router/groups.py`'s pure `PureGroup`, the SQL functions'
-//! in-memory twin (tests/unit/test_router.py holds them to it).
+//! The answers are those of the pure-Python twin `PureGroup`, the tests' reference
+//! (tests/helpers/pure_router/group.py; tests/unit/test_group.py and the `group` fuzz target
+//! hold the core to it).
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;

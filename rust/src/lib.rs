@@ -14,7 +14,8 @@
 //!   and history intervals it changes; both written out as PostgreSQL's binary COPY data
 //!   (copy_data.rs).
 //!
-//! Each has a pure-Python twin that answers identically (see README.md beside this file).
+//! Each has a pure-Python twin under tests/helpers/, the tests' reference, that answers
+//! identically (see README.md beside this file).
 
 pub mod group;
 pub mod masks;

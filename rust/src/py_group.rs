@@ -1,5 +1,6 @@
-//! `Group`: the Python face of `group::Group`, with the methods of
-//! `kvledger.serving.router.groups.PureGroup` and its answers.
+//! `Group`: the Python face of `group::Group` (`kvledger.serving.router.groups` imports it), with
+//! the methods of the tests' pure-Python twin `tests/helpers/pure_router/group.py`'s `PureGroup`
+//! and its answers.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

@@ -1,7 +1,8 @@
 //! Avro's binary primitives: a bounds-checked reader and a growing writer (plain Rust; the
 //! Python-facing coder is in `avro.rs`).
 
-/// Why bytes do not decode (the message is the one the pure path's check gives too).
+/// Why bytes do not decode (the message is the one the tests' oracle, tests/helpers/avro_strict.py,
+/// gives too).
 #[derive(Debug, PartialEq, Eq)]
 pub struct Malformed(pub &'static str);
 

@@ -1,14 +1,14 @@
 """The router's store: the index in memory, kept to what lookups and the rules need.
 
 It implements :class:`~kvledger.consumer.store.base.IndexStore`, so the router tails the
-topic through the same pipeline and pure core as the PostgreSQL consumer. It keeps, per
-(model, group), a :class:`~.groups.BlockGroup`: each block's content, the holders of each
-block as a bitmask of holder ids (a prefix walk is then one AND per position), reference
-counts above one, and what a token walk follows from the root — in the compiled core
-(rust/src/group.rs: a lookup is one native call) or in pure Python (:mod:`.groups`); plus
-the group specs,
-the source streams' sequence states and the sources' lives. History, the audit log and the
-rejections stay in PostgreSQL: a router does not answer audits.
+topic through the same pipeline and index rules (consumer/core/) as the PostgreSQL
+consumer. It keeps, per (model, group), a :class:`~.groups.BlockGroup`: each block's
+content, the holders of each block as a bitmask of holder ids (a prefix walk is then one
+AND per position), reference counts above one, and what a token walk follows from the
+root, in the compiled core (rust/src/group.rs, through :mod:`.groups`: a lookup is one
+native call; its pure-Python twin, the tests' reference, is in tests/helpers/pure_router/);
+plus the group specs, the source streams' sequence states and the sources' lives. History,
+the audit log and the rejections stay in PostgreSQL: a router does not answer audits.
 """
 
 from __future__ import annotations

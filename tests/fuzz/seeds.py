@@ -38,7 +38,7 @@ def _envelopes() -> list[bytes]:
 def _event_union_at(data: bytes) -> int:
     """Where the event union's branch number sits: after the 10-byte header, source, model,
     dp_rank, epoch, seq and event_time."""
-    from kvledger.schemas.avro_strict import read_long
+    from tests.helpers.avro_strict import read_long
 
     pos = 10
     for _ in range(2):  # two strings

@@ -1,8 +1,8 @@
 """Fuzz targets: each entry point that takes untrusted bytes, with what must hold for any input.
 
 - ``envelope``: a message from the topic. The codec answers with an Envelope or a
-  DecodeError, nothing else; the compiled decoder and the pure path (avro_strict, then
-  fastavro) give the same answer.
+  DecodeError, nothing else; the codec (the compiled core's strict decoder) gives its
+  oracle's answer (tests/helpers/avro_strict.py's check, then fastavro).
 - ``batch``, ``sglang``, ``trtllm``: an engine's payload (vLLM's and SGLang's msgpack over
   ZMQ, TensorRT-LLM's JSON as the relay wraps it). The engine's reader and the wire form
   (stores split to fit a small message) answer with events in their wire form or a
@@ -46,11 +46,11 @@ with atheris.instrument_imports():
     from kvledger.schemas.events import GroupSpec
     from kvledger.serving.republish.publisher import Outlet, replay_request
     from kvledger.serving.router import groups as store
-    from tests.helpers.codecs import pure_codec
+    from tests.helpers.codecs import OracleCodec
     from tests.helpers.pure_router.group import PureGroup
 
 
-CODEC, PURE = Codec(), pure_codec()
+CODEC, ORACLE = Codec(), OracleCodec()
 
 
 def _verdict(codec: Codec, data: bytes) -> object:
@@ -62,7 +62,7 @@ def _verdict(codec: Codec, data: bytes) -> object:
 
 def envelope(data: bytes) -> None:
     fast = _verdict(CODEC, data)
-    assert fast == _verdict(PURE, data), (fast, _verdict(PURE, data))
+    assert fast == _verdict(ORACLE, data), (fast, _verdict(ORACLE, data))
 
 
 SPECS = [

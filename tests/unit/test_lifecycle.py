@@ -13,10 +13,10 @@ from kvledger.consumer.core.lifecycle import surviving
 from kvledger.consumer.core.model import ResidencyKey
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.store.memory import MemoryStore
 from kvledger.schemas.codec import Codec, released_schemas
 from kvledger.schemas.events import Envelope, Goodbye, Heartbeat
 from kvledger.schemas.topics import message_key
+from tests.helpers.memory_store import MemoryStore
 from tests.helpers.streams import MODEL, Stream, h, removed, spec, stored
 
 A = "engine-a"

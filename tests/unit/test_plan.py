@@ -16,10 +16,10 @@ from kvledger.consumer.core.needs import needs
 from kvledger.consumer.core.plan import make_plan
 from kvledger.consumer.inbound import Inbound, decode
 from kvledger.consumer.pipeline import BatchResult, replay_batch, run_batch
-from kvledger.consumer.store.memory import MemoryStore
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC
 from kvledger.schemas.events import EventsLost, GroupSpec, Heartbeat, KVEvent
 from tests.helpers import streams
+from tests.helpers.memory_store import MemoryStore
 from tests.helpers.streams import MODEL, Stream, cleared, h, removed, spec, stored
 
 A, B = "engine-a", "engine-b"

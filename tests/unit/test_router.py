@@ -14,7 +14,6 @@ import pytest
 
 from kvledger.consumer.core.model import GroupKey, ResidencyKey, SourceLife
 from kvledger.consumer.pipeline import run_batch
-from kvledger.consumer.store.memory import MemoryStore
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 from kvledger.schemas.codec import Codec
 from kvledger.serving.router import match as m
@@ -22,6 +21,7 @@ from kvledger.serving.router.index import APPLY_CHUNK, RouterIndex
 from kvledger.serving.router.lane import Tally, run_router_batch
 from kvledger.serving.router.store import RouterStore
 from tests.helpers.group_kinds import KINDS, use_group_kind
+from tests.helpers.memory_store import MemoryStore
 from tests.helpers.streams import edge_stream, fleet_stream
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)

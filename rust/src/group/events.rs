@@ -7,8 +7,8 @@
 //! block a source that reports reuse holds already) or take one away. `store_run` does
 //! exactly that (a placeholder's blocks keep whatever their rows hold) and declines,
 //! changing nothing, any event where a rule could say more (a block stored with other
-//! content or position, a hash twice): the caller then plans it with the rules. The pure
-//! twin is `serving/router/event_runs.py`.
+//! content or position, a hash twice): the caller then plans it with the rules. Its
+//! pure-Python twin, the tests' reference, is `tests/helpers/pure_router/event_runs.py`.
 
 use smallvec::{smallvec, SmallVec};
 

@@ -1,10 +1,11 @@
-"""The compiled decoder's refusals, for the pure path: a walk of the writer schema over a
-message's body that reads no value, only checks that the bytes are well formed as the
-compiled core (rust/src/wire.rs) requires. fastavro alone is lenient where that decoder refuses: it
-indexes a union with a negative branch number (-1 on the envelope's event union picks its
-last branch), and reads varints past 10 bytes or past 64 bits by dropping bits. Two
-consumers of one topic must never apply and refuse the same bytes differently, so the pure
-path runs this check first (:meth:`Codec.decode` on fastavro's side).
+"""The compiled decoder's refusals restated in Python: the tests' oracle for the core's
+strict reading (rust/src/wire.rs, rust/src/avro.rs). A walk of a writer schema over a
+message's body that reads no value, only checks that the bytes are well formed as the core
+requires. fastavro alone is lenient where the core refuses: it indexes a union with a
+negative branch number (-1 on the envelope's event union picks its last branch), and reads
+varints past 10 bytes or past 64 bits by dropping bits. tests/helpers/codecs.py's
+:class:`OracleCodec` runs this check, then fastavro; tests/unit/test_decode_agreement.py
+and the ``envelope`` fuzz target hold the product's codec to it on the same bytes.
 
 The rules, each raising :class:`MalformedAvroError` with the compiled decoder's words: a varint
 ends within 10 bytes and within 64 bits; a length is not negative and ends inside the

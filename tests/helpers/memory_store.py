@@ -1,10 +1,10 @@
 """The in-memory store: the same index as the PostgreSQL store, in Python dictionaries.
 
-It applies the plans the pure core makes exactly as the PostgreSQL store merges them (the
-store test suite runs one stream through both and compares :meth:`MemoryStore.dump` with
-``verify.dump``), so a reader can hold the index in memory and answer from it. Writes are
-staged and applied when the transaction exits normally; a failed transaction changes
-nothing. One writer at a time.
+The tests' second store and oracle: it applies the plans the pure core makes exactly as
+the PostgreSQL store merges them (the conformance suite, tests/test_conformance.py, runs
+one stream through both and compares :meth:`MemoryStore.dump` with ``verify.dump``), and
+the planner's unit tests read its dictionaries. Writes are staged and applied when the
+transaction exits normally; a failed transaction changes nothing. One writer at a time.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class BatchApplier:
     retries are counted in its ``summary``.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the consumer's parts: config, codec, stop, summary, positions, two callbacks
         self,
         config: ConsumerConfig,
         codec: Codec,

@@ -68,7 +68,7 @@ class LogLoss:
     sources: tuple[str, ...]
 
 
-def end_lost(
+def end_lost(  # noqa: PLR0913 - one loss: a partition's coordinates and its two offsets
     conn: psycopg.Connection, group: str, topic: str, partition: int, stored: int, first: int
 ) -> LogLoss | None:
     """Records ``stored`` .. ``first`` - 1 of ``topic[partition]`` lost for ``group``: end

@@ -192,7 +192,7 @@ class LogLoop:
     to apply (a bounded run); ``needs``: the rights it needs beyond reading the topic, named
     in a broker's refusal."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - a reader's parts: topic, name, client, read, sink, stop, bounds
         self,
         topic: str,
         reader: str,

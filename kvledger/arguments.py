@@ -352,10 +352,13 @@ def add_status(subparsers: Subparsers) -> None:
     silent_after_arg(p, "without a message after which a source is silent")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument(
-        "--stalled-after", type=float, default=120.0, metavar="SECONDS",
+        "--stalled-after",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
         help="a reader behind the log with no progress for this long is stalled (needs an "
         "operator): the index consumer, and the decision recorder",
-    )  # fmt: skip
+    )
     p.set_defaults(run=command("status_cmd:run"))
 
 

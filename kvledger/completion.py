@@ -9,7 +9,14 @@ import shlex
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:
-    return sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
+    """The options a command's help offers (not those it only accepts: --debug after it)."""
+    return sorted(
+        s
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS
+        for s in a.option_strings
+        if s.startswith("--")
+    )
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -58,14 +58,18 @@ def serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvledger serve: --tls-cert and --tls-key go together")
     server = {
-        "host": args.host, "port": args.port, "log_level": "info", "access_log": False,
-        "ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key,
+        "host": args.host,
+        "port": args.port,
+        "log_level": "info",
+        "access_log": False,
+        "ssl_certfile": args.tls_cert,
+        "ssl_keyfile": args.tls_key,
         # Nothing reads the client's address (no access log; tokens, not addresses, admit),
         # so uvicorn's X-Forwarded-* rewriting would be a layer per request for nothing.
         "proxy_headers": False,
         # uvicorn's lines through kvledger's own handler (and --log-format), not its own.
         "log_config": None,
-    }  # fmt: skip
+    }
     # Dynamo's API is answered from a router index (it keeps Dynamo's block hashes): the
     # memory mode's own, or, beside the SQL mode, one of its own.
     router = _router(args, database) if args.memory or args.dynamo_api else None
@@ -122,9 +126,11 @@ def _decisions(
     if args.decisions_topic is None:
         return provisional, None
     log = DecisionLog(
-        settings.kafka_bootstrap(args), args.decisions_topic, provisional,
+        settings.kafka_bootstrap(args),
+        args.decisions_topic,
+        provisional,
         kafka=dict(settings.kafka_settings(args)),
-    )  # fmt: skip
+    )
     log.start()
     PROVISIONAL.logs.add(log)
     return provisional, log
@@ -154,11 +160,14 @@ def _router(args: argparse.Namespace, database: str) -> RouterIndex:
     from kvledger.serving.router.index import RouterIndex
 
     router = RouterIndex(
-        settings.kafka_bootstrap(args), args.topic, args.consumer_group,
+        settings.kafka_bootstrap(args),
+        args.topic,
+        args.consumer_group,
         kafka=dict(settings.kafka_settings(args)),
-        codec=settings.codec(args, args.topic, writer=False), dynamo=args.dynamo_api,
+        codec=settings.codec(args, args.topic, writer=False),
+        dynamo=args.dynamo_api,
         block_retention=args.block_retention,
-    )  # fmt: skip
+    )
     with connect(database) as conn:
         router.bootstrap(conn)
     router.start()
@@ -183,9 +192,10 @@ def lookup(args: argparse.Namespace) -> int:
     if args.json:
         ranked = [asdict(r) for r in rank(holders)] if holders else []
         answer: dict[str, object] = {
-            "holders": [asdict(h) for h in holders], "ranked": ranked,
+            "holders": [asdict(h) for h in holders],
+            "ranked": ranked,
             "left_out": [asdict(h) for h in left_out],
-        }  # fmt: skip
+        }
         if unknown:
             answer["unknown_group"] = unknown_group(args.model, args.group)
         print(json.dumps(answer))
@@ -197,9 +207,18 @@ def lookup(args: argparse.Namespace) -> int:
     if holders:
         print_table(
             ("instance", "medium", "ownership", "blocks", "tokens", "source"),
-            [(h.instance, h.medium, h.ownership or "-", h.matched_blocks, h.matched_tokens,
-              h.source_state) for h in holders],
-        )  # fmt: skip
+            [
+                (
+                    h.instance,
+                    h.medium,
+                    h.ownership or "-",
+                    h.matched_blocks,
+                    h.matched_tokens,
+                    h.source_state,
+                )
+                for h in holders
+            ],
+        )
     else:
         print("no live instance holds any prefix of this prompt")
     if left_out:

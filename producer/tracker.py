@@ -18,12 +18,59 @@ Pure: no Kafka, no I/O. Hashes stay bytes exactly as given.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Iterable
 
+from kvledger.producer.tracker_inputs import (
+    GroupConfigLike,
+    GroupOffloadConfig,
+    Locality,
+    LoraRequestLike,
+    Medium,
+    OffloadingEvent,
+    OffloadingEventGroupSpec,
+    OffloadKey,
+    ReqContextLike,
+    RequestContext,
+    RequestLike,
+    TrackerInputError,
+    make_offload_key,
+    offload_key_group,
+    offload_key_hash,
+    resolve_block_hashes,
+)
+from kvledger.producer.tracker_payloads import (
+    NO_SPEC,
+    PRIMARY_RESIDENCY,
+    ChunkPayload,
+    RequestState,
+    Residency,
+    full_chunk_payload,
+    partial_tail_payload,
+)
 from kvledger.schemas.events import RECURRENT_KINDS, BlockRemoved, BlockStored, GroupSpec
+
+__all__ = [
+    "RULES",
+    "GroupConfigLike",
+    "GroupOffloadConfig",
+    "Locality",
+    "LoraRequestLike",
+    "Medium",
+    "OffloadKey",
+    "OffloadingEvent",
+    "OffloadingEventGroupSpec",
+    "OffloadingEventsTracker",
+    "ReqContextLike",
+    "RequestContext",
+    "RequestLike",
+    "Residency",
+    "TrackerInputError",
+    "make_offload_key",
+    "offload_key_group",
+    "offload_key_hash",
+    "resolve_block_hashes",
+    "rules_for",
+]
 
 logger = logging.getLogger(__name__)
 # Placeholder warnings are expected for some groups: say each once per process, as vLLM does.
@@ -36,211 +83,6 @@ def _warn_once(kind: str, message: str) -> None:
     if kind not in _warned:
         _warned.add(kind)
         logger.info(message)
-
-
-OffloadKey = bytes
-
-
-class Medium(Enum):
-    """Tier of an offloaded chunk. The tracker's tiers are CPU and STORAGE; events know GPU."""
-
-    GPU = "GPU"
-    CPU = "CPU"
-    STORAGE = "STORAGE"
-
-
-class Locality(Enum):
-    """Where a tier's storage sits relative to the publishing instance."""
-
-    LOCAL = "LOCAL"
-    REMOTE = "REMOTE"
-
-
-class OffloadingEventGroupSpec(NamedTuple):
-    """Static classification of a KV-cache group, copied onto its events."""
-
-    kv_cache_spec_kind: str | None
-    kv_cache_spec_sliding_window: int | None
-
-
-class GroupOffloadConfig(NamedTuple):
-    """Offload geometry of one KV-cache group (vLLM's scheduler-side config)."""
-
-    group_idx: int
-    tokens_per_block: int
-    tokens_per_chunk: int
-    hashes_per_chunk: int
-    kv_event_group_spec: OffloadingEventGroupSpec
-    # None means full attention; set for sliding-window, chunked-local and Mamba groups.
-    sliding_window_size_in_chunks: int | None = None
-
-    @property
-    def tokens_per_hash(self) -> int:
-        return self.tokens_per_chunk // self.hashes_per_chunk
-
-
-class LoraRequestLike(Protocol):
-    @property
-    def adapter_id(self) -> int: ...
-    @property
-    def name(self) -> str: ...
-
-
-class RequestLike(Protocol):
-    @property
-    def block_hashes(self) -> Sequence[bytes | None]: ...
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-    @property
-    def lora_request(self) -> LoraRequestLike | None: ...
-
-
-class GroupConfigLike(Protocol):
-    @property
-    def group_idx(self) -> int: ...
-    @property
-    def tokens_per_block(self) -> int: ...
-    @property
-    def tokens_per_chunk(self) -> int: ...
-    @property
-    def hashes_per_chunk(self) -> int: ...
-    @property
-    def kv_event_group_spec(self) -> OffloadingEventGroupSpec: ...
-    @property
-    def sliding_window_size_in_chunks(self) -> int | None: ...
-
-
-@dataclass(slots=True)
-class OffloadingEvent:
-    """A raw event of the offloading manager: keys stored on, or removed from, a tier."""
-
-    keys: list[OffloadKey]
-    medium: Medium
-    # True if the keys were removed, False if stored.
-    removed: bool
-    locality: Locality | None = None
-    # Secondary tier that generated the event, or None for the primary tier.
-    ownership: str | None = None
-    # A stored event whose tier will report the removal: it adds a residency.
-    removal_expected: bool = False
-    # A failed allocation: release metadata without announcing a public eviction.
-    metadata_only: bool = False
-    # 0.34: the originating request's context (see OffloadingEventsTracker.on_new_request),
-    # from which a complete chunk's store is described when nothing was recorded for it.
-    req_context: ReqContextLike | None = None
-
-
-class ReqContextLike(Protocol):
-    """vLLM 0.34's per-request offloading context (``ReqContext``): typed scratch state and
-    the end-token position the scheduler recorded for each offload key of the request."""
-
-    def set_state(self, val: Any) -> None: ...
-
-    def get_state(self, cls: type[Any]) -> Any: ...
-
-    def get_offload_key_position(self, key: OffloadKey) -> int | None: ...
-
-
-class RequestContext:
-    """A :class:`ReqContextLike` for engines and simulations without vLLM's own."""
-
-    __slots__ = ("_positions", "_state")
-
-    def __init__(self) -> None:
-        self._state: dict[type, Any] = {}
-        self._positions: dict[OffloadKey, int] = {}
-
-    def set_state(self, val: Any) -> None:
-        self._state[type(val)] = val
-
-    def get_state(self, cls: type[Any]) -> Any:
-        return self._state.get(cls)
-
-    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
-        self._positions[key] = end_token
-
-    def get_offload_key_position(self, key: OffloadKey) -> int | None:
-        return self._positions.get(key)
-
-
-class TrackerInputError(ValueError):
-    """A record_* call whose arguments do not describe a chunk of the request."""
-
-
-def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
-    """The offload key of a chunk: its last raw hash, then the group as 4 big-endian bytes."""
-    return bytes(block_hash) + group_idx.to_bytes(4, "big", signed=False)
-
-
-def offload_key_hash(key: OffloadKey) -> bytes:
-    """The block hash inside an offload key."""
-    return key[:-4]
-
-
-def offload_key_group(key: OffloadKey) -> int:
-    """The KV-cache group index inside an offload key."""
-    return int.from_bytes(key[-4:], "big", signed=False)
-
-
-def resolve_block_hashes(
-    raw_hashes: Sequence[bytes | None], tokens_per_hash: int, tokens_per_block: int
-) -> list[bytes | None]:
-    """View hashes computed every ``tokens_per_hash`` tokens at ``tokens_per_block`` granularity.
-
-    Each raw hash chains over its whole prefix, so the last raw hash inside a block
-    fingerprints that block: with 4-token hashes and 256-token blocks the block hashes are the
-    raw hashes at indices 63, 127, ...
-    """
-    if tokens_per_hash <= 0 or tokens_per_block <= 0:
-        raise TrackerInputError(
-            f"token granularities must be positive (hash {tokens_per_hash}, "
-            f"block {tokens_per_block})"
-        )
-    if tokens_per_block == tokens_per_hash:
-        return list(raw_hashes)
-    if tokens_per_block % tokens_per_hash:
-        raise TrackerInputError(
-            f"block size {tokens_per_block} is not a multiple of the hash size {tokens_per_hash}"
-        )
-    scale = tokens_per_block // tokens_per_hash
-    return [raw_hashes[i] for i in range(scale - 1, len(raw_hashes), scale)]
-
-
-# The tracker is primary-CPU by construction: the primary tier's residency.
-Residency = tuple[Medium, str | None]
-_PRIMARY_RESIDENCY: Residency = (Medium.CPU, None)
-_NO_SPEC = OffloadingEventGroupSpec(None, None)
-
-
-@dataclass(slots=True)
-class _ChunkPayload:
-    """The BlockStored payload of one offload key, kept until its last residency goes."""
-
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
-    token_ids: tuple[int, ...]
-    token_start: int | None
-    block_size: int
-    partial: bool
-    lora_id: int | None
-    lora_name: str | None
-    group_idx: int
-    spec: OffloadingEventGroupSpec
-    residencies: set[Residency]
-    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """What a complete chunk's store needs of its request (0.34's request-context path);
-    the lists are the request's own, so they grow with it."""
-
-    block_hashes: Sequence[bytes | None]
-    all_token_ids: Sequence[int]
-    lora_request: Any
-    resumable: bool
-    kv_transfer_params: dict[str, Any] | None
-    group_configs: dict[int, GroupConfigLike]
 
 
 # The vLLM releases whose tracker rules this one follows, by minor version.
@@ -302,7 +144,7 @@ class OffloadingEventsTracker:
         self.lookahead = num_hash_lookahead_tokens
         self.enabled = enabled
         self._group_specs: dict[int, OffloadingEventGroupSpec] = dict(group_specs or {})
-        self._payloads: dict[OffloadKey, _ChunkPayload] = {}
+        self._payloads: dict[OffloadKey, ChunkPayload] = {}
 
     # ------------------------------------------------------------------ recording
     def _records(self, group_config: GroupConfigLike) -> bool:
@@ -317,7 +159,7 @@ class OffloadingEventsTracker:
         kind = cfg.kv_event_group_spec.kv_cache_spec_kind
         return self.rules != "0.33" and kind in RECURRENT_KINDS
 
-    def _checkpoint(self, cfg: GroupConfigLike, payload: _ChunkPayload) -> _ChunkPayload:
+    def _checkpoint(self, cfg: GroupConfigLike, payload: ChunkPayload) -> ChunkPayload:
         """``payload`` reduced to the state checkpoint it holds, in a recurrent group."""
         if not self._recurrent(cfg):
             return payload
@@ -340,7 +182,7 @@ class OffloadingEventsTracker:
         if not self.enabled or self.rules == "0.33":
             return
         req_context.set_state(
-            _RequestState(
+            RequestState(
                 block_hashes=request.block_hashes,
                 all_token_ids=request.all_token_ids,
                 lora_request=request.lora_request,
@@ -350,10 +192,10 @@ class OffloadingEventsTracker:
             )
         )
 
-    def _from_context(self, req_context: ReqContextLike, key: OffloadKey) -> _ChunkPayload | None:
+    def _from_context(self, req_context: ReqContextLike, key: OffloadKey) -> ChunkPayload | None:
         """A complete chunk's payload from its request's context; None when the context does
         not describe ``key`` (no state, an unknown or windowed group, no chunk-aligned end)."""
-        state = req_context.get_state(_RequestState)
+        state = req_context.get_state(RequestState)
         if state is None:
             return None
         cfg = state.group_configs.get(offload_key_group(key))
@@ -362,7 +204,7 @@ class OffloadingEventsTracker:
             return None
         if state.resumable or (state.kv_transfer_params or {}).get("_p_side_truncated"):
             return None
-        payload = self._full_chunk_payload(state, cfg, end // cfg.tokens_per_chunk - 1)
+        payload = full_chunk_payload(state, cfg, end // cfg.tokens_per_chunk - 1, self.lookahead)
         return self._checkpoint(cfg, payload)
 
     def record_store(
@@ -375,7 +217,7 @@ class OffloadingEventsTracker:
         """Snapshot the payload of a full chunk being stored; merges residencies on re-store."""
         if not self._records(group_config):
             return
-        payload = self._full_chunk_payload(req, group_config, chunk_idx)
+        payload = full_chunk_payload(req, group_config, chunk_idx, self.lookahead)
         self._put_merging(offload_key, self._checkpoint(group_config, payload))
 
     def record_lookup(
@@ -390,9 +232,9 @@ class OffloadingEventsTracker:
             return
         payload = self._payloads.get(offload_key)
         if payload is None:
-            payload = self._full_chunk_payload(req, group_config, chunk_idx)
+            payload = full_chunk_payload(req, group_config, chunk_idx, self.lookahead)
             payload = self._payloads[offload_key] = self._checkpoint(group_config, payload)
-        payload.residencies.add(_PRIMARY_RESIDENCY)
+        payload.residencies.add(PRIMARY_RESIDENCY)
 
     def record_partial_store(
         self,
@@ -404,7 +246,7 @@ class OffloadingEventsTracker:
         """Snapshot a partial recurrent tail ending at ``boundary_tokens`` (a hash edge)."""
         if not self._records(group_config):
             return
-        payload = self._partial_tail_payload(req, group_config, boundary_tokens)
+        payload = partial_tail_payload(req, group_config, boundary_tokens, self.lookahead)
         self._put_merging(offload_key, self._checkpoint(group_config, payload))
 
     def record_partial_lookup(
@@ -418,7 +260,7 @@ class OffloadingEventsTracker:
         if not self._records(group_config):
             return
         if offload_key not in self._payloads:
-            payload = self._partial_tail_payload(req, group_config, boundary_tokens)
+            payload = partial_tail_payload(req, group_config, boundary_tokens, self.lookahead)
             self._payloads[offload_key] = self._checkpoint(group_config, payload)
 
     def set_group_spec(self, group_idx: int, spec: OffloadingEventGroupSpec) -> None:
@@ -535,7 +377,7 @@ class OffloadingEventsTracker:
         self, key: OffloadKey, medium: str, locality: str | None, ownership: str | None
     ) -> BlockStored:
         group_idx = offload_key_group(key)
-        spec = self._group_specs.get(group_idx, _NO_SPEC) if self.enabled else _NO_SPEC
+        spec = self._group_specs.get(group_idx, NO_SPEC) if self.enabled else NO_SPEC
         return BlockStored(
             block_hashes=(offload_key_hash(key),),
             parent_block_hash=None,
@@ -552,140 +394,11 @@ class OffloadingEventsTracker:
         )
 
     # ------------------------------------------------------------------ payloads
-    def _put_merging(self, key: OffloadKey, payload: _ChunkPayload) -> None:
+    def _put_merging(self, key: OffloadKey, payload: ChunkPayload) -> None:
         existing = self._payloads.get(key)
         if existing is not None:
             payload.residencies.update(existing.residencies)
         self._payloads[key] = payload
-
-    def _full_chunk_payload(
-        self, req: RequestLike, cfg: GroupConfigLike, chunk_idx: int
-    ) -> _ChunkPayload:
-        hashes_per_chunk = cfg.hashes_per_chunk
-        tokens_per_hash = _tokens_per_hash(cfg)
-        if chunk_idx < 0:
-            raise TrackerInputError(f"chunk index {chunk_idx} is negative")
-        first = chunk_idx * hashes_per_chunk
-        last = first + hashes_per_chunk
-        raw_hashes = req.block_hashes
-        if last > len(raw_hashes):
-            raise TrackerInputError(
-                f"chunk {chunk_idx} needs hashes [{first}, {last}) but the request has "
-                f"{len(raw_hashes)}"
-            )
-        resolved = resolve_block_hashes(
-            raw_hashes[first:last], tokens_per_hash, cfg.tokens_per_block
-        )
-        if cfg.tokens_per_block <= 0 or cfg.tokens_per_chunk % cfg.tokens_per_block:
-            raise TrackerInputError(
-                f"group {cfg.group_idx}: chunk of {cfg.tokens_per_chunk} tokens is not a whole "
-                f"number of {cfg.tokens_per_block}-token blocks"
-            )
-        block_hashes = _present(resolved, f"chunk {chunk_idx}")
-        parent = self._parent(raw_hashes, first)
-        tok_start = chunk_idx * cfg.tokens_per_chunk
-        tok_end = tok_start + cfg.tokens_per_chunk
-        tokens = req.all_token_ids
-        if tok_end > len(tokens):
-            raise TrackerInputError(
-                f"chunk {chunk_idx} covers tokens [{tok_start}, {tok_end}) but the request has "
-                f"{len(tokens)}"
-            )
-        lora_id, lora_name = _lora(req)
-        return _ChunkPayload(
-            block_hashes=block_hashes,
-            parent_block_hash=parent,
-            token_ids=tuple(tokens[tok_start:tok_end]),
-            token_start=tok_start,
-            block_size=cfg.tokens_per_block,
-            partial=False,
-            lora_id=lora_id,
-            lora_name=lora_name,
-            group_idx=cfg.group_idx,
-            spec=cfg.kv_event_group_spec,
-            residencies={_PRIMARY_RESIDENCY},
-            lookahead_token_ids=self._lookahead(tokens, tok_start, tok_end, cfg.tokens_per_block),
-        )
-
-    def _lookahead(
-        self, tokens: Sequence[int], start: int, end: int, block_size: int
-    ) -> tuple[tuple[int, ...], ...] | None:
-        """The ``lookahead`` tokens after each block ending in (start, end], or None."""
-        if not self.lookahead:
-            return None
-        if end + self.lookahead > len(tokens):
-            raise TrackerInputError(
-                f"lookahead of {self.lookahead} tokens after token {end} is past the "
-                f"request's {len(tokens)} tokens"
-            )
-        return tuple(
-            tuple(tokens[i : i + self.lookahead])
-            for i in range(start + block_size, end + 1, block_size)
-        )
-
-    def _partial_tail_payload(
-        self, req: RequestLike, cfg: GroupConfigLike, boundary_tokens: int
-    ) -> _ChunkPayload:
-        tokens_per_hash = _tokens_per_hash(cfg)
-        if boundary_tokens <= 0:
-            raise TrackerInputError(f"partial tail boundary {boundary_tokens} must be positive")
-        if boundary_tokens % tokens_per_hash:
-            raise TrackerInputError(
-                f"partial tail boundary {boundary_tokens} is not on a {tokens_per_hash}-token "
-                "hash edge"
-            )
-        # Minus one: a boundary exactly on a block edge belongs to the block before it.
-        chunk_start = ((boundary_tokens - 1) // cfg.tokens_per_chunk) * cfg.tokens_per_chunk
-        first = chunk_start // tokens_per_hash
-        last = boundary_tokens // tokens_per_hash
-        raw_hashes = req.block_hashes
-        if last > len(raw_hashes):
-            raise TrackerInputError(
-                f"partial tail up to token {boundary_tokens} needs {last} hashes but the "
-                f"request has {len(raw_hashes)}"
-            )
-        tokens = req.all_token_ids
-        if boundary_tokens > len(tokens):
-            raise TrackerInputError(
-                f"partial tail boundary {boundary_tokens} is past the request's {len(tokens)} "
-                "tokens"
-            )
-        block_hashes = _present(raw_hashes[first:last], f"tail at {boundary_tokens}")
-        lora_id, lora_name = _lora(req)
-        return _ChunkPayload(
-            block_hashes=block_hashes,
-            parent_block_hash=self._parent(raw_hashes, first),
-            token_ids=tuple(tokens[chunk_start:boundary_tokens]),
-            token_start=chunk_start,
-            block_size=tokens_per_hash,
-            partial=True,
-            lora_id=lora_id,
-            lora_name=lora_name,
-            group_idx=cfg.group_idx,
-            spec=cfg.kv_event_group_spec,
-            residencies={_PRIMARY_RESIDENCY},
-            lookahead_token_ids=self._lookahead(
-                tokens, chunk_start, boundary_tokens, tokens_per_hash
-            ),
-        )
-
-    @staticmethod
-    def _parent(raw_hashes: Sequence[bytes | None], first: int) -> bytes | None:
-        if first == 0:
-            return None
-        parent = raw_hashes[first - 1]
-        if parent is None:
-            raise TrackerInputError(f"the hash before index {first} (the parent) is missing")
-        return bytes(parent)
-
-
-def _tokens_per_hash(cfg: GroupConfigLike) -> int:
-    if cfg.hashes_per_chunk <= 0 or cfg.tokens_per_chunk % cfg.hashes_per_chunk:
-        raise TrackerInputError(
-            f"group {cfg.group_idx}: {cfg.tokens_per_chunk} tokens per chunk do not split "
-            f"into {cfg.hashes_per_chunk} hashes"
-        )
-    return cfg.tokens_per_chunk // cfg.hashes_per_chunk
 
 
 def group_announcement(model: str, cfg: GroupConfigLike) -> GroupSpec:
@@ -699,21 +412,3 @@ def group_announcement(model: str, cfg: GroupConfigLike) -> GroupSpec:
         hash_block_size=cfg.tokens_per_chunk // cfg.hashes_per_chunk,
         sliding_window=spec.kv_cache_spec_sliding_window,
     )
-
-
-def _present(hashes: Sequence[bytes | None], what: str) -> tuple[bytes, ...]:
-    if not hashes:
-        raise TrackerInputError(f"{what}: no hashes")
-    out = []
-    for i, h in enumerate(hashes):
-        if h is None:
-            raise TrackerInputError(f"{what}: hash {i} is missing")
-        out.append(bytes(h))
-    return tuple(out)
-
-
-def _lora(req: Any) -> tuple[int | None, str | None]:
-    lora = req.lora_request
-    if lora is None:
-        return None, None
-    return int(lora.adapter_id), str(lora.name)

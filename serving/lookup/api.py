@@ -70,22 +70,35 @@ class PrefixLookups(Protocol):
     brute-force oracle); a question an implementation cannot answer (memory keeps no
     history and no block rows) raises the service's BadRequestError, a 400."""
 
-    def match(
-        self, model: str, group_idx: int, hashes: Sequence[bytes],
-        granularity: Granularity = "block", include_silent: bool = False,
+    def match(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
+        self,
+        model: str,
+        group_idx: int,
+        hashes: Sequence[bytes],
+        granularity: Granularity = "block",
+        include_silent: bool = False,
         silent_after: timedelta | None = None,
-    ) -> list[Holder]: ...  # fmt: skip
+    ) -> list[Holder]: ...
 
-    def match_tokens(
-        self, model: str, group_idx: int, token_ids: Sequence[int],
-        lora_name: str | None = None, include_silent: bool = False,
-        silent_after: timedelta | None = None, cache_salt: str | None = None,
-    ) -> list[Holder]: ...  # fmt: skip
+    def match_tokens(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
+        self,
+        model: str,
+        group_idx: int,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        include_silent: bool = False,
+        silent_after: timedelta | None = None,
+        cache_salt: str | None = None,
+    ) -> list[Holder]: ...
 
     def match_at(
-        self, model: str, group_idx: int, hashes: Sequence[bytes], at: datetime,
+        self,
+        model: str,
+        group_idx: int,
+        hashes: Sequence[bytes],
+        at: datetime,
         granularity: Granularity = "block",
-    ) -> list[Holder]: ...  # fmt: skip
+    ) -> list[Holder]: ...
 
     def state_checkpoints(
         self, model: str, group_idx: int, hashes: Sequence[bytes], upto: Mapping[str, int]
@@ -119,7 +132,7 @@ class PrefixIndex:
         ).fetchall()
         return [Holder(i, m, o, b, int(t or 0), st) for i, m, o, b, t, st in rows]
 
-    def match(
+    def match(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
         self,
         model: str,
         group_idx: int,
@@ -158,7 +171,7 @@ class PrefixIndex:
         except psycopg.errors.InvalidParameterValue as exc:
             raise NotRetainedError(exc.diag.message_primary or str(exc)) from None
 
-    def match_tokens(
+    def match_tokens(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
         self,
         model: str,
         group_idx: int,
@@ -171,9 +184,14 @@ class PrefixIndex:
         """The same answer found by walking the hash chain by token content; a salted
         prompt's walk (``cache_salt``) starts at the first blocks of that salt."""
         params = (
-            model, group_idx, list(token_ids), lora_name, include_silent, silent_after,
+            model,
+            group_idx,
+            list(token_ids),
+            lora_name,
+            include_silent,
+            silent_after,
             cache_salt,
-        )  # fmt: skip
+        )
         return self._holders("match_tokens", params, "source_state")
 
     def state_checkpoints(
@@ -235,9 +253,21 @@ class PrefixIndex:
         out = []
         for m, g, h, p, start, end, size, partial, lora, first, last in rows:
             out.append(
-                Block(m, g, bytes(h), bytes(p) if p is not None else None, start, end, size,
-                      partial, lora, first, last, tuple(self.holders(m, g, bytes(h))))
-            )  # fmt: skip
+                Block(
+                    m,
+                    g,
+                    bytes(h),
+                    bytes(p) if p is not None else None,
+                    start,
+                    end,
+                    size,
+                    partial,
+                    lora,
+                    first,
+                    last,
+                    tuple(self.holders(m, g, bytes(h))),
+                )
+            )
         return out
 
 

@@ -47,8 +47,15 @@ UI = Path(__file__).resolve().parent / "ui"
 VENDOR = UI / "vendor"
 MAX_MINUTES = 1440
 SHARED_FOR_S = 5.0  # the page refreshes every 5 s (ui/dashboard.js REFRESH_MS)
-OUTCOMES = ("no_holder", "holder_silent", "chosen_elsewhere", "lower_tier_only",
-            "evicted_before_arrival", "captured", "unreported")  # fmt: skip
+OUTCOMES = (
+    "no_holder",
+    "holder_silent",
+    "chosen_elsewhere",
+    "lower_tier_only",
+    "evicted_before_arrival",
+    "captured",
+    "unreported",
+)
 
 _FLEET = """
 SELECT source, model, state, epoch, last_seen, restarts, gaps, lost_gaps, lost_batches,
@@ -119,33 +126,62 @@ def _read(conn: psycopg.Connection, minutes: int) -> dict[str, Any]:
     until = datetime.now(UTC)
     window = {"since": until - timedelta(minutes=minutes), "until": until}
     fleet = [
-        {"source": s, "model": m, "state": st, "epoch": e, "last_seen": _iso(seen),
-         "restarts": r, "gaps": g, "lost_gaps": lg, "lost_batches": lb,
-         "held": {"GPU": gpu, "CPU": cpu, "STORAGE": sto}}
+        {
+            "source": s,
+            "model": m,
+            "state": st,
+            "epoch": e,
+            "last_seen": _iso(seen),
+            "restarts": r,
+            "gaps": g,
+            "lost_gaps": lg,
+            "lost_batches": lb,
+            "held": {"GPU": gpu, "CPU": cpu, "STORAGE": sto},
+        }
         for s, m, st, e, seen, r, g, lg, lb, gpu, cpu, sto in conn.execute(_FLEET).fetchall()
-    ]  # fmt: skip
+    ]
     occupancy = _occupancy(conn, window["since"], until)
     funnel = []
     for row in conn.execute(_FUNNEL, window).fetchall():
         minute, decisions, prompt, available, captured, delivered, known, *outcomes = row
-        funnel.append({
-            "t": _iso(minute), "decisions": int(decisions), "prompt_blocks": int(prompt),
-            "available_blocks": int(available), "captured_blocks": int(captured),
-            "delivered_blocks": int(delivered or 0), "delivered_known": int(known),
-            "outcomes": {o: int(n) for o, n in zip(OUTCOMES, outcomes, strict=True)},
-        })  # fmt: skip
+        funnel.append(
+            {
+                "t": _iso(minute),
+                "decisions": int(decisions),
+                "prompt_blocks": int(prompt),
+                "available_blocks": int(available),
+                "captured_blocks": int(captured),
+                "delivered_blocks": int(delivered or 0),
+                "delivered_known": int(known),
+                "outcomes": {o: int(n) for o, n in zip(OUTCOMES, outcomes, strict=True)},
+            }
+        )
     prefixes = [
-        {"model": m, "group_idx": g, "block_hash": h, "token_start": s, "token_end": e,
-         "instances": n, "residencies": r}
+        {
+            "model": m,
+            "group_idx": g,
+            "block_hash": h,
+            "token_start": s,
+            "token_end": e,
+            "instances": n,
+            "residencies": r,
+        }
         for m, g, h, s, e, n, r in conn.execute(_PREFIXES).fetchall()
-    ]  # fmt: skip
+    ]
     timeline = [
         {"t": _iso(t), "what": what, "kind": kind}
         for t, what, kind in conn.execute(_TIMELINE, window).fetchall()
     ]
-    return {"mode": "sql", "minutes": minutes, "now": _iso(until), "fleet": fleet,
-            "occupancy": occupancy, "funnel": funnel, "prefixes": prefixes,
-            "timeline": timeline}  # fmt: skip
+    return {
+        "mode": "sql",
+        "minutes": minutes,
+        "now": _iso(until),
+        "fleet": fleet,
+        "occupancy": occupancy,
+        "funnel": funnel,
+        "prefixes": prefixes,
+        "timeline": timeline,
+    }
 
 
 def _occupancy(conn: psycopg.Connection, since: datetime, until: datetime) -> list[dict[str, Any]]:
@@ -172,8 +208,7 @@ def _occupancy(conn: psycopg.Connection, since: datetime, until: datetime) -> li
             count -= by_minute.get(end - timedelta(minutes=1), 0)
         for end, n in zip(ends, reversed(series), strict=True):
             if n:
-                out.append({"t": _iso(end), "instance": key[0], "medium": key[1],
-                            "blocks": n})  # fmt: skip
+                out.append({"t": _iso(end), "instance": key[0], "medium": key[1], "blocks": n})
     out.sort(key=lambda o: (o["t"], o["instance"], o["medium"]))
     return out
 
@@ -186,9 +221,16 @@ def from_memory(
     for (source, model), held in sorted(router.footprint().items()):
         state = router.states([source], silent_after)[source]
         fleet.append({"source": source, "model": model, "state": state, "held": held})
-    return {"mode": "memory", "minutes": minutes, "now": _iso(datetime.now(UTC)),
-            "fleet": fleet, "occupancy": [], "funnel": [], "prefixes": [],
-            "timeline": []}  # fmt: skip
+    return {
+        "mode": "memory",
+        "minutes": minutes,
+        "now": _iso(datetime.now(UTC)),
+        "fleet": fleet,
+        "occupancy": [],
+        "funnel": [],
+        "prefixes": [],
+        "timeline": [],
+    }
 
 
 def _iso(t: datetime | None) -> str | None:
@@ -213,9 +255,11 @@ class SharedAnswers(Generic[T]):
     thousands of points)."""
 
     def __init__(
-        self, ttl_s: float = SHARED_FOR_S, keep: int = 16,
+        self,
+        ttl_s: float = SHARED_FOR_S,
+        keep: int = 16,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.ttl_s, self.keep, self.clock = ttl_s, keep, clock
         self.computed = 0  # answers computed (the rest were shared)
         self._lock = threading.Lock()

@@ -45,8 +45,9 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvledger.consumer.core.model import GroupKey, SourceLife
+from kvledger.consumer.core.model import GroupKey
 from kvledger.schemas.decisions import TOKENS, Answered, Record
+from kvledger.serving.lookup.dynamo_names import US, block_id, group_of, routing_group_of, seen_us
 from kvledger.serving.lookup.dynamo_requests import (
     DEFAULT_ROUTING_GROUP,
     DynamoRequestError,
@@ -75,36 +76,6 @@ MAX_ENDPOINT_CHARS = 2048
 
 Answer = tuple[int, Any]  # (status, a body to send as JSON, or its JSON bytes)
 EMPTY_ANSWER = b'{"scores":{},"frequencies":[],"instances":{}}'
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_US = timedelta(microseconds=1)
-
-
-# ---------------------------------------------------------------------- naming
-def group_of(routing_group: str) -> int | None:
-    """kvledger's group of a Dynamo routing group (None: no such group)."""
-    if routing_group == DEFAULT_ROUTING_GROUP:
-        return 0
-    if routing_group.isascii() and routing_group.isdigit() and len(routing_group) < 10:
-        return int(routing_group)
-    return None
-
-
-def routing_group_of(group_idx: int) -> str:
-    return DEFAULT_ROUTING_GROUP if group_idx == 0 else str(group_idx)
-
-
-def seen_us(life: SourceLife | None) -> int | None:
-    """A source's last sight in µs since the epoch, as the slot table keeps it (None:
-    closed or unknown, never live)."""
-    if life is None or life.closed_at is not None:
-        return None
-    return (life.last_seen - _EPOCH) // _US
-
-
-def block_id(key: bytes) -> int:
-    """A block hash as Dynamo's u64 block id: vLLM's 8-byte hashes are that integer; longer
-    digests give their last 8 bytes, as vLLM publishes them."""
-    return int.from_bytes(key[-8:], "big")
 
 
 # ---------------------------------------------------------------------- the API
@@ -125,7 +96,7 @@ class DynamoApi:
         self.record = record  # each answer's record (a DecisionLog's note_answer)
         self.window = silent_after if silent_after is not None else DEFAULT_SILENT_AFTER
         self.workers = Workers()
-        self._window_us = self.window // _US
+        self._window_us = self.window // US
         # The slot table answers are written from (see _slots), and the store it follows
         # (a bootstrap replaces the router's store: the table is then made again).
         self._table_store: RouterStore = router.store
@@ -200,8 +171,10 @@ class DynamoApi:
             p = self.provisional
             plain = by_hash or g is None or p is None or p.empty(key.model, key.group_idx, TOKENS)
             if not plain:
-                workers = {name: (*self.workers.worker_of(name), seen_us(store.lives.get(name)))
-                           for name in self._slot_names}  # fmt: skip
+                workers = {
+                    name: (*self.workers.worker_of(name), seen_us(store.lives.get(name)))
+                    for name in self._slot_names
+                }
         if self.record is not None:  # what the index offered, without provisional marks
             self.record(
                 Answered(key.model, key.group_idx),
@@ -211,10 +184,15 @@ class DynamoApi:
             return 200, body
         return 200, self._with_provisional(q, key, block_size, body, workers, cut)
 
-    def _with_provisional(
-        self, q: Query, key: GroupKey, block_size: int, body: bytes,
-        workers: dict[str, tuple[int, int, int | None]], cut: int,
-    ) -> bytes:  # fmt: skip
+    def _with_provisional(  # noqa: PLR0913 - one Dynamo answer's pieces, as its parse left them
+        self,
+        q: Query,
+        key: GroupKey,
+        block_size: int,
+        body: bytes,
+        workers: dict[str, tuple[int, int, int | None]],
+        cut: int,
+    ) -> bytes:
         """``body`` with the live instances routers sent this prompt to scored as if they
         held what was sent (GPU tier), named under ``"provisional"`` (worker id -> tokens),
         where that is more than they hold."""
@@ -222,10 +200,13 @@ class DynamoApi:
         locals_ = q.hashes(block_size)
         answer = json.loads(body)
         scores, instances = answer["scores"], answer["instances"]
-        real = {name: scores.get(str(wid), {}).get(str(rank), 0) // block_size
-                for name, (wid, rank, _) in workers.items()}  # fmt: skip
-        depths = self.provisional.depths(key.model, key.group_idx, TOKENS,
-                                         chain_keys(locals_), real)  # fmt: skip
+        real = {
+            name: scores.get(str(wid), {}).get(str(rank), 0) // block_size
+            for name, (wid, rank, _) in workers.items()
+        }
+        depths = self.provisional.depths(
+            key.model, key.group_idx, TOKENS, chain_keys(locals_), real
+        )
         marked: dict[str, int] = {}
         for name, blocks in depths.items():
             if name not in workers:
@@ -288,17 +269,26 @@ class DynamoApi:
                 sent.add(h)
                 event_id += 1
                 yield {
-                    "worker_id": wid, "storage_tier": TIER_NAMES[tier],
+                    "worker_id": wid,
+                    "storage_tier": TIER_NAMES[tier],
                     "event": {
-                        "event_id": event_id, "dp_rank": rank,
-                        "data": {"stored": {
-                            "parent_hash": block_id(parent) if parent is not None else None,
-                            "start_position": None,
-                            "blocks": [{"block_hash": block_id(h), "tokens_hash": local,
-                                        "mm_extra_info": None}],
-                        }},
+                        "event_id": event_id,
+                        "dp_rank": rank,
+                        "data": {
+                            "stored": {
+                                "parent_hash": block_id(parent) if parent is not None else None,
+                                "start_position": None,
+                                "blocks": [
+                                    {
+                                        "block_hash": block_id(h),
+                                        "tokens_hash": local,
+                                        "mm_extra_info": None,
+                                    }
+                                ],
+                            }
+                        },
                     },
-                }  # fmt: skip
+                }
 
     # ------------------------------------------------------------------ workers
     def list_workers(self, model: str | None, routing_group: str | None) -> Answer:
@@ -328,33 +318,45 @@ class DynamoApi:
                 if group is None or (wid, GroupKey(m, group)) not in seen:
                     out.append(self._worker(wid, m, rg, reg["block_size"], {0: "pending"}, reg))
         return 200, [
-            w for w in out
+            w
+            for w in out
             if (model is None or w["model_name"] == model)
             and (routing_group is None or w["routing_group"] == routing_group)
-        ]  # fmt: skip
+        ]
 
-    def _worker(
-        self, wid: int, model: str, routing_group: str, block_size: int, ranks: dict[int, str],
+    def _worker(  # noqa: PLR0913 - one Dynamo answer's pieces, as its parse left them
+        self,
+        wid: int,
+        model: str,
+        routing_group: str,
+        block_size: int,
+        ranks: dict[int, str],
         reg: dict[str, Any] | None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """One worker in Dynamo's shape (its listener status the aggregate of its ranks',
         as Dynamo's is), and the kvledger source it is."""
         endpoint = reg["endpoint"] if reg else ""
         states = set(ranks.values())
         status = next(s for s in ("pending", "active", "paused") if s in states)
         return {
-            "instance_id": wid, "source": "zmq", "status": status, "model_name": model,
-            "routing_group": routing_group, "block_size": block_size,
+            "instance_id": wid,
+            "source": "zmq",
+            "status": status,
+            "model_name": model,
+            "routing_group": routing_group,
+            "block_size": block_size,
             "endpoints": {str(r): endpoint for r in sorted(ranks)},
-            "listeners": {str(r): {"endpoint": endpoint, "status": st}
-                          for r, st in sorted(ranks.items())},
+            "listeners": {
+                str(r): {"endpoint": endpoint, "status": st} for r, st in sorted(ranks.items())
+            },
             "kvledger_source": self.workers.names.get(wid),
-        }  # fmt: skip
+        }
 
     def register(self, raw: bytes) -> Answer:
         body = json_object(raw)
-        missing = [f for f in ("instance_id", "model_name", "endpoint", "block_size")
-                   if f not in body]  # fmt: skip
+        missing = [
+            f for f in ("instance_id", "model_name", "endpoint", "block_size") if f not in body
+        ]
         if missing:  # all of them at once, not one 422 at a time
             fields = ", ".join(f"`{f}`" for f in missing)
             raise DynamoRequestError(
@@ -382,8 +384,10 @@ class DynamoApi:
                 return 409, {"error": why}
             registered = self.workers.registered
             if key not in registered and len(registered) >= MAX_REGISTRATIONS:
-                return 409, {"error": f"{MAX_REGISTRATIONS} workers are registered, the most "
-                             "this service keeps: unregister one first"}  # fmt: skip
+                return 409, {
+                    "error": f"{MAX_REGISTRATIONS} workers are registered, the most "
+                    "this service keeps: unregister one first"
+                }
             before = registered.get(key, {}).get("source")
             if source is not None and (refused := self.workers.pin(source, wid)) is not None:
                 return 409, {"error": refused}
@@ -398,16 +402,21 @@ class DynamoApi:
         model = field(body, "model_name", str)
         rg = field(body, "routing_group", str, None)
         with self.router.lock:
-            gone = [k for k in self.workers.registered
-                    if k[0] == wid and k[1] == model and (rg is None or k[2] == rg)]  # fmt: skip
+            gone = [
+                k
+                for k in self.workers.registered
+                if k[0] == wid and k[1] == model and (rg is None or k[2] == rg)
+            ]
             for k in gone:
                 source = self.workers.registered.pop(k)["source"]
                 if source is not None:
                     self._release(source)
         if not gone:
-            return 404, {"error": f"worker {wid} is not registered for model={model[:256]} "
-                         "(kvledger follows its sources from the log: one leaves when its "
-                         "engine says goodbye or goes silent)"}  # fmt: skip
+            return 404, {
+                "error": f"worker {wid} is not registered for model={model[:256]} "
+                "(kvledger follows its sources from the log: one leaves when its "
+                "engine says goodbye or goes silent)"
+            }
         return 200, {"status": "ok"}
 
     def _release(self, source: str) -> None:
@@ -419,7 +428,8 @@ class DynamoApi:
 def _bounded(value: str, name: str, limit: int = MAX_NAME_CHARS) -> str:
     if len(value) > limit or "\x00" in value:
         raise DynamoRequestError(
-            422, f"Failed to deserialize the JSON body: `{name}` is over {limit} characters "
+            422,
+            f"Failed to deserialize the JSON body: `{name}` is over {limit} characters "
             "or holds a NUL",
-        )  # fmt: skip
+        )
     return value

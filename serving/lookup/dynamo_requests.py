@@ -88,15 +88,19 @@ def json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise DynamoRequestError(400, "Failed to parse the request body as JSON: nested too "
-                                 "deeply") from None  # fmt: skip
+        raise DynamoRequestError(
+            400, "Failed to parse the request body as JSON: nested too deeply"
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise DynamoRequestError(400, f"Failed to parse the request body as JSON: {exc}") from None
     if not isinstance(body, dict):
         raise DynamoRequestError(422, "Failed to deserialize the JSON body: expected an object")
     if not_text(raw, body):
-        raise DynamoRequestError(400, "Failed to parse the request body as JSON: a string that "
-                                 "is not valid text (a lone surrogate)")  # fmt: skip
+        raise DynamoRequestError(
+            400,
+            "Failed to parse the request body as JSON: a string that "
+            "is not valid text (a lone surrogate)",
+        )
     return body
 
 
@@ -123,9 +127,10 @@ def int_field(values: list[Any], name: str, low: int, high: int, limit: int) -> 
     for v in values:
         if type(v) is not int or not low <= v < high:
             raise DynamoRequestError(
-                422, f"Failed to deserialize the JSON body: `{name}` holds {str(v)[:40]}, "
+                422,
+                f"Failed to deserialize the JSON body: `{name}` holds {str(v)[:40]}, "
                 f"not an integer in [{low}, {high})",
-            )  # fmt: skip
+            )
     return values
 
 
@@ -169,8 +174,9 @@ def parse_query(raw: bytes, by_hash: bool) -> Query:
     except msgspec.DecodeError as exc:
         raise DynamoRequestError(400, f"Failed to parse the request body as JSON: {exc}") from None
     except RecursionError:
-        raise DynamoRequestError(400, "Failed to parse the request body as JSON: nested too "
-                                 "deeply") from None  # fmt: skip
+        raise DynamoRequestError(
+            400, "Failed to parse the request body as JSON: nested too deeply"
+        ) from None
     if q.cache_salt is not None:
         raise DynamoRequestError(400, SALTED_HASHES if by_hash else SALT_UNKNOWN)
     if isinstance(q, _HashQuery):
@@ -179,11 +185,11 @@ def parse_query(raw: bytes, by_hash: bool) -> Query:
             raise DynamoRequestError(413, f"`block_hashes` has over {MAX_TOKENS} items")
         if hashes and (min(hashes) < -(1 << 63) or max(hashes) >= 1 << 64):
             raise DynamoRequestError(
-                422, "Failed to deserialize the JSON body: `block_hashes` holds an integer "
+                422,
+                "Failed to deserialize the JSON body: `block_hashes` holds an integer "
                 "outside [-2**63, 2**64)",
-            )  # fmt: skip
-        return Query(q.model_name, q.routing_group, [h & _U64 for h in q.block_hashes], None,
-                     None)  # fmt: skip
+            )
+        return Query(q.model_name, q.routing_group, [h & _U64 for h in q.block_hashes], None, None)
     if len(q.token_ids) > MAX_TOKENS:
         raise DynamoRequestError(413, f"`token_ids` has over {MAX_TOKENS} items")
     return Query(q.model_name, q.routing_group, None, q.token_ids, q.lora_name or None)

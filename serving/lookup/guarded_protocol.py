@@ -40,8 +40,13 @@ from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
 logger = logging.getLogger(__name__)
 
-_REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 414: b"URI Too Long",
-            431: b"Request Header Fields Too Large", 400: b"Bad Request"}  # fmt: skip
+_REASONS = {
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+    400: b"Bad Request",
+}
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,12 @@ class _Deadlines:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(
-        self, book: OrderedDict[GuardedProtocol, float], connection: GuardedProtocol,
-        timeout: float, loop: asyncio.AbstractEventLoop,
-    ) -> None:  # fmt: skip
+        self,
+        book: OrderedDict[GuardedProtocol, float],
+        connection: GuardedProtocol,
+        timeout: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.end(connection)
         book[connection] = loop.time() + timeout
         if self._timer is None or self._loop is not loop:  # none yet, or a loop gone
@@ -224,11 +232,16 @@ class GuardedProtocol(HttpToolsProtocol):
         # never reads them, and a head that never ends never needs them
         self.url, self.expect_100_continue, self.headers = b"", False, []
         self.scope = {  # type: ignore[typeddict-item]  # as uvicorn: the rest at the head
-            "type": "http", "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1", "server": None, "client": None, "scheme": self.scheme or "http",
-            "root_path": self.root_path, "headers": self.headers,
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": None,
+            "client": None,
+            "scheme": self.scheme or "http",
+            "root_path": self.root_path,
+            "headers": self.headers,
             "state": self.app_state.copy(),
-        }  # fmt: skip
+        }
         self._header_count = self._body_bytes = 0
         if self not in self.waiting:
             self._await_head()
@@ -315,8 +328,11 @@ class GuardedProtocol(HttpToolsProtocol):
             head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error"))]
             for name, value in self.server_state.default_headers:
                 head += [name, b": ", value, b"\r\n"]
-            head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
-                     b"connection: close\r\n\r\n"]  # fmt: skip
+            head += [
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+            ]
             response = b"".join(head) + body
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's request ends: it answers no one
@@ -332,6 +348,7 @@ def guarded(base: type[GuardedProtocol], limits: HttpLimits, **attrs: Any) -> ty
     """A protocol class of its own for one server: ``base`` with ``limits``, its own
     connections' deadlines and its own refusal counts (and ``attrs``)."""
     return type(
-        base.__name__, (base,),
+        base.__name__,
+        (base,),
         {"limits": limits, "deadlines": _Deadlines(), "refusals": _Refusals(), **attrs},
-    )  # fmt: skip
+    )

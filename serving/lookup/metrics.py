@@ -28,10 +28,26 @@ LATENCY = Histogram(
     "kvledger_http_request_duration_seconds",
     "Lookup request latency by route",
     ["route"],
-    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-             0.25, 0.5, 1.0, 2.5, 5.0),
+    buckets=(
+        0.00005,
+        0.0001,
+        0.00025,
+        0.0005,
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1.0,
+        2.5,
+        5.0,
+    ),
     registry=REGISTRY,
-)  # fmt: skip
+)
 
 
 class _Provisional:
@@ -57,9 +73,10 @@ class _Provisional:
             decisions.add_metric([outcome], sum(getattr(s.stats, outcome) for s in stores))
         yield decisions
         yield CounterMetricFamily(
-            "kvledger_provisional_added", "Decisions held (reported here or shared by a replica)",
+            "kvledger_provisional_added",
+            "Decisions held (reported here or shared by a replica)",
             value=sum(s.stats.added for s in stores),
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily(
             "kvledger_provisional_held", "Decisions held now", value=sum(len(s) for s in stores)
         )
@@ -70,8 +87,11 @@ class _Provisional:
                 "rejected (not a decision), unsent (this replica's, the producer's queue full)",
                 labels=["outcome"],
             )
-            for outcome, name in (("shared", "shared"), ("rejected", "rejected"),
-                                  ("unsent", "dropped")):  # fmt: skip
+            for outcome, name in (
+                ("shared", "shared"),
+                ("rejected", "rejected"),
+                ("unsent", "dropped"),
+            ):
                 shared.add_metric([outcome], sum(getattr(log, name) for log in logs))
             yield shared
 

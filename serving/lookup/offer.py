@@ -49,17 +49,21 @@ def offer_record(
     if req.token_ids is None:
         assert req.hashes is not None
         holders = router.match(req.model, req.group_idx, req.hashes, "block", True, window)
-        return build_record(holders, req.instance, chosen_state, block_size, len(req.hashes),
-                            req.hashes)  # fmt: skip
-    holders = router.match_tokens(req.model, req.group_idx, req.token_ids, req.lora_name,
-                                  True, window, req.cache_salt)  # fmt: skip
-    record = build_record(holders, req.instance, chosen_state, block_size,
-                          len(req.token_ids) // block_size, None)  # fmt: skip
+        return build_record(
+            holders, req.instance, chosen_state, block_size, len(req.hashes), req.hashes
+        )
+    holders = router.match_tokens(
+        req.model, req.group_idx, req.token_ids, req.lora_name, True, window, req.cache_salt
+    )
+    record = build_record(
+        holders, req.instance, chosen_state, block_size, len(req.token_ids) // block_size, None
+    )
     chosen = _best_holder([h for h in holders if h.instance == req.instance])
     if chosen is not None:  # the engine's hashes of what the chosen instance holds
         holder = (chosen.instance, chosen.medium, chosen.ownership)
-        path = router.held_path(req.model, req.group_idx, req.token_ids, req.lora_name,
-                                req.cache_salt, holder)  # fmt: skip
+        path = router.held_path(
+            req.model, req.group_idx, req.token_ids, req.lora_name, req.cache_salt, holder
+        )
         kept = path[: min(chosen.matched_blocks, MAX_CAPTURED_HASHES)]
         record.captured_hashes = [h.hex() for h in kept]
     return record
@@ -83,7 +87,7 @@ def answer_record(
     return build_record(holders, None, None, block_size, prompt_blocks, None)
 
 
-def build_record(
+def build_record(  # noqa: PLR0913 - a record's facts, each named at its two call sites
     holders: Sequence[Holder],
     chosen: str | None,
     chosen_state: str | None,
@@ -105,14 +109,21 @@ def build_record(
     if hashes is not None and chosen is not None:
         kept = [h.hex() for h in hashes[: min(captured, MAX_CAPTURED_HASHES)]]
     return Record(
-        id=uuid.uuid4().hex, at=time.time(), chosen_state=chosen_state, block_size=block_size,
-        prompt_blocks=prompt_blocks, available_blocks=available,
+        id=uuid.uuid4().hex,
+        at=time.time(),
+        chosen_state=chosen_state,
+        block_size=block_size,
+        prompt_blocks=prompt_blocks,
+        available_blocks=available,
         captured_blocks=None if chosen is None else captured,
-        silent_blocks=silent, offered=offered, available_tier=available_tier,
-        captured_tier=captured_tier, captured_hashes=kept,
+        silent_blocks=silent,
+        offered=offered,
+        available_tier=available_tier,
+        captured_tier=captured_tier,
+        captured_hashes=kept,
         first_hash=hashes[0].hex() if hashes else None,
         last_hash=hashes[-1].hex() if hashes else None,
-    )  # fmt: skip
+    )
 
 
 def _best(holders: Sequence[Holder]) -> tuple[int, str | None]:
@@ -127,5 +138,6 @@ def _best_holder(holders: Sequence[Holder]) -> Holder | None:
     most = max((h.matched_blocks for h in holders), default=0)
     if most == 0:
         return None
-    return min((h for h in holders if h.matched_blocks == most),
-               key=lambda h: _TIER_ORDER.get(h.medium, 9))  # fmt: skip
+    return min(
+        (h for h in holders if h.matched_blocks == most), key=lambda h: _TIER_ORDER.get(h.medium, 9)
+    )

@@ -13,8 +13,13 @@ class RateLimit:
     """``rate`` requests a second per client, up to ``burst`` at once; :meth:`allow` says
     whether one more is allowed now, and if not, how many seconds until it is."""
 
-    def __init__(self, rate: float, burst: float, max_clients: int = 65_536,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        max_clients: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if rate <= 0 or burst < 1 or max_clients < 1:
             raise ValueError("rate must be positive, burst at least 1, max_clients at least 1")
         self.rate, self.burst, self.max_clients, self.clock = rate, burst, max_clients, clock

@@ -21,10 +21,23 @@ MAX_BODY_BYTES = 1 << 20
 MAX_HASHES = 8192
 MAX_TOKENS = 262_144
 MAX_NAME_CHARS = 512
-FIELDS = frozenset({
-    "model", "group_idx", "weights", "hashes", "token_ids", "granularity", "at", "lora_name",
-    "cache_salt", "include_silent", "silent_after_s", "state_group", "load",
-})  # fmt: skip
+FIELDS = frozenset(
+    {
+        "model",
+        "group_idx",
+        "weights",
+        "hashes",
+        "token_ids",
+        "granularity",
+        "at",
+        "lora_name",
+        "cache_salt",
+        "include_silent",
+        "silent_after_s",
+        "state_group",
+        "load",
+    }
+)
 
 
 class BadRequestError(KvledgerError, ValueError):
@@ -163,10 +176,13 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
     model, group = _model_and_group(data, FIELDS)
     weights = data.get("weights", dict(DEFAULT_TIER_WEIGHTS))
     if not isinstance(weights, dict) or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-        and math.isfinite(v) and abs(v) < 1e12
+        isinstance(k, str)
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and abs(v) < 1e12
         for k, v in weights.items()
-    ):  # fmt: skip
+    ):
         raise BadRequestError("weights must map medium to a finite number")
     hashes, tokens = _prompt(data)
     include_silent = data.get("include_silent", False)
@@ -185,10 +201,16 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         if data.get("at") is not None:
             raise BadRequestError("at applies to hashes; token_ids lookups answer for now")
         return MatchRequest(
-            model, group, weights, token_ids=_tokens(tokens), lora_name=_lora(data),
-            include_silent=include_silent, silent_after=silent_after,
-            cache_salt=_text(data, "cache_salt"), load=load,
-        )  # fmt: skip
+            model,
+            group,
+            weights,
+            token_ids=_tokens(tokens),
+            lora_name=_lora(data),
+            include_silent=include_silent,
+            silent_after=silent_after,
+            cache_salt=_text(data, "cache_salt"),
+            load=load,
+        )
     if data.get("cache_salt") is not None:
         raise BadRequestError("cache_salt applies to token_ids (a hash already includes it)")
     prompt = _hashes(hashes)
@@ -199,10 +221,17 @@ def parse_match(data: Mapping[str, Any]) -> MatchRequest:
         if granularity != "block" or data.get("at") is not None:
             raise BadRequestError("state_group applies to block hashes, for now")
     return MatchRequest(
-        model, group, weights, prompt, granularity, _at(data.get("at")),
-        include_silent=include_silent, silent_after=silent_after, state_group=state_group,
+        model,
+        group,
+        weights,
+        prompt,
+        granularity,
+        _at(data.get("at")),
+        include_silent=include_silent,
+        silent_after=silent_after,
+        state_group=state_group,
         load=load,
-    )  # fmt: skip
+    )
 
 
 def _load_flag(data: Mapping[str, Any]) -> bool:
@@ -268,10 +297,18 @@ def _at(at: object) -> datetime | None:
     return when
 
 
-DECISION_FIELDS = frozenset({
-    "model", "group_idx", "instance", "hashes", "token_ids", "lora_name", "cache_salt",
-    "request_id",
-})  # fmt: skip
+DECISION_FIELDS = frozenset(
+    {
+        "model",
+        "group_idx",
+        "instance",
+        "hashes",
+        "token_ids",
+        "lora_name",
+        "cache_salt",
+        "request_id",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,9 +336,14 @@ def parse_decision(data: Mapping[str, Any]) -> DecisionRequest:
     hashes, tokens = _prompt(data)
     if tokens is not None:
         return DecisionRequest(
-            model, group, instance, token_ids=_tokens(tokens), lora_name=_lora(data),
-            cache_salt=_text(data, "cache_salt"), request_id=request_id,
-        )  # fmt: skip
+            model,
+            group,
+            instance,
+            token_ids=_tokens(tokens),
+            lora_name=_lora(data),
+            cache_salt=_text(data, "cache_salt"),
+            request_id=request_id,
+        )
     for name in ("lora_name", "cache_salt"):
         if data.get(name) is not None:
             raise BadRequestError(f"{name} applies to token_ids (a hash already includes it)")

@@ -117,7 +117,7 @@ class Publisher:
     """Publishes a :class:`Feed`'s outputs (see the module doc); one thread owns the
     sockets."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - kvledger republish's options, keyword with defaults
         self,
         index: RouterIndex,
         endpoints: Iterable[Endpoint],

@@ -32,7 +32,7 @@ class BlockGroup(Protocol):
     The compiled core's ``Group`` (rust/src/group.rs); its pure twin answers alike
     (tests/helpers/pure_router/group.py, tests/unit/test_group.py)."""
 
-    def add_row(
+    def add_row(  # noqa: PLR0913 - the compiled core's call (rust/src/py_group.rs), positional
         self,
         key: bytes,
         parent: bytes | None,
@@ -50,7 +50,7 @@ class BlockGroup(Protocol):
         self, key: bytes, lora_name: str | None, plain: bool, salt: str | None = None
     ) -> None: ...
     def hold(self, key: bytes, hid: int, refcount: int) -> None: ...
-    def store_run(
+    def store_run(  # noqa: PLR0913 - the compiled core's call (rust/src/py_group.rs), positional
         self,
         hashes: Sequence[bytes],
         parent: bytes | None,

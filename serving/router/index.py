@@ -84,7 +84,7 @@ class RouterIndex(Tail, Lookups):
     """The in-memory router index (see the module docstring): its tail (:class:`.tail.Tail`)
     and its lookups (:class:`.lookups.Lookups`) are parts of it."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - serve --memory's options, keyword with defaults
         self,
         bootstrap_servers: str,
         topic: str = "kv-events",

@@ -77,7 +77,7 @@ class LaneObserver(Protocol):
     def planned(self, plan: Plan, batch: Sequence[Decoded]) -> None: ...
 
 
-def run_router_batch(
+def run_router_batch(  # noqa: PLR0913 - run_batch's parameters (consumer/pipeline.py) and its observer
     messages: Sequence[Inbound],
     codec: Codec,
     store: RouterStore,

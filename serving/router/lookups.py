@@ -26,7 +26,7 @@ class Lookups:
     store: RouterStore
     lock: threading.RLock
 
-    def match(
+    def match(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
         self,
         model: str,
         group_idx: int,
@@ -40,7 +40,7 @@ class Lookups:
             found = m.held_prefix(self.store, model, group_idx, hashes, granularity)
             return m.answer(self.store, found, include_silent, silent_after, _now())
 
-    def match_tokens(
+    def match_tokens(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
         self,
         model: str,
         group_idx: int,
@@ -55,7 +55,7 @@ class Lookups:
             found = m.held_tokens(self.store, model, group_idx, token_ids, lora_name, cache_salt)
             return m.answer(self.store, found, include_silent, silent_after, _now())
 
-    def held_path(
+    def held_path(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
         self,
         model: str,
         group_idx: int,

@@ -42,7 +42,7 @@ def held_prefix(
     return [(hid, n // ratio, n * spec.hash_block_size) for hid, n in found]
 
 
-def held_tokens(
+def held_tokens(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
     store: RouterStore,
     model: str,
     group: int,
@@ -60,7 +60,7 @@ def held_tokens(
     return g.match_tokens(tokens, held.spec.block_size, held.spec.hash_block_size, lora, salt)
 
 
-def held_path(
+def held_path(  # noqa: PLR0913 - the SQL lookup function's parameters, one for one
     store: RouterStore,
     model: str,
     group: int,

@@ -128,6 +128,7 @@ class Tail:
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
         self._ends: dict[int, int] = {}
+        self._waiting_for_topic = False  # started before its topic was made
         self._ends_at = float("-inf")  # when the broker was last asked (monotonic)
         self._ends_lock = threading.Lock()
         self._read_to: dict[int, int] = {}  # the consumer's position when last idle
@@ -147,6 +148,7 @@ class Tail:
         loop as the consumer's (:class:`~kvledger.consumer.loop.LogLoop`), this index its
         sink, reading promptly."""
         self.error = missing_topic(self._client_settings(), self.topic, STARTUP_TIMEOUT_S)
+        self._waiting_for_topic = self.error is not None
         if self.error is None:
             self._consumer = self._new_client()
         else:  # said by position() (/healthz: 503) until the topic is made
@@ -169,7 +171,7 @@ class Tail:
 
     def _tail(self) -> None:
         try:
-            while self._consumer is None:  # the topic does not exist yet
+            while self._waiting_for_topic:  # the topic did not exist at start
                 if self._stop.wait(TOPIC_WAIT_S):
                     return
                 try:
@@ -179,7 +181,7 @@ class Tail:
                     continue
                 if why is None:
                     self._consumer = self._new_client()
-                    self.error = None
+                    self.error, self._waiting_for_topic = None, False
                     logger.info("router: topic %s now exists; following it", self.topic)
             self.loop().run()
         except Exception as exc:  # a refusal, or no new client after a fatal error

@@ -17,6 +17,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 
 from kvledger.schemas.errors import NotAuthorizedError, TopicMismatchError
 from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.replication import default_replication
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def ensure_topic(
     name: str,
     partitions: int = DEFAULT_PARTITIONS,
     retention_ms: int | None = None,
-    replication_factor: int = 1,
+    replication_factor: int | None = None,
     timeout: float = 30.0,
     exact_partitions: bool = True,
     log_append_time: bool = True,
@@ -77,8 +78,11 @@ def ensure_topic(
     record with the broker's clock (``log_append_time``): the index's liveness clock.
     ``config``: more topic settings for a topic it creates (its retention is
     :data:`DEFAULT_RETENTION_MS` unless ``retention_ms`` or ``config`` says otherwise; an
-    existing topic's is checked only against ``retention_ms``); ``replication_factor=-1``
-    takes the cluster's default.
+    existing topic's is checked only against ``retention_ms``). ``replication_factor``:
+    None (the default) gives a topic it creates ``min(3, brokers)`` replicas and, on three
+    brokers or more, ``min.insync.replicas=2`` unless ``config`` sets it (one broker may be
+    lost; see docs/operations.md, "A production cluster"); -1 takes the cluster's default;
+    a number, that many.
     """
     try:
         return _ensure_topic(
@@ -216,7 +220,7 @@ def _ensure_topic(
     name: str,
     partitions: int,
     retention_ms: int | None,
-    replication_factor: int,
+    replication_factor: int | None,
     timeout: float,
     exact_partitions: bool,
     log_append_time: bool,
@@ -232,13 +236,21 @@ def _ensure_topic(
             settings["retention.ms"] = str(retention_ms)
         if log_append_time:
             settings["message.timestamp.type"] = "LogAppendTime"
+        if replication_factor is None:
+            brokers = len(admin.list_topics(topic=name, timeout=timeout).brokers)
+            replication_factor, settings = default_replication(brokers, settings)
         futures = admin.create_topics(
             [NewTopic(name, partitions, replication_factor, config=settings)],
             operation_timeout=timeout,
         )
         try:
             futures[name].result(timeout=timeout)
-            logger.info("created topic %s with %d partitions", name, partitions)
+            logger.info(
+                "created topic %s with %d partitions, replication %s",
+                name,
+                partitions,
+                replication_factor if replication_factor > 0 else "default",
+            )
             _until_served(admin, name, timeout)
             return True
         except KafkaException as exc:

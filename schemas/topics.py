@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -215,6 +216,23 @@ def _until_served(admin: AdminClient, name: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _created(future: Future[None], name: str, timeout: float) -> None:
+    """Wait for the creation of topic ``name``; no answer in time (the cluster's controllers
+    have no quorum, or are overloaded) is said as a ``KafkaException`` naming what it waits
+    for (a bare ``TimeoutError`` would reach the user as a traceback)."""
+    try:
+        future.result(timeout=timeout)
+    except TimeoutError:
+        raise KafkaException(
+            KafkaError(
+                KafkaError.REQUEST_TIMED_OUT,  # a broker answers: the creation does not
+                f"the cluster did not create topic {name!r} within {timeout:g} s: its "
+                "controllers may have lost their quorum (a majority of them must run; "
+                "scripts/services status says which are stopped)",
+            )
+        ) from None
+
+
 def _ensure_topic(
     admin: AdminClient,
     name: str,
@@ -244,7 +262,7 @@ def _ensure_topic(
             operation_timeout=timeout,
         )
         try:
-            futures[name].result(timeout=timeout)
+            _created(futures[name], name, timeout)
             logger.info(
                 "created topic %s with %d partitions, replication %s",
                 name,

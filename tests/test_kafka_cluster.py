@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from kvledger.schemas.replication import warn_under_replicated
@@ -234,6 +234,8 @@ def test_a_broker_away_and_a_lost_quorum_are_said_and_lose_nothing(cluster: Clus
     status = cluster.services("status", check=False)
     assert "no controller quorum: 1 of 3 voters run, 2 are needed" in status.stdout, status
     assert status.returncode == 3
+    with pytest.raises(KafkaException, match=r"did not create topic .* lost their quorum"):
+        ensure_topic(admin, _name("no_quorum"), 1, timeout=5)
     started = time.monotonic()
     up = cluster.services("up", "kafka")
     assert "kafka ready" in up.stderr, up.stderr

@@ -20,6 +20,7 @@ from kvledger.consumer.service import IndexConsumer
 from kvledger.consumer.summary import RunSummary
 from kvledger.process import collect_less_often, freeze_startup_objects
 from kvledger.schemas.events import GroupSpec
+from kvledger.schemas.replication import warn_under_replicated_later
 from kvledger.tables import print_table
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,8 @@ def consume(args: argparse.Namespace) -> int:
     config = consumer_config(args)
     if config.until_caught_up and (missing := _missing_topic(config)) is not None:
         raise SystemExit(missing)
+    topics = [config.topic, config.dead_letter_topic, getattr(args, "decisions_topic", None)]
+    warn_under_replicated_later(config.bootstrap_servers, config.kafka, filter(None, topics))
     if not args.no_migrate:
         migrate(config.database_url)
     assert config.retention is not None

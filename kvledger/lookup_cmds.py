@@ -157,8 +157,12 @@ def _raise_open_files(connections: int) -> None:
 def _router(args: argparse.Namespace, database: str) -> RouterIndex:
     """The router index `serve` answers from: bootstrapped from the database, following
     the topic (with Dynamo's block hashes when --dynamo-api asks)."""
+    from kvledger.schemas.replication import warn_under_replicated_later
     from kvledger.serving.router.index import RouterIndex
 
+    topics = [args.topic, args.decisions_topic]
+    kafka = settings.kafka_settings(args)
+    warn_under_replicated_later(settings.kafka_bootstrap(args), kafka, filter(None, topics))
     router = RouterIndex(
         settings.kafka_bootstrap(args),
         args.topic,

@@ -17,6 +17,7 @@ from kvledger.producer.relay.config import RelayConfig, parse_group
 from kvledger.producer.relay.metrics import RelayMetrics
 from kvledger.producer.relay.relay import Relay
 from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.replication import warn_under_replicated
 from kvledger.schemas.topics import STARTUP_TIMEOUT_S, ensure_topic
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def _topic_checked(
                 exact_partitions=False,
                 timeout=STARTUP_TIMEOUT_S,
             )
+            warn_under_replicated(bootstrap, kafka, [args.topic])
         except Exception as exc:  # the relay waits for the broker itself
             logger.warning(
                 "could not check topic %s yet (%s); relaying once the broker answers",

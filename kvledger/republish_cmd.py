@@ -11,6 +11,7 @@ from types import FrameType
 
 from kvledger import settings
 from kvledger.consumer.db import connect
+from kvledger.schemas.replication import warn_under_replicated_later
 from kvledger.serving.republish.publisher import Endpoint, Publisher
 from kvledger.serving.router.index import RouterIndex
 from kvledger.serving.router.match import DEFAULT_SILENT_AFTER
@@ -63,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         kafka=dict(settings.kafka_settings(args)),
         codec=settings.codec(args, args.topic, writer=False),
         block_retention=args.block_retention,
+    )
+    warn_under_replicated_later(
+        settings.kafka_bootstrap(args), settings.kafka_settings(args), [args.topic]
     )
     with connect(settings.lookup_database_url(args.database_url)) as conn:
         router.bootstrap(conn)

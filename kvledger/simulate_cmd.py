@@ -18,6 +18,7 @@ from kvledger.producer.publisher import KVEventPublisher
 from kvledger.progress import Progress
 from kvledger.schemas.codec import Codec
 from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.replication import warn_under_replicated
 from kvledger.schemas.topics import DEFAULT_PARTITIONS, STARTUP_TIMEOUT_S, ensure_topic
 from kvledger.sinks import EventSink
 
@@ -50,6 +51,7 @@ def run_simulation(  # noqa: PLR0913 - where, then options with defaults, set by
         client_logging({**(kafka or {}), "bootstrap.servers": bootstrap, "log_level": 4})
     )
     ensure_topic(admin, topic, partitions, timeout=STARTUP_TIMEOUT_S)
+    warn_under_replicated(bootstrap, kafka, [topic])
     publishers: list[KVEventPublisher] = []  # a restarted engine has had two
 
     def sink(instance_id: str) -> EventSink:

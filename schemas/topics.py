@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 
 from kvledger.schemas.errors import NotAuthorizedError, TopicMismatchError
 from kvledger.schemas.kafka_log import client_logging
+from kvledger.schemas.replication import default_replication
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def ensure_topic(  # noqa: PLR0913 - Kafka's topic settings, each with a default
     name: str,
     partitions: int = DEFAULT_PARTITIONS,
     retention_ms: int | None = None,
-    replication_factor: int = 1,
+    replication_factor: int | None = None,
     timeout: float = 30.0,
     exact_partitions: bool = True,
     log_append_time: bool = True,
@@ -96,8 +98,11 @@ def ensure_topic(  # noqa: PLR0913 - Kafka's topic settings, each with a default
     record with the broker's clock (``log_append_time``): the index's liveness clock.
     ``config``: more topic settings for a topic it creates (its retention is
     :data:`DEFAULT_RETENTION_MS` unless ``retention_ms`` or ``config`` says otherwise; an
-    existing topic's is checked only against ``retention_ms``); ``replication_factor=-1``
-    takes the cluster's default.
+    existing topic's is checked only against ``retention_ms``). ``replication_factor``:
+    None (the default) gives a topic it creates ``min(3, brokers)`` replicas and, on three
+    brokers or more, ``min.insync.replicas=2`` unless ``config`` sets it (one broker may be
+    lost; see docs/operations.md, "A production cluster"); -1 takes the cluster's default;
+    a number, that many.
     """
     try:
         wanted = _Wanted(
@@ -230,13 +235,30 @@ def _until_served(admin: AdminClient, name: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _created(future: Future[None], name: str, timeout: float) -> None:
+    """Wait for the creation of topic ``name``; no answer in time (the cluster's controllers
+    have no quorum, or are overloaded) is said as a ``KafkaException`` naming what it waits
+    for (a bare ``TimeoutError`` would reach the user as a traceback)."""
+    try:
+        future.result(timeout=timeout)
+    except TimeoutError:
+        raise KafkaException(
+            KafkaError(
+                KafkaError.REQUEST_TIMED_OUT,  # a broker answers: the creation does not
+                f"the cluster did not create topic {name!r} within {timeout:g} s: its "
+                "controllers may have lost their quorum (a majority of them must run; "
+                "scripts/services status says which are stopped)",
+            )
+        ) from None
+
+
 @dataclass(frozen=True)
 class _Wanted:
     """What :func:`ensure_topic` is asked of a topic (its arguments of the same names)."""
 
     partitions: int
     retention_ms: int | None
-    replication_factor: int
+    replication_factor: int | None
     exact_partitions: bool
     log_append_time: bool
     config: Mapping[str, str] | None
@@ -244,6 +266,7 @@ class _Wanted:
 
 def _ensure_topic(admin: AdminClient, name: str, wanted: _Wanted, timeout: float) -> bool:
     partitions, retention_ms = wanted.partitions, wanted.retention_ms
+    replication_factor = wanted.replication_factor
     topic = _described(admin, name, timeout)
     if topic is not None and topic.error is not None and refused(topic.error):
         raise KafkaException(topic.error)
@@ -254,13 +277,21 @@ def _ensure_topic(admin: AdminClient, name: str, wanted: _Wanted, timeout: float
             settings["retention.ms"] = str(retention_ms)
         if wanted.log_append_time:
             settings["message.timestamp.type"] = "LogAppendTime"
+        if replication_factor is None:
+            brokers = len(admin.list_topics(topic=name, timeout=timeout).brokers)
+            replication_factor, settings = default_replication(brokers, settings)
         futures = admin.create_topics(
-            [NewTopic(name, partitions, wanted.replication_factor, config=settings)],
+            [NewTopic(name, partitions, replication_factor, config=settings)],
             operation_timeout=timeout,
         )
         try:
-            futures[name].result(timeout=timeout)
-            logger.info("created topic %s with %d partitions", name, partitions)
+            _created(futures[name], name, timeout)
+            logger.info(
+                "created topic %s with %d partitions, replication %s",
+                name,
+                partitions,
+                replication_factor if replication_factor > 0 else "default",
+            )
             _until_served(admin, name, timeout)
             return True
         except KafkaException as exc:

@@ -140,3 +140,32 @@ def test_make_demo_stops_only_what_it_started() -> None:
     finally:
         subprocess.run([SERVICES, "down"], env=env, check=False)
         subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+def test_a_cluster_setting_or_ports_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    """KVLEDGER_KAFKA_BROKERS takes 1 or 3; three brokers take three client ports and three
+    controller ports, and two of them the same is said before anything starts."""
+    env = dict(os.environ, KVLEDGER_STATE_DIR=str(tmp_path / "state"))
+    done = subprocess.run(
+        [SERVICES, "up", "kafka"], env=dict(env, KVLEDGER_KAFKA_BROKERS="2"),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "KVLEDGER_KAFKA_BROKERS: 1 or 3, not '2'" in done.stderr
+    base = free_port()
+    overlap = dict(
+        env, KVLEDGER_KAFKA_BROKERS="3", KVLEDGER_KAFKA_PORT=str(base),
+        KVLEDGER_KAFKA_CONTROLLER_PORT=str(base + 2),
+    )  # fmt: skip
+    done = subprocess.run(
+        [SERVICES, "up", "kafka"], env=overlap, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stderr
+    assert f"give two listeners port {base + 2}: 3 brokers take 3 ports from each" in done.stderr
+    assert "starting" not in done.stderr, done.stderr
+    env_lines = subprocess.run(
+        [SERVICES, "env"], env=dict(overlap, KVLEDGER_KAFKA_CONTROLLER_PORT=str(base + 3)),
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    bootstrap = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
+    assert f"export KVLEDGER_KAFKA_BOOTSTRAP={bootstrap}\n" in env_lines

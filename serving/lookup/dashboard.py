@@ -19,10 +19,13 @@ Every name it shows (an engine, a model) is set as text, never as markup.
 
 From memory (``serve --memory``) only ``fleet`` is answered (the rest is the database's).
 
-An answer for a window is computed at most once every :data:`SHARED_FOR_S` (the page's
-refresh), whatever the number of viewers (:class:`SharedAnswers`): from the database it is
-read from the history the consumer writes meanwhile, from memory it walks every holder's
-blocks under the lookups' lock.
+An answer is computed for one of a few windows (:data:`WINDOWS`, the smallest that holds
+the one asked), at most once every :data:`SHARED_FOR_S` (the page's refresh), whatever the
+number of viewers (:class:`SharedAnswers`), and each viewer gets it cut to its own window
+(:func:`cut`): however many windows are asked, at most ``len(WINDOWS)`` computations run at
+once, and a viewer who asks while its window is computed again gets the answer before it.
+From the database it is read from the history the consumer writes meanwhile; from memory
+it walks every holder's blocks under the lookups' lock.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 UI = Path(__file__).resolve().parent / "ui"
 VENDOR = UI / "vendor"
 MAX_MINUTES = 1440
+# The windows answers are computed for: a window asked is cut from the smallest that holds it.
+WINDOWS = (15, 60, 360, MAX_MINUTES)
 SHARED_FOR_S = 5.0  # the page refreshes every 5 s (ui/dashboard.js REFRESH_MS)
 OUTCOMES = (
     "no_holder",
@@ -88,6 +93,7 @@ SELECT minute, sum(decisions), sum(prompt_blocks), sum(available_blocks),
        sum(captured_blocks), sum(delivered_blocks), sum(delivered_known),
        {", ".join(f"sum({o})" for o in OUTCOMES)}
 FROM kvledger.decision_funnel WHERE minute >= date_trunc('minute', %(since)s::timestamptz)
+  AND minute <= %(until)s
 GROUP BY minute ORDER BY minute
 """
 _PREFIXES = """
@@ -110,6 +116,31 @@ def minutes_of(params: dict[str, str]) -> int:
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_MINUTES:
         raise BadRequestError(f"minutes: a whole number from 1 to {MAX_MINUTES}, not {raw!r}")
     return int(raw)
+
+
+def window_of(minutes: int) -> int:
+    """The window an answer for ``minutes`` is cut from."""
+    return next(w for w in WINDOWS if w >= minutes)
+
+
+def cut(answer: dict[str, Any], minutes: int) -> dict[str, Any]:
+    """``answer`` (computed for a window at least ``minutes`` long) for the last ``minutes``
+    before its ``now``: its series from then on."""
+    now = datetime.fromisoformat(answer["now"])
+    since = now - timedelta(minutes=minutes)
+    first = since.replace(second=0, microsecond=0)
+
+    def after(at: datetime) -> list[dict[str, Any]]:
+        return [p for p in answer[key] if datetime.fromisoformat(p["t"]) >= at]
+
+    out = {**answer, "minutes": minutes}
+    for key, at in (
+        ("occupancy", first + timedelta(minutes=1)),
+        ("funnel", first),
+        ("timeline", since),
+    ):
+        out[key] = after(at)
+    return out
 
 
 def from_database(conn: psycopg.Connection, minutes: int) -> dict[str, Any]:
@@ -247,9 +278,9 @@ def encoded(answer: dict[str, Any]) -> bytes:
 
 
 class SharedAnswers(Generic[T]):
-    """Answers per window shared by every viewer for ``ttl_s``: computed once meanwhile,
-    a viewer that asks while one is being computed waits for it rather than computing it
-    again. At most ``keep`` windows are kept (the least recently asked go). A computation
+    """Answers per window shared by every viewer for ``ttl_s``: computed once meanwhile;
+    a viewer that asks while one is being computed gets the answer before it, or, when
+    there is none yet, waits for it rather than computing it again. At most ``keep`` windows are kept (the least recently asked go). A computation
     that fails is not kept. The service keeps the encoded answer: a viewer then costs
     neither a computation nor an encoding (on a large fleet the occupancy series alone is
     thousands of points)."""
@@ -278,6 +309,9 @@ class SharedAnswers(Generic[T]):
             if (answer := self._fresh(minutes)) is not None:
                 return answer
             gate = self._computing.setdefault(minutes, threading.Lock())
+            stale = self._answers.get(minutes)
+        if stale is not None and gate.locked():  # being computed again: the one before it
+            return stale[1]
         with gate:  # one computation per window at a time
             with self._lock:
                 if (answer := self._fresh(minutes)) is not None:

@@ -119,7 +119,9 @@ class Lookups:
         self.silent_after = config.silent_after
         self.pool_timeout_s = config.pool_timeout_s
         # Computed and encoded once per refresh, not per tab.
-        self.dashboards: dashboard.SharedAnswers[bytes] = dashboard.SharedAnswers()
+        self.dashboards: dashboard.SharedAnswers[dict[str, Any]] = dashboard.SharedAnswers(
+            keep=len(dashboard.WINDOWS)
+        )
         self.database_url = database_url
         self.pool = (
             ConnectionPool(
@@ -307,16 +309,16 @@ class Lookups:
     def dashboard(self, params: dict[str, str]) -> Answer:
         """GET /v1/dashboard: the fleet at a glance (serving/lookup/dashboard.py)."""
         minutes = dashboard.minutes_of(params)
+        window = dashboard.window_of(minutes)  # a few windows computed, each cut from one
 
-        def compute() -> bytes:
+        def compute() -> dict[str, Any]:
             if self.router is not None:
-                return dashboard.encoded(
-                    dashboard.from_memory(self.router, minutes, self.silent_after)
-                )
+                return dashboard.from_memory(self.router, window, self.silent_after)
             with self.sql() as idx:
-                return dashboard.encoded(dashboard.from_database(idx.conn, minutes))
+                return dashboard.from_database(idx.conn, window)
 
-        return 200, self.dashboards.get(minutes, compute), {}
+        answer = self.dashboards.get(window, compute)
+        return 200, dashboard.encoded(dashboard.cut(answer, minutes)), {}
 
     def block(self, params: Mapping[str, str]) -> Answer:
         """GET /v1/blocks/{hash}: the block rows of a hash and their holders."""

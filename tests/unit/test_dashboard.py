@@ -242,3 +242,57 @@ def test_dashboard_answers_are_shared_for_a_refresh() -> None:
     for t in [first, *others]:
         t.join(10)
     assert calls == [1] and answers == [{"n": 1}] * 5 and slow.computed == 1
+
+
+def test_a_flood_of_windows_costs_a_computation_per_window_kept() -> None:
+    """300 viewers each asking another window (the cache of 16 windows never hit) made 300
+    computations: now each is cut from one of a few computed windows, and a viewer who asks
+    while its window is computed again is given the answer before it."""
+    import threading
+    from datetime import UTC, datetime, timedelta
+
+    from kvledger.serving.lookup.dashboard import MAX_MINUTES, WINDOWS, SharedAnswers, cut
+    from kvledger.serving.lookup.dashboard import window_of as of
+
+    now = datetime(2026, 12, 7, 12, 0, 30, tzinfo=UTC)
+
+    def at(minutes_ago: float) -> str:
+        return (now - timedelta(minutes=minutes_ago)).isoformat()
+
+    made: list[int] = []
+
+    def compute(window: int) -> dict[str, object]:
+        made.append(window)
+        points = [{"t": at(m), "blocks": m} for m in range(window + 1)]
+        return {"now": now.isoformat(), "minutes": window, "fleet": [], "prefixes": [],
+                "occupancy": points, "funnel": points, "timeline": points}  # fmt: skip
+
+    shared: SharedAnswers[dict[str, object]] = SharedAnswers(keep=len(WINDOWS))
+    for minutes in range(1, 301):
+        answer = cut(shared.get(of(minutes), lambda m=minutes: compute(of(m))), minutes)
+        assert answer["minutes"] == minutes
+        ages = [p["blocks"] for p in answer["timeline"]]  # type: ignore[index, union-attr]
+        assert ages == list(range(minutes + 1)) or ages == list(range(minutes)), minutes
+    assert sorted(set(made)) == [w for w in WINDOWS if w <= 360] and len(made) == 3
+    assert of(1) == WINDOWS[0] and of(MAX_MINUTES) == MAX_MINUTES
+    assert all(of(m) >= m for m in range(1, MAX_MINUTES + 1))
+
+    # Computed again (stale): a viewer meanwhile is answered at once with the one before.
+    clock = [0.0]
+    slow: SharedAnswers[dict[str, object]] = SharedAnswers(ttl_s=5.0, clock=lambda: clock[0])
+    slow.get(60, lambda: {"n": 1})
+    clock[0] = 6.0
+    started, release = threading.Event(), threading.Event()
+
+    def again() -> dict[str, object]:
+        started.set()
+        release.wait(10)
+        return {"n": 2}
+
+    worker = threading.Thread(target=lambda: slow.get(60, again))
+    worker.start()
+    assert started.wait(10)
+    assert slow.get(60, again) == {"n": 1}  # not waiting for the computation under way
+    release.set()
+    worker.join(10)
+    assert slow.get(60, again) == {"n": 2}

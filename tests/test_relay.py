@@ -875,3 +875,59 @@ def test_a_hybrid_engines_state_checkpoints_reach_the_index(
     assert [(bytes(h), how) for h, how in ended] == [(b(12), "removed")]
     assert [reason for reason, _ in rejected] == ["invalid_event", "token_count_mismatch"]
     assert "names one hash" in rejected[0][1] and "recurrent group" in rejected[1][1]
+
+
+def test_a_dripping_health_route_never_stalls_the_relay(
+    kafka_bootstrap: str, topic: str, engines: list[ZmqEngine]
+) -> None:
+    """A health server that sends its answer a byte every 0.8 s held the relay's loop (the
+    1 s timeout bounded each read, not the request): no Kafka message for 25 s. The route
+    is now asked off the loop under a deadline for the whole request: the engine's batches
+    keep flowing while it drips, and the relay heartbeats again once it answers well."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    drip = threading.Event()
+
+    class Health(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if drip.is_set():
+                for byte in b"HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n":
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.8)
+                return
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Health)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = engine_pair(engines)
+    config = dataclasses.replace(
+        relay_config(engine, kafka_bootstrap, topic, "dripped"),
+        heartbeat_interval_s=0.3,
+        health_url=f"http://127.0.0.1:{server.server_port}/health",
+    )
+    relay = run_relay(config)
+    work = Workload(21)
+    try:
+        drip.set()
+        time.sleep(2.0)  # idle probes meet the drip
+        for _ in range(5):
+            engine.publish(work.batch())
+            time.sleep(0.3)
+        began = time.monotonic()
+        wait_relayed(relay, [engine], timeout=5)
+        assert time.monotonic() - began < 5
+        assert relay.metrics.unhealthy.labels("dripped")._value.get() > 0
+        drip.clear()
+        engine.publish(work.batch())
+        wait_relayed(relay, [engine], timeout=5)
+    finally:
+        relay.stop()
+        server.shutdown()

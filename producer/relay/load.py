@@ -15,9 +15,10 @@ import logging
 import math
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvledger.producer.relay.http_get import get
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +125,10 @@ class LoadReader:
     def read_once(self) -> Load | None:
         """One read of the metrics route (kept as the latest when it is a reading)."""
         try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as answer:
-                body = answer.read(MAX_BYTES + 1)
-            if len(body) > MAX_BYTES:
-                raise ValueError(f"more than {MAX_BYTES} bytes")
+            # A deadline for the whole request: a route that drips its answer is a failure.
+            status, body = get(self.url, self.timeout_s, MAX_BYTES)
+            if status != 200:
+                raise ValueError(f"status {status}")
             load = parse_load(body.decode("utf-8", "replace"), self.rank)
             if load is None:
                 raise ValueError(f"no {RUNNING} or {WAITING} in it")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 
 from kvledger.producer.errors import MessageTooLargeError, PublishError
@@ -16,6 +15,7 @@ from kvledger.producer.publisher import KVEventPublisher
 from kvledger.producer.relay import sglang, trtllm
 from kvledger.producer.relay.config import RelayConfig
 from kvledger.producer.relay.engine import EngineLink
+from kvledger.producer.relay.health import HealthWatch
 from kvledger.producer.relay.load import LoadReader
 from kvledger.producer.relay.metrics import RelayMetrics, StreamTally
 from kvledger.producer.relay.sequence import EngineSequence
@@ -69,6 +69,14 @@ class RankState:
                 rank if config.dp_size > 1 else None,
                 config.health_timeout_s,
                 on_error=self.metrics.load_errors.labels(self.source).inc,
+            )
+        self.health: HealthWatch | None = None
+        if config.health_url is not None:
+            self.health = HealthWatch(
+                config.health_url,
+                config.heartbeat_interval_s,
+                config.health_timeout_s,
+                on_unhealthy=self.metrics.unhealthy.labels(self.source).inc,
             )
         self.ready = threading.Event()  # set once resynchronised with the engine
 
@@ -148,18 +156,11 @@ class RankState:
         self.txn.in_txn += 1
 
     def _healthy(self) -> bool:
-        """The engine's health route answers 200 (always true without one)."""
-        url = self.config.health_url
-        if url is None:
+        """The engine's health route answered 200 when last asked (always true without
+        one): read, never waited for (its watch asks off the loop, :mod:`.health`)."""
+        if self.health is None:
             return True
-        try:
-            with urllib.request.urlopen(url, timeout=self.config.health_timeout_s) as answer:
-                if answer.status == 200:
-                    return True
-        except (OSError, ValueError):  # refused, timed out, an HTTP error status
-            pass
-        self.metrics.unhealthy.labels(self.source).inc()
-        return False
+        return self.health.healthy() is True
 
     def _busy_heartbeat_due(self) -> bool:
         return time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s

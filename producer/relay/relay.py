@@ -80,6 +80,8 @@ class RankRelay(RankState):
             )
         if self.load is not None:
             self.load.start()
+        if self.health is not None:
+            self.health.start()
         try:
             self.txn.connect()
             if not self._healthy():  # a starting engine is not there yet
@@ -105,6 +107,8 @@ class RankRelay(RankState):
         finally:
             if self.load is not None:
                 self.load.stop()
+            if self.health is not None:
+                self.health.stop()
             self.link.close()
             self.txn.close()
 

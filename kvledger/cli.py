@@ -237,6 +237,11 @@ def _one_line(exc: BaseException) -> tuple[str, str]:
         from kvledger.consumer.db import SCHEMA_MISSING
 
         return what, SCHEMA_MISSING
+    if what == "database" and "Connection refused" in str(exc):
+        first += (
+            ": is PostgreSQL running there? `scripts/services up` starts a local one; else "
+            "check --database-url (or $KVLEDGER_DATABASE_URL)"
+        )
     error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
     if error is None:
         return what, first
@@ -251,8 +256,8 @@ def _one_line(exc: BaseException) -> tuple[str, str]:
     elif name in {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN"}:
         first = (
             f"no broker answered ({first}): check --bootstrap (or "
-            "$KVLEDGER_KAFKA_BOOTSTRAP), that the broker runs, and the Kafka settings' "
-            "TLS CA, SASL mechanism and credentials"
+            "$KVLEDGER_KAFKA_BOOTSTRAP), that the broker runs (`scripts/services up` starts "
+            "a local one), and the Kafka settings' TLS CA, SASL mechanism and credentials"
         )
     return what, first
 

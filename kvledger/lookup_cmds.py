@@ -43,6 +43,29 @@ def parse_token_ids(text: str) -> list[int]:
         raise SystemExit(f"kvledger: token ids must be integers ({exc})") from None
 
 
+def _check_port(host: str, port: int) -> None:
+    """Exit with one line when ``host:port`` cannot be listened on (uvicorn would log a
+    bare ``[Errno 98]`` and exit 3, after the index was loaded)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise SystemExit(f"kvledger serve: --host {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc})"
+            raise SystemExit(
+                f"kvledger serve: port {port} on {host} {why}: stop what listens there "
+                "(`ss -ltnp` names it) or pass another --port"
+            ) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -57,6 +80,7 @@ def serve(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvledger serve: --tls-cert and --tls-key go together")
+    _check_port(args.host, args.port)  # before a router's bootstrap: seconds to minutes
     server = {
         "host": args.host,
         "port": args.port,

@@ -78,11 +78,12 @@ _warned: set[str] = set()
 
 
 def _warn_once(kind: str, message: str) -> None:
-    """Say once, at INFO, a thing the tracker does that is expected (vLLM warns it once; a
-    warning for expected behaviour only alarms: `simulate` printed two on every run)."""
+    """Say once, at DEBUG, a thing the tracker does that is expected (vLLM warns it once; a
+    warning, or a line on every run, for expected behaviour only alarms: `simulate`
+    printed two on every run, then two INFO lines)."""
     if kind not in _warned:
         _warned.add(kind)
-        logger.info(message)
+        logger.debug(message)
 
 
 # The vLLM releases whose tracker rules this one follows, by minor version.

@@ -278,12 +278,12 @@ def encoded(answer: dict[str, Any]) -> bytes:
 
 
 class SharedAnswers(Generic[T]):
-    """Answers per window shared by every viewer for ``ttl_s``: computed once meanwhile;
-    a viewer that asks while one is being computed gets the answer before it, or, when
-    there is none yet, waits for it rather than computing it again. At most ``keep`` windows are kept (the least recently asked go). A computation
-    that fails is not kept. The service keeps the encoded answer: a viewer then costs
-    neither a computation nor an encoding (on a large fleet the occupancy series alone is
-    thousands of points)."""
+    """Answers per window shared by every viewer for ``ttl_s``: computed once meanwhile; a
+    viewer that asks while one is being computed gets the answer before it, or, when
+    there is none yet, waits for it rather than computing it again. At most ``keep``
+    windows are kept (the least recently asked go). A computation that fails is not
+    kept. The service keeps each computed window's answer: a viewer then costs a cut
+    and an encoding, never a computation."""
 
     def __init__(
         self,

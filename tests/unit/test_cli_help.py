@@ -349,3 +349,29 @@ def test_debug_and_log_format_work_after_the_command_too() -> None:
     assert parser.parse_args(["sources"]).verbose is False
     assert parser.parse_args(["sources", "--log-format", "json"]).log_format == "json"
     assert parser.parse_args(["--log-format", "json", "sources"]).log_format == "json"
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line() -> None:
+    """uvicorn logged "ERROR uvicorn.error: [Errno 98] …" and exited 3, after the index was
+    loaded: the port is now tried first, and a busy one named in one line."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        url = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # never reached
+        with pytest.raises(SystemExit) as refused:
+            main(["serve", "--database-url", url, "--allow-writer", "--port", str(port)])
+    said = str(refused.value.code)
+    assert f"port {port} on 127.0.0.1 is in use" in said and "--port" in said, said
+
+
+def test_a_refused_connection_says_what_to_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """ "Connection refused" (the services down) named no next step, where "no database"
+    suggested `scripts/services up`."""
+    url = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # nothing listens on port 1
+    assert main(["sources", "--database-url", url]) == 1
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "Connection refused" in said[0], said
+    assert "`scripts/services up` starts a local one" in said[0], said

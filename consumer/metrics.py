@@ -51,7 +51,7 @@ class _CompiledCore(Collector):
 
 @functools.cache
 def _parts() -> dict[str, bool]:
-    from kvledger.cli import compiled_parts
+    from kvledger.schemas.codec import compiled_parts
 
     return compiled_parts()
 

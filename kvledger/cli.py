@@ -77,24 +77,13 @@ def _describe(parser: argparse.ArgumentParser) -> None:
                 _describe(sub)
 
 
-def compiled_parts() -> dict[str, bool]:
-    """Which parts of the compiled core (kvledger._core, rust/) are in use. The router index
-    is the core's alone (an install without it cannot serve from memory, and says so); the
-    Avro codec without it, or with KVLEDGER_PURE_AVRO=1, is fastavro's, with the same
-    bytes (its decoding then lenient where the core refuses: see schemas/codec.py)."""
-    import importlib.util
-
-    from kvledger.schemas.codec import Codec
-
-    core = importlib.util.find_spec("kvledger._core") is not None
-    return {"router index": core, "Avro codec": Codec()._compiled is not None}
-
-
 class _Version(argparse.Action):
     """--version: the version, then which compiled parts are in use (looked up only when
     asked, so that building the parser imports none of them)."""
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        from kvledger.schemas.codec import compiled_parts
+
         parts = ", ".join(
             f"{name} {'compiled' if on else 'missing' if name == 'router index' else 'pure Python'}"
             for name, on in compiled_parts().items()

@@ -29,9 +29,11 @@ if not url:
 
 def run_migrations_offline() -> None:
     context.configure(
-        url=url, literal_binds=True, version_table=VERSION_TABLE,
+        url=url,
+        literal_binds=True,
+        version_table=VERSION_TABLE,
         version_table_schema=VERSION_SCHEMA,
-    )  # fmt: skip
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -49,9 +51,10 @@ def run_migrations_online() -> None:
     with engine.connect() as connection:
         _own_version_table(connection)
         context.configure(
-            connection=connection, version_table=VERSION_TABLE,
+            connection=connection,
+            version_table=VERSION_TABLE,
             version_table_schema=VERSION_SCHEMA,
-        )  # fmt: skip
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -377,3 +377,14 @@ def zigzag(n: int) -> bytes:
         z >>= 7
     out.append(z)
     return bytes(out)
+
+
+def compiled_parts() -> dict[str, bool]:
+    """Which parts of the compiled core (kvledger._core, rust/) are in use. The router index
+    is the core's alone (an install without it cannot serve from memory, and says so); the
+    Avro codec without it, or with KVLEDGER_PURE_AVRO=1, is fastavro's, with the same
+    bytes (its decoding then lenient where the core refuses: see schemas/codec.py)."""
+    import importlib.util
+
+    core = importlib.util.find_spec("kvledger._core") is not None
+    return {"router index": core, "Avro codec": Codec()._compiled is not None}

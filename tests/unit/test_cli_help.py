@@ -254,8 +254,8 @@ def test_the_version_says_which_parts_are_compiled() -> None:
 def test_the_metrics_say_which_parts_are_compiled() -> None:
     from prometheus_client import generate_latest
 
-    from kvledger.cli import compiled_parts
     from kvledger.consumer.metrics import REGISTRY
+    from kvledger.schemas.codec import compiled_parts
 
     text = generate_latest(REGISTRY).decode()
     for part, compiled in compiled_parts().items():

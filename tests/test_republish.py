@@ -14,10 +14,12 @@ faults its indexer gets wrong when it dials the engines itself (tests/test_dynam
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -164,100 +166,88 @@ def test_replay_answers_from_retained_batches_or_a_snapshot(
     batches from there; from one older than retained (here: one a previous run of
     kvledger sent), a snapshot of what the engine holds, then the end marker; garbage gets
     no answer and stops nothing."""
-    kv = vllm_kv_events
     topic = make_topic("republish-replay")
-    engine = Engine(kv, 0)
-    relay_ = relay(engine, kafka_bootstrap, topic)
-    router = RouterIndex(kafka_bootstrap, topic, group_id)
-    with connect(fresh_database) as conn:
-        router.bootstrap(conn)
-    router.start()
-    endpoint = Endpoint("engine-0", f"tcp://127.0.0.1:{free_port()}",
-                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
-    publisher = Publisher(router, [endpoint], silent_after_s=60)
-    publisher.start()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint.pub)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(str(endpoint.replay))
-    try:
-        engine.store(0, 3)
-        engine.store(1, 2)
-        heard: list[tuple[int, list[Any]]] = []
-        held: set[bytes] = set()  # what a subscriber of this socket holds
-        deadline = time.monotonic() + 30
-        while len(held) < 5:  # chain 0's three blocks and chain 1's two
-            assert time.monotonic() < deadline, heard
-            if sub.poll(500):
-                _topic, seq, payload = sub.recv_multipart()
-                events = decode_batch(payload).events
-                heard.append((int.from_bytes(seq, "big"), events))
-                follow(held, events)
-        seqs = [s for s, _ in heard]
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # dense
-        assert seqs[0] >= publisher.base_seq
+    with one_engine_republished(
+        vllm_kv_events, kafka_bootstrap, fresh_database, topic, group_id
+    ) as (engine, endpoint, publisher):
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint.pub)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(str(endpoint.replay))
+        try:
+            engine.store(0, 3)
+            engine.store(1, 2)
+            heard: list[tuple[int, list[Any]]] = []
+            held: set[bytes] = set()  # what a subscriber of this socket holds
+            deadline = time.monotonic() + 30
+            while len(held) < 5:  # chain 0's three blocks and chain 1's two
+                assert time.monotonic() < deadline, heard
+                if sub.poll(500):
+                    _topic, seq, payload = sub.recv_multipart()
+                    events = decode_batch(payload).events
+                    heard.append((int.from_bytes(seq, "big"), events))
+                    follow(held, events)
+            seqs = [s for s, _ in heard]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # dense
+            assert seqs[0] >= publisher.base_seq
 
-        def replay(start: int) -> list[tuple[int, list[Any]]]:
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            out = []
-            while True:
-                assert dealer.poll(10_000), "no replay answer"
-                frames = dealer.recv_multipart()
-                assert frames[0] == b"" and len(frames) == 4
-                if frames[2] == END_SEQ:
-                    assert frames[1] == b"" and frames[3] == b""
-                    return out
-                out.append((int.from_bytes(frames[2], "big"), decode_batch(frames[3]).events))
+            def replay(start: int) -> list[tuple[int, list[Any]]]:
+                dealer.send_multipart([b"", start.to_bytes(8, "big")])
+                out = []
+                while True:
+                    assert dealer.poll(10_000), "no replay answer"
+                    frames = dealer.recv_multipart()
+                    assert frames[0] == b"" and len(frames) == 4
+                    if frames[2] == END_SEQ:
+                        assert frames[1] == b"" and frames[3] == b""
+                        return out
+                    out.append((int.from_bytes(frames[2], "big"), decode_batch(frames[3]).events))
 
-        def resent() -> float:
-            value = REGISTRY.get_sample_value(
-                "kvledger_republish_resent_batches_total", {"source": "engine-0"}
-            )
-            return value or 0.0
+            def resent() -> float:
+                value = REGISTRY.get_sample_value(
+                    "kvledger_republish_resent_batches_total", {"source": "engine-0"}
+                )
+                return value or 0.0
 
-        before = resent()
-        assert replay(seqs[-1]) == [heard[-1]]  # retained: as it was published
-        assert replay(seqs[-1] + 1) == []  # nothing yet
-        assert resent() == before + 1  # what a subscriber missed, counted
-        dealer.send_multipart([b"", b"bad"])  # malformed: no answer, nothing stops
-        for frames in ([b"x" * 100_000], [b"", b"", b""], [b"\xff" * 8]):
-            dealer.send_multipart(frames)
-        # A peer that asks for everything many times and leaves without reading, and a
-        # subscriber that never reads: neither stops the others.
-        rude = ctx.socket(zmq.DEALER)
-        rude.connect(str(endpoint.replay))
-        for _ in range(200):
-            rude.send_multipart([b"", (0).to_bytes(8, "big")])
-        deaf = ctx.socket(zmq.SUB)
-        deaf.setsockopt(zmq.SUBSCRIBE, b"")
-        deaf.setsockopt(zmq.RCVHWM, 1)
-        deaf.connect(endpoint.pub)
-        time.sleep(0.5)
-        rude.close(linger=0)
-        engine.store(2, 1)
-        while len(held) < 6:  # the live stream goes on
-            assert time.monotonic() < deadline + 30, heard
-            if sub.poll(500):
-                _topic, seq, payload = sub.recv_multipart()
-                events = decode_batch(payload).events
-                heard.append((int.from_bytes(seq, "big"), events))
-                follow(held, events)
-        old = replay(0)  # before anything this run sent: a snapshot
-        assert isinstance(old[0][1][0], AllBlocksCleared)
-        assert resent() == before + 1  # a snapshot is not a resend
-        restated: set[bytes] = set()
-        for _, events in old:
-            follow(restated, events)
-        assert restated == held
-        assert [s for s, _ in old] == sorted(s for s, _ in old)
-    finally:
-        ctx.destroy(linger=0)
-        publisher.stop()
-        router.stop()
-        relay_.stop()
-        engine.publisher.shutdown()
+            before = resent()
+            assert replay(seqs[-1]) == [heard[-1]]  # retained: as it was published
+            assert replay(seqs[-1] + 1) == []  # nothing yet
+            assert resent() == before + 1  # what a subscriber missed, counted
+            dealer.send_multipart([b"", b"bad"])  # malformed: no answer, nothing stops
+            for frames in ([b"x" * 100_000], [b"", b"", b""], [b"\xff" * 8]):
+                dealer.send_multipart(frames)
+            # A peer that asks for everything many times and leaves without reading, and a
+            # subscriber that never reads: neither stops the others.
+            rude = ctx.socket(zmq.DEALER)
+            rude.connect(str(endpoint.replay))
+            for _ in range(200):
+                rude.send_multipart([b"", (0).to_bytes(8, "big")])
+            deaf = ctx.socket(zmq.SUB)
+            deaf.setsockopt(zmq.SUBSCRIBE, b"")
+            deaf.setsockopt(zmq.RCVHWM, 1)
+            deaf.connect(endpoint.pub)
+            time.sleep(0.5)
+            rude.close(linger=0)
+            engine.store(2, 1)
+            while len(held) < 6:  # the live stream goes on
+                assert time.monotonic() < deadline + 30, heard
+                if sub.poll(500):
+                    _topic, seq, payload = sub.recv_multipart()
+                    events = decode_batch(payload).events
+                    heard.append((int.from_bytes(seq, "big"), events))
+                    follow(held, events)
+            old = replay(0)  # before anything this run sent: a snapshot
+            assert isinstance(old[0][1][0], AllBlocksCleared)
+            assert resent() == before + 1  # a snapshot is not a resend
+            restated: set[bytes] = set()
+            for _, events in old:
+                follow(restated, events)
+            assert restated == held
+            assert [s for s, _ in old] == sorted(s for s, _ in old)
+        finally:
+            ctx.destroy(linger=0)
 
 
 def test_the_command_republishes_every_source_on_one_multiplexed_socket(
@@ -324,80 +314,96 @@ def test_a_peer_that_asks_and_never_reads_stops_nothing(
     queue fills and its answers are cut (counted), while an honest replay on the same socket
     is still answered and the live stream still flows, with the attacker connected and
     after it left; the replayed ring is shared, not copied per answer."""
-    engine = Engine(vllm_kv_events, 0)
     topic = make_topic("republish-rude")
-    relay_ = relay(engine, kafka_bootstrap, topic)
-    router = RouterIndex(kafka_bootstrap, topic, group_id)
-    with connect(fresh_database) as conn:
+    with one_engine_republished(
+        vllm_kv_events, kafka_bootstrap, fresh_database, topic, group_id, buffer_steps=64
+    ) as (engine, endpoint, publisher):
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint.pub)
+        try:
+            outlet = wait_for_outlet(publisher, "engine-0", batches=1)
+            for c in range(CHAINS):  # a batch for the ring per store: each waits for the last
+                for j in range(1, LENGTH + 1):
+                    published = outlet.next_seq
+                    engine.store(c, j)
+                    wait_until("the store republished", lambda p=published: outlet.next_seq > p, 10)
+            first = outlet.ring[0][0]
+
+            def cut() -> float:
+                value = REGISTRY.get_sample_value(
+                    "kvledger_republish_replays_total", {"outcome": "cut"}
+                )
+                return value or 0.0
+
+            before = cut()
+            rude = ctx.socket(zmq.DEALER)
+            rude.setsockopt(zmq.RCVHWM, 1)
+            rude.setsockopt(zmq.RCVBUF, 4096)
+            rude.connect(str(endpoint.replay))
+            for _ in range(20_000):
+                rude.send_multipart([b"", first.to_bytes(8, "big")])
+            wait_until("the rude peer's answers cut", lambda: cut() > before, timeout=30)
+
+            honest = ctx.socket(zmq.DEALER)
+            honest.connect(str(endpoint.replay))
+
+            def replay_ok() -> bool:
+                last = outlet.next_seq - 1
+                honest.send_multipart([b"", last.to_bytes(8, "big")])
+                if not honest.poll(2000):
+                    return False
+                frames = honest.recv_multipart()
+                while frames[2] != END_SEQ:
+                    assert int.from_bytes(frames[2], "big") >= last
+                    assert honest.poll(2000), "an answer cut short"
+                    frames = honest.recv_multipart()
+                return True
+
+            def live_ok(chain: int) -> bool:
+                while sub.poll(0):
+                    sub.recv_multipart()
+                engine.evict(chain, 0)
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    if sub.poll(200):
+                        _topic, _seq, payload = sub.recv_multipart()
+                        if any(isinstance(e, BlockRemoved) for e in decode_batch(payload).events):
+                            return True
+                return False
+
+            assert replay_ok(), "an honest replay went unanswered while the rude peer waited"
+            assert live_ok(0), "the live stream stopped while the rude peer waited"
+            rude.close(linger=0)
+            time.sleep(0.5)
+            assert replay_ok() and live_ok(1)
+            assert publisher.error is None
+        finally:
+            ctx.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def one_engine_republished(
+    kv: Any, bootstrap: str, database: str, topic: str, group_id: str, **options: Any
+) -> Iterator[tuple[Engine, Endpoint, Publisher]]:
+    """One vLLM publisher relayed into ``topic``, a router index following it, and the
+    engine republished on sockets of its own (``options``: the Publisher's); all stopped
+    after."""
+    engine = Engine(kv, 0)
+    relay_ = relay(engine, bootstrap, topic)
+    router = RouterIndex(bootstrap, topic, group_id)
+    with connect(database) as conn:
         router.bootstrap(conn)
     router.start()
-    endpoint = Endpoint("engine-0", f"tcp://127.0.0.1:{free_port()}",
-                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
-    publisher = Publisher(router, [endpoint], silent_after_s=60, buffer_steps=64)
+    endpoint = Endpoint(
+        "engine-0", f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    )
+    publisher = Publisher(router, [endpoint], silent_after_s=60, **options)
     publisher.start()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint.pub)
     try:
-        outlet = wait_for_outlet(publisher, "engine-0", batches=1)
-        for c in range(CHAINS):  # a batch for the ring per store: each waits for the last
-            for j in range(1, LENGTH + 1):
-                published = outlet.next_seq
-                engine.store(c, j)
-                wait_until("the store republished", lambda p=published: outlet.next_seq > p, 10)
-        first = outlet.ring[0][0]
-
-        def cut() -> float:
-            value = REGISTRY.get_sample_value(
-                "kvledger_republish_replays_total", {"outcome": "cut"}
-            )
-            return value or 0.0
-
-        before = cut()
-        rude = ctx.socket(zmq.DEALER)
-        rude.setsockopt(zmq.RCVHWM, 1)
-        rude.setsockopt(zmq.RCVBUF, 4096)
-        rude.connect(str(endpoint.replay))
-        for _ in range(20_000):
-            rude.send_multipart([b"", first.to_bytes(8, "big")])
-        wait_until("the rude peer's answers cut", lambda: cut() > before, timeout=30)
-
-        honest = ctx.socket(zmq.DEALER)
-        honest.connect(str(endpoint.replay))
-
-        def replay_ok() -> bool:
-            last = outlet.next_seq - 1
-            honest.send_multipart([b"", last.to_bytes(8, "big")])
-            if not honest.poll(2000):
-                return False
-            frames = honest.recv_multipart()
-            while frames[2] != END_SEQ:
-                assert int.from_bytes(frames[2], "big") >= last
-                assert honest.poll(2000), "an answer cut short"
-                frames = honest.recv_multipart()
-            return True
-
-        def live_ok(chain: int) -> bool:
-            while sub.poll(0):
-                sub.recv_multipart()
-            engine.evict(chain, 0)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                if sub.poll(200):
-                    _topic, _seq, payload = sub.recv_multipart()
-                    if any(isinstance(e, BlockRemoved) for e in decode_batch(payload).events):
-                        return True
-            return False
-
-        assert replay_ok(), "an honest replay went unanswered while the rude peer waited"
-        assert live_ok(0), "the live stream stopped while the rude peer waited"
-        rude.close(linger=0)
-        time.sleep(0.5)
-        assert replay_ok() and live_ok(1)
-        assert publisher.error is None
+        yield engine, endpoint, publisher
     finally:
-        ctx.destroy(linger=0)
         publisher.stop()
         router.stop()
         relay_.stop()
@@ -421,43 +427,32 @@ def test_a_relay_of_a_republished_stream_loses_nothing_on_first_contact(
     """A relay that reads `kvledger republish` (whose batches are numbered from its start-up
     time, not 0) meets the stream with a snapshot that starts with AllBlocksCleared: what
     came before it is void, so nothing is recorded lost; later batches follow densely."""
-    engine = Engine(vllm_kv_events, 0)
     topic, again = make_topic("republish-source"), make_topic("republish-again")
-    relay_ = relay(engine, kafka_bootstrap, topic)
-    router = RouterIndex(kafka_bootstrap, topic, group_id)
-    with connect(fresh_database) as conn:
-        router.bootstrap(conn)
-    router.start()
-    endpoint = Endpoint("engine-0", f"tcp://127.0.0.1:{free_port()}",
-                        f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
-    publisher = Publisher(router, [endpoint], silent_after_s=60)
-    publisher.start()
-    second: Relay | None = None
-    try:
-        engine.store(0, 3)
-        outlet = wait_for_outlet(publisher, "engine-0", batches=2)
-        second = Relay(RelayConfig(
-            endpoint=endpoint.pub, replay_endpoint=endpoint.replay, source="engine-0-again",
-            model=MODEL, bootstrap_servers=kafka_bootstrap, topic=again,
-            groups=[parse_group(f"0:full_attention:{BLOCK}", MODEL)],
-            heartbeat_interval_s=1.0,
-        ))  # fmt: skip
-        second.start()
-        assert second.ready(60), "the relay did not synchronise with the republished stream"
-        engine.store(1, 2)
-        last = outlet.next_seq
-        wait_until("the relay caught up", lambda: outlet.next_seq > last, 10)
-        wait_until(
-            "the relay caught up",
-            lambda: second.ranks[0].committed_seq == outlet.next_seq - 1,  # type: ignore[union-attr]
-            30,
-        )
-        lost = second.metrics.lost_batches.labels("engine-0-again")._value.get()
-        assert lost == 0, f"{lost} batches recorded lost on first contact"
-    finally:
-        if second is not None:
-            second.stop()
-        publisher.stop()
-        router.stop()
-        relay_.stop()
-        engine.publisher.shutdown()
+    with one_engine_republished(
+        vllm_kv_events, kafka_bootstrap, fresh_database, topic, group_id
+    ) as (engine, endpoint, publisher):
+        second: Relay | None = None
+        try:
+            engine.store(0, 3)
+            outlet = wait_for_outlet(publisher, "engine-0", batches=2)
+            second = Relay(RelayConfig(
+                endpoint=endpoint.pub, replay_endpoint=endpoint.replay, source="engine-0-again",
+                model=MODEL, bootstrap_servers=kafka_bootstrap, topic=again,
+                groups=[parse_group(f"0:full_attention:{BLOCK}", MODEL)],
+                heartbeat_interval_s=1.0,
+            ))  # fmt: skip
+            second.start()
+            assert second.ready(60), "the relay did not synchronise with the republished stream"
+            engine.store(1, 2)
+            last = outlet.next_seq
+            wait_until("the relay caught up", lambda: outlet.next_seq > last, 10)
+            wait_until(
+                "the relay caught up",
+                lambda: second.ranks[0].committed_seq == outlet.next_seq - 1,  # type: ignore[union-attr]
+                30,
+            )
+            lost = second.metrics.lost_batches.labels("engine-0-again")._value.get()
+            assert lost == 0, f"{lost} batches recorded lost on first contact"
+        finally:
+            if second is not None:
+                second.stop()

@@ -209,7 +209,17 @@ class RelayTransactions:
             self.pub.abort(30)
         except KafkaException as abort_error:  # a fenced or fatal producer: start over
             logger.warning("relay %s: abort failed (%s); reconnecting", self.source, abort_error)
-            self.pub.close(timeout=1, goodbye=False)
+            try:
+                self.pub.close(timeout=1, goodbye=False)
+            except (KafkaException, SystemError) as close_error:
+                # A fenced producer's flush can fail in the client's C code itself
+                # (SystemError: "returned NULL without setting an exception"): what it held
+                # is aborted anyway, and the new producer replays it from the engine.
+                logger.warning(
+                    "relay %s: the failed producer did not close cleanly (%s)",
+                    self.source,
+                    close_error,
+                )
             self.publisher = None
             self._open = False
             self.connect()

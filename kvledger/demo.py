@@ -239,10 +239,10 @@ ORDER BY instances DESC, token_end DESC LIMIT 5
     print('   eval "$(scripts/services env)"')
     for command in ("sources", "dlq list", "groups list"):
         print(f"   .venv/bin/kvledger {command} --database-url {demo_url}")
-    print(
-        f"   psql -h {url.host} -p {url.port} -U {url.username} {url.database}   "
-        "(its password: the one in $KVLEDGER_DATABASE_URL)"
-    )
+    print(f'   psql "${{KVLEDGER_PSQL_URL%/*}}/{url.database}"   (the index in SQL: docs/sql.md)')
+    print(f"   .venv/bin/kvledger serve --allow-writer --database-url {demo_url}")
+    print("     then http://127.0.0.1:8080/ui: the dashboard (its token: none, on 127.0.0.1)")
+    print("   README.md's First steps: a fleet of your own, and a lookup of its prompts")
     return 0
 
 

@@ -5,6 +5,7 @@ roles and secrets it makes are the ones docs/getting-started.md promises."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -95,6 +96,21 @@ def test_postgres_asks_for_passwords_and_the_roles_are_least_privilege() -> None
                 "SELECT pg_has_role(current_user, 'kvledger_reader', 'MEMBER')"
             ).fetchone()
         assert member == (True,)
+        # The owner's URL as psql takes it (psql cannot read "+psycopg"): what the demo shows.
+        psql_url = next(
+            line.split("=", 1)[1] for line in printed.splitlines() if "KVLEDGER_PSQL_URL=" in line
+        )
+        psql = shutil.which("psql") or str(
+            sorted(Path("/usr/lib/postgresql").glob("*/bin/psql"))[-1]
+        )
+        who = subprocess.run(
+            [psql, psql_url, "-Atc", "SELECT current_user"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+        assert who == sa.engine.make_url(owner).username
         assert stat.S_IMODE(state.stat().st_mode) in (0o700, 0o710)
         secrets = state / "secrets"
         assert stat.S_IMODE(secrets.stat().st_mode) == 0o700

@@ -185,3 +185,18 @@ def test_a_cluster_setting_or_ports_that_cannot_work_are_refused(tmp_path: Path)
     ).stdout  # fmt: skip
     bootstrap = ",".join(f"127.0.0.1:{base + i}" for i in range(3))
     assert f"export KVLEDGER_KAFKA_BOOTSTRAP={bootstrap}\n" in env_lines
+
+
+def test_env_warns_when_nothing_of_its_runs_on_the_ports_it_prints(tmp_path: Path) -> None:
+    """Ports moved with KVLEDGER_*_PORT are not remembered: a later shell without them got
+    the defaults, perhaps someone else's services, and no word of it."""
+    env = dict(
+        os.environ, KVLEDGER_STATE_DIR=str(tmp_path / "state"),
+        KVLEDGER_KAFKA_PORT=str(free_port()), KVLEDGER_PG_PORT=str(free_port()),
+    )  # fmt: skip
+    done = subprocess.run(
+        [SERVICES, "env"], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "export KVLEDGER_KAFKA_BOOTSTRAP=" in done.stdout
+    assert "warning: none of these services run" in done.stderr, done.stderr
+    assert "KVLEDGER_*_PORT" in done.stderr

@@ -44,7 +44,32 @@ def kafka_bootstrap(args: argparse.Namespace) -> str:
     flag = getattr(args, "bootstrap", None) or from_env(ENV_KAFKA)
     if not flag and hasattr(args, "kafka_config"):
         flag = kafka_settings(args).get("bootstrap.servers")
-    return _required(flag, ENV_KAFKA, "Kafka broker", "--bootstrap")
+    bootstrap = _required(flag, ENV_KAFKA, "Kafka broker", "--bootstrap")
+    if (why := unresolved(bootstrap)) is not None:
+        raise SystemExit(f"kvledger: {why}: check --bootstrap (or ${ENV_KAFKA})")
+    return bootstrap
+
+
+def unresolved(bootstrap: str) -> str | None:
+    """Why no host of ``bootstrap`` (``host:port,...``) can be reached by name: each one's
+    name does not resolve (the client would only say "no broker answered", 10 to 20 s
+    later); None when one resolves (or names an address)."""
+    import socket
+
+    reasons = []
+    for entry in bootstrap.split(","):
+        address = entry.strip().split("://")[-1]  # a listener's name before it, if any
+        host = (address.rpartition(":")[0] or address).strip("[]")
+        if not host:
+            continue
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            return None
+        except socket.gaierror as exc:
+            reasons.append(f"{host!r} does not resolve ({exc.strerror})")
+        except (UnicodeError, ValueError):
+            reasons.append(f"{host!r} is not a host name")
+    return "Kafka bootstrap " + "; ".join(reasons) if reasons else None
 
 
 def database_url(flag: str | None) -> str:

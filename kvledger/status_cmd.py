@@ -43,6 +43,8 @@ class Status:
     stalled: list[str] = field(default_factory=list)
     # Why the events topic cannot be read (it does not exist), when it cannot.
     missing_topic: str | None = None
+    # Why the lag could not be read (the broker did not answer), when it could not.
+    broker_error: str | None = None
 
     @property
     def attention(self) -> list[str]:
@@ -58,6 +60,8 @@ class Status:
         ]
         if self.missing_topic is not None:
             out.append(self.missing_topic)
+        if self.broker_error is not None:
+            out.append(self.broker_error)
         return out + self.stalled
 
 
@@ -86,7 +90,14 @@ def gather(args: argparse.Namespace) -> Status:
             if int(str(pending)):
                 status.rejected_pending[str(reason)] = int(str(pending))
         if getattr(args, "bootstrap", None) or settings.from_env(settings.ENV_KAFKA):
-            _lag(conn, args, status)
+            from confluent_kafka import KafkaException
+
+            try:
+                _lag(conn, args, status)
+            except KafkaException as exc:  # the index's summary still stands
+                from kvledger.cli import _one_line
+
+                status.broker_error = f"Kafka: {_one_line(exc)[1]}"
     return status
 
 

@@ -25,6 +25,9 @@ REPEAT_AFTER_S = 600.0
 MAX_KINDS = 1024  # distinct lines remembered; past it the oldest is forgotten
 
 _NUMBERS = re.compile(r"\d+")
+# Lines librdkafka logs as warnings for what it retries by itself, seen on the happy path (a
+# Ctrl-C while an idempotent producer starts): said at INFO, which is what they are.
+_RETRIED = ("Failed to acquire idempotence PID",)
 
 
 class OnceLog:
@@ -46,6 +49,8 @@ class OnceLog:
             facility, name, line = str(args[0]), str(args[1]), str(args[2])
         else:
             facility, name, line = "", "", msg % args if args else msg
+        if level == logging.WARNING and line.startswith(_RETRIED):
+            level = logging.INFO
         kind = (level, f"{facility} {_NUMBERS.sub('#', line)}")
         now = self.clock()
         with self._lock:

@@ -373,6 +373,15 @@ def test_status_shows_the_index_at_a_glance(
     assert cli(["status", *common]) == 1
     said = capsys.readouterr().out
     assert "rejected   1 pending (undecodable 1)" in said and "kvledger dlq list" in said
+    # A broker that does not answer: the index's summary still shows, and the broker is named.
+    away = ["--database-url", fresh_database, "--bootstrap", f"127.0.0.1:{free_port()}"]
+    assert cli(["status", *away]) == 1
+    said = capsys.readouterr().out
+    assert "sources    3" in said and "attention  Kafka: no broker answered" in said, said
+    # A broker whose name does not resolve: one line at once, not "no broker answered" later.
+    with pytest.raises(SystemExit) as refused:
+        cli(["status", "--database-url", fresh_database, "--bootstrap", "nosuchhost.invalid:9092"])
+    assert "'nosuchhost.invalid' does not resolve" in str(refused.value.code)
 
 
 def test_a_router_started_before_its_topic_says_so_then_follows_it(

@@ -106,7 +106,7 @@ def test_planning_ahead_is_the_consumers_default_and_can_be_turned_off(
 
     monkeypatch.delenv("KVLEDGER_CONSUME_NO_PLAN_AHEAD", raising=False)
     parser = build_parser()
-    url = ["--database-url", "postgresql+psycopg://u@h:1/d", "--bootstrap", "h:1"]
+    url = ["--database-url", "postgresql+psycopg://u@h:1/d", "--bootstrap", "127.0.0.1:1"]
     assert consumer_config(parser.parse_args(["consume", *url])).plan_ahead
     off = parser.parse_args(["consume", *url, "--no-plan-ahead"])
     assert not consumer_config(off).plan_ahead

@@ -33,3 +33,17 @@ def test_clients_get_the_logger_unless_they_name_one() -> None:
     assert isinstance(settings["logger"], OnceLog) and settings["bootstrap.servers"] == "b:1"
     mine = logging.getLogger("mine")
     assert client_logging({"logger": mine})["logger"] is mine
+
+
+def test_a_line_for_what_the_client_retries_itself_is_not_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ctrl-C on `consume` logged librdkafka's "Failed to acquire idempotence PID ...
+    retrying" as a WARNING on the happy path: it is said at INFO; other warnings stay."""
+    log = OnceLog(logging.getLogger("kvledger.kafka.calm"))
+    with caplog.at_level(logging.INFO, logger="kvledger.kafka.calm"):
+        log.log(logging.WARNING, "%s [%s] %s", "GETPID", "rdkafka#producer-3",
+                "Failed to acquire idempotence PID from broker TxnCoordinator/1: "
+                "Broker: Coordinator load in progress: retrying")  # fmt: skip
+        log.log(logging.WARNING, "%s [%s] %s", "REQTMOUT", "rdkafka#producer-3", "Timed out")
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.WARNING]

@@ -45,6 +45,8 @@ class Status:
     missing_topic: str | None = None
     # Why the lag could not be read (the broker did not answer), when it could not.
     broker_error: str | None = None
+    # Why the group reads as all behind: it never consumed the topic others did.
+    unknown_group: str | None = None
 
     @property
     def attention(self) -> list[str]:
@@ -62,6 +64,8 @@ class Status:
             out.append(self.missing_topic)
         if self.broker_error is not None:
             out.append(self.broker_error)
+        if self.unknown_group is not None:
+            out.append(self.unknown_group)
         return out + self.stalled
 
 
@@ -101,6 +105,26 @@ def gather(args: argparse.Namespace) -> Status:
     return status
 
 
+def _other_groups(conn: Any, group: str, topic: str) -> str | None:
+    """Why ``group`` reads as all behind ``topic`` when other groups have consumed it: it
+    stored no offsets there (a typo of --consumer-group); None when no group has (nothing
+    consumed yet)."""
+    found = [
+        str(g)
+        for (g,) in conn.execute(
+            "SELECT DISTINCT consumer_group FROM kvledger.consumer_offsets "
+            "WHERE kafka_topic = %s AND consumer_group NOT LIKE '%%:decisions' ORDER BY 1",
+            (topic,),
+        ).fetchall()
+    ]
+    if not found:
+        return None
+    return (
+        f"consumer group {group} has stored no offsets for {topic}: the index was fed by "
+        f"{', '.join(found[:10])} (pass --consumer-group)"
+    )
+
+
 def _lag(conn: Any, args: argparse.Namespace, status: Status) -> None:
     """How far the index consumer (and the decision recorder, when it has recorded any)
     is behind the log, and which of them is stalled: behind, with no offsets stored for
@@ -123,6 +147,8 @@ def _lag(conn: Any, args: argparse.Namespace, status: Status) -> None:
     readers: dict[tuple[str, str], dict[int, tuple[int, float]]] = {(group, args.topic): {}}
     for g, topic, partition, offset, age in rows:
         readers.setdefault((g, topic), {})[int(partition)] = (int(offset), float(age))
+    if not readers[(group, args.topic)]:
+        status.unknown_group = _other_groups(conn, group, args.topic)
     stalled_after = getattr(args, "stalled_after", None)
     for (g, topic), stored in readers.items():
         if g == group and topic != args.topic:

@@ -175,7 +175,8 @@ def test_decisions_are_recorded_once_and_the_funnel_equals_a_recount(
         )  # fmt: skip
         assert_recount(conn)
     # `kvledger status` says the last hour's funnel.
-    assert cli(["status", "--database-url", fresh_database, "--topic", topic]) == 0
+    assert cli(["status", "--database-url", fresh_database, "--topic", topic,
+                "--consumer-group", group_id]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "routing    7 decision(s) in the last hour: captured 89% of 35 blocks available" in out
     assert "delivered 25 " in out  # d1 5, d2 4, d3 3, d4 0, d5 5, d6 8 (the silent's unknown)

@@ -373,6 +373,12 @@ def test_status_shows_the_index_at_a_glance(
     assert cli(["status", *common]) == 1
     said = capsys.readouterr().out
     assert "rejected   1 pending (undecodable 1)" in said and "kvledger dlq list" in said
+    # A consumer group that never read the topic others did: a typo, named, not "behind".
+    typo = [*common[:-1], group + "-typo"]
+    assert cli(["status", *typo]) == 1
+    said = capsys.readouterr().out
+    assert f"consumer group {group}-typo has stored no offsets for {topic}" in said, said
+    assert f"fed by {group}" in said
     # A broker that does not answer: the index's summary still shows, and the broker is named.
     away = ["--database-url", fresh_database, "--bootstrap", f"127.0.0.1:{free_port()}"]
     assert cli(["status", *away]) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections import Counter
@@ -41,6 +42,16 @@ def parse_token_ids(text: str) -> list[int]:
         return [int(p) for p in parts]
     except ValueError as exc:
         raise SystemExit(f"kvledger: token ids must be integers ({exc})") from None
+
+
+class _ServerLines(logging.Filter):
+    """uvicorn logs its ordinary start-up and shutdown lines under ``uvicorn.error``: those
+    below a warning are the service's (``kvledger.serve``), not errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            record.name = "kvledger.serve"
+        return True
 
 
 def _check_port(host: str, port: int) -> None:
@@ -81,6 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("kvledger serve: --tls-cert and --tls-key go together")
     _check_port(args.host, args.port)  # before a router's bootstrap: seconds to minutes
+    logging.getLogger("uvicorn.error").addFilter(_ServerLines())
     server = {
         "host": args.host,
         "port": args.port,

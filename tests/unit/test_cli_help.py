@@ -375,3 +375,16 @@ def test_a_refused_connection_says_what_to_start(capsys: pytest.CaptureFixture[s
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "Connection refused" in said[0], said
     assert "`scripts/services up` starts a local one" in said[0], said
+
+
+def test_the_servers_ordinary_lines_are_not_named_errors() -> None:
+    """`serve` logged "Started server process" and the like under ``uvicorn.error``."""
+    import logging
+
+    from kvledger.lookup_cmds import _ServerLines
+
+    lines = _ServerLines()
+    started = logging.LogRecord("uvicorn.error", logging.INFO, "", 0, "Started", None, None)
+    failed = logging.LogRecord("uvicorn.error", logging.ERROR, "", 0, "[Errno 98]", None, None)
+    assert lines.filter(started) and started.name == "kvledger.serve"
+    assert lines.filter(failed) and failed.name == "uvicorn.error"

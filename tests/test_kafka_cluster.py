@@ -110,6 +110,15 @@ def _replicas(admin: AdminClient, topic: str) -> list[tuple[int, int]]:
     return [(len(p.replicas), len(p.isrs)) for p in meta.partitions.values()]
 
 
+def _settled(admin: AdminClient, topic: str, want: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``_replicas`` once it is ``want``, or as it stands after 30 s: a new topic's followers
+    join its in-sync set a moment after it is made (longer on a loaded machine)."""
+    deadline = time.monotonic() + 30
+    while (got := _replicas(admin, topic)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
 def _config(admin: AdminClient, kind: ConfigResource.Type, name: str) -> dict[str, str]:
     resource = ConfigResource(kind, name)
     entries = admin.describe_configs([resource])[resource].result(timeout=10)
@@ -118,16 +127,19 @@ def _config(admin: AdminClient, kind: ConfigResource.Type, name: str) -> dict[st
 
 def test_kvledger_topics_and_the_brokers_defaults_keep_three_copies(cluster: Cluster) -> None:
     admin = cluster.admin()
+    deadline = time.monotonic() + 30
+    while len(admin.list_topics(timeout=10).brokers) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # every node registered (a loaded machine takes a moment)
     assert len(admin.list_topics(timeout=10).brokers) == 3
     topic = _name("events")
     assert ensure_topic(admin, topic, 6)
-    assert _replicas(admin, topic) == [(3, 3)] * 6
+    assert _settled(admin, topic, [(3, 3)] * 6) == [(3, 3)] * 6
     assert _config(admin, ConfigResource.Type.TOPIC, topic)["min.insync.replicas"] == "2"
     # A topic made with the cluster's defaults (replication -1, as the dead-letter topic's):
     # three copies there too; and the brokers' own internal topics.
     other = _name("defaults")
     assert ensure_topic(admin, other, 2, replication_factor=-1, exact_partitions=False)
-    assert _replicas(admin, other) == [(3, 3)] * 2
+    assert _settled(admin, other, [(3, 3)] * 2) == [(3, 3)] * 2
     broker = _config(admin, ConfigResource.Type.BROKER, "1")
     assert {
         k: broker[k]

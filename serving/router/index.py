@@ -178,10 +178,11 @@ class RouterIndex(Tail, Lookups):
         while True:  # the lock held a slice at a time: lookups go on in between
             with self.lock, collector_paused():
                 step = next(slices, None)
+                if step is not None:  # counted with its slice: the store and count agree
+                    self.blocks_expired += step
             if step is None:
                 break
             dropped += step
-        self.blocks_expired += dropped
         metrics.ROUTER_BLOCKS_EXPIRED.inc(dropped)
         if dropped:
             logger.info(

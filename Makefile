@@ -10,7 +10,7 @@ SERVICES := scripts/services
 # then no local service is started.
 USE_EXTERNAL := $(and $(KVLEDGER_KAFKA_BOOTSTRAP),$(KVLEDGER_DATABASE_URL))
 
-.PHONY: relink lock venv services services-down demo test test-containers containers lint unit fuzz bench lab clean
+.PHONY: relink lock venv services services-down demo test test-containers containers lint unit fuzz bench lab fleet clean
 
 venv: $(VENV)/.installed
 
@@ -115,6 +115,20 @@ bench: services
 # turn, with faults; writes bench/results/lab-<date>.{json,md,png}. LAB_ARGS: --help lists them.
 lab: services
 	@$(with_env) $(PY) -m bench.lab $(LAB_ARGS)
+
+# A production trace (Mooncake's Kimi conversation trace, TRACE) through fleets of 10, 32 and
+# 128 simulated engines holding the same 30 M tokens, every router policy side by side, the
+# kvledger policies over the live pipeline; writes bench/results/fleet-<date>-e<N>.{json,md,png}
+# (about 12 minutes). FLEET_ARGS: more `kvledger replay` options for each run.
+TRACE ?= ../shared/traces/mooncake-conversation.jsonl
+FLEET_SCALES ?= 10:10 32:20 128:20
+fleet: services
+	@for scale in $(FLEET_SCALES); do \
+		n=$${scale%%:*}; speed=$${scale##*:}; \
+		$(with_env) $(VENV)/bin/kvledger replay $(TRACE) --engines $$n \
+			--tokens-per-engine $$((30000000 / n)) --speed $$speed \
+			--name fleet-$$(date +%F)-e$$n $(FLEET_ARGS) || exit $$?; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache rust/target

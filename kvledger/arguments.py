@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvledger.arguments_consumer import add_consumer
 from kvledger.arguments_relay import add_relay
+from kvledger.arguments_replay import add_replay
 from kvledger.consumer.config import DEFAULT_GROUP
 from kvledger.consumer.retention_policy import duration_arg, seconds_arg
 from kvledger.options import (
@@ -381,6 +382,7 @@ ADDERS = (
     add_sources,
     add_status,
     add_relay,
+    add_replay,
     add_republish,
     add_roles,
     add_completion,

@@ -11,6 +11,7 @@ The cluster: $KVLEDGER_KAFKA_CLUSTER_BOOTSTRAP (the ``env`` line of a running on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,13 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaException, Producer
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka import KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, OffsetSpec
 
+from kvledger.consumer.db import connect
 from kvledger.schemas.replication import warn_under_replicated
 from kvledger.schemas.topics import ensure_topic
+from tests.helpers.consuming import consumer_process, wait_caught_up
 from tests.helpers.kafka import consume_all
 from tests.helpers.procs import free_ports
+from tests.test_reliability import _assert_all_audited_and_verified, _producer_process
 
 pytestmark = pytest.mark.integration
 SERVICES = str(Path(__file__).resolve().parents[1] / "scripts" / "services")
@@ -255,3 +259,164 @@ def test_a_broker_away_and_a_lost_quorum_are_said_and_lose_nothing(cluster: Clus
     # Nothing acknowledged was lost.
     got = consume_all(cluster.bootstrap, topic, _name("group"), 30)
     assert sorted(int(m.value()) for m in got) == list(range(30))
+
+
+# ---------------------------------------------------------------- faults under load
+# A steady simulated fleet publishing through the producer library (the plugin's path:
+# idempotent, acks=all) and the consumer writing PostgreSQL run while brokers die and return;
+# after each test every message is audited exactly once, no source saw a gap or a duplicate,
+# and the index equals a rebuild from the log. Each fault is repeated three times.
+
+REPEATS = 3
+
+
+def _signal_node(cluster: Cluster, node: int, sig: int) -> float:
+    """Signal one node and wait until it has gone; the instant it went."""
+    assert cluster.state is not None
+    pid = int(next(cluster.state.glob(f"kafka-*-x3/node-{node}/kafka.pid")).read_text())
+    os.kill(pid, sig)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return time.monotonic()
+        time.sleep(0.1)
+    raise AssertionError(f"node {node} (pid {pid}) did not stop in 60 s")
+
+
+def _back(cluster: Cluster, topic: str) -> float:
+    """Start the missing node again and wait until every partition has three replicas in
+    sync; the seconds that took."""
+    started = time.monotonic()
+    cluster.services("up", "kafka")
+    want = [(3, 3)] * 6
+    assert _settled(cluster.admin(), topic, want) == want
+    return time.monotonic() - started
+
+
+def _busiest_leader(admin: AdminClient, topic: str) -> int:
+    """The node leading the partition with the most records."""
+    deadline = time.monotonic() + 60
+    while True:  # a leader just moved: a stale epoch is refused until the metadata catches up
+        partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
+        ask = {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions}
+        try:
+            ends = {tp.partition: f.result().offset for tp, f in admin.list_offsets(ask).items()}
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
+        busiest = max(ends, key=ends.__getitem__)
+        return int(partitions[busiest].leader)
+
+
+def _coordinator(cluster: Cluster, group: str) -> int:
+    """The node coordinating ``group``, asked again by a fresh client while a move is under
+    way (a client keeps asking the coordinator it found first)."""
+    deadline = time.monotonic() + 60
+    while True:
+        admin = cluster.admin()
+        try:
+            described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+            return int(described.coordinator.id)
+        except KafkaException as exc:
+            print(f"coordinator of {group}: {exc}", file=sys.stderr)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _active_controller(cluster: Cluster) -> int:
+    """The quorum's leader, as the nodes' own quorum-state files say (the newest epoch)."""
+    assert cluster.state is not None
+    best = (-1, -1)
+    for path in cluster.state.glob("kafka-*-x3/node-*/data/__cluster_metadata-0/quorum-state"):
+        state = json.loads(path.read_text())
+        if state.get("leaderId", -1) >= 0:
+            best = max(best, (int(state.get("leaderEpoch", 0)), int(state["leaderId"])))
+    assert best[1] > 0, "no node names a quorum leader"
+    return best[1]
+
+
+@pytest.fixture
+def loaded(cluster: Cluster, fresh_database: str) -> Iterator[tuple[str, str, str]]:
+    """(topic, database, group) with the fleet publishing and the consumer running; after
+    the test body: both finished, and everything checked."""
+    if cluster.env is None:
+        pytest.skip(f"stops brokers: only on a cluster of the test's own ({ENV}=start)")
+    cluster.services("up", "kafka")  # every node (an earlier test stops some)
+    admin = cluster.admin()
+    topic, group = _name("faults"), _name("group")
+    ensure_topic(admin, topic, 6)
+    producer = _producer_process(cluster.bootstrap, topic, requests=500, rate=700)
+    consumer = consumer_process(cluster.bootstrap, fresh_database, topic, group, False)
+    try:
+        time.sleep(3)  # steady
+        yield topic, fresh_database, group
+        out, _ = producer.communicate(timeout=600)
+        assert producer.returncode == 0, out
+        line = next(ln for ln in out.splitlines() if ln.startswith("messages:"))
+        produced, acked = int(line.split()[1]), int(line.split()[3])
+        assert produced == acked
+        started = time.monotonic()
+        wait_caught_up(cluster.bootstrap, fresh_database, topic, group, timeout=300)
+        print(f"caught up {time.monotonic() - started:.1f} s after the fleet", file=sys.stderr)
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(timeout=60) == 0
+        with connect(fresh_database, autocommit=True) as conn:
+            health = conn.execute(
+                "SELECT sum(gap_count), sum(duplicates) FROM kvledger.source_health"
+            ).fetchone()
+        assert health == (0, 0)  # no sequence gaps, nothing written twice
+        _assert_all_audited_and_verified(cluster.bootstrap, fresh_database, topic, group, produced)
+    finally:
+        for proc in (producer, consumer):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        admin.delete_topics([topic, f"{topic}.dlq"])
+
+
+def test_the_busiest_leader_killed_and_back_loses_and_repeats_nothing(
+    cluster: Cluster, loaded: tuple[str, str, str]
+) -> None:
+    topic = loaded[0]
+    for _ in range(REPEATS):
+        node = _busiest_leader(cluster.admin(), topic)
+        _signal_node(cluster, node, signal.SIGKILL)
+        time.sleep(2)  # the fleet and the consumer go on with two
+        print(f"leader {node} back in sync in {_back(cluster, topic):.1f} s", file=sys.stderr)
+
+
+def test_the_active_controller_killed_and_back(
+    cluster: Cluster, loaded: tuple[str, str, str]
+) -> None:
+    topic = loaded[0]
+    for _ in range(REPEATS):
+        node = _active_controller(cluster)
+        _signal_node(cluster, node, signal.SIGKILL)
+        time.sleep(2)
+        print(f"controller {node} back in sync in {_back(cluster, topic):.1f} s", file=sys.stderr)
+
+
+def test_a_rolling_restart_of_every_broker(cluster: Cluster, loaded: tuple[str, str, str]) -> None:
+    topic = loaded[0]
+    for _ in range(REPEATS):
+        for node in (1, 2, 3):
+            _signal_node(cluster, node, signal.SIGTERM)
+            print(f"node {node} restarted in {_back(cluster, topic):.1f} s", file=sys.stderr)
+
+
+def test_the_consumer_groups_coordinator_killed_while_it_commits(
+    cluster: Cluster, loaded: tuple[str, str, str]
+) -> None:
+    """A broker's loss moves the group's coordinator: the consumer rejoins (its offsets are
+    in PostgreSQL's transaction, so nothing is applied twice)."""
+    topic, _, group = loaded
+    for _ in range(REPEATS):
+        node = _coordinator(cluster, group)
+        _signal_node(cluster, node, signal.SIGKILL)
+        time.sleep(3)
+        print(f"coordinator {node} back in {_back(cluster, topic):.1f} s", file=sys.stderr)

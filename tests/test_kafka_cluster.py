@@ -27,13 +27,12 @@ import pytest
 from confluent_kafka import KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, OffsetSpec
 
-from kvledger.consumer.db import connect
 from kvledger.schemas.replication import warn_under_replicated
 from kvledger.schemas.topics import ensure_topic
-from tests.helpers.consuming import consumer_process, wait_caught_up
+from tests.helpers.consuming import consumer_process
+from tests.helpers.exactly_once import assert_exactly_once, producer_process
 from tests.helpers.kafka import consume_all
 from tests.helpers.procs import free_ports
-from tests.test_reliability import _assert_all_audited_and_verified, _producer_process
 
 pytestmark = pytest.mark.integration
 SERVICES = str(Path(__file__).resolve().parents[1] / "scripts" / "services")
@@ -350,27 +349,15 @@ def loaded(cluster: Cluster, fresh_database: str) -> Iterator[tuple[str, str, st
     admin = cluster.admin()
     topic, group = _name("faults"), _name("group")
     ensure_topic(admin, topic, 6)
-    producer = _producer_process(cluster.bootstrap, topic, requests=500, rate=700)
+    producer = producer_process(cluster.bootstrap, topic, requests=500, rate=700)
     consumer = consumer_process(cluster.bootstrap, fresh_database, topic, group, False)
     try:
         time.sleep(3)  # steady
         yield topic, fresh_database, group
-        out, _ = producer.communicate(timeout=600)
-        assert producer.returncode == 0, out
-        line = next(ln for ln in out.splitlines() if ln.startswith("messages:"))
-        produced, acked = int(line.split()[1]), int(line.split()[3])
-        assert produced == acked
-        started = time.monotonic()
-        wait_caught_up(cluster.bootstrap, fresh_database, topic, group, timeout=300)
-        print(f"caught up {time.monotonic() - started:.1f} s after the fleet", file=sys.stderr)
-        consumer.send_signal(signal.SIGTERM)
-        assert consumer.wait(timeout=60) == 0
-        with connect(fresh_database, autocommit=True) as conn:
-            health = conn.execute(
-                "SELECT sum(gap_count), sum(duplicates) FROM kvledger.source_health"
-            ).fetchone()
-        assert health == (0, 0)  # no sequence gaps, nothing written twice
-        _assert_all_audited_and_verified(cluster.bootstrap, fresh_database, topic, group, produced)
+        caught_up = assert_exactly_once(
+            cluster.bootstrap, fresh_database, topic, group, producer, consumer, 600
+        )
+        print(f"caught up {caught_up:.1f} s after the fleet", file=sys.stderr)
     finally:
         for proc in (producer, consumer):
             if proc.poll() is None:

@@ -9,7 +9,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,59 +19,29 @@ from confluent_kafka.admin import AdminClient
 
 from kvledger.cli import main as cli
 from kvledger.consumer.db import connect, migrate
-from kvledger.consumer.verify import verify
 from kvledger.schemas.codec import SINGLE_OBJECT_MAGIC, Codec
 from kvledger.schemas.events import BlockRemoved, BlockStored, Envelope, GroupSpec
 from kvledger.schemas.topics import ensure_topic
 from tests.helpers.consuming import consume, consumer_process, wait_caught_up
+from tests.helpers.exactly_once import (
+    assert_all_audited_and_verified,
+    assert_exactly_once,
+    produced,
+    producer_process,
+)
 from tests.helpers.kafka import private_kafka
-from tests.helpers.procs import free_port, spawn
+from tests.helpers.procs import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = str(ROOT / "scripts" / "services")
 
 
-def _producer_process(
-    bootstrap: str, topic: str, requests: int, rate: int, seed: int = 4
-) -> subprocess.Popen[str]:
-    return spawn(
-        [sys.executable, "-m", "kvledger.cli", "simulate", "--bootstrap", bootstrap,
-         "--topic", topic, "--partitions", "6", "--instances", "3", "--requests", str(requests),
-         "--rate", str(rate), "--seed", str(seed), "--misconfigured-source"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-
-
-def _produced(proc: subprocess.Popen[str]) -> int:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    line = next(ln for ln in out.splitlines() if ln.startswith("messages:"))
-    produced, acked = int(line.split()[1]), int(line.split()[3])
-    assert produced == acked
-    return produced
-
-
-def _assert_verified(bootstrap: str, db: str, topic: str, group: str) -> None:
-    result = verify(bootstrap, db, topic, group)
-    assert result.ok, [(d.table, d.only_live[:2], d.only_rebuilt[:2]) for d in result.differences]
-
-
-def _assert_all_audited_and_verified(
-    bootstrap: str, db: str, topic: str, group: str, produced: int
-) -> None:
-    """One audit row per produced message, and the index equals a rebuild from the topic."""
-    with connect(db, autocommit=True) as conn:
-        (events,) = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
-    assert events == produced
-    _assert_verified(bootstrap, db, topic, group)
-
-
 def test_verify_detects_tampering_and_rebuild_repairs(
     kafka_bootstrap, fresh_database, make_topic, group_id, capsys
 ) -> None:
     topic = make_topic("verify", partitions=6)
-    assert _produced(_producer_process(kafka_bootstrap, topic, 60, 100000)) > 0
+    assert produced(producer_process(kafka_bootstrap, topic, 60, 100000)) > 0
     consume(kafka_bootstrap, fresh_database, topic, group_id)
     args = [
         "--bootstrap",
@@ -109,7 +78,7 @@ def test_verify_detects_tampering_and_rebuild_repairs(
     # Fed from a second topic too, the index cannot equal a rebuild from one: and verify
     # says why (it used to fail with no hint, issue 48's item 17).
     other = make_topic("verify-other", partitions=6)
-    assert _produced(_producer_process(kafka_bootstrap, other, 5, 100000)) > 0
+    assert produced(producer_process(kafka_bootstrap, other, 5, 100000)) > 0
     consume(kafka_bootstrap, fresh_database, other, group_id)
     assert cli(["verify", *args]) == 1
     assert f"the index was also fed from {other} " in capsys.readouterr().out
@@ -140,35 +109,35 @@ def test_twenty_kills_under_steady_load(
     kafka_bootstrap, fresh_database, make_topic, group_id
 ) -> None:
     topic = make_topic("kill20", partitions=6)
-    producer = _producer_process(kafka_bootstrap, topic, requests=400, rate=1000)
+    producer = producer_process(kafka_bootstrap, topic, requests=400, rate=1000)
     rng = random.Random(77)
     for _ in range(20):
         proc = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False, "k1")
         time.sleep(rng.uniform(0.5, 2.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    produced = _produced(producer)
+    count = produced(producer)
     final = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, True, "k1")
     assert final.wait(timeout=300) == 0
-    _assert_all_audited_and_verified(kafka_bootstrap, fresh_database, topic, group_id, produced)
+    assert_all_audited_and_verified(kafka_bootstrap, fresh_database, topic, group_id, count)
 
 
 def test_consumers_rebalancing_repeatedly(
     kafka_bootstrap, fresh_database, make_topic, group_id
 ) -> None:
     topic = make_topic("churn", partitions=6)
-    producer = _producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
+    producer = producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
     steady = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
     for _ in range(4):
         extra = consumer_process(kafka_bootstrap, fresh_database, topic, group_id, False)
         time.sleep(2.5)
         extra.send_signal(signal.SIGTERM)
         assert extra.wait(timeout=60) == 0
-    produced = _produced(producer)
+    count = produced(producer)
     wait_caught_up(kafka_bootstrap, fresh_database, topic, group_id)
     steady.send_signal(signal.SIGTERM)
     assert steady.wait(timeout=60) == 0
-    _assert_all_audited_and_verified(kafka_bootstrap, fresh_database, topic, group_id, produced)
+    assert_all_audited_and_verified(kafka_bootstrap, fresh_database, topic, group_id, count)
 
 
 def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, group_id) -> None:
@@ -177,21 +146,13 @@ def test_broker_restart_producer_blocks_and_resumes(fresh_database, tmp_path, gr
         topic = "kv-events"
         ensure_topic(AdminClient({"bootstrap.servers": bootstrap}), topic, 6)
         consumer = consumer_process(bootstrap, fresh_database, topic, group_id, False, "b1")
-        producer = _producer_process(bootstrap, topic, requests=250, rate=1000)
+        producer = producer_process(bootstrap, topic, requests=250, rate=1000)
         time.sleep(4)
         broker.stop()
         time.sleep(3)
         broker.start()
-        produced = _produced(producer)  # close() succeeded: everything was acknowledged
-        wait_caught_up(bootstrap, fresh_database, topic, group_id, timeout=180)
-        consumer.send_signal(signal.SIGTERM)
-        assert consumer.wait(timeout=60) == 0
-        with connect(fresh_database, autocommit=True) as conn:
-            gaps = conn.execute(
-                "SELECT sum(gap_count), sum(duplicates) FROM kvledger.source_health"
-            ).fetchone()
-        assert gaps == (0, 0)  # no sequence gaps, nothing written twice
-        _assert_all_audited_and_verified(bootstrap, fresh_database, topic, group_id, produced)
+        # The fleet's close() succeeds (everything acknowledged), and nothing is lost or twice.
+        assert_exactly_once(bootstrap, fresh_database, topic, group_id, producer, consumer, 180)
 
 
 def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id) -> None:
@@ -208,17 +169,17 @@ def test_postgres_restart_consumer_retries(kafka_bootstrap, make_topic, group_id
     try:
         migrate(db)
         topic = make_topic("pgrestart", partitions=6)
-        producer = _producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
+        producer = producer_process(kafka_bootstrap, topic, requests=250, rate=1000)
         consumer = consumer_process(kafka_bootstrap, db, topic, group_id, False, "p1")
         time.sleep(5)
         subprocess.run([SERVICES, "down", "postgres"], env=env, check=True)
         time.sleep(3)
         subprocess.run([SERVICES, "up", "postgres"], env=env, check=True)
-        produced = _produced(producer)
+        count = produced(producer)
         wait_caught_up(kafka_bootstrap, db, topic, group_id, timeout=180)
         consumer.send_signal(signal.SIGTERM)
         assert consumer.wait(timeout=60) == 0
-        _assert_all_audited_and_verified(kafka_bootstrap, db, topic, group_id, produced)
+        assert_all_audited_and_verified(kafka_bootstrap, db, topic, group_id, count)
     finally:
         subprocess.run([SERVICES, "down", "postgres"], env=env, check=False)
         shutil.rmtree(state, ignore_errors=True)

@@ -212,27 +212,6 @@ def _ttft_choice(
     return best, prefill
 
 
-class MooncakeLocal(_Routed):
-    """The paper's scheduler over local caches: the instance of the lowest estimated TTFT
-    (its queue, exactly, plus the prefill of what its own cache lacks), every instance's
-    cache known as released."""
-
-    name = "mooncake_local"
-
-    def __init__(self, fleet: Fleet, known: KnownState) -> None:
-        self.fleet, self.known = fleet, known
-
-    def choose(self, request: Request, ids: tuple[int, ...], now: float) -> int:
-        engines = self.fleet.engines
-        chosen, _ = _ttft_choice(
-            self.fleet,
-            request,
-            lambda e: engines[e].queued_s(now),
-            lambda e: self.known.hit(e, ids),
-        )
-        return chosen
-
-
 class Oracle(_Routed):
     """Perfect, instant knowledge: each engine's cache as its queue will leave it and its
     queue exactly; the lowest true TTFT."""
@@ -242,15 +221,30 @@ class Oracle(_Routed):
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
+    def hit(self, engine: int, ids: tuple[int, ...]) -> tuple[int, int]:
+        return self.fleet.engines[engine].hit(ids)
+
     def choose(self, request: Request, ids: tuple[int, ...], now: float) -> int:
         engines = self.fleet.engines
         chosen, _ = _ttft_choice(
-            self.fleet,
-            request,
-            lambda e: engines[e].queued_s(now),
-            lambda e: engines[e].hit(ids),
+            self.fleet, request, lambda e: engines[e].queued_s(now), lambda e: self.hit(e, ids)
         )
         return chosen
+
+
+class MooncakeLocal(Oracle):
+    """The paper's scheduler over local caches: the instance of the lowest estimated TTFT
+    (its queue, exactly, plus the prefill of what its own cache lacks), every instance's
+    cache known as released."""
+
+    name = "mooncake_local"
+
+    def __init__(self, fleet: Fleet, known: KnownState) -> None:
+        super().__init__(fleet)
+        self.known = known
+
+    def hit(self, engine: int, ids: tuple[int, ...]) -> tuple[int, int]:
+        return self.known.hit(engine, ids)
 
 
 class KvledgerPolicy(_Routed):

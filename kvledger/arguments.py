@@ -114,9 +114,8 @@ def add_lookup(subparsers: Subparsers) -> None:
     p.add_argument(
         "--dynamo-api",
         action="store_true",
-        help="also serve NVIDIA Dynamo's KV-indexer API (/query, /query_by_hash, /dump, "
-        "/workers, /register, /unregister) for Dynamo's routers, from an in-memory router "
-        "index (the --memory one; without --memory, one of its own beside SQL)",
+        help="also serve NVIDIA Dynamo's KV-indexer API (/query, /dump, /workers, ...) from "
+        "an in-memory router index (--memory's, else one of its own beside SQL)",
     )
     bootstrap_arg(p, "with --memory or --dynamo-api: ")
     add_kafka_args(p)
@@ -174,9 +173,8 @@ def add_lookup(subparsers: Subparsers) -> None:
         type=seconds_arg,
         default=5.0,
         metavar="S",
-        help="with --memory: how long (5, 2s) an instance a router reported sending a "
-        "prompt to (POST /v1/decisions) is answered as a provisional holder of it, unless "
-        "its engine's events show the blocks first (default 5 s)",
+        help="with --memory: how long (5, 2s) an engine a router reported sending a prompt "
+        "to (POST /v1/decisions) is answered as its provisional holder (default 5 s)",
     )
     p.add_argument(
         "--decisions-topic",
@@ -229,14 +227,14 @@ def add_republish(subparsers: Subparsers) -> None:
         "republish",
         "republish each engine's events, as the index holds them, on vLLM's ZMQ sockets",
         description=(
-            "Follow the index (bootstrapped from the database, then the topic) and publish "
-            "each source's events in vLLM's own ZMQ protocol, so that a router made for vLLM's "
-            "stream (vllm-router's kv_aware, Dynamo's indexer, llm-d) needs only a new "
-            "address: a PUB socket and a replay ROUTER per source (--source), and one PUB "
-            "for all with topics kv@<source>@<model> (--mux-port). What the index corrects is "
-            "said too: an engine restart ends the tiers that died with it, a recorded loss "
-            "clears what the index cleared, a source silent past --silent-after is cleared "
-            "(and restated when it speaks again), a rejected event is not republished. A new "
+            "Follow the index (bootstrapped from the database, then the topic). Publish each "
+            "source's events in vLLM's own ZMQ protocol, so a router made for vLLM's stream "
+            "(vllm-router's kv_aware, Dynamo's indexer, llm-d) needs only a new address. "
+            "Each source gets a PUB socket and a replay ROUTER (--source); one PUB serves all "
+            "with topics kv@<source>@<model> (--mux-port). What the index corrects is said "
+            "too. An engine restart ends the tiers that died with it. A recorded loss clears "
+            "what the index cleared. A source silent past --silent-after is cleared, and "
+            "restated when it speaks again. A rejected event is not republished. A new "
             "subscriber, and a replay older than what is retained, get the source's holdings "
             "first. docs/routers.md (kvledger republish) has the details."
         ),

@@ -50,9 +50,8 @@ def add_consumer(subparsers: Subparsers) -> None:  # noqa: PLR0915 - one stateme
         "--partition-interval",
         type=duration_arg,
         metavar="D",
-        help="the time span of each history and audit partition (90s, 10m, 1d; a new index "
-        "starts at 1d); applies from now where the partitions made so far are empty, else "
-        "from the end of the newest one in use",
+        help="the time span of each history and audit partition (90s, 10m, 1d; a new "
+        "index starts at 1d); it applies after the newest partition in use",
     )
     p.set_defaults(run=command("consumer_cmds:migrate_cmd"))
 

@@ -96,9 +96,8 @@ def add_relay(subparsers: Subparsers) -> None:
         "--report-mode",
         choices=("incremental", "full"),
         default="incremental",
-        help='full: the engine serves requests with vLLM\'s kv_cache_report_mode="full", '
-        "which announce the blocks they reuse as stores; the index takes a store of a block "
-        "the engine already holds as that report, not a second copy (needs --group)",
+        help='full: the engine runs with vLLM\'s kv_cache_report_mode="full", so a store '
+        "of a block it already holds is a reuse report, not a second copy (needs --group)",
     )
     metrics_args(p)
     p.add_argument(
@@ -112,15 +111,13 @@ def add_relay(subparsers: Subparsers) -> None:
         default=None,
         metavar="URL",
         help="the engine's HTTP health route (vLLM: http://HOST:PORT/health): the engine is "
-        "said to be there (start-up, a new life, heartbeats) only once it answers 200, so a "
-        "starting engine is not routed to before it serves; without it, the replay socket decides",
+        "said to be there only once it answers 200 (without it, its replay socket decides)",
     )
     p.add_argument(
         "--engine-metrics-url",
         default=None,
         metavar="URL",
         help="the engine's Prometheus route (vLLM: http://HOST:PORT/metrics): its requests "
-        "running and waiting are read every heartbeat interval and sent in heartbeats, busy "
-        "or idle, so lookups answer each engine's load (vLLM engines only)",
+        "running and waiting go out in every heartbeat, for lookups of load (vLLM only)",
     )
     p.set_defaults(run=command("relay_cmd:run"))

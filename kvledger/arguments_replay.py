@@ -33,13 +33,13 @@ def add_replay(subparsers: Subparsers) -> None:
         "replay a request trace through fleets of simulated engines, every router policy "
         "side by side",
         description=(
-            "Read a trace of Mooncake's shape (JSON lines of timestamp in ms, input_length, "
-            "output_length and hash_ids, one id per block of --block-tokens prompt tokens), "
-            "check it whole, then replay it against one fleet of simulated vLLM engines (a GPU "
-            "prefix cache and a CPU offload tier each, with a prefill time model) per router "
-            "policy, on the same requests at the same instants. The kvledger policies route "
-            "from kvledger's router index, which learns from the engines' events through Kafka "
-            "only. Writes fleet-<date>.json, .md and .png to --out."
+            "Read a trace of Mooncake's shape: JSON lines of timestamp (ms), input_length, "
+            "output_length and hash_ids (one id per block of --block-tokens prompt tokens). "
+            "Check it whole, then replay it against one fleet of simulated vLLM engines per "
+            "router policy, all on the same requests at the same instants. Each engine has a "
+            "GPU prefix cache, a CPU offload tier and a prefill time model. The kvledger "
+            "policies route from kvledger's router index, which learns from the engines' "
+            "events through Kafka only. Writes fleet-<date>.json, .md and .png to --out."
         ),
     )
     p.add_argument(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ["docs/getting-started.md", "docs/reference.md"]
+PAGES = ["README.md", "docs/getting-started.md", "docs/reference.md"]
 MAX_SENTENCE, MAX_CELL = 40, 30
 _SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z`(\[*])")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -247,13 +248,23 @@ class MooncakeLocal(Oracle):
         return self.known.hit(engine, ids)
 
 
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A request the router sent: when, when its first token comes back (the router hears
+    of it then, not before), and the prefill it estimated."""
+
+    sent: float
+    first_token: float
+    estimate_s: float
+
+
 class KvledgerPolicy(_Routed):
     """kvledger's router index (learning from Kafka only): the engine of the lowest
     estimated TTFT from its holders (GPU holders alone, or both tiers with the load cost of
-    CPU blocks) and the router's own estimate of each engine's queue (what it sent and has
-    not seen answered). ``tiered`` also holds its own decisions as provisional holders
-    (kvledger's :class:`Provisional`, for ``provisional_s`` of trace time) until the
-    engines' events show them."""
+    CPU blocks) and the router's own model of each engine's queue (:meth:`queued_s`).
+    ``tiered`` also holds its own decisions as provisional holders (kvledger's
+    :class:`Provisional`, for ``provisional_s`` of trace time) until the engines' events
+    show them."""
 
     def __init__(  # noqa: PLR0913 - the policy's parts, each named by its caller
         self,
@@ -270,7 +281,8 @@ class KvledgerPolicy(_Routed):
         self.names = list(names)
         self.engine_of = {name: i for i, name in enumerate(names)}
         self.provisional = Provisional(provisional_s, clock=clock) if tiered else None
-        self._estimates: list[list[tuple[float, float]]] = [[] for _ in names]
+        self._sent: list[deque[_Sent]] = [deque() for _ in names]
+        self._last_answer = [0.0] * len(names)
         self.estimate_s = 0.0  # the prefill estimated for the last request routed
 
     def holdings(self, ids: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -296,11 +308,19 @@ class KvledgerPolicy(_Routed):
         return [(g, max(0, c - g)) for g, c in zip(gpu, cpu_run, strict=True)]
 
     def queued_s(self, engine: int, now: float) -> float:
-        """The router's own estimate: prefill seconds it sent ``engine`` and has not seen
-        answered (each request's estimate as it was routed)."""
-        pending = [(at, s) for at, s in self._estimates[engine] if at > now]
-        self._estimates[engine] = pending
-        return sum(s for _, s in pending)
+        """The router's own model of the engine's queue, first come first served: what it
+        sent and has not seen answered, each at its estimated prefill; the one at the head
+        began when the answer before it came (or when it was sent, to an idle engine)."""
+        queue = self._sent[engine]
+        while queue and queue[0].first_token <= now:  # answered: the router has seen it
+            self._last_answer[engine] = queue.popleft().first_token
+        if not queue:
+            return 0.0
+        head = queue[0]
+        began = max(head.sent, self._last_answer[engine])
+        return max(0.0, head.estimate_s - (now - began)) + sum(
+            sent.estimate_s for sent in itertools.islice(queue, 1, None)
+        )
 
     def choose(self, request: Request, ids: tuple[int, ...], now: float) -> int:
         held = self.holdings(ids)
@@ -317,4 +337,4 @@ class KvledgerPolicy(_Routed):
 
     def answered(self, engine: int, served: Served) -> None:
         """Until its first token, the request's estimate counts in the engine's queue."""
-        self._estimates[engine].append((served.first_token, self.estimate_s))
+        self._sent[engine].append(_Sent(served.arrived, served.first_token, self.estimate_s))

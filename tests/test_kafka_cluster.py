@@ -59,19 +59,20 @@ class Cluster:
             check=check,
         )
 
-    def stop_node(self, node: int) -> None:
-        """Stop one node as an operator would (SIGTERM), and wait until it has gone."""
+    def stop_node(self, node: int, sig: int = signal.SIGTERM) -> None:
+        """Stop one node (SIGTERM: as an operator would; SIGKILL: a crash), and wait until it
+        has gone."""
         assert self.state is not None
         pidfile = next(self.state.glob(f"kafka-*-x3/node-{node}/kafka.pid"))
         pid = int(pidfile.read_text())
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return
-            time.sleep(0.2)
+            time.sleep(0.1)
         raise AssertionError(f"node {node} (pid {pid}) did not stop in 60 s")
 
 
@@ -269,21 +270,6 @@ def test_a_broker_away_and_a_lost_quorum_are_said_and_lose_nothing(cluster: Clus
 REPEATS = 3
 
 
-def _signal_node(cluster: Cluster, node: int, sig: int) -> float:
-    """Signal one node and wait until it has gone; the instant it went."""
-    assert cluster.state is not None
-    pid = int(next(cluster.state.glob(f"kafka-*-x3/node-{node}/kafka.pid")).read_text())
-    os.kill(pid, sig)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return time.monotonic()
-        time.sleep(0.1)
-    raise AssertionError(f"node {node} (pid {pid}) did not stop in 60 s")
-
-
 def _back(cluster: Cluster, topic: str) -> float:
     """Start the missing node again and wait until every partition has three replicas in
     sync; the seconds that took."""
@@ -372,7 +358,7 @@ def test_the_busiest_leader_killed_and_back_loses_and_repeats_nothing(
     topic = loaded[0]
     for _ in range(REPEATS):
         node = _busiest_leader(cluster.admin(), topic)
-        _signal_node(cluster, node, signal.SIGKILL)
+        cluster.stop_node(node, signal.SIGKILL)
         time.sleep(2)  # the fleet and the consumer go on with two
         print(f"leader {node} back in sync in {_back(cluster, topic):.1f} s", file=sys.stderr)
 
@@ -383,7 +369,7 @@ def test_the_active_controller_killed_and_back(
     topic = loaded[0]
     for _ in range(REPEATS):
         node = _active_controller(cluster)
-        _signal_node(cluster, node, signal.SIGKILL)
+        cluster.stop_node(node, signal.SIGKILL)
         time.sleep(2)
         print(f"controller {node} back in sync in {_back(cluster, topic):.1f} s", file=sys.stderr)
 
@@ -392,7 +378,7 @@ def test_a_rolling_restart_of_every_broker(cluster: Cluster, loaded: tuple[str, 
     topic = loaded[0]
     for _ in range(REPEATS):
         for node in (1, 2, 3):
-            _signal_node(cluster, node, signal.SIGTERM)
+            cluster.stop_node(node, signal.SIGTERM)
             print(f"node {node} restarted in {_back(cluster, topic):.1f} s", file=sys.stderr)
 
 
@@ -404,6 +390,6 @@ def test_the_consumer_groups_coordinator_killed_while_it_commits(
     topic, _, group = loaded
     for _ in range(REPEATS):
         node = _coordinator(cluster, group)
-        _signal_node(cluster, node, signal.SIGKILL)
+        cluster.stop_node(node, signal.SIGKILL)
         time.sleep(3)
         print(f"coordinator {node} back in {_back(cluster, topic):.1f} s", file=sys.stderr)

@@ -26,6 +26,7 @@ decode is not modelled (Mooncake's prefill pool hands decoding to other nodes).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass
 
 GPU, CPU = "GPU", "CPU"
@@ -49,6 +50,26 @@ class TimeModel:
 
     def prefill_s(self, computed_tokens: int, loaded_blocks: int) -> float:
         return computed_tokens * self.prefill_s_per_token + loaded_blocks * self.load_s_per_block
+
+
+def held_run(ids: tuple[int, ...], held: Container[int], start: int = 0) -> int:
+    """How far the run of ``ids`` from ``start`` that ``held`` holds goes (an index into
+    ``ids``): a prefix match on one tier."""
+    n = start
+    while n < len(ids) and ids[n] in held:
+        n += 1
+    return n
+
+
+def engine_hash(block: int) -> int:
+    """The engine's int hash of a trace block id (vLLM's wire form; never 0): what its
+    events carry, and what Dynamo's tree and kvledger's index are asked by."""
+    return block + 1
+
+
+def hash_key(block: int) -> bytes:
+    """The index's key of a trace block id (the int hash's 8 big-endian bytes)."""
+    return engine_hash(block).to_bytes(8, "big")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +121,7 @@ class Tier:
 
     def prefix(self, ids: tuple[int, ...], start: int = 0) -> int:
         """How far the run of held ids from ``start`` goes (an index into ``ids``)."""
-        n, blocks = start, self.blocks
-        while n < len(ids) and ids[n] in blocks:
-            n += 1
-        return n
+        return held_run(ids, self.blocks, start)
 
     def keep(self, ids: tuple[int, ...]) -> list[Change]:
         """Touch or store every id (the chain's head most recent), then evict past the

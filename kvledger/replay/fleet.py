@@ -17,7 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvledger.replay.engines import CPU, GPU, Change, Engine, Served, Tier, TimeModel, cached_split
+from kvledger.replay.engines import (
+    CPU,
+    GPU,
+    Change,
+    Engine,
+    Served,
+    Tier,
+    TimeModel,
+    cached_split,
+    engine_hash,
+    held_run,
+)
 
 
 class ChangeSink(Protocol):
@@ -134,14 +145,9 @@ class KnownState:
 
     def hit(self, engine: int, ids: tuple[int, ...]) -> tuple[int, int]:
         """(leading blocks on the GPU, blocks after them on the CPU), as known."""
-        gpu, cpu = self.held[engine][GPU], self.held[engine][CPU]
-        g = 0
-        while g < len(ids) and ids[g] in gpu:
-            g += 1
-        c = g
-        while c < len(ids) and ids[c] in cpu:
-            c += 1
-        return g, c - g
+        tiers = self.held[engine]
+        g = held_run(ids, tiers[GPU])
+        return g, held_run(ids, tiers[CPU], g) - g
 
 
 class DynamoSink:
@@ -161,15 +167,18 @@ class DynamoSink:
                 continue
             self._event_id += 1
             if change.stored:
-                blocks = [{"block_hash": h + 1, "tokens_hash": h + 1} for h in change.ids]
-                parent = change.parent + 1 if change.parent is not None else None
+                blocks = [
+                    {"block_hash": engine_hash(h), "tokens_hash": engine_hash(h)}
+                    for h in change.ids
+                ]
+                parent = engine_hash(change.parent) if change.parent is not None else None
                 data: dict[str, Any] = {"stored": {"parent_hash": parent, "blocks": blocks}}
             else:
-                data = {"removed": {"block_hashes": [h + 1 for h in change.ids]}}
+                data = {"removed": {"block_hashes": [engine_hash(h) for h in change.ids]}}
             event = {"event_id": self._event_id, "data": data}
             self.tree.apply_event(engine, json.dumps(event).encode())
 
     def overlaps(self, ids: tuple[int, ...]) -> dict[int, int]:
         """Leading blocks each engine holds on its GPU, as Dynamo's tree answers."""
-        scores = self.tree.find_matches([h + 1 for h in ids]).scores
+        scores = self.tree.find_matches([engine_hash(h) for h in ids]).scores
         return {worker: n for (worker, _rank), n in scores.items()}

@@ -21,7 +21,7 @@ from kvledger.consumer.core.model import GroupKey
 from kvledger.consumer.inbound import Inbound
 from kvledger.producer.config import PublisherConfig
 from kvledger.producer.publisher import KVEventPublisher
-from kvledger.replay.engines import CPU, GPU, Change
+from kvledger.replay.engines import CPU, GPU, Change, hash_key
 from kvledger.schemas.events import BlockRemoved, BlockStored, GroupSpec, Heartbeat, KVEvent
 from kvledger.schemas.kafka_log import client_logging
 from kvledger.schemas.topics import ensure_topic, partition_offsets
@@ -38,16 +38,6 @@ class _Batch:
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None
-
-
-def engine_hash(block: int) -> int:
-    """The engine's int hash of a trace block id (vLLM's wire form; never 0)."""
-    return block + 1
-
-
-def hash_key(block: int) -> bytes:
-    """The index's key of a trace block id (the int hash's 8 big-endian bytes)."""
-    return engine_hash(block).to_bytes(8, "big")
 
 
 class KafkaFleetSink:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvledger.replay.engines import Served, Tier, cached_split
+from kvledger.replay.engines import Served, Tier, cached_split, engine_hash, hash_key
 from kvledger.replay.fleet import DynamoSink, Fleet, KnownState
 from kvledger.replay.trace import Request
 from kvledger.schemas.decisions import HASHES, Decision
@@ -287,7 +287,7 @@ class KvledgerPolicy(_Routed):
 
     def holdings(self, ids: tuple[int, ...]) -> list[tuple[int, int]]:
         """(GPU blocks, CPU blocks after them) per engine, as the index answers."""
-        keys = [(h + 1).to_bytes(8, "big") for h in ids]
+        keys = [hash_key(h) for h in ids]
         gpu = [0] * len(self.names)
         cpu_run = [0] * len(self.names)
         for holder in self.index.match(self.model, GROUP, keys, include_silent=True):
@@ -301,7 +301,7 @@ class KvledgerPolicy(_Routed):
         if self.provisional is not None:
             real = {self.names[e]: max(gpu[e], cpu_run[e]) for e in range(len(self.names))}
             for name, depth in self.provisional.depths(
-                self.model, GROUP, HASHES, [h + 1 for h in ids], real
+                self.model, GROUP, HASHES, [engine_hash(h) for h in ids], real
             ).items():
                 e = self.engine_of[name]
                 gpu[e] = max(gpu[e], depth)
@@ -331,7 +331,7 @@ class KvledgerPolicy(_Routed):
             lambda e: held[e],
         )
         if self.provisional is not None and ids:
-            keys = tuple(h + 1 for h in ids)
+            keys = tuple(engine_hash(h) for h in ids)
             self.provisional.add(Decision(self.model, GROUP, self.names[chosen], HASHES, keys))
         return chosen
 

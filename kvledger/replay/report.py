@@ -14,17 +14,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from kvledger.replay.run import BUCKET_S, ReplayResult, Tally
+from kvledger.replay.run import BUCKET_S, ReplayResult, Tally, quantile
 
 logger = logging.getLogger(__name__)
 BOUNDS = frozenset({"oracle", "global_pool"})  # not online policies
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def policy_figures(tally: Tally, pool_hit: float | None, slo_s: float) -> dict[str, Any]:
@@ -39,8 +32,8 @@ def policy_figures(tally: Tally, pool_hit: float | None, slo_s: float) -> dict[s
         "cached_tokens": tally.gpu_tokens + tally.cpu_tokens,
         "hit_rate": tally.hit_rate,
         "of_global_pool": tally.hit_rate / pool_hit if pool_hit else None,
-        "ttft_p50_s": _quantile(tally.ttfts, 0.5),
-        "ttft_p99_s": _quantile(tally.ttfts, 0.99),
+        "ttft_p50_s": quantile(sorted(tally.ttfts), 0.5),
+        "ttft_p99_s": quantile(sorted(tally.ttfts), 0.99),
         "within_slo": sum(t <= slo_s for t in tally.ttfts) / len(tally.ttfts)
         if tally.ttfts
         else 0.0,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvledger.replay import PIPELINE_POLICIES, POLICIES
-from kvledger.replay.engines import CPU, GPU, Served, TimeModel
+from kvledger.replay.engines import CPU, GPU, Served, TimeModel, hash_key
 from kvledger.replay.fleet import DynamoSink, Fleet, FleetShape, KnownState
-from kvledger.replay.pipeline import Pipeline, hash_key
+from kvledger.replay.pipeline import Pipeline
 from kvledger.replay.policies import (
     CacheAware,
     DynamoCost,
@@ -244,16 +244,17 @@ def _pipeline_figures(
     return {
         "messages": messages,
         "events_per_s": messages / wall_s if wall_s else 0.0,
-        "lag_ms_p50": _quantile(lags, 0.5),
-        "lag_ms_p99": _quantile(lags, 0.99),
+        "lag_ms_p50": quantile(lags, 0.5),
+        "lag_ms_p99": quantile(lags, 0.99),
         "consumer_lag_max": max(pipeline.behind, default=0),
-        "consumer_lag_p50": _quantile(sorted(pipeline.behind), 0.5),
+        "consumer_lag_p50": quantile(sorted(pipeline.behind), 0.5),
         "index_blocks_compared": compared,
         "index_differences": differences,
     }
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (0 for none)."""
     if not values:
         return 0.0
     return float(values[min(len(values) - 1, int(q * len(values)))])

@@ -131,4 +131,4 @@ fleet: services
 	done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache rust/target
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache rust/target build kvledger.egg-info

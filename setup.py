@@ -14,7 +14,13 @@ files into build/__editable__.*/ and puts that folder on sys.path. Its default i
 adds an import hook that Python consults only after the path, so a folder named kvledger
 in the working directory (the clone itself, seen from the folder that holds it) would be
 imported in its place as an empty namespace package. A module added or removed needs the
-install again (`make venv` does it when the package's list of files changes)."""
+install again (`make venv` does it when the package's list of files changes).
+
+Build outputs go under build/ (ignored): the install's metadata, its folder of links, the
+wheel's staging. Three stay where their tools put them, all ignored too: cargo's rust/target,
+the core built in place as kvledger/_core.abi3.so (an editable install imports extensions from
+beside their package), and the dashboard's chart library in serving/lookup/ui/vendor/ (package
+data that a wheel must carry)."""
 
 import os
 from pathlib import Path
@@ -57,6 +63,10 @@ class BuildExt(build_ext):
         return linked
 
 
+# Build outputs gather under build/, the install's metadata (egg_info) too, which setuptools
+# wants to find there.
+Path(__file__).resolve().parent.joinpath("build").mkdir(exist_ok=True)
+
 setup(
     cmdclass={"build_ext": BuildExt, "editable_wheel": StrictEditable},
     rust_extensions=[
@@ -70,5 +80,5 @@ setup(
             optional=os.environ.get("KVLEDGER_REQUIRE_CORE", "") in ("", "0"),
         )
     ],
-    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+    options={"bdist_wheel": {"py_limited_api": "cp311"}, "egg_info": {"egg_base": "build"}},
 )

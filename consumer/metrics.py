@@ -179,11 +179,12 @@ REPUBLISH_REPLAYS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+# A PUB drops a slow subscriber's batches past its high-water mark without telling the
+# sender; the subscriber sees the gap in the sequence numbers and asks replay.
 REPUBLISH_RESENT = Counter(
     "kvledger_republish_resent_batches_total",
-    "Retained batches sent again on replay, per source: what subscribers missed and asked "
-    "for (a PUB drops a slow subscriber's batches past its high-water mark without telling "
-    "the sender; the subscriber sees the gap in the sequence numbers). Snapshots not counted",
+    "Retained batches sent again on replay, per source: what subscribers missed (past a "
+    "PUB's high-water mark) and asked for. Snapshots not counted",
     ["source"],
     registry=REGISTRY,
 )

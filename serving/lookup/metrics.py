@@ -65,8 +65,8 @@ class _Provisional:
         decisions = CounterMetricFamily(
             "kvledger_provisional_decisions",
             "Routers' decisions held as provisional holders, by how they ended: confirmed "
-            "(the engine's events showed the blocks), expired (the window passed first), "
-            "evicted (pushed out by the bound on held blocks)",
+            "(by the engine's events), expired (the window passed first), evicted (pushed "
+            "out by the bound on held blocks)",
             labels=["outcome"],
         )
         for outcome in ("confirmed", "expired", "evicted"):

@@ -1,6 +1,6 @@
-"""The pages rewritten for a newcomer stay easy to read (issue 75's point 15): no sentence
-over 40 words and no table cell over 30, outside code. The pages join the list as they are
-rewritten."""
+"""Every page of the docs stays easy to read (issue 75's point 15): no sentence over 40
+words and no table cell over 30, outside code, in README.md and every docs/*.md, generated
+parts included. A new page is held from the day it lands."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ["README.md", "docs/getting-started.md", "docs/reference.md"]
+PAGES = sorted(["README.md", *(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))])
 MAX_SENTENCE, MAX_CELL = 40, 30
 _SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z`(\[*])")
 
@@ -62,8 +62,8 @@ def test_the_checker_finds_a_long_sentence_and_a_long_cell() -> None:
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_a_rewritten_page_reads_easily(page: str) -> None:
+def test_a_page_reads_easily(page: str) -> None:
     sentences, cells = prose((ROOT / page).read_text())
-    assert len(sentences) > 20
+    assert len(sentences) + len(cells) > 20  # the checker found the page's prose
     assert [s for s in sentences if _words(s) > MAX_SENTENCE] == []
     assert [c for c in cells if _words(c) > MAX_CELL] == []

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -381,6 +382,96 @@ def test_a_peer_that_asks_and_never_reads_stops_nothing(
             assert publisher.error is None
         finally:
             ctx.destroy(linger=0)
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_many_peers_that_never_read_share_one_ring(
+    kafka_bootstrap, fresh_database, make_topic, group_id, vllm_kv_events
+) -> None:
+    """Thirty peers each ask once for a 16 MB ring and never read: what libzmq keeps for them
+    is the ring's own bytes, not a copy per peer (the issue's 30 peers grew a process by
+    391 MB). Batches of 48 KB are copied by libzmq unless frames go by reference, and the
+    ring is well past what the kernel's socket buffers take for the peers."""
+    topic = make_topic("republish-many")
+    big = 256  # tokens a block: 64 blocks make a 48 KB batch
+    kv = vllm_kv_events
+    engine = Engine(kv, 0)
+    relay_ = Relay(RelayConfig(
+        endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint, source="engine-0",
+        model=MODEL, bootstrap_servers=kafka_bootstrap, topic=topic,
+        groups=[parse_group(f"0:full_attention:{big}", MODEL)], heartbeat_interval_s=1.0,
+    ))  # fmt: skip
+    relay_.start()
+    assert relay_.ready(60)
+    router = RouterIndex(kafka_bootstrap, topic, group_id)
+    with connect(fresh_database) as conn:
+        router.bootstrap(conn)
+    router.start()
+    endpoint = Endpoint(
+        "engine-0", f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    )
+    publisher = Publisher(router, [endpoint], silent_after_s=60)
+    publisher.start()
+    ctx = zmq.Context()
+    try:
+        outlet = wait_for_outlet(publisher, "engine-0", batches=1)
+        r = random.Random(5)
+        parent = None
+        for _ in range(340):
+            published = outlet.next_seq
+            hashes = [r.getrandbits(63) for _ in range(64)]
+            engine.publisher.publish(kv.KVEventBatch(ts=time.time(), events=[kv.BlockStored(
+                block_hashes=hashes, parent_block_hash=parent,
+                token_ids=[r.randrange(1 << 14, 1 << 16) for _ in range(64 * big)],
+                block_size=big, lora_id=None, medium="GPU", lora_name=None,
+            )]))  # fmt: skip
+            parent = hashes[-1]
+            # One store a batch of the ring (a chunk applied at once is one batch).
+            deadline = time.monotonic() + 30
+            while outlet.next_seq <= published:
+                assert time.monotonic() < deadline, "a store was not republished"
+                time.sleep(0.002)
+        wait_until("a 16 MB ring", lambda: outlet.ring_bytes > 16 << 20, timeout=60)
+        first = outlet.ring[0][0]
+
+        def answered() -> float:
+            value = REGISTRY.get_sample_value(
+                "kvledger_republish_replays_total", {"outcome": "answered"}
+            )
+            return value or 0.0
+
+        before, rss = answered(), _rss_bytes()
+        peers = []
+        for _ in range(30):
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.RCVHWM, 1)
+            peer.setsockopt(zmq.RCVBUF, 4096)
+            peer.connect(str(endpoint.replay))
+            peer.send_multipart([b"", first.to_bytes(8, "big")])
+            peers.append(peer)
+        wait_until("thirty answers queued", lambda: answered() >= before + 30, timeout=60)
+        time.sleep(2.0)  # libzmq's I/O thread moves what the kernel takes
+        grown = _rss_bytes() - rss
+        ring_mib = outlet.ring_bytes / 2**20
+        print(f"ring {ring_mib:.1f} MiB: 30 peers grew the process by {grown / 2**20:.1f} MiB")
+        assert grown <= 64 << 20, f"30 never-reading peers grew the process by {grown >> 20} MiB"
+        honest = ctx.socket(zmq.DEALER)
+        honest.connect(str(endpoint.replay))
+        honest.send_multipart([b"", (outlet.next_seq - 1).to_bytes(8, "big")])
+        assert honest.poll(1000), "an honest replay waited over 1 s beside the thirty"
+        assert publisher.error is None
+    finally:
+        ctx.destroy(linger=0)
+        publisher.stop()
+        router.stop()
+        relay_.stop()
+        engine.publisher.shutdown()
 
 
 @contextlib.contextmanager

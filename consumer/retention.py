@@ -10,7 +10,12 @@ index wrote or closed each row (migrations 0014, 0018). A pass:
    moves the table's retained window (``kvledger.retained_windows``) to that partition's end;
 3. deletes block rows that no residency holds and no retained history interval names, last
    seen before now minus the block retention, a slice of the table at a time (a sweep through
-   its pages, each slice its own short transaction) until its time budget is spent.
+   its pages, each slice its own short transaction) until its time budget is spent;
+4. trims the audit tables that are not partitioned, past the audit retention: engines'
+   restarts, goodbyes and losses (``lifecycle_events``: each source's newest of each kind is
+   kept, so "last restart" stays known) and the records of the decisions topic that were not
+   decisions (``rejected_decisions``), a slice at a time, moving ``lifecycle_events``'s
+   retained window.
 
 Every statement runs with a lock timeout: dropping a partition needs a moment's exclusive
 lock on its table, and a pass that cannot have it at once gives up until the next pass
@@ -43,6 +48,7 @@ class PassReport:
     made: int = 0
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (table, partition)
     blocks_deleted: int = 0
+    audit_trimmed: dict[str, int] = field(default_factory=dict)  # table -> rows deleted
     windows: dict[str, datetime] = field(default_factory=dict)
     skipped: str | None = None  # why the drops waited for the next pass (a lock held)
     seconds: float = 0.0
@@ -52,6 +58,7 @@ class PassReport:
             "made": self.made,
             "dropped": [{"table": t, "partition": p} for t, p in self.dropped],
             "blocks_deleted": self.blocks_deleted,
+            "audit_trimmed": self.audit_trimmed,
             "skipped": self.skipped,
             "seconds": self.seconds,
         }
@@ -145,6 +152,50 @@ DELETE FROM kvledger.blocks b USING candidates c WHERE b.ctid = c.tid AND b.last
 """
 
 
+# Each slice deletes at most TRIM_SLICE rows in a short transaction of its own.
+TRIM_SLICE = 5000
+_TRIM = {
+    "lifecycle_events": """
+DELETE FROM kvledger.lifecycle_events WHERE ctid IN (
+    SELECT l.ctid FROM kvledger.lifecycle_events l WHERE l.event_time < %(cut)s
+      AND EXISTS (SELECT 1 FROM kvledger.lifecycle_events n WHERE n.source = l.source
+                  AND n.kind = l.kind AND n.event_time > l.event_time)
+    LIMIT %(slice)s)
+""",
+    "rejected_decisions": """
+DELETE FROM kvledger.rejected_decisions WHERE ctid IN (
+    SELECT ctid FROM kvledger.rejected_decisions WHERE recorded_at < %(cut)s LIMIT %(slice)s)
+""",
+}
+
+
+def trim_audit(conn: psycopg.Connection, cut: datetime, budget_s: float) -> dict[str, int]:
+    """Delete the unpartitioned audit rows older than ``cut`` (see the module docstring),
+    slice by slice for up to ``budget_s`` seconds; the rows deleted per table."""
+    deadline = time.monotonic() + budget_s
+    deleted: dict[str, int] = {}
+    for table, sql in _TRIM.items():
+        while True:
+            with conn.transaction():
+                n = max(conn.execute(sql, {"cut": cut, "slice": TRIM_SLICE}).rowcount, 0)
+            deleted[table] = deleted.get(table, 0) + n
+            if n < TRIM_SLICE or time.monotonic() >= deadline:
+                break
+    if deleted.get("lifecycle_events"):
+        _move_window(conn, "lifecycle_events", cut)
+    return deleted
+
+
+def _move_window(conn: psycopg.Connection, what: str, since: datetime) -> None:
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO kvledger.retained_windows AS w (what, since) VALUES (%s, %s) "
+            "ON CONFLICT (what) DO UPDATE SET since = greatest(w.since, EXCLUDED.since), "
+            "updated_at = now()",
+            (what, since),
+        )
+
+
 class BlockSweep:
     """Where the sweep through ``blocks`` stands: its next page (kept between passes)."""
 
@@ -205,13 +256,10 @@ def run_pass(
     cut: datetime = cut_row[0]
     report.blocks_deleted = sweep.run(conn, cut, block_budget_s)
     if report.blocks_deleted:
-        with conn.transaction():
-            conn.execute(
-                "INSERT INTO kvledger.retained_windows AS w (what, since) VALUES ('blocks', %s) "
-                "ON CONFLICT (what) DO UPDATE SET since = greatest(w.since, EXCLUDED.since), "
-                "updated_at = now()",
-                (cut,),
-            )
+        _move_window(conn, "blocks", cut)
+    audit_row = conn.execute("SELECT now() - %s", (retention.audit,)).fetchone()
+    assert audit_row is not None
+    report.audit_trimmed = trim_audit(conn, audit_row[0], block_budget_s)
     report.windows = windows(conn)
     report.seconds = time.monotonic() - started
     _count(report)
@@ -256,11 +304,14 @@ class Retainer:
                 if conn is None or conn.closed:
                     conn = connect(self.database_url, autocommit=True)
                 self.last = run_pass(conn, self.retention, self.sweep)
-                if self.last.dropped or self.last.blocks_deleted:
+                trimmed = sum(self.last.audit_trimmed.values())
+                if self.last.dropped or self.last.blocks_deleted or trimmed:
                     logger.info(
-                        "retention: dropped %d partitions, deleted %d blocks in %.2f s",
+                        "retention: dropped %d partitions, deleted %d blocks and %d old audit "
+                        "rows in %.2f s",
                         len(self.last.dropped),
                         self.last.blocks_deleted,
+                        trimmed,
                         self.last.seconds,
                     )
             except psycopg.Error as exc:

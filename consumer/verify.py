@@ -60,7 +60,9 @@ def window_filters(windows: Mapping[str, datetime]) -> dict[str, tuple[str, tupl
     - the audit log: messages whose event time is inside its window; a rejection: the same,
       through its message's audit row;
     - blocks: held ones, those named by a compared interval, and those last stored at or
-      after the last block expiry's cut-off.
+      after the last block expiry's cut-off;
+    - engines' lives (``lifecycle_events``): those at or after its window start, and each
+      source's newest of each kind (which retention keeps).
     """
     out: dict[str, tuple[str, tuple[object, ...]]] = {}
     history = windows.get("residency_history")
@@ -77,6 +79,12 @@ def window_filters(windows: Mapping[str, datetime]) -> dict[str, tuple[str, tupl
             "AND e.kafka_partition = t.kafka_partition AND e.kafka_offset = t.kafka_offset "
             "AND e.event_time >= %s)",
             (rejected,),
+        )
+    if (lives := windows.get("lifecycle_events")) is not None:
+        out["lifecycle_events"] = (
+            "t.event_time >= %s OR NOT EXISTS (SELECT 1 FROM kvledger.lifecycle_events n "
+            "WHERE n.source = t.source AND n.kind = t.kind AND n.event_time > t.event_time)",
+            (lives,),
         )
     if (blocks := windows.get("blocks")) is not None:
         out["blocks"] = (

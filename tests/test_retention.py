@@ -364,3 +364,54 @@ def test_passes_of_several_consumers_at_once_do_not_collide(fresh_database: str)
     with connect(fresh_database, autocommit=True) as conn:
         names = conn.execute("SELECT partition FROM kvledger.time_partitions").fetchall()
     assert len(names) == len(set(names)) and names
+
+
+def test_engines_lives_and_refused_decision_records_are_trimmed_past_the_audit_retention(
+    fresh_database: str, kafka_bootstrap: str, make_topic, group_id: str
+) -> None:
+    """The audit tables that are not partitioned are bounded too: engine-0 restarted twice
+    and engine-1 once, a minute ago; past the audit retention a pass deletes engine-0's older
+    restart and keeps each source's newest (its "last restart" unchanged), deletes an old
+    refused decision record and keeps a new one; verify compares within the window."""
+    with connect(fresh_database, autocommit=True) as conn:
+        set_partition_interval(conn, SECOND)
+    topic = make_topic("lives", partitions=1)
+    stream = Stream(topic)
+    old = int(time.time() * 1000) - 60_000
+    for source, epochs in (("engine-0", 3), ("engine-1", 2)):
+        stream.send(source, spec(0), time_ms=old)
+        for epoch in range(1, epochs + 1):
+            stream.send(source, stored([epoch]), epoch=epoch, time_ms=old + epoch * 1000)
+    _produce(kafka_bootstrap, topic, stream)
+    consume(kafka_bootstrap, fresh_database, topic, group_id)
+    restarts = "kind = 'restart'"
+    assert _count(fresh_database, "lifecycle_events", restarts) == 3
+    with connect(fresh_database, autocommit=True) as conn:
+        last = conn.execute(
+            "SELECT source, last_restart FROM kvledger.source_status ORDER BY 1"
+        ).fetchall()
+        conn.execute(
+            "INSERT INTO kvledger.rejected_decisions (kafka_topic, kafka_partition, "
+            "kafka_offset, raw, reason, recorded_at) VALUES "
+            "('d', 0, 0, 'x', 'not a decision', now() - interval '1 hour'), "
+            "('d', 0, 1, 'y', 'not a decision', now())"
+        )
+        report = run_pass(conn, Retention(history=timedelta(days=1), audit=30 * SECOND,
+                                          blocks=timedelta(days=1)))  # fmt: skip
+        kept = conn.execute(
+            "SELECT source, epoch FROM kvledger.lifecycle_events WHERE kind = 'restart' ORDER BY 1"
+        ).fetchall()
+        assert (
+            conn.execute(
+                "SELECT source, last_restart FROM kvledger.source_status ORDER BY 1"
+            ).fetchall()
+            == last
+        )
+        offsets = conn.execute("SELECT kafka_offset FROM kvledger.rejected_decisions").fetchall()
+    assert report.audit_trimmed == {"lifecycle_events": 1, "rejected_decisions": 1}
+    assert kept == [("engine-0", 3), ("engine-1", 2)]
+    assert offsets == [(1,)]
+    assert "lifecycle_events" in report.windows
+    result = verify(kafka_bootstrap, fresh_database, topic, group_id)
+    assert result.ok, result.differences
+    assert result.not_compared["lifecycle_events"] == (0, 1)

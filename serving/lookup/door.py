@@ -20,6 +20,7 @@ metrics and one rendering.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -108,6 +109,7 @@ class Door:
         # POST paths the protocol may answer in the parser's callbacks: on the loop here
         self.hot = {r.path.encode(): r for r in table.routes if r.hot and r.on_loop(in_memory)}
         self._latency = {r.name: LATENCY.labels(r.name) for r in table.routes if r.counted}
+        self._turns = {r.name: asyncio.Semaphore(r.at_once) for r in table.routes if r.at_once}
         self._requests: dict[tuple[str, int], Counter] = {}
 
     # ------------------------------------------------------------------ one request
@@ -172,7 +174,11 @@ class Door:
         call = Call(body, params, scope.get("query_string", b""))
         if route.on_loop(self.in_memory):
             return self.answer(route, call, started)
-        return await run_in_threadpool(self.answer, route, call, started)
+        turn = self._turns.get(route.name)
+        if turn is None:
+            return await run_in_threadpool(self.answer, route, call, started)
+        async with turn:
+            return await run_in_threadpool(self.answer, route, call, started)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         opened, closed = self.lifespan

@@ -101,6 +101,9 @@ class Route:
     counted: bool = True
     dynamo: bool = False
     parameters: tuple[Mapping[str, Any], ...] = ()
+    # At most this many answered at a time (None: no bound but the pool's); the rest wait
+    # their turn without holding a thread, so a flood of them leaves the pool to the others.
+    at_once: int | None = None
 
     def on_loop(self, in_memory: bool) -> bool:
         """Whether it is answered on the event loop (else in the thread pool)."""
@@ -189,6 +192,7 @@ SERVICE: tuple[Route, ...] = (
             **ERRORS,
         },
         parameters=(MINUTES,),
+        at_once=2,
     ),
     Route(
         "GET",

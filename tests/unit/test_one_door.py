@@ -85,3 +85,58 @@ def test_the_parser_path_refuses_as_the_asgi_path(app: Door) -> None:
                 post(path.decode(), b"{}", b"authorization: Bearer s3cret\r\n", length=False),
             ):
                 assert exchange(hot, raw, 1) == exchange(plain, raw, 1), raw[:60]
+
+
+def test_a_route_bounded_at_once_leaves_the_pool_to_the_others() -> None:
+    """Sixty requests to a route answered at most two at a time, each held until let go:
+    two handlers run, the rest wait without a thread, and a request to another route is
+    answered meanwhile (issue 76's dashboard flood took every thread from the lookups)."""
+    import asyncio
+    import threading
+
+    from kvledger.serving.lookup.door import Gate
+    from kvledger.serving.lookup.table import Table
+
+    release, running, most = threading.Event(), [0], [0]
+    lock = threading.Lock()
+
+    def slow(_parts: object, _call: object) -> tuple[int, object, dict[str, str]]:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(30)
+        with lock:
+            running[0] -= 1
+        return 200, {"slow": True}, {}
+
+    def route(path: str, handler: object, at_once: int | None = None) -> Route:
+        return Route("GET", path, path.strip("/"), handler, path, {}, role="open",  # type: ignore[arg-type]
+                     counted=False, at_once=at_once)  # fmt: skip
+
+    table = Table((route("/slow", slow, at_once=2), route("/quick", lambda p, c: (200, {}, {}))))
+    door = Door(table, Gate({}, {}), None, False, (lambda: None, lambda: None))
+
+    async def get(path: str) -> int:
+        sent: list[dict[str, object]] = []
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": path, "headers": [],
+                 "query_string": b"", "client": ("127.0.0.1", 1)}  # fmt: skip
+        await door(scope, receive, send)  # type: ignore[arg-type]
+        return int(sent[0]["status"])  # type: ignore[call-overload]
+
+    async def flood() -> None:
+        slow_ones = [asyncio.create_task(get("/slow")) for _ in range(60)]
+        await asyncio.sleep(0.3)
+        assert await asyncio.wait_for(get("/quick"), 5) == 200
+        assert running[0] == 2
+        release.set()
+        assert await asyncio.gather(*slow_ones) == [200] * 60
+
+    asyncio.run(flood())
+    assert most[0] == 2

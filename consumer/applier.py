@@ -7,7 +7,9 @@ default) a batch is planned while the one before it is written (:mod:`.ahead`): 
 transactions in the same order, PostgreSQL's work and the consumer's overlapped.
 
 - A batch that failed on a database or dead-letter error is retried with backoff, on a new
-  connection when the old one broke.
+  connection when the old one broke. One whose writer schema must come from a schema
+  registry that does not answer waits for it the same way, for as long as it is away (no
+  message is at fault: none is rejected).
 - One that keeps failing on a working connection, or fails on its own content, is split until
   the message causing it is found; that message is rejected (``apply_error``, with the error
   and its raw bytes) and the rest applied, so that no message can stall the consumer.
@@ -38,10 +40,18 @@ from kvledger.consumer.store.base import FencedError
 from kvledger.consumer.store.postgres import PostgresStore
 from kvledger.consumer.summary import RunSummary
 from kvledger.schemas.codec import Codec
+from kvledger.schemas.registry import RegistryUnavailableError
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = (psycopg.OperationalError, psycopg.errors.SerializationFailure, DeadLetterError)
+_RETRYABLE = (
+    psycopg.OperationalError,
+    psycopg.errors.SerializationFailure,
+    DeadLetterError,
+    RegistryUnavailableError,
+)
+# Services away, not the batch's fault: retried as long as they are, never isolated.
+_OUTAGES = (DeadLetterError, RegistryUnavailableError)
 
 # How the batch in flight ended (BatchApplier.drain): committed as planned; failed and
 # applied again from the store; fenced (the consumer re-seeked its partitions).
@@ -218,7 +228,7 @@ class BatchApplier:
                 if self._stop.is_set():
                     raise
                 tries += 1
-                outage = conn.closed or conn.broken or isinstance(exc, DeadLetterError)
+                outage = conn.closed or conn.broken or isinstance(exc, _OUTAGES)
                 if not outage and tries >= self.config.max_batch_retries:
                     logger.error(
                         "batch of %d failed %d times with %s on a working connection; "
@@ -231,7 +241,12 @@ class BatchApplier:
                     return
                 metrics.RETRIES.inc()
                 self.summary.retries += 1
-                logger.warning("batch failed (%s); retrying in %.1f s", exc, delay)
+                if isinstance(exc, RegistryUnavailableError):
+                    logger.warning(
+                        "waiting for the schema registry: %s; retrying in %.1f s", exc, delay
+                    )
+                else:
+                    logger.warning("batch failed (%s); retrying in %.1f s", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, self.config.retry_backoff_max_s)
                 if conn.closed or conn.broken:
@@ -282,7 +297,12 @@ class BatchApplier:
         :meth:`_apply`, which applies from the store with its retries and isolation."""
         ahead = self._ahead
         assert ahead is not None
-        batch = decode_batch(messages, self.codec)
+        try:
+            batch = decode_batch(messages, self.codec)
+        except RegistryUnavailableError:  # applied alone, waiting for the registry
+            if self.drain() != FENCED:
+                self._apply(messages)
+            return
         try:
             planned = ahead.plan(messages, batch)
             if planned is None:  # it needs the state the batch in flight leaves

@@ -42,7 +42,8 @@ class Decoded:
 
 
 def decode(message: Inbound, codec: Codec) -> Decoded:
-    """Decode one message; a failure becomes a value, never an exception."""
+    """Decode one message; a failure becomes a value, never an exception (but for a schema
+    registry that does not answer: the message is not at fault, and the caller waits)."""
     try:
         return Decoded(message, codec.decode(message.value), None)
     except DecodeError as exc:

@@ -132,7 +132,7 @@ def codec(args: argparse.Namespace, topic: str, writer: bool) -> Codec | None:
     """The codec for --schema-registry (None without one: the default framing). A writer
     registers under the subject of ``topic``; a reader never registers."""
     from kvledger.schemas.codec import Codec
-    from kvledger.schemas.registry import open_registry, subject_for
+    from kvledger.schemas.registry import RegistryUnavailableError, open_registry, subject_for
 
     url = getattr(args, "schema_registry", None) or from_env(ENV_REGISTRY)
     if not url:
@@ -144,4 +144,26 @@ def codec(args: argparse.Namespace, topic: str, writer: bool) -> Codec | None:
         or os.environ.get("KVLEDGER_SUBJECT_STRATEGY")
         or "topic"
     )
-    return Codec(registry=registry, subject=subject_for(topic, strategy) if writer else None)
+    try:
+        return Codec(registry=registry, subject=subject_for(topic, strategy) if writer else None)
+    except RegistryUnavailableError as exc:  # say which registry, and where it was set
+        raise RegistryUnavailableError(
+            f"{exc} (at {_without_password(url)}: check --schema-registry or ${ENV_REGISTRY})"
+        ) from exc
+
+
+def _without_password(url: str) -> str:
+    """``url`` without the user and password it may carry (``https://user:pw@host``)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.username is None and parts.password is None:
+            return url
+        host = parts.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        return parts._replace(netloc=netloc).geturl()
+    except ValueError:  # an unparsable port: say nothing of it
+        return "the registry's URL"

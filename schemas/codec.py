@@ -8,8 +8,11 @@ versions) and decodes into its own reader schema following Avro's resolution rul
 Optional Confluent Schema Registry framing: ``00`` + 4-byte big-endian schema id + body, with
 the writer schema fetched from the registry by id.
 
-Every decoding failure raises :class:`~schemas.errors.DecodeError`; nothing else escapes.
-The records fastavro reads and writes map onto the types in :mod:`.records`.
+Every decoding failure raises :class:`~schemas.errors.DecodeError`; nothing else escapes,
+but for a registry that does not answer when a writer schema must be fetched from it
+(:class:`~kvledger.schemas.registry.RegistryUnavailableError`: no message is at fault, and
+the reader waits for the registry). The records fastavro reads and writes map onto the
+types in :mod:`.records`.
 
 Strictness is the compiled core's (rust/src/wire.rs): a message written with the codec's
 own schema is decoded by it; one written with another schema (an older release's, a
@@ -176,7 +179,11 @@ class Codec:
         from confluent_kafka.schema_registry import Schema
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-        from kvledger.schemas.registry import RegistryUnavailableError, SchemaIncompatibleError
+        from kvledger.schemas.registry import (
+            RegistryUnavailableError,
+            SchemaIncompatibleError,
+            refusal,
+        )
 
         try:
             schema_id: int = registry.register_schema(subject, Schema(self.schema_json, "AVRO"))
@@ -188,7 +195,7 @@ class Codec:
                     "the subject's compatibility rule"
                 ) from exc
             raise RegistryUnavailableError(
-                f"the schema registry refused to register subject {subject!r}: {exc}"
+                f"the schema registry refused to register subject {subject!r}: {refusal(exc)}"
             ) from exc
         except Exception as exc:  # transport: refused, timed out, TLS
             raise RegistryUnavailableError(f"the schema registry did not answer: {exc}") from exc
@@ -236,7 +243,9 @@ class Codec:
 
     # ------------------------------------------------------------------ decode
     def decode(self, data: bytes) -> Envelope:
-        """Decode one message; raises :class:`DecodeError` and nothing else."""
+        """Decode one message; raises :class:`DecodeError`, or
+        :class:`~kvledger.schemas.registry.RegistryUnavailableError` where the writer schema
+        must come from a registry that does not answer (the message is not at fault)."""
         own = self._own_header
         if own is not None and type(data) is bytes and data.startswith(own):
             fast: Envelope = self._run(self._objects, data, len(own))
@@ -319,20 +328,45 @@ class Codec:
                 raise DecodeError("undecodable", f"truncated header ({len(data)} bytes)")
             (schema_id,) = _CONFLUENT_ID.unpack_from(data, 1)
             writer = self._registry_writers.get(schema_id)
-            if writer is None:
-                try:
-                    schema = self._registry.get_schema(schema_id)
-                    writer = fastavro.parse_schema(json.loads(schema.schema_str))
-                    self._checks[id(writer)] = _check(schema.schema_str)
-                except Exception as exc:
-                    raise DecodeError(
-                        "unknown_schema", f"registry has no schema id {schema_id}: {exc!r}"
-                    ) from exc
-                self._registry_writers[schema_id] = writer
-            return writer
+            return writer if writer is not None else self._fetch_writer(schema_id)
         raise DecodeError(
             "undecodable", f"unknown framing, first bytes {data[:4].hex() or '(empty)'}"
         )
+
+    def _fetch_writer(self, schema_id: int) -> Any:
+        """The writer schema of ``schema_id``, asked of the registry (then kept). An id the
+        registry says it does not hold is the message's fault (``unknown_schema``: it is
+        dead-lettered); a registry that does not answer, or not as a schema registry
+        would, is not: :class:`~kvledger.schemas.registry.RegistryUnavailableError`."""
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        from kvledger.schemas.registry import RegistryUnavailableError, not_found, refusal
+
+        assert self._registry is not None
+        try:
+            schema = self._registry.get_schema(schema_id)
+        except SchemaRegistryError as exc:
+            if not_found(exc):
+                raise DecodeError(
+                    "unknown_schema", f"the schema registry has no schema id {schema_id}: {exc}"
+                ) from exc
+            raise RegistryUnavailableError(
+                f"the schema registry did not give schema id {schema_id}: {refusal(exc)}"
+            ) from exc
+        except Exception as exc:  # transport: refused, timed out, TLS
+            raise RegistryUnavailableError(
+                f"the schema registry did not answer for schema id {schema_id}: {exc!r}"
+            ) from exc
+        try:
+            writer = fastavro.parse_schema(json.loads(schema.schema_str))
+            check = _check(schema.schema_str)
+        except Exception as exc:  # another type of schema (JSON, Protobuf), or none
+            raise DecodeError(
+                "unknown_schema", f"schema id {schema_id} is no Avro schema: {exc!r}"
+            ) from exc
+        self._checks[id(writer)] = check
+        self._registry_writers[schema_id] = writer
+        return writer
 
 
 def _core_decoder() -> Decoder | None:

@@ -27,6 +27,12 @@ IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 # A user's ~/.config/kvledger/config.toml never reaches the tests' commands (an empty file
 # instead); a test of the file names its own.
 os.environ.setdefault("KVLEDGER_CONFIG", os.devnull)
+# Nor does a schema registry that `scripts/services env` exported (it does while the registry
+# runs): every command would use it. tests/test_schema_registry.py asks scripts/services.
+for _name in ("KVLEDGER_SCHEMA_REGISTRY", "KVLEDGER_SCHEMA_REGISTRY_CONFIG"):
+    os.environ.pop(_name, None)
+    os.environ.pop(f"{_name}_FILE", None)
+os.environ.pop("KVLEDGER_SUBJECT_STRATEGY", None)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -50,6 +50,7 @@ from kvledger.schemas.registry import (
     open_registry,
     subject_for,
 )
+from kvledger.serving.router.index import RouterIndex
 from kvledger.simulate_cmd import run_simulation
 from tests.helpers.kafka import consume_all
 from tests.helpers.procs import free_port, spawn
@@ -421,10 +422,12 @@ def test_a_registry_outage_loses_no_event(
     """The registry killed: a publisher that registered before publishes on (the id is
     all its messages need); a new one is refused, saying the registry did not answer, and
     writes nothing; a consumer that must resolve the id waits, saying for what, and
-    dead-letters nothing. The registry back (its schemas kept): every event published is
-    applied exactly once."""
+    dead-letters nothing; so does a router index following the topic (`serve --memory`'s),
+    still following. The registry back (its schemas kept): every event published is applied
+    exactly once, by both."""
     registry = PrivateRegistry(tmp_path / "state")
     assert settings.ENV_REGISTRY not in exports(registry.env)
+    router: RouterIndex | None = None
     try:
         url = registry.start()
         assert "registry" in registry.services("running").split()
@@ -432,7 +435,8 @@ def test_a_registry_outage_loses_no_event(
             registry.services("status")
         )
         writer = settings.codec(registry_args(url), topic, writer=True)
-        assert writer is not None
+        reader = settings.codec(registry_args(url), topic, writer=False)
+        assert writer is not None and reader is not None
         before = publish(kafka_bootstrap, topic, writer, seed=1)
 
         registry.kill()
@@ -466,13 +470,34 @@ def test_a_registry_outage_loses_no_event(
         assert consumer.poll() is None, log.read_text()[-3000:]
         assert audit(fresh_database, topic) == {}  # nothing applied, nothing rejected
         assert rejected(fresh_database, topic) == []
+        router = RouterIndex(kafka_bootstrap, topic, groups("router"), codec=reader)
+        with connect(fresh_database) as conn:
+            router.bootstrap(conn)
+        router.start()
+        wait_for(
+            "the router says it waits for the registry",
+            lambda: "schema registry" in (router.position().waiting_for or ""),
+            timeout=90,
+            log=log,
+        )
+        assert router.position().error is None and router.applied_messages == 0
 
         registry.start()  # the same folder: the schemas it held
         assert consumer.wait(timeout=180) == 0, log.read_text()[-3000:]
         assert audit(fresh_database, topic) == {"applied": before + during}
         assert rejected(fresh_database, topic) == []
         assert "schema id" in log.read_text()  # what it waited for
+        wait_for(
+            "the router applied every event",
+            lambda: router.applied_messages == before + during,
+            timeout=60,
+            log=log,
+        )
+        position = router.position()
+        assert position.error is None and position.waiting_for is None
     finally:
+        if router is not None:
+            router.stop()
         registry.services("down", "registry")
     assert "registry" not in registry.services("running").split()
 

@@ -34,7 +34,8 @@ from kvledger.consumer import metrics
 from kvledger.consumer.inbound import Inbound
 from kvledger.consumer.retention_policy import Retention, show_duration
 from kvledger.schemas.codec import Codec
-from kvledger.serving.router.lane import LaneObserver, run_router_batch
+from kvledger.schemas.registry import RegistryUnavailableError
+from kvledger.serving.router.lane import LaneObserver, Tally, run_router_batch
 from kvledger.serving.router.lookups import Lookups
 from kvledger.serving.router.snapshot import load_snapshot
 from kvledger.serving.router.store import RouterStore
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # Messages applied per hold of the lock lookups take (see RouterIndex.apply).
 APPLY_CHUNK = 500
+# How long a chunk waits for a schema registry that does not answer before it asks again
+# (doubling up to the most).
+REGISTRY_WAIT_S, REGISTRY_WAIT_MAX_S = 0.5, 10.0
 # How long a router keeps a block no one holds (as the index keeps its block rows).
 BLOCK_RETENTION = Retention().blocks
 # Rows an expiry pass looks at per hold of the lookups' lock (~1 ms natively).
@@ -108,6 +112,7 @@ class RouterIndex(Tail, Lookups):
         self.applied_messages = 0
         self.block_events = 0
         self.error: str | None = None  # why the tail stopped, if it did
+        self.waiting_for: str | None = None  # what the tail waits for, while it does
         # A block no one holds or names as its parent is forgotten this long after it was
         # last stored or held (None: never), checked every tenth of it (1 s to 60 s).
         self.block_retention = block_retention
@@ -139,27 +144,42 @@ class RouterIndex(Tail, Lookups):
         In chunks of :data:`APPLY_CHUNK` under the lookups' lock, so a lookup waits for one
         chunk at most (~10 ms), never for a whole poll's worth of messages."""
         for i in range(0, len(batch), APPLY_CHUNK):
-            with self.lock, collector_paused():
-                # The router is its store's only writer: its reading began where the
-                # store's offsets stand (past any transaction marker between batches).
-                read_from = {
-                    (self.topic, p): o
-                    for p, o in self.store.stored_offsets(self.consumer_group, self.topic).items()
-                }
-                self.store.set_clock(_clock())
-                tally = run_router_batch(
-                    batch[i : i + APPLY_CHUNK],
-                    self.codec,
-                    self.store,
-                    self.consumer_group,
-                    read_from=read_from,
-                    observer=self.observer,
-                )
-                if self.observer is not None:
-                    self.observer.applied()
+            tally = self._apply_chunk(batch[i : i + APPLY_CHUNK])
             self.applied_messages += tally.messages
             self.block_events += tally.block_events
         self.expire()
+
+    def _apply_chunk(self, chunk: Sequence[Inbound]) -> Tally:
+        """One chunk applied; while the schema registry its writers' schemas come from does
+        not answer, the chunk waits for it (its messages are decoded before the store is
+        touched: nothing of it is applied meanwhile), until the router is stopped."""
+        wait = REGISTRY_WAIT_S
+        while True:
+            try:
+                with self.lock, collector_paused():
+                    # The router is its store's only writer: its reading began where the
+                    # store's offsets stand (past any transaction marker between batches).
+                    stored = self.store.stored_offsets(self.consumer_group, self.topic)
+                    self.store.set_clock(_clock())
+                    tally = run_router_batch(
+                        chunk,
+                        self.codec,
+                        self.store,
+                        self.consumer_group,
+                        read_from={(self.topic, p): o for p, o in stored.items()},
+                        observer=self.observer,
+                    )
+                    if self.observer is not None:
+                        self.observer.applied()
+                self.waiting_for = None
+                return tally
+            except RegistryUnavailableError as exc:
+                if self.waiting_for is None:
+                    logger.warning("router waiting for the schema registry: %s", exc)
+                self.waiting_for = f"the schema registry: {exc}"
+                if self._stop.wait(wait):
+                    raise
+                wait = min(wait * 2, REGISTRY_WAIT_MAX_S)
 
     def expire(self, force: bool = False) -> int:
         """Forget the blocks past the block retention (see :meth:`RouterStore.expire_slices`),

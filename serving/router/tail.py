@@ -56,6 +56,7 @@ class Position:
     seconds_behind: float | None  # now minus the log time of the newest applied message
     bootstrapped_in_s: float
     error: str | None = None  # set when the router stopped following the topic
+    waiting_for: str | None = None  # what it waits for before it can apply more, if anything
 
 
 class TailSink:
@@ -121,6 +122,7 @@ class Tail:
     batch_size: int
     store: RouterStore
     error: str | None  # why the tail stopped, if it did
+    waiting_for: str | None  # what it waits for before it applies more, while it does
     _bootstrap_s: float
 
     def __init__(self) -> None:
@@ -256,7 +258,8 @@ class Tail:
         seconds = None
         if self._newest_ms is not None:
             seconds = max(0.0, time.time() - self._newest_ms / 1000)
-        return Position(applied, dict(self._ends), behind, seconds, self._bootstrap_s, self.error)
+        return Position(applied, dict(self._ends), behind, seconds, self._bootstrap_s, self.error,
+                        self.waiting_for)  # fmt: skip
 
     def _log_end(self) -> dict[int, int]:
         admin = self._admin

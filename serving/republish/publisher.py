@@ -25,7 +25,11 @@ counted per source. Nothing a subscriber sends blocks the others or the index:
 - the retained batches are shared, never copied per answer (zero-copy frames over the
   ring's bytes): what many peers have queued costs the ring once, plus a few bytes a frame;
 - requests waiting for a snapshot are held once per peer, at most ``MAX_PARKED`` per
-  source (more are cut and counted).
+  source (more are cut and counted);
+- answers are sent a slice at a time, every answer under way in turn, at most
+  ``FRAMES_PER_TURN`` frames between two looks at the sockets: a hundred peers asking for
+  the whole ring at once delay the live stream and an honest replay by a slice, not by
+  every answer (at most ``MAX_SENDING`` answers under way; more are cut and counted).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ SNAPSHOT_EVENTS = 1000  # events per batch of a snapshot
 REQUESTS_PER_TURN = 64  # replay requests read per socket per loop turn
 TICK_S = 0.2  # how often liveness is checked
 MAX_PARKED = 256  # replay peers waiting for one source's snapshot
+# Replay answers are sent a slice at a time, every answer in turn, so that no number of them
+# holds the loop (the live stream, new requests) for long: at most FRAMES_PER_TURN frames a
+# turn, ANSWER_SLICE of each answer; at most MAX_SENDING answers under way (more are cut).
+FRAMES_PER_TURN, ANSWER_SLICE, MAX_SENDING = 512, 32, 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,18 @@ class Outlet:
         return list(itertools.islice(self.ring, start - first, None))
 
 
+@dataclass(slots=True)
+class Answer:
+    """A replay answer under way: the retained batches it sends (shared with the ring), and
+    how many have gone."""
+
+    source: str
+    peer: bytes
+    batches: list[tuple[int, bytes]]
+    resent: bool  # what it sends is what the peer missed (counted as resent)
+    sent: int = 0
+
+
 class Publisher:
     """Publishes a :class:`Feed`'s outputs (see the module doc); one thread owns the
     sockets."""
@@ -148,6 +168,7 @@ class Publisher:
         self._wake_w.setblocking(False)
         self._due: dict[str, float] = {}  # snapshots asked for: source -> not before
         self._parked: dict[str, dict[bytes, None]] = {}  # replay peers waiting for a snapshot
+        self._sending: deque[Answer] = deque()  # replay answers under way, in turn
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -231,7 +252,9 @@ class Publisher:
         next_tick = 0.0
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(timeout=int(TICK_S * 1000)))
+                # Answers under way: only a look at the sockets between their slices.
+                wait_ms = 0 if self._sending else int(TICK_S * 1000)
+                ready = dict(poller.poll(timeout=wait_ms))
                 if self._wake_r.fileno() in ready:
                     self._drain_wake()
                 requests = self._read(ready)
@@ -251,6 +274,7 @@ class Publisher:
                 for outlet, peer, start in requests:
                     self._answer(outlet, peer, start)
                 self._answer_parked()
+                self._send_answers()
             except Exception as exc:  # a bug: say so, and stop (as the router tail does)
                 logger.exception("republish stopped")
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -345,21 +369,40 @@ class Publisher:
             self._due[source] = time.monotonic()
             self._wake()
             return
-        replay = self._replay_of[source]
-        try:
-            # Never waits: a peer that cannot take more (its queue full, or gone) raises.
-            for seq, payload in batches:
-                replay.send_multipart(
-                    [peer, b"", outlet.topic, seq.to_bytes(8, "big"), payload],
-                    zmq.NOBLOCK,
-                    copy=False,
-                )
-            replay.send_multipart([peer, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
-            metrics.REPUBLISH_REPLAYS.labels("answered").inc()
-            if missed and batches:
-                metrics.REPUBLISH_RESENT.labels(source).inc(len(batches))
-        except zmq.ZMQError:  # the peer is gone or cannot take more: its answer is cut
+        if len(self._sending) >= MAX_SENDING:
             metrics.REPUBLISH_REPLAYS.labels("cut").inc()
+            return
+        self._sending.append(Answer(source, peer, batches, missed and bool(batches)))
+
+    def _send_answers(self) -> None:
+        """A slice of each answer under way, in turn, up to FRAMES_PER_TURN frames; an
+        answer whose peer cannot take more (its queue full, or gone) is cut there."""
+        budget = FRAMES_PER_TURN
+        while self._sending and budget > 0:
+            answer = self._sending.popleft()
+            replay = self._replay_of[answer.source]
+            topic = self._outlet(answer.source).topic
+            upto = min(answer.sent + min(ANSWER_SLICE, budget), len(answer.batches))
+            try:
+                # Never waits: a peer that cannot take more raises.
+                for seq, payload in answer.batches[answer.sent : upto]:
+                    replay.send_multipart(
+                        [answer.peer, b"", topic, seq.to_bytes(8, "big"), payload],
+                        zmq.NOBLOCK,
+                        copy=False,
+                    )
+                budget -= upto - answer.sent
+                answer.sent = upto
+                if upto < len(answer.batches):
+                    self._sending.append(answer)
+                    continue
+                replay.send_multipart([answer.peer, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
+                budget -= 1
+                metrics.REPUBLISH_REPLAYS.labels("answered").inc()
+                if answer.resent:
+                    metrics.REPUBLISH_RESENT.labels(answer.source).inc(len(answer.batches))
+            except zmq.ZMQError:  # the peer is gone or cannot take more: its answer is cut
+                metrics.REPUBLISH_REPLAYS.labels("cut").inc()
 
     def _answer_parked(self) -> None:
         for source in list(self._parked):

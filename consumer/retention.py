@@ -7,7 +7,8 @@ index wrote or closed each row (migrations 0014, 0018). A pass:
 1. makes the partitions from now to some way ahead (three intervals, or up to ten minutes'
    worth of at most 30);
 2. drops every partition that ended before its table's cut-off (now minus its retention) and
-   moves the table's retained window (``kvledger.retained_windows``) to that partition's end;
+   moves the table's retained window (``kvledger.retained_windows``) to that partition's end,
+   one table a transaction (so a pass never waits for one table while holding another);
 3. deletes block rows that no residency holds and no retained history interval names, last
    seen before now minus the block retention, a slice of the table at a time (a sweep through
    its pages, each slice its own short transaction) until its time budget is spent;
@@ -152,6 +153,8 @@ DELETE FROM kvledger.blocks b USING candidates c WHERE b.ctid = c.tid AND b.last
 """
 
 
+# The time-partitioned tables, in the order a pass drops their partitions.
+PARTITIONED = ("residency_history", "events", "rejected_events", "decisions")
 # Each slice deletes at most TRIM_SLICE rows in a short transaction of its own.
 TRIM_SLICE = 5000
 _TRIM = {
@@ -242,14 +245,21 @@ def run_pass(
     conn.execute("SELECT set_config('lock_timeout', %s, false)", (lock_timeout,))
     try:
         report.made = ensure_partitions(conn)
-        with conn.transaction():
-            rows = conn.execute(
-                "SELECT parent, partition FROM kvledger.drop_partitions(now() - %s, now() - %s)",
-                (retention.history, retention.audit),
-            ).fetchall()
-        report.dropped = [(str(p), str(n)) for p, n in rows]
     except psycopg.errors.LockNotAvailable as exc:
         report.skipped = f"a table was busy ({exc.diag.message_primary}); next pass"
+    for table in PARTITIONED:
+        # One table a transaction: its lock is never held while another's is waited for.
+        try:
+            with conn.transaction():
+                rows = conn.execute(
+                    "SELECT parent, partition "
+                    "FROM kvledger.drop_table_partitions(now() - %s, now() - %s, %s)",
+                    (retention.history, retention.audit, table),
+                ).fetchall()
+            report.dropped += [(str(p), str(n)) for p, n in rows]
+        except psycopg.errors.LockNotAvailable as exc:
+            report.skipped = f"a table was busy ({exc.diag.message_primary}); next pass"
+    if report.skipped:
         logger.info("retention: %s", report.skipped)
     cut_row = conn.execute("SELECT now() - %s", (retention.blocks,)).fetchone()
     assert cut_row is not None

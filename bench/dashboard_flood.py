@@ -5,7 +5,8 @@ An index built by the apply path from a simulated fleet (8 instances; ``--reques
 its size), one `kvledger serve` on it (SQL mode, the read-only login). An honest client asks
 `/v1/match` for one of the fleet's prompts on a kept-alive connection, first quiet for
 ``QUIET_S``, then while 300 threads each ask the dashboard's data for a different ``minutes``
-(1 to 300: no two share a window, so no answer is shared by asking). Figures: the lookups'
+(1 to 300: no two share a window, so no answer is shared by asking), from a process of
+its own. Figures: the lookups'
 p50 and p99 quiet and during the flood and their ratio (target: p99 during <= 2x quiet),
 how the 300 dashboard requests ended (200, 503) and how long the flood took.
 
@@ -17,11 +18,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import statistics
 import threading
 import time
 import urllib.parse
+from typing import Any
 
 from bench.common import PUBLISHED, lookup_service, publish, reader_args, record, settle
 from bench.consume import _database, _messages
@@ -100,6 +103,22 @@ def _flood(base: str) -> tuple[dict[int, int], float]:
     return statuses, time.monotonic() - started
 
 
+def _flood_into(base: str, out: Any) -> None:
+    out.put(_flood(base))
+
+
+def _flood_elsewhere(base: str) -> tuple[dict[int, int], float]:
+    """:func:`_flood` from a process of its own: its 300 threads do not take the honest
+    client's interpreter (as an attacker elsewhere would not)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_flood_into, args=(base, out))
+    proc.start()
+    result: tuple[dict[int, int], float] = out.get(timeout=600)
+    proc.join(60)
+    return result
+
+
 def _p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
@@ -120,7 +139,7 @@ def main(requests: int = 400) -> dict[str, float | str]:
             honest = threading.Thread(target=lambda: during.extend(_lookups(base, body, done)))
             honest.start()
             time.sleep(0.5)
-            statuses, flood_s = _flood(base)
+            statuses, flood_s = _flood_elsewhere(base)
             done.set()
             honest.join()
     finally:

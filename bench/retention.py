@@ -203,6 +203,16 @@ def _tables(url: str) -> dict[str, tuple[int, int, int]]:
 SOAK_WINDOW = 50  # rounds averaged at round 100 and at the end
 
 
+def _audit_rows(url: str) -> int:
+    with connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM kvledger.events").fetchone()
+    return int(row[0]) if row else 0
+
+
+def tables_bytes(tables: dict[str, dict[str, tuple[int, int, int]]], when: str) -> int:
+    return sum(size for size, _, _ in tables.get(when, {}).values())
+
+
 def soak(rounds: int = 800, rate: float = 2000.0, requests: int = 40) -> dict[str, float | str]:
     """The retention arm alone for ``rounds`` rounds (see the module docstring)."""
     bootstrap = os.environ["KVLEDGER_KAFKA_BOOTSTRAP"]
@@ -236,16 +246,19 @@ def soak(rounds: int = 800, rate: float = 2000.0, requests: int = 40) -> dict[st
     publisher.start()
     samples: list[tuple[int, float, int]] = []  # (rounds done, seconds, schema bytes)
     tables: dict[str, dict[str, tuple[int, int, int]]] = {}
+    retained: dict[str, int] = {}  # audit rows in the retained window: the write volume
     try:
         while publisher.is_alive():
             time.sleep(2.0)
             samples.append((done[0], time.monotonic() - started, _schema_bytes(url)))
             if "round 100" not in tables and done[0] >= 100:
                 tables["round 100"] = _tables(url)
+                retained["round 100"] = _audit_rows(url)
             if len(samples) % 15 == 0:
                 print(f"  round {done[0]:4d}, {samples[-1][1]:5.0f} s: "
                       f"{samples[-1][2] / 2**20:7.1f} MiB", flush=True)  # fmt: skip
         tables["end"] = _tables(url)
+        retained["end"] = _audit_rows(url)
     finally:
         stop.set()
         publisher.join()
@@ -267,6 +280,12 @@ def soak(rounds: int = 800, rate: float = 2000.0, requests: int = 40) -> dict[st
         f"schema MiB, mean over rounds 100-{100 + SOAK_WINDOW}": at_100,
         f"schema MiB, mean over the last {SOAK_WINDOW} rounds": at_end,
         "end / round 100 (target <= 1.10)": at_end / max(at_100, 1e-9),
+        "audit rows retained, round 100 -> end": f"{retained.get('round 100', 0)} -> "
+        f"{retained.get('end', 0)}",
+        "schema bytes per audit row retained, end / round 100": (
+            (tables_bytes(tables, "end") / max(retained.get("end", 0), 1))
+            / max(tables_bytes(tables, "round 100") / max(retained.get("round 100", 0), 1), 1e-9)
+        ),
         "schema MiB every 30 s": ", ".join(f"{b / 2**20:.0f}" for _, _, b in samples[14::15]),
     }
     for name in sorted(tables.get("end", {}), key=lambda t: -tables["end"][t][0]):

@@ -26,6 +26,7 @@ alone: only the relay decodes there, reading back the last messages it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -269,6 +270,22 @@ class Codec:
             record: dict[str, Any] = self._run(self._program, data, header_len)
             return record
         return self._fastavro(data, writer, header_len)
+
+    def resolve_writers(self, values: Iterable[bytes]) -> None:
+        """Fetch the registry's writer schemas these messages name that are not known yet,
+        so that decoding them asks nothing of the network (a caller does this before it
+        takes a lock decoding runs under). Raises
+        :class:`~kvledger.schemas.registry.RegistryUnavailableError` as :meth:`decode` does;
+        a message that names no schema, or one the registry refuses, is left to
+        :meth:`decode`'s own refusal."""
+        if self._registry is None:
+            return
+        for data in values:
+            if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
+                (schema_id,) = _CONFLUENT_ID.unpack_from(data, 1)
+                if schema_id not in self._registry_writers:
+                    with contextlib.suppress(DecodeError):
+                        self._fetch_writer(schema_id)
 
     def _framed(self, data: bytes) -> tuple[bytes, Any, int]:
         """The message as bytes, its writer schema, and where its body starts."""

@@ -152,10 +152,13 @@ class RouterIndex(Tail, Lookups):
     def _apply_chunk(self, chunk: Sequence[Inbound]) -> Tally:
         """One chunk applied; while the schema registry its writers' schemas come from does
         not answer, the chunk waits for it (its messages are decoded before the store is
-        touched: nothing of it is applied meanwhile), until the router is stopped."""
+        touched: nothing of it is applied meanwhile), until the router is stopped. The
+        schemas are asked of the registry before the lookups' lock is taken, so that lookups
+        never wait on the registry."""
         wait = REGISTRY_WAIT_S
         while True:
             try:
+                self.codec.resolve_writers(m.value for m in chunk)
                 with self.lock, collector_paused():
                     # The router is its store's only writer: its reading began where the
                     # store's offsets stand (past any transaction marker between batches).

@@ -129,3 +129,29 @@ def test_what_a_registry_error_says() -> None:
     assert not not_found(SchemaRegistryError(404, -1, "Unknown Schema Registry Error: b''"))
     assert not not_found(SchemaRegistryError(500, 50001, "Error in the backend data store"))
     assert "/apis/ccompat/v7" in refusal(SchemaRegistryError(404, None, None))
+
+
+def test_writers_resolved_beforehand_leave_decoding_nothing_to_ask() -> None:
+    """The router asks the registry for a chunk's writer schemas before it takes the
+    lookups' lock: after resolve_writers, decoding asks the registry nothing; a message of
+    the default framing, or one naming an id the registry lacks, is left to decode."""
+    writer = settings.codec(_args("mock://kvledger-registry-resolve"), "fleet-r", writer=True)
+    assert writer is not None and writer.registry is not None
+    registry = writer.registry
+    env = Envelope("e0", "m", 0, 1, 0, 1_700_000_000_000, Heartbeat(0, 5000))
+    data = writer.encode(env)
+    asked: list[int] = []
+
+    class Counting:
+        def register_schema(self, subject_name: str, schema: object) -> int:
+            raise AssertionError("a reader registers nothing")
+
+        def get_schema(self, schema_id: int) -> object:
+            asked.append(schema_id)
+            return registry.get_schema(schema_id)
+
+    reader = Codec(registry=Counting())
+    reader.resolve_writers([data, data, Codec().encode(env), _framed(schema_id=999_999)])
+    assert asked == [struct.unpack_from(">I", data, 1)[0], 999_999]
+    assert reader.decode(data) == env
+    assert len(asked) == 2  # decoding asked nothing more

@@ -29,6 +29,7 @@ from typing import Any
 from bench.common import PUBLISHED, lookup_service, publish, reader_args, record, settle
 from bench.consume import _database, _messages
 from bench.dashboard import _apply
+from bench.http_attack import lookups_while
 from kvledger.consumer.db import drop_database
 from kvledger.fleet import FleetConfig, prompt_hashes, system_prompts
 
@@ -46,31 +47,15 @@ def _match_body(fleet: FleetConfig) -> bytes:
 def _lookups(base: str, body: bytes, until: threading.Event | float) -> list[float]:
     """Seconds each `/v1/match` took, asked one after another until ``until`` (a time on the
     monotonic clock, or an event); a failure counts as the time it took."""
-    url = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=120)
-    out: list[float] = []
 
     def going() -> bool:
         if isinstance(until, threading.Event):
             return not until.is_set()
         return time.monotonic() < until
 
-    while going():
-        start = time.perf_counter()
-        try:
-            conn.request("POST", "/v1/match", body, {"content-type": "application/json"})
-            answer = conn.getresponse()
-            answer.read()
-            ok = answer.status == 200
-        except (OSError, http.client.HTTPException):
-            ok = False
-        out.append(time.perf_counter() - start)
-        if not ok:
-            conn.close()
-            conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=120)
-        time.sleep(0.005)
-    conn.close()
-    return out
+    port = urllib.parse.urlsplit(base).port
+    assert port is not None
+    return lookups_while(port, body, going, timeout=120)
 
 
 def _flood(base: str) -> tuple[dict[int, int], float]:

@@ -31,6 +31,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -172,10 +173,18 @@ def _body() -> bytes:
 def honest(port: int, seconds: float, body: bytes) -> list[float]:
     """Latencies (s) of /v1/match on one kept-alive connection for ``seconds``; a failure
     counts as the time it took and reconnects."""
-    out: list[float] = []
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    return lookups_while(port, body, lambda: time.monotonic() < end)
+
+
+def lookups_while(
+    port: int, body: bytes, going: Callable[[], bool], timeout: float = 30.0
+) -> list[float]:
+    """Latencies (s) of /v1/match asked one after another on one kept-alive connection while
+    ``going()``; a failure counts as the time it took and reconnects."""
+    out: list[float] = []
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    while going():
         start = time.perf_counter()
         try:
             conn.request("POST", "/v1/match", body, {"content-type": "application/json"})
@@ -187,7 +196,7 @@ def honest(port: int, seconds: float, body: bytes) -> list[float]:
         out.append(time.perf_counter() - start)
         if not ok:
             conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
         time.sleep(0.005)
     conn.close()
     return out
